@@ -1,0 +1,52 @@
+"""``async_copy_to_gpu``: one array to the device, pinned only where pinning works."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .capabilities import capabilities
+from .convert import host_array, torch_dtype
+from .log import warn_once
+from .tier import Tier
+
+_ANY_RANK = tuple(range(0, 9))
+
+
+def async_copy_to_gpu(
+    x: Any, out: torch.Tensor | None = None, device: Any = None, dtype: Any = None
+) -> torch.Tensor:
+    """Copy host data ``x`` (list, ndarray or CPU tensor) to the device, asynchronously.
+
+    Where pinned memory is available the data goes through a temporary pinned
+    copy (torch's pinned allocator keeps it alive until the copy is done);
+    elsewhere it is copied from pageable memory, which CUDA stages before the
+    call returns. The result never aliases ``x``. ``out``, when given, must have
+    ``x``'s shape and the target device; it is filled and returned.
+    """
+    want = torch_dtype(dtype) if dtype is not None else None
+    arr = host_array(x, want, "x", ndims=_ANY_RANK)
+    caps = capabilities(device)
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
+        if tuple(out.shape) != arr.shape or out.device != caps.device:
+            raise ValueError(
+                f"out has shape {tuple(out.shape)} on {out.device}; expected shape "
+                f"{arr.shape} on {caps.device}"
+            )
+    src = torch.from_numpy(np.ascontiguousarray(arr))
+    if caps.tier is Tier.HOST or caps.device_type == "cpu":
+        return out.copy_(src) if out is not None else src.clone()
+    if caps.pin_memory:
+        try:
+            src = src.pin_memory()
+        except Exception as e:  # memlock exhausted at run time
+            warn_once(("async-copy-pin", str(caps.device)),
+                      f"stagebuf: pinning for async_copy_to_gpu failed on {caps.device} ({e}); "
+                      "copying from pageable memory")
+    if out is not None:
+        return out.copy_(src, non_blocking=True)
+    return src.to(caps.device, non_blocking=True)

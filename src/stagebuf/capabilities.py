@@ -1,0 +1,306 @@
+"""The one place that decides the tier.
+
+``capabilities(device)`` probes once per device what this machine can really do
+(it allocates pinned memory, builds a device view and checks it is live) and
+records one plain sentence per decision. Everything else in stagebuf asks it and
+never re-derives a tier.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import uva as _uva
+from .log import logger, warn_once
+from .memory import alloc_host
+from .tier import Tier
+
+ENV_TIER = "STAGEBUF_TIER"
+ENV_WSL_PIN = "STAGEBUF_WSL_PIN_MEMORY"
+_SMALL_MEMLOCK = 64 << 20
+
+
+class TierUnavailableError(RuntimeError):
+    """A tier was asked for (by STAGEBUF_TIER or a constructor) that cannot work here."""
+
+
+@dataclass
+class Capabilities:
+    """What one device can do, the tier chosen for it, and why."""
+
+    device: torch.device
+    device_type: str
+    pin_memory: bool
+    uva: bool
+    tier: Tier
+    reasons: list[str] = field(default_factory=list)
+    forced: str | None = None
+    wsl: bool = False
+    memlock_limit: int | None = None
+    """RLIMIT_MEMLOCK soft limit in bytes; None means unlimited."""
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "device_type": self.device_type,
+            "pin_memory": self.pin_memory,
+            "uva": self.uva,
+            "tier": self.tier.name,
+            "reasons": list(self.reasons),
+            "forced": self.forced,
+            "wsl": self.wsl,
+            "memlock_limit": self.memlock_limit,
+            "versions": dict(self.versions),
+        }
+
+
+# --- what the OS and drivers answer (tests replace these to fake a machine) ---
+
+def _is_wsl() -> bool:
+    release = platform.uname().release.lower()
+    if "microsoft" in release or "wsl" in release:
+        return True
+    try:
+        with open("/proc/version") as f:
+            return "microsoft" in f.read().lower()
+    except OSError:
+        return False
+
+
+def _memlock_limit() -> int | None:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _alloc_pinned(nbytes: int) -> torch.Tensor:
+    """Allocate page-locked host memory (the same call the buffers make)."""
+    return alloc_host((nbytes,), torch.uint8, pinned=True)
+
+
+def _uva_probe(device: torch.device) -> None:
+    """Build a device view of pinned memory and check it is a live alias.
+
+    Raises ImportError without cuda-bindings and UvaError for anything else.
+    """
+    _uva.load_cudart()
+    host = _alloc_pinned(256).view(torch.int32)
+    view = _uva.device_view(host, device)
+    for seed in (0x5A5A, 0x1234):
+        # Write on the host *after* the view exists, read on the device.
+        expect = torch.arange(seed, seed + host.numel(), dtype=torch.int32)
+        host.copy_(expect)
+        _synchronize(device)
+        got = view.clone().cpu()
+        if not torch.equal(got, expect):
+            raise _uva.UvaError(
+                "coherence probe failed: the device view did not see a host write made after "
+                "it was created (stale copy; seen under GPU confidential computing)"
+            )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+
+
+def _versions(device: torch.device) -> dict[str, str]:
+    v = {"torch": torch.__version__, "python": platform.python_version()}
+    if torch.version.cuda:
+        v["cuda_runtime"] = str(torch.version.cuda)
+    try:
+        import triton  # type: ignore[import-not-found]
+
+        v["triton"] = triton.__version__
+    except Exception:
+        pass
+    try:
+        cudart = _uva.load_cudart()
+        from cuda import bindings  # type: ignore[import-not-found]
+
+        v["cuda_bindings"] = getattr(bindings, "__version__", "?")
+        if device.type == "cuda":
+            err, drv = cudart.cudaDriverGetVersion()
+            if int(err) == 0:
+                v["cuda_driver_api"] = f"{drv // 1000}.{drv % 1000 // 10}"
+    except Exception:
+        pass
+    if device.type == "cuda" and torch.cuda.is_available():
+        v["device_name"] = torch.cuda.get_device_name(device)
+    return v
+
+
+# --- the decision ---
+
+def _resolve_device(device: Any, forced: Tier | None) -> torch.device:
+    if device is None:
+        if forced is Tier.HOST:
+            return torch.device("cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        acc = getattr(torch, "accelerator", None)
+        cur = acc.current_accelerator() if acc is not None and acc.is_available() else None
+        return torch.device(cur) if cur is not None else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _forced_tier() -> Tier | None:
+    raw = os.environ.get(ENV_TIER, "").strip()
+    return Tier.parse(raw, ENV_TIER) if raw else None
+
+
+def probe(device: Any = None) -> Capabilities:
+    """Probe ``device`` now, bypassing the cache (``capabilities`` caches this)."""
+    forced = _forced_tier()
+    dev = _resolve_device(device, forced)
+    reasons: list[str] = []
+    memlock = _memlock_limit()
+    wsl = _is_wsl()
+    caps = Capabilities(dev, dev.type, False, False, Tier.HOST, reasons,
+                        forced.name.lower() if forced else None, wsl, memlock)
+    if dev.type == "cpu":
+        reasons.append("The target device is the CPU, so there is nothing to transfer to: "
+                       "pinned memory and UVA are not used.")
+        if forced in (Tier.UVA, Tier.PINNED):
+            raise TierUnavailableError(
+                f"{ENV_TIER}={forced.name.lower()} needs an accelerator, but the target device is "
+                "the CPU; allowed on a CPU-only machine: host, pageable"
+            )
+        if forced is Tier.PAGEABLE:
+            caps.tier = Tier.PAGEABLE
+            reasons.append(f"{ENV_TIER}=pageable: copying into a separate CPU tensor that stands "
+                           "in for device memory (this exercises the copy path without a GPU).")
+        else:
+            caps.tier = Tier.HOST
+            reasons.append("Tier HOST: the CPU tensor is the device tensor.")
+        caps.versions = _versions(dev)
+        return caps
+
+    if forced is Tier.HOST:
+        raise TierUnavailableError(
+            f"{ENV_TIER}=host targets the CPU, but device {dev} was asked for; "
+            "allowed for an accelerator: uva, pinned, pageable"
+        )
+    caps.pin_memory = _decide_pinned(caps)
+    caps.uva = caps.pin_memory and _decide_uva(caps)
+    best = Tier.UVA if caps.uva else Tier.PINNED if caps.pin_memory else Tier.PAGEABLE
+    if forced is not None and forced < best:
+        raise TierUnavailableError(
+            f"{ENV_TIER}={forced.name.lower()} cannot work on {dev}: " + " ".join(reasons)
+        )
+    caps.tier = forced if forced is not None else best
+    if forced is not None:
+        reasons.append(f"{ENV_TIER}={forced.name.lower()} forces tier {forced.name} "
+                       f"(best available: {best.name}).")
+    else:
+        reasons.append(f"Tier {best.name}: the best tier that works on {dev}.")
+    if best is not Tier.UVA:
+        why = " ".join(r for r in reasons if r.startswith("No "))
+        warn_once(("fallback", str(dev), best),
+                  f"stagebuf: tier {best.name} on {dev} instead of UVA: {why}")
+    caps.versions = _versions(dev)
+    return caps
+
+
+def _decide_pinned(caps: Capabilities) -> bool:
+    reasons = caps.reasons
+    if caps.memlock_limit is not None and caps.memlock_limit < _SMALL_MEMLOCK:
+        reasons.append(
+            f"The memlock limit is {caps.memlock_limit} bytes: large pinned allocations may fail "
+            "and fall back per buffer. Fix: raise it (ulimit -l unlimited, or docker run "
+            "--ulimit memlock=-1)."
+        )
+    if caps.wsl and os.environ.get(ENV_WSL_PIN) != "1":
+        reasons.append(
+            "No pinned memory: this is WSL, where pinned memory is off by default and fails "
+            f"or is capped. Fix: if your WSL setup supports it, set {ENV_WSL_PIN}=1."
+        )
+        return False
+    try:
+        t = _alloc_pinned(4096)
+        pinned = bool(t.is_pinned())
+    except Exception as e:  # driver, memlock, or allocator refusal
+        reasons.append(
+            f"No pinned memory: allocating 4 KiB of pinned host memory failed ({_short(e)}). "
+            "Fix: raise the memlock limit (ulimit -l unlimited) or enable pinned memory "
+            "for this platform."
+        )
+        return False
+    if not pinned:
+        reasons.append("No pinned memory: a pin_memory=True allocation came back unpinned. "
+                       "Fix: enable pinned memory for this platform.")
+        return False
+    reasons.append("Pinned memory: a 4 KiB pinned allocation succeeded.")
+    return True
+
+
+def _decide_uva(caps: Capabilities) -> bool:
+    reasons = caps.reasons
+    if caps.device_type != "cuda":
+        reasons.append(f"No UVA: device views of host memory need CUDA; {caps.device_type} "
+                       "has none here, so data is copied (tier PINNED).")
+        return False
+    try:
+        _uva_probe(caps.device)
+    except ImportError:
+        reasons.append("No UVA: cuda-bindings is not installed, so no device pointer can be "
+                       "taken for pinned memory. Fix: pip install 'stagebuf[cuda]'.")
+        return False
+    except Exception as e:
+        reasons.append(f"No UVA: {_short(e)}. Data is copied instead (tier PINNED). "
+                       "Fix: none needed for correctness; report it if you expected UVA here.")
+        return False
+    reasons.append("UVA: a device view of pinned memory aliases it and saw a later host write.")
+    return True
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:200]
+
+
+_cache: dict[str, Capabilities] = {}
+_lock = threading.Lock()
+
+
+def capabilities(device: Any = None) -> Capabilities:
+    """The capabilities of ``device`` (default: the current accelerator, else the CPU).
+
+    Probed on first use and cached per device; ``reset_capabilities()`` clears it.
+    """
+    key = "" if device is None else str(device)
+    caps = _cache.get(key)
+    if caps is not None:
+        return caps
+    with _lock:
+        caps = _cache.get(key)
+        if caps is None:
+            caps = probe(device)
+            _cache[key] = caps
+            _cache[str(caps.device)] = caps
+            logger.debug("stagebuf: %s -> tier %s", caps.device, caps.tier.name)
+    return caps
+
+
+def reset_capabilities() -> None:
+    """Forget every probe (after changing STAGEBUF_TIER, say)."""
+    with _lock:
+        _cache.clear()
+
+
+def is_pin_memory_available(device: Any = None) -> bool:
+    return capabilities(device).pin_memory
+
+
+def is_uva_available(device: Any = None) -> bool:
+    return capabilities(device).tier is Tier.UVA

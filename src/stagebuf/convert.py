@@ -1,0 +1,173 @@
+"""Input checking and conversion shared by every public entry point.
+
+One rule set for all of them: what host input is accepted (list, tuple, numpy
+array, CPU tensor), how its dtype is chosen, and when a value cannot be
+represented in the target dtype. Everything here raises *before* any buffer is
+written, so a rejected call leaves staged data as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+_TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
+    torch.bool: np.dtype(np.bool_),
+    torch.uint8: np.dtype(np.uint8),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.float16: np.dtype(np.float16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+}
+_NUMPY_TO_TORCH = {v: k for k, v in _TORCH_TO_NUMPY.items()}
+SUPPORTED_DTYPES = tuple(_TORCH_TO_NUMPY)
+HostInput = Sequence[Any] | np.ndarray | torch.Tensor
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def torch_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
+    """A supported torch dtype from a torch dtype, numpy dtype or its name."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _TORCH_TO_NUMPY:
+            return dtype
+    else:
+        try:
+            np_dt = np.dtype(dtype)
+        except TypeError:
+            np_dt = None
+        if np_dt is not None and np_dt in _NUMPY_TO_TORCH:
+            return _NUMPY_TO_TORCH[np_dt]
+    raise TypeError(f"{name}={dtype!r} is not supported; allowed: {_names(SUPPORTED_DTYPES)}")
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return _TORCH_TO_NUMPY[torch_dtype(dtype)]
+
+
+def shape_of(size: int | Sequence[int], name: str = "size") -> tuple[int, ...]:
+    """A buffer shape from an int or a tuple of ints, each >= 0 (rank 1 or 2... any rank >= 1)."""
+    dims = (size,) if isinstance(size, (int, np.integer)) else tuple(size)
+    if not dims or any(
+        isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in dims
+    ):
+        raise ValueError(f"{name}={size!r}: expected an int >= 0 or a tuple of such ints")
+    return tuple(int(d) for d in dims)
+
+
+def check_rows(n: int | None, rows: int, name: str = "n") -> int:
+    """The row count to publish: all rows when None, else 0 <= n <= rows."""
+    if n is None:
+        return rows
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= rows:
+        raise ValueError(f"{name}={n!r} must be an int in [0, {rows}]")
+    return int(n)
+
+
+def host_array(
+    x: Any,
+    dtype: torch.dtype | None = None,
+    name: str = "x",
+    *,
+    ndims: tuple[int, ...] = (1, 2),
+    trailing: tuple[int, ...] | None = None,
+    iterables: bool = False,
+) -> np.ndarray:
+    """``x`` as a numpy array of ``dtype`` (or its own dtype), checked.
+
+    Accepts a list or tuple, a numpy array or a CPU tensor (any iterable too when
+    ``iterables``). Raises TypeError for an unsupported type or dtype and
+    ValueError for a wrong rank, a wrong trailing shape, a tensor on another
+    device, or values the target dtype cannot represent (fractions, NaN/inf or
+    out-of-range values into an integer dtype; out-of-range finite values into a
+    float dtype; bools into a numeric dtype).
+    """
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"{name} is a tensor on {x.device}; stagebuf stages host data: "
+                f"pass a CPU tensor, numpy array or list"
+            )
+        if x.dtype not in _TORCH_TO_NUMPY:
+            raise TypeError(
+                f"{name} has dtype {x.dtype}; allowed: {_names(SUPPORTED_DTYPES)}"
+            )
+        arr = x.detach().numpy()
+    elif isinstance(x, (list, tuple)):
+        arr = _from_sequence(x, dtype, name)
+    elif iterables and isinstance(x, Iterable) and not isinstance(x, (str, bytes, dict)):
+        arr = _from_sequence(list(x), dtype, name)
+    else:
+        allowed = "list, tuple, numpy.ndarray, CPU torch.Tensor"
+        if iterables:
+            allowed += " or another iterable of numbers"
+        raise TypeError(f"{name} must be a {allowed}; got {type(x).__name__}")
+    if arr.ndim not in ndims:
+        allowed_r = ", ".join(map(str, ndims))
+        raise ValueError(f"{name} has rank {arr.ndim} (shape {arr.shape}); allowed ranks: {allowed_r}")
+    if trailing is not None and arr.shape[1:] != trailing and arr.shape[0] != 0:
+        raise ValueError(
+            f"{name} has rows of shape {arr.shape[1:]}; the buffer's rows have shape {trailing}"
+        )
+    if dtype is None:
+        if arr.dtype not in _NUMPY_TO_TORCH:
+            raise TypeError(f"{name} has dtype {arr.dtype}; allowed: {_names(SUPPORTED_DTYPES)}")
+        return arr
+    return cast_checked(arr, numpy_dtype(dtype), name)
+
+
+def _from_sequence(x: Sequence[Any], dtype: torch.dtype | None, name: str) -> np.ndarray:
+    if len(x) == 0:
+        return np.empty(0, dtype=numpy_dtype(dtype) if dtype is not None else np.int64)
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError) as e:  # ragged nesting
+        raise ValueError(f"{name} is not a rectangular list of numbers: {e}") from None
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name} holds elements numpy reads as {arr.dtype} (mixed or non-numeric types); "
+            "allowed: bool, int or float elements"
+        )
+    return arr
+
+
+def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
+    """``arr`` as ``target``, raising ValueError where a value would change."""
+    src = arr.dtype
+    if src == target:
+        return arr
+    if src.kind not in "biuf":
+        raise TypeError(f"{name} has dtype {src}; allowed: {_names(SUPPORTED_DTYPES)}")
+    if (src.kind == "b") != (target.kind == "b"):
+        raise TypeError(f"{name} has dtype {src} but the target dtype is {target}; "
+                        "bools and numbers are not converted into each other")
+    if arr.size and not np.can_cast(src, target, "safe"):
+        if target.kind in "iu":
+            if src.kind == "f":
+                if not np.isfinite(arr).all():
+                    raise ValueError(f"{name} holds NaN or inf; target dtype {target} is an integer")
+                if (arr != np.trunc(arr)).any():
+                    raise ValueError(f"{name} holds fractional values; target dtype {target} is an integer")
+            info = np.iinfo(target)
+            lo, hi = arr.min(), arr.max()
+            if lo < info.min or hi > info.max:
+                raise ValueError(
+                    f"{name} holds values in [{lo}, {hi}], outside {target}'s range "
+                    f"[{info.min}, {info.max}]"
+                )
+        elif target.kind == "f" and src.kind == "f":
+            finfo = np.finfo(target)
+            finite = arr[np.isfinite(arr)]
+            if finite.size and np.abs(finite).max() > finfo.max:
+                raise ValueError(f"{name} holds finite values beyond {target}'s range (±{finfo.max})")
+    return arr.astype(target, copy=False)

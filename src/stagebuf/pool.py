@@ -1,0 +1,161 @@
+"""Round-robin pools of staging buffers, and the host-backed tensor built on them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .buffers import StagingBuffer, make_buffer
+from .convert import check_rows, host_array, shape_of, torch_dtype
+from .guard import SlotGuard
+from .tier import Tier
+
+_DEFAULT_MAX_CONCURRENCY = 2
+
+
+def set_default_max_concurrency(n: int) -> None:
+    """Default slot count for pools, stagers and staged writers made afterwards (floor 2)."""
+    global _DEFAULT_MAX_CONCURRENCY
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be an int >= 1 (values below 2 are raised to 2)")
+    _DEFAULT_MAX_CONCURRENCY = max(2, n)
+
+
+def slot_count(max_concurrency: int | None) -> int:
+    if max_concurrency is None:
+        return _DEFAULT_MAX_CONCURRENCY
+    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+        raise ValueError(f"max_concurrency={max_concurrency!r} must be None or an int >= 1")
+    return max(2, max_concurrency)
+
+
+def empty_stats() -> dict[str, int]:
+    return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0}
+
+
+class UvaBufferPool:
+    """``max_concurrency`` staging buffers used round-robin.
+
+    Reuse contract: each ``copy_to_uva``/``copy_to_gpu`` takes the next slot, so
+    the device readers of a slot must be done before the pool comes round to it
+    again (after ``max_concurrency`` more calls), growth included. The guard
+    checks this: ``guard="auto"`` (default) waits where the device reads host
+    memory asynchronously (UVA, PINNED), ``"raise"`` raises, ``"off"`` trusts
+    the caller. A slot's first dimension grows to the next power of two when an
+    input is longer; dtype, trailing dims and tier are kept.
+    """
+
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        dtype: Any,
+        max_concurrency: int | None = None,
+        device: Any = None,
+        guard: str = "auto",
+    ):
+        self.size = shape_of(size)
+        self.dtype = torch_dtype(dtype)
+        self.max_concurrency = slot_count(max_concurrency)
+        self._bufs: list[StagingBuffer] = [
+            make_buffer(self.size, self.dtype, device) for _ in range(self.max_concurrency)
+        ]
+        self.device = self._bufs[0].device
+        self._guard = SlotGuard(self.max_concurrency, self.device, guard, self.tier, "pool slot")
+        self._curr = -1
+        self._seq = 0
+        self._stats = empty_stats()
+
+    @property
+    def tier(self) -> Tier:
+        """The tier of the slots (the lowest one, if a run-time fallback split them)."""
+        return max(b.tier for b in self._bufs)
+
+    def _next(self, x: Any) -> tuple[StagingBuffer, np.ndarray | torch.Tensor, int]:
+        trailing = self.size[1:]
+        arr = host_array(x, self.dtype, "x", ndims=(len(self.size),), trailing=trailing)
+        if self._curr >= 0:
+            self._guard.mark(self._curr, self._seq - 1)
+        self._curr = (self._curr + 1) % self.max_concurrency
+        self._guard.acquire(self._curr, self._seq)
+        self._seq += 1
+        buf = self._bufs[self._curr]
+        n = arr.shape[0]
+        if n > buf.shape[0]:
+            cap = 1 << (n - 1).bit_length()
+            buf = make_buffer((cap, *trailing), self.dtype, self.device, buf.tier)
+            self._bufs[self._curr] = buf
+            self._stats["growths"] += 1
+        buf.np[:n] = arr
+        return buf, arr, n
+
+    def copy_to_uva(self, x: Any) -> torch.Tensor:
+        """Stage ``x`` in the next slot; the device tensor of its first len(x) rows."""
+        buf, _, n = self._next(x)
+        if buf.tier.copies:
+            self._count(n, buf)
+        return buf.uva(n)
+
+    def copy_to_gpu(self, x: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage ``x`` and copy it into device memory (``out`` or a new tensor)."""
+        if out is not None:
+            self._check_out(out, x)
+        buf, _, n = self._next(x)
+        if out is None:
+            out = torch.empty((n, *self.size[1:]), dtype=self.dtype, device=self.device)
+        if buf.tier is not Tier.HOST:
+            self._count(n, buf)
+        return buf.copy_to(out, n)
+
+    def _check_out(self, out: torch.Tensor, x: Any) -> None:
+        n = len(x) if not isinstance(x, (np.ndarray, torch.Tensor)) else x.shape[0]
+        want = (n, *self.size[1:])
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
+        if tuple(out.shape) != want or out.dtype != self.dtype or out.device != self.device:
+            raise ValueError(
+                f"out has shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}; "
+                f"expected shape {want}, dtype {self.dtype}, device {self.device}"
+            )
+
+    def _count(self, n: int, buf: StagingBuffer) -> None:
+        self._stats["transfers"] += 1
+        self._stats["bytes"] += n * (buf.nbytes // max(buf.shape[0], 1))
+
+    def stats(self) -> dict[str, int]:
+        return {**self._stats, "guard_waits": self._guard.waits}
+
+
+class UvaBackedTensor:
+    """A host tensor that is the source of truth, published to the device on request.
+
+    ``.cpu``/``.np`` are written by the host; ``copy_to_uva(n)`` publishes the
+    first ``n`` rows (all when None) through a pool and sets ``.gpu``.
+    """
+
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        dtype: Any,
+        max_concurrency: int | None = None,
+        device: Any = None,
+    ):
+        self.dtype = torch_dtype(dtype)
+        self.cpu = torch.zeros(shape_of(size), dtype=self.dtype)
+        self.np = self.cpu.numpy()
+        self.pool = UvaBufferPool(size, self.dtype, max_concurrency, device)
+        self.gpu = self.pool.copy_to_uva(self.np)
+
+    @property
+    def tier(self) -> Tier:
+        return self.pool.tier
+
+    def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
+        n = check_rows(n, self.np.shape[0])
+        self.gpu = self.pool.copy_to_uva(self.np[:n])
+        return self.gpu
+
+    def stats(self) -> dict[str, int]:
+        return self.pool.stats()

@@ -1,0 +1,45 @@
+"""The tier ladder: how host data reaches the device, best first."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Tier(enum.IntEnum):
+    """Transfer tiers, best first (a lower value is a better tier)."""
+
+    UVA = 0
+    """Pinned host memory read by kernels through a device view: zero copies."""
+    PINNED = 1
+    """Pinned host memory and one asynchronous copy into device memory."""
+    PAGEABLE = 2
+    """Plain host memory and a copy into a fixed device buffer."""
+    HOST = 3
+    """No accelerator: the CPU tensor is the device tensor."""
+
+    @property
+    def copies(self) -> bool:
+        """True where publishing host data costs an explicit host-to-device transfer."""
+        return self in (Tier.PINNED, Tier.PAGEABLE)
+
+    @property
+    def async_host_reads(self) -> bool:
+        """True where the device reads host memory after the host call returned.
+
+        On these tiers a host slot must not be rewritten until the device is done
+        with it: this is what the slot-reuse guard protects.
+        """
+        return self in (Tier.UVA, Tier.PINNED)
+
+    @classmethod
+    def parse(cls, value: str | Tier, name: str = "tier") -> Tier:
+        if isinstance(value, Tier):
+            return value
+        try:
+            return cls[str(value).strip().upper()]
+        except KeyError:
+            allowed = ", ".join(t.name.lower() for t in cls)
+            raise ValueError(f"{name}={value!r} is not a tier; allowed: {allowed}") from None
+
+    def __str__(self) -> str:
+        return self.name

@@ -39,7 +39,7 @@ def torch_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype in _TORCH_TO_NUMPY:
             return dtype
-    else:
+    elif dtype is not None:
         try:
             np_dt = np.dtype(dtype)
         except TypeError:
@@ -54,8 +54,11 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
 
 
 def shape_of(size: int | Sequence[int], name: str = "size") -> tuple[int, ...]:
-    """A buffer shape from an int or a tuple of ints, each >= 0 (rank 1 or 2... any rank >= 1)."""
-    dims = (size,) if isinstance(size, (int, np.integer)) else tuple(size)
+    """A buffer shape from an int or a tuple of ints, each >= 0."""
+    try:
+        dims = (size,) if isinstance(size, (int, np.integer)) else tuple(size)
+    except TypeError:
+        dims = ()
     if not dims or any(
         isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in dims
     ):
@@ -112,6 +115,8 @@ def host_array(
         if iterables:
             allowed += " or another iterable of numbers"
         raise TypeError(f"{name} must be a {allowed}; got {type(x).__name__}")
+    if trailing is not None and arr.ndim == 1 and arr.shape[0] == 0 and not isinstance(x, np.ndarray):
+        arr = arr.reshape((0, *trailing))  # an empty list has no trailing shape of its own
     if arr.ndim not in ndims:
         allowed_r = ", ".join(map(str, ndims))
         raise ValueError(f"{name} has rank {arr.ndim} (shape {arr.shape}); allowed ranks: {allowed_r}")

@@ -28,11 +28,14 @@ _MAX_CACHED_VIEWS = 4096
 class _Slot:
     """One arena and the views into it that steps have asked for."""
 
-    __slots__ = ("buf", "cap", "views", "copies", "retired")
+    __slots__ = ("buf", "cap", "views", "copies", "retired", "layout")
 
     def __init__(self, buf: StagingBuffer):
         self.buf = buf
         self.cap = buf.shape[0]
+        # The last step's stage() calls in order: (np dtype, shape, host view, device view,
+        # end offset, torch dtype). A step that repeats it skips all checks and lookups.
+        self.layout: list[tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]] = []
         self.views: dict[tuple[int, np.dtype, tuple[int, ...]], tuple[np.ndarray, torch.Tensor]] = {}
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.retired: list[StagingBuffer] = []
@@ -62,12 +65,14 @@ class _Slot:
 class Step:
     """One step's staging. Use as a context manager; ``flush()`` ends it early."""
 
-    __slots__ = ("_stager", "_slot", "_used", "_retired", "seq", "done")
+    __slots__ = ("_stager", "_slot", "_used", "_n", "_layout", "_retired", "seq", "done")
 
     def __init__(self, stager: StepStager, slot: _Slot, seq: int):
         self._stager = stager
         self._slot = slot
         self._used = 0
+        self._n = 0
+        self._layout: list | None = slot.layout
         self._retired: list[tuple[StagingBuffer, int]] = []
         self.seq = seq
         self.done = False
@@ -88,6 +93,18 @@ class Step:
         Returns the device tensor that will hold it once the step is flushed.
         ``dtype`` defaults to the input's own (int64/float64 for Python lists).
         """
+        layout = self._layout
+        i = self._n
+        if type(x) is np.ndarray and layout is not None and i < len(layout) and not self.done:
+            e = layout[i]
+            if x.shape == e[1] and x.dtype == e[0] and (dtype is None or dtype is e[5]):
+                e[2][...] = x  # the same array as last time in this slot: just write it
+                self._n = i + 1
+                self._used = e[4]
+                return e[3]
+        return self._stage(x, dtype)
+
+    def _stage(self, x: Any, dtype: Any) -> torch.Tensor:
         if self.done:
             raise RuntimeError(f"step {self.seq} was already flushed; begin a new step()")
         want = None if dtype is None else _TORCH_TO_NUMPY.get(dtype)
@@ -105,6 +122,11 @@ class Step:
         host, dev = slot.view(off, arr.dtype, arr.shape)
         host[...] = arr
         self._used = end
+        layout = self._layout
+        if layout is not None:
+            del layout[self._n:]
+            layout.append((arr.dtype, arr.shape, host, dev, end, _NUMPY_TO_TORCH[arr.dtype]))
+        self._n += 1
         return dev
 
     def _grow(self, nbytes: int) -> None:
@@ -124,6 +146,8 @@ class Step:
         slot.buf, slot.cap = new, cap
         slot.views.clear()
         slot.copies.clear()
+        slot.layout.clear()
+        self._layout = None  # offsets restart in the new arena: record the layout next step
         self._used = 0
         st._stats["growths"] += 1
 

@@ -1,0 +1,82 @@
+"""Host µs per step of stagebuf's hot paths on this machine (a design probe, not the bench).
+
+PYTHONPATH=src python3 scripts/hotpath_probe.py  -> prints JSON, writes $OUT/hotpath.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import stagebuf
+from stagebuf import StepStager, UvaBufferPool
+from stagebuf.guard import _CudartEvent, _TorchEvent
+from stagebuf.uva import load_cudart
+
+dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+K, N = 8, 64
+srcs = [np.random.randint(0, 1 << 20, N).astype(np.int32) for _ in range(K)]
+res: dict[str, float] = {}
+
+
+def bench(name, fn, iters=3000, warm=300, reps=5):
+    for _ in range(warm):
+        fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    hs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        hs.append((time.perf_counter() - t0) / iters * 1e6)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    res[name] = round(statistics.median(hs), 2)
+
+
+out_dev = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(K)]
+consume = lambda ts: torch.cat(ts).sum()  # noqa: E731
+bench("floor", lambda: consume(out_dev))
+if dev.type == "cuda":
+    cudart = load_cudart()
+    evs = [_CudartEvent(dev, cudart) for _ in range(2)]
+    tevs = [_TorchEvent(dev) for _ in range(2)]
+    bench("cudart_event_record_query", lambda: (evs[0].record(), evs[1].query()))
+    bench("torch_event_record_query", lambda: (tevs[0].record(), tevs[1].query()))
+    bench("raw_stream_lookup", lambda: torch._C._cuda_getCurrentRawStream(0))
+tiers = ["uva", "pinned", "pageable"] if dev.type == "cuda" else ["host", "pageable"]
+for tier in tiers:
+    os.environ["STAGEBUF_TIER"] = tier
+    stagebuf.reset_capabilities()
+    for guard in ("off", "wait"):
+        st = StepStager(device=dev if tier != "host" else "cpu", capacity=1 << 16, guard=guard)
+
+        def step(st=st):
+            with st.step() as s:
+                ts = [s.stage(a) for a in srcs]
+            consume(ts)
+
+        bench(f"stager_{tier}_{guard}", step)
+        pools = [UvaBufferPool(N, torch.int32, device=st.device, guard=guard) for _ in range(K)]
+
+        def pool_step(pools=pools):
+            consume([p.copy_to_uva(a) for p, a in zip(pools, srcs)])
+
+        bench(f"pool_{tier}_{guard}", pool_step)
+    stagerx = StepStager(device=dev if tier != "host" else "cpu", capacity=1 << 16, guard="off")
+
+    def stage_only(st=stagerx):
+        with st.step() as s:
+            for a in srcs:
+                s.stage(a)
+
+    bench(f"stage_only_{tier}", stage_only)
+print(json.dumps(res, indent=1))
+if os.environ.get("OUT"):
+    json.dump(res, open(os.path.join(os.environ["OUT"], "hotpath.json"), "w"), indent=1)

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiers to run on, the gpu marker, a clean probe per test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import stagebuf
+from stagebuf.log import reset_warnings
+
+HAS_CUDA = torch.cuda.is_available()
+CPU_TIERS = ["host", "pageable"]
+GPU_TIERS = ["uva", "pinned", "pageable"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probe(monkeypatch):
+    """Each test starts with no cached probe, no given warnings and no forced tier."""
+    if "STAGEBUF_TIER" in os.environ and not os.environ.get("STAGEBUF_KEEP_TIER"):
+        monkeypatch.delenv("STAGEBUF_TIER")
+    stagebuf.reset_capabilities()
+    reset_warnings()
+    yield
+    stagebuf.reset_capabilities()
+    reset_warnings()
+
+
+def _force(monkeypatch, tier: str) -> stagebuf.Tier:
+    monkeypatch.setenv("STAGEBUF_TIER", tier)
+    stagebuf.reset_capabilities()
+    return stagebuf.Tier.parse(tier)
+
+
+@pytest.fixture(params=CPU_TIERS)
+def cpu_tier(request, monkeypatch) -> stagebuf.Tier:
+    """Every tier that runs on a CPU-only machine: HOST, and PAGEABLE targeting the CPU."""
+    return _force(monkeypatch, request.param)
+
+
+@pytest.fixture(params=GPU_TIERS)
+def gpu_tier(request, monkeypatch) -> stagebuf.Tier:
+    """UVA, PINNED and PAGEABLE on the CUDA device (skipped without one)."""
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    return _force(monkeypatch, request.param)
+
+
+@pytest.fixture(params=["host", "pageable", "uva", "pinned"])
+def any_tier(request, monkeypatch) -> stagebuf.Tier:
+    """Every tier this machine can run: the CPU tiers, plus the CUDA tiers where CUDA exists."""
+    if request.param in ("uva", "pinned") and not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    return _force(monkeypatch, request.param)

@@ -1,0 +1,81 @@
+"""On a real GPU: the device sees exactly the host data, on UVA, PINNED and PAGEABLE."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+import stagebuf
+from stagebuf import Tier, UvaBufferPool, capabilities, make_buffer
+from stagebuf import uva as uva_mod
+
+pytestmark = pytest.mark.gpu
+caps_mod = importlib.import_module("stagebuf.capabilities")
+
+
+def _consume(t: torch.Tensor) -> torch.Tensor:
+    """A consumer kernel reading the staged data on the device."""
+    return t.to(torch.int64) * 3 + 1
+
+
+def test_h200_probe_picks_uva_and_the_coherence_probe_passes():
+    caps = caps_mod.probe("cuda")
+    assert caps.tier is Tier.UVA and caps.uva and caps.pin_memory
+    assert any(r.startswith("UVA:") and "later host write" in r for r in caps.reasons)
+
+
+def test_coherence_probe_fails_when_the_view_is_a_copy(monkeypatch):
+    monkeypatch.setattr(uva_mod, "device_view", lambda host, dev: host.to(dev))  # a stale copy
+    caps = caps_mod.probe("cuda")
+    assert caps.tier is Tier.PINNED and not caps.uva
+    assert any("coherence probe failed" in r for r in caps.reasons)
+
+
+def test_uva_view_is_a_live_alias():
+    buf = stagebuf.UvaBuffer(1024, torch.int32, "cuda")
+    view = buf.uva()
+    assert view.is_cuda and view.data_ptr() == buf.dev.data_ptr()
+    for k in range(3):
+        buf.np[:] = np.arange(1024) * (k + 2)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(_consume(view).cpu().numpy(), np.arange(1024) * (k + 2) * 3 + 1)
+
+
+@pytest.mark.parametrize("trailing", [(), (4,)])
+def test_device_sees_host_data_over_random_steps(gpu_tier, trailing):
+    pool = UvaBufferPool((64, *trailing), torch.int32, max_concurrency=3)
+    assert pool.tier is gpu_tier
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        a = rng.integers(-(2**30), 2**30, (int(rng.integers(0, 200)), *trailing)).astype(np.int32)
+        got = _consume(pool.copy_to_uva(a)).cpu().numpy()  # .cpu() synchronises
+        np.testing.assert_array_equal(got, a.astype(np.int64) * 3 + 1)
+    g = pool.copy_to_gpu(np.ones((5, *trailing), np.int32))
+    assert g.is_cuda and g.sum().item() == g.numel()
+
+
+def test_uva_slot_address_is_fixed_across_steps(monkeypatch):
+    monkeypatch.setenv("STAGEBUF_TIER", "uva")
+    stagebuf.reset_capabilities()
+    pool = UvaBufferPool(256, torch.int64, max_concurrency=2)
+    ptrs = [pool.copy_to_uva(np.arange(100) + i).data_ptr() for i in range(10)]
+    assert len(set(ptrs[0::2])) == 1 and len(set(ptrs[1::2])) == 1 and ptrs[0] != ptrs[1]
+    assert pool.stats()["transfers"] == 0
+
+
+def test_buffers_on_each_gpu_tier(gpu_tier):
+    buf = make_buffer((16, 2), torch.float32)
+    assert buf.tier is gpu_tier and buf.device.type == "cuda"
+    buf.np[:] = np.arange(32, dtype=np.float32).reshape(16, 2)
+    np.testing.assert_array_equal(buf.uva(9).cpu().numpy(), buf.np[:9])
+
+
+def test_async_copy_on_each_gpu_tier(gpu_tier):
+    a = np.arange(1000, dtype=np.int64)
+    out = stagebuf.async_copy_to_gpu(a)
+    a[:] = 0
+    assert out.is_cuda and out.sum().item() == sum(range(1000))
+    assert stagebuf.is_pin_memory_available() is (gpu_tier is not Tier.PAGEABLE or capabilities().pin_memory)

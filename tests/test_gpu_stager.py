@@ -1,0 +1,92 @@
+"""On a real GPU: a slow consumer, a host that runs ahead, and the slot-reuse guard."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stagebuf import SlotInFlightError, StepStager, Tier
+
+pytestmark = pytest.mark.gpu
+
+N = 256
+
+
+def run_ahead(stager: StepStager, steps: int, sleep_cycles: int, seed: int = 0) -> int:
+    """Stage ``steps`` steps while a slow consumer reads them; count torn reads.
+
+    Each step stages a random array; the consumer first sleeps on the device (so
+    the host runs ahead by more steps than there are slots), then folds the
+    staged data into a per-step checksum on the device. Returns the number of
+    steps whose device checksum differs from the host's.
+    """
+    rng = np.random.default_rng(seed)
+    sums = torch.zeros(steps, dtype=torch.int64, device="cuda")
+    weights = torch.arange(1, N + 1, dtype=torch.int64, device="cuda")
+    expect = np.empty(steps, dtype=np.int64)
+    w = np.arange(1, N + 1, dtype=np.int64)
+    for s in range(steps):
+        a = rng.integers(0, 1 << 20, N).astype(np.int32)
+        expect[s] = int((a.astype(np.int64) * w).sum())
+        with stager.step() as step:
+            t = step.stage(a)
+        torch.cuda._sleep(sleep_cycles)
+        sums[s] = (t.to(torch.int64) * weights).sum()
+    torch.cuda.synchronize()
+    return int((sums.cpu().numpy() != expect).sum())
+
+
+@pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
+def test_guard_wait_gives_no_torn_reads(monkeypatch, tier):
+    monkeypatch.setenv("STAGEBUF_TIER", tier)
+    import stagebuf
+
+    stagebuf.reset_capabilities()
+    stager = StepStager(device="cuda", capacity=4096, max_concurrency=2, guard="wait")
+    assert stager.tier is Tier.parse(tier)
+    assert run_ahead(stager, steps=3000, sleep_cycles=200_000) == 0
+    if tier != "pageable":
+        assert stager.stats()["guard_waits"] > 0  # the host really ran ahead and was held back
+
+
+def test_guard_raise_on_gpu(monkeypatch):
+    monkeypatch.setenv("STAGEBUF_TIER", "uva")
+    import stagebuf
+
+    stagebuf.reset_capabilities()
+    stager = StepStager(device="cuda", capacity=4096, max_concurrency=2, guard="raise")
+    with pytest.raises(SlotInFlightError):
+        for _ in range(10):
+            with stager.step() as step:
+                step.stage(np.arange(N, dtype=np.int32))
+            torch.cuda._sleep(50_000_000)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
+def test_one_transfer_per_step_on_gpu(monkeypatch, tier):
+    monkeypatch.setenv("STAGEBUF_TIER", tier)
+    import stagebuf
+
+    stagebuf.reset_capabilities()
+    stager = StepStager(device="cuda", capacity=1 << 16)
+    for _ in range(20):
+        with stager.step() as step:
+            ts = [step.stage(np.full(64, k, np.int32)) for k in range(8)]
+        assert [int(t.sum()) for t in ts] == [64 * k for k in range(8)]
+    assert stager.stats()["transfers"] == (0 if tier == "uva" else 20)
+
+
+def test_growth_during_graph_capture_raises(monkeypatch):
+    monkeypatch.setenv("STAGEBUF_TIER", "pinned")
+    import stagebuf
+
+    stagebuf.reset_capabilities()
+    stager = StepStager(device="cuda", capacity=64, guard="off")
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s), pytest.raises(RuntimeError, match="CUDA graph is being captured"):
+        with torch.cuda.graph(g, stream=s):
+            with stager.step() as step:
+                step.stage(np.zeros(1000, np.int32))

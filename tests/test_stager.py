@@ -1,0 +1,187 @@
+"""StepStager: one transfer per step, contents, alignment, growth and the slot-reuse guard."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stagebuf import SlotInFlightError, StepStager, Tier
+from stagebuf import guard as guard_mod
+
+DTYPES = [np.int8, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_]
+
+
+def test_one_transfer_per_step_on_pageable_none_on_host(cpu_tier):
+    stager = StepStager(capacity=1 << 12)
+    for s in range(6):
+        with stager.step() as step:
+            for k in range(8):
+                step.stage(np.full(64, s * 10 + k, np.int32))
+    st_ = stager.stats()
+    assert st_["steps"] == 6
+    if cpu_tier is Tier.PAGEABLE:
+        assert st_["transfers"] == 6 and st_["bytes"] == 6 * 8 * 256
+    else:
+        assert st_["transfers"] == 0 and st_["bytes"] == 0
+
+
+def test_staged_tensors_hold_the_inputs_and_are_aligned(any_tier):
+    stager = StepStager(capacity=4096)
+    with stager.step() as step:
+        a = step.stage([1, 2, 3], dtype=torch.int32)
+        b = step.stage(np.arange(6, dtype=np.float64).reshape(2, 3))
+        c = step.stage(torch.tensor([True, False, True]))
+        d = step.stage(np.array([7], np.int8))
+        e = step.stage([5, 6])  # dtype from the input: int64
+    for t in (a, b, c, d, e):
+        assert t.device == stager.device and t.data_ptr() % 16 == 0
+    assert a.dtype == torch.int32 and a.tolist() == [1, 2, 3]
+    assert b.shape == (2, 3) and b.cpu().numpy().tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert c.tolist() == [True, False, True] and d.tolist() == [7]
+    assert e.dtype == torch.int64 and e.tolist() == [5, 6]
+
+
+def test_growth_keeps_earlier_tensors_valid(any_tier):
+    stager = StepStager(capacity=64, max_concurrency=2)
+    with stager.step() as step:
+        first = step.stage(np.arange(10, dtype=np.int32))  # 40 bytes: fits
+        big = step.stage(np.arange(100, dtype=np.int64))  # 800 bytes: the slot grows
+        last = step.stage(np.full(3, 9, np.int16))
+    assert stager.stats()["growths"] == 1
+    assert first.tolist() == list(range(10)) and big.tolist() == list(range(100))
+    assert last.tolist() == [9, 9, 9]
+    if any_tier is Tier.PAGEABLE:
+        assert stager.stats()["transfers"] == 1  # the growth's extra copy is not a transfer
+    # the grown slot fits the whole step next time round: no further growth
+    for _ in range(4):
+        with stager.step() as step:
+            step.stage(np.arange(10, dtype=np.int32))
+            step.stage(np.arange(100, dtype=np.int64))
+    assert stager.stats()["growths"] == 2  # the other slot grew once too
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    steps=st.lists(
+        st.lists(
+            st.tuples(st.sampled_from(DTYPES), st.integers(0, 40), st.sampled_from([0, 1, 3]),
+                      st.sampled_from(["ndarray", "list", "tensor"])),
+            min_size=0, max_size=6,
+        ),
+        min_size=1, max_size=8,
+    ),
+    depth=st.integers(2, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_random_steps_match_inputs(cpu_tier, steps, depth, seed):
+    rng = np.random.default_rng(seed)
+    stager = StepStager(capacity=128, max_concurrency=depth)
+    history: list[list[tuple[torch.Tensor, np.ndarray]]] = []
+    for arrays in steps:
+        staged = []
+        with stager.step() as step:
+            for dt, n, cols, kind in arrays:
+                shape = (n,) if cols == 0 else (n, cols)
+                a = (rng.standard_normal(shape) * 50).round().astype(dt)
+                x = {"ndarray": a, "list": a.tolist(), "tensor": torch.from_numpy(a.copy())}[kind]
+                t = step.stage(x, dtype=torch.from_numpy(a[:0]).dtype)
+                staged.append((t, a if kind != "list" or a.size else a.reshape(0)))
+        history.append(staged)
+        for done in history[-depth:]:  # the last `depth` steps are all intact
+            for t, a in done:
+                assert t.data_ptr() % 16 == 0 and tuple(t.shape) == a.shape
+                np.testing.assert_array_equal(t.cpu().numpy(), a)
+    n_steps = len(steps)
+    used = sum(1 for arrays in steps if any(np.dtype(d).itemsize * n * max(c, 1) for d, n, c, _ in arrays))
+    assert stager.stats()["transfers"] == (used if cpu_tier is Tier.PAGEABLE else 0)
+    assert stager.stats()["steps"] == n_steps
+
+
+class FakeEvent:
+    """A device event that stays unfinished until someone waits for it."""
+
+    def __init__(self):
+        self.pending = False
+        self.waited = 0
+
+    def record(self):
+        self.pending = True
+
+    def query(self):
+        return not self.pending
+
+    def synchronize(self):
+        self.waited += 1
+        self.pending = False
+
+
+@pytest.fixture
+def fake_events(monkeypatch):
+    made: list[FakeEvent] = []
+
+    def make(device):
+        made.append(FakeEvent())
+        return made[-1]
+
+    monkeypatch.setattr(guard_mod, "make_event", make)
+    return made
+
+
+def test_guard_raise_names_the_step_in_flight(cpu_tier, fake_events):
+    stager = StepStager(capacity=256, max_concurrency=2, guard="raise")
+    with stager.step() as s0:
+        t0 = s0.stage(np.arange(4, dtype=np.int32))
+    with stager.step() as s1:
+        s1.stage(np.arange(4, dtype=np.int32))
+    with pytest.raises(SlotInFlightError, match="use 0 may still be read"):
+        stager.step()  # slot 0 comes round while step 0's event is unfinished
+    assert t0.tolist() == [0, 1, 2, 3]  # nothing was overwritten
+
+
+def test_guard_wait_counts_waits(cpu_tier, fake_events):
+    stager = StepStager(capacity=256, max_concurrency=2, guard="wait")
+    for s in range(6):
+        with stager.step() as step:
+            t = step.stage(np.full(4, s, np.int32))
+        assert t.tolist() == [s] * 4
+    # steps 2..5 each found their slot's previous step unfinished and waited for it
+    assert stager.stats()["guard_waits"] == 4
+
+
+def test_guard_mark_consumed_and_finished_events_do_not_wait(cpu_tier, fake_events):
+    stager = StepStager(capacity=256, max_concurrency=2, guard="wait")
+    for s in range(5):
+        with stager.step() as step:
+            step.stage(np.full(4, s, np.int32))
+        stager.mark_consumed()
+        for ev in fake_events:
+            ev.pending = False  # the device finished
+    assert stager.stats()["guard_waits"] == 0
+
+
+def test_guard_auto_is_off_where_the_device_does_not_read_host_memory(cpu_tier):
+    assert StepStager(capacity=64).guard == "off"
+    assert StepStager(capacity=64, guard="wait").guard == "wait"
+    with pytest.raises(ValueError, match="guard='sometimes'; allowed: auto, wait, raise, off"):
+        StepStager(capacity=64, guard="sometimes")
+
+
+def test_misuse_is_refused(cpu_tier):
+    stager = StepStager(capacity=64)
+    step = stager.step()
+    with pytest.raises(RuntimeError, match="still open"):
+        stager.step()
+    with pytest.raises(ValueError, match="rank 3"):
+        step.stage(np.zeros((1, 1, 1), np.int32))
+    with pytest.raises(TypeError, match="must be a list"):
+        step.stage(None)
+    good = step.stage([1, 2])
+    step.flush()
+    with pytest.raises(RuntimeError, match="already flushed"):
+        step.stage([3])
+    assert good.tolist() == [1, 2]
+    with pytest.raises(ValueError, match="capacity=0"):
+        StepStager(capacity=0)

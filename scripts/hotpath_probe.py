@@ -79,4 +79,5 @@ for tier in tiers:
     bench(f"stage_only_{tier}", stage_only)
 print(json.dumps(res, indent=1))
 if os.environ.get("OUT"):
-    json.dump(res, open(os.path.join(os.environ["OUT"], "hotpath.json"), "w"), indent=1)
+    with open(os.path.join(os.environ["OUT"], "hotpath.json"), "w") as f:
+        json.dump(res, f, indent=1)

@@ -7,34 +7,11 @@ import pytest
 import torch
 
 from stagebuf import SlotInFlightError, StepStager, Tier
+from stagebuf.runahead import run_ahead
 
 pytestmark = pytest.mark.gpu
 
 N = 256
-
-
-def run_ahead(stager: StepStager, steps: int, sleep_cycles: int, seed: int = 0) -> int:
-    """Stage ``steps`` steps while a slow consumer reads them; count torn reads.
-
-    Each step stages a random array; the consumer first sleeps on the device (so
-    the host runs ahead by more steps than there are slots), then folds the
-    staged data into a per-step checksum on the device. Returns the number of
-    steps whose device checksum differs from the host's.
-    """
-    rng = np.random.default_rng(seed)
-    sums = torch.zeros(steps, dtype=torch.int64, device="cuda")
-    weights = torch.arange(1, N + 1, dtype=torch.int64, device="cuda")
-    expect = np.empty(steps, dtype=np.int64)
-    w = np.arange(1, N + 1, dtype=np.int64)
-    for s in range(steps):
-        a = rng.integers(0, 1 << 20, N).astype(np.int32)
-        expect[s] = int((a.astype(np.int64) * w).sum())
-        with stager.step() as step:
-            t = step.stage(a)
-        torch.cuda._sleep(sleep_cycles)
-        sums[s] = (t.to(torch.int64) * weights).sum()
-    torch.cuda.synchronize()
-    return int((sums.cpu().numpy() != expect).sum())
 
 
 @pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
@@ -86,7 +63,10 @@ def test_growth_during_graph_capture_raises(monkeypatch):
     stager = StepStager(device="cuda", capacity=64, guard="off")
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
-    with torch.cuda.stream(s), pytest.raises(RuntimeError, match="CUDA graph is being captured"):
-        with torch.cuda.graph(g, stream=s):
-            with stager.step() as step:
-                step.stage(np.zeros(1000, np.int32))
+    with (
+        torch.cuda.stream(s),
+        pytest.raises(RuntimeError, match="CUDA graph is being captured"),
+        torch.cuda.graph(g, stream=s),
+        stager.step() as step,
+    ):
+        step.stage(np.zeros(1000, np.int32))

@@ -36,10 +36,21 @@ class StagingBuffer:
     def __init__(self, size: int | Sequence[int], dtype: Any, device: Any = None):
         self.shape = shape_of(size)
         self.dtype = torch_dtype(dtype)
+        self._rows: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rows(self, n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device side, host side) of the first ``n`` rows, cached: slicing costs a torch call."""
+        pair = self._rows.get(n)
+        if pair is None:
+            k = check_rows(n, self.shape[0])
+            if len(self._rows) >= 256:
+                self._rows.clear()
+            pair = self._rows[n] = (self.dev[:k], self.cpu[:k])
+        return pair
 
     def uva(self, n: int | None = None) -> torch.Tensor:
         """A device tensor holding the first ``n`` rows (all when None)."""
-        raise NotImplementedError
+        return self.rows(n)[0]
 
     def copy_to(self, out: torch.Tensor, n: int | None = None) -> torch.Tensor:
         """Copy the first ``n`` rows into the device tensor ``out`` (stream-ordered)."""
@@ -77,8 +88,6 @@ class HostBuffer(StagingBuffer):
         self.np = self.cpu.numpy()
         self.dev = self.cpu
 
-    def uva(self, n: int | None = None) -> torch.Tensor:
-        return self.cpu if n is None else self.cpu[: check_rows(n, self.shape[0])]
 
 
 class NonUvaBuffer(StagingBuffer):
@@ -100,10 +109,8 @@ class NonUvaBuffer(StagingBuffer):
         self.dev = alloc_device(self.shape, self.dtype, self.device)
 
     def uva(self, n: int | None = None) -> torch.Tensor:
-        if n is None:
-            return self.dev.copy_(self.cpu, non_blocking=True)
-        n = check_rows(n, self.shape[0])
-        return self.dev[:n].copy_(self.cpu[:n], non_blocking=True)
+        dev, host = self.rows(n)
+        return dev.copy_(host, non_blocking=True)
 
 
 class PinnedBuffer(NonUvaBuffer):
@@ -142,8 +149,6 @@ class UvaBuffer(StagingBuffer):
         self.np = self.cpu.numpy()
         self.dev = _uva.device_view(self.cpu, self.device)
 
-    def uva(self, n: int | None = None) -> torch.Tensor:
-        return self.dev if n is None else self.dev[: check_rows(n, self.shape[0])]
 
 
 BUFFER_CLASSES: dict[Tier, type[StagingBuffer]] = {

@@ -16,6 +16,7 @@ object on the hot path), else ``torch.cuda.Event``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import torch
@@ -88,10 +89,8 @@ class _CudartEvent:
             raise RuntimeError(f"cudaEventSynchronize failed: {err}")
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self._rt.cudaEventDestroy(self._ev)
-        except Exception:
-            pass
 
 
 def make_event(device: torch.device) -> Event | None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .buffers import StagingBuffer, make_buffer
-from .convert import check_rows, host_array, shape_of, torch_dtype
+from .convert import check_rows, host_array, numpy_dtype, shape_of, torch_dtype
 from .guard import SlotGuard
 from .tier import Tier
 
@@ -58,6 +58,7 @@ class UvaBufferPool:
     ):
         self.size = shape_of(size)
         self.dtype = torch_dtype(dtype)
+        self._np_dtype = numpy_dtype(self.dtype)
         self.max_concurrency = slot_count(max_concurrency)
         self._bufs: list[StagingBuffer] = [
             make_buffer(self.size, self.dtype, device) for _ in range(self.max_concurrency)
@@ -75,7 +76,10 @@ class UvaBufferPool:
 
     def _next(self, x: Any) -> tuple[StagingBuffer, np.ndarray | torch.Tensor, int]:
         trailing = self.size[1:]
-        arr = host_array(x, self.dtype, "x", ndims=(len(self.size),), trailing=trailing)
+        if type(x) is np.ndarray and x.dtype == self._np_dtype and x.shape[1:] == trailing and x.ndim:
+            arr = x  # already right: nothing to check or convert
+        else:
+            arr = host_array(x, self.dtype, "x", ndims=(len(self.size),), trailing=trailing)
         if self._curr >= 0:
             self._guard.mark(self._curr, self._seq - 1)
         self._curr = (self._curr + 1) % self.max_concurrency

@@ -28,7 +28,7 @@ _MAX_CACHED_VIEWS = 4096
 class _Slot:
     """One arena and the views into it that steps have asked for."""
 
-    __slots__ = ("buf", "cap", "views", "copies", "retired", "layout")
+    __slots__ = ("buf", "cap", "views", "retired", "layout")
 
     def __init__(self, buf: StagingBuffer):
         self.buf = buf
@@ -37,7 +37,6 @@ class _Slot:
         # end offset, torch dtype). A step that repeats it skips all checks and lookups.
         self.layout: list[tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]] = []
         self.views: dict[tuple[int, np.dtype, tuple[int, ...]], tuple[np.ndarray, torch.Tensor]] = {}
-        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.retired: list[StagingBuffer] = []
 
     def view(self, off: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, torch.Tensor]:
@@ -51,15 +50,6 @@ class _Slot:
             dev = self.buf.dev[off:end].view(_NUMPY_TO_TORCH[dtype]).view(shape)
             v = self.views[key] = (host, dev)
         return v
-
-    def publish(self, used: int) -> None:
-        """Copy the first ``used`` bytes to the device side (copy tiers only)."""
-        pair = self.copies.get(used)
-        if pair is None:
-            if len(self.copies) >= _MAX_CACHED_VIEWS:
-                self.copies.clear()
-            pair = self.copies[used] = (self.buf.dev[:used], self.buf.cpu[:used])
-        pair[0].copy_(pair[1], non_blocking=True)
 
 
 class Step:
@@ -145,7 +135,6 @@ class Step:
         slot.retired.append(slot.buf)
         slot.buf, slot.cap = new, cap
         slot.views.clear()
-        slot.copies.clear()
         slot.layout.clear()
         self._layout = None  # offsets restart in the new arena: record the layout next step
         self._used = 0
@@ -162,7 +151,7 @@ class Step:
                 if used:
                     buf.uva(used)
             if self._used:
-                slot.publish(self._used)
+                slot.buf.uva(self._used)
                 st._stats["transfers"] += 1
                 st._stats["bytes"] += self._used
         self.done = True

@@ -23,7 +23,9 @@ from .capabilities import (
 )
 from .guard import SlotInFlightError
 from .memory import DeviceAllocationError, PinnedAllocationError
+from .param_table import DeviceParamTable, ParamField
 from .pool import UvaBackedTensor, UvaBufferPool, set_default_max_concurrency
+from .staged_write import FusedStagedWriter, StagedWriteTensor
 from .stager import Step, StepStager
 from .tier import Tier
 from .uva import UvaError
@@ -33,6 +35,10 @@ __version__ = "0.1.0"
 __all__ = [
     "Capabilities",
     "DeviceAllocationError",
+    "DeviceParamTable",
+    "FusedStagedWriter",
+    "ParamField",
+    "StagedWriteTensor",
     "HostBuffer",
     "NonUvaBuffer",
     "PinnedAllocationError",

@@ -26,7 +26,12 @@ def async_copy_to_gpu(
     call returns. The result never aliases ``x``. ``out``, when given, must have
     ``x``'s shape and the target device; it is filled and returned.
     """
-    want = torch_dtype(dtype) if dtype is not None else None
+    if dtype is not None:
+        want: torch.dtype | None = torch_dtype(dtype)
+    elif isinstance(out, torch.Tensor):
+        want = torch_dtype(out.dtype, "out.dtype")  # values must fit what they are copied into
+    else:
+        want = None
     arr = host_array(x, want, "x", ndims=_ANY_RANK)
     caps = capabilities(device)
     if out is not None:

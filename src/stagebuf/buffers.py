@@ -179,11 +179,17 @@ def make_buffer(
         warn_once(("make_buffer", str(caps.device), want),
                   f"stagebuf: tier {want.name} cannot work on {caps.device}; using {best.name}")
         want = best
-    for t in range(want, last + 1):
+    t = want
+    while True:
         try:
-            return BUFFER_CLASSES[Tier(t)](size, dtype, caps.device)
+            return BUFFER_CLASSES[t](size, dtype, caps.device)
         except (PinnedAllocationError, _uva.UvaError) as e:
-            warn_once(("runtime-fallback", str(caps.device), t),
-                      f"stagebuf: a {Tier(t).name} buffer could not be made on {caps.device} "
-                      f"({e}); falling back to tier {Tier(t + 1).name} for it")
+            # no pinned memory: PINNED would fail the same way, so go straight to PAGEABLE
+            nxt = Tier.PAGEABLE if isinstance(e, PinnedAllocationError) else Tier(t + 1)
+            if t >= last:
+                raise
+            warn_once(("runtime-fallback", str(caps.device), nxt),
+                      f"stagebuf: a {t.name} buffer could not be made on {caps.device} "
+                      f"({e}); falling back to tier {nxt.name} for it")
+            t = nxt
     raise AssertionError("unreachable: the last tier never falls back")

@@ -143,7 +143,19 @@ def _from_sequence(x: Sequence[Any], dtype: torch.dtype | None, name: str) -> np
             f"{name} holds elements numpy reads as {arr.dtype} (mixed or non-numeric types); "
             "allowed: bool, int or float elements"
         )
+    if arr.dtype.kind != "b" and _has_bool(x):
+        raise TypeError(f"{name} mixes bools with numbers; allowed: all bool, or all int/float elements")
     return arr
+
+
+def _has_bool(x: Sequence[Any]) -> bool:
+    """Whether a (nested) list holds a Python or numpy bool (numpy turns them into numbers)."""
+    for v in x:
+        if isinstance(v, (bool, np.bool_)):
+            return True
+        if isinstance(v, (list, tuple)) and _has_bool(v):
+            return True
+    return False
 
 
 def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
@@ -165,14 +177,19 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
                     raise ValueError(f"{name} holds fractional values; target dtype {target} is an integer")
             info = np.iinfo(target)
             lo, hi = arr.min(), arr.max()
-            if lo < info.min or hi > info.max:
+            if src.kind == "f":
+                # float(info.max) rounds up to 2**(bits-1): compare against exact powers of two
+                bad = lo < float(info.min) or hi >= float(info.max) + 1.0
+            else:
+                bad = int(lo) < info.min or int(hi) > info.max
+            if bad:
                 raise ValueError(
                     f"{name} holds values in [{lo}, {hi}], outside {target}'s range "
                     f"[{info.min}, {info.max}]"
                 )
-        elif target.kind == "f" and src.kind == "f":
+        elif target.kind == "f":
             finfo = np.finfo(target)
-            finite = arr[np.isfinite(arr)]
+            finite = arr[np.isfinite(arr)] if src.kind == "f" else arr
             if finite.size and np.abs(finite).max() > finfo.max:
                 raise ValueError(f"{name} holds finite values beyond {target}'s range (±{finfo.max})")
     return arr.astype(target, copy=False)

@@ -67,6 +67,7 @@ class UvaBufferPool:
         self._guard = SlotGuard(self.max_concurrency, self.device, guard, self.tier, "pool slot")
         self._curr = -1
         self._seq = 0
+        self._marked = True
         self._stats = empty_stats()
 
     @property
@@ -74,47 +75,49 @@ class UvaBufferPool:
         """The tier of the slots (the lowest one, if a run-time fallback split them)."""
         return max(b.tier for b in self._bufs)
 
-    def _next(self, x: Any) -> tuple[StagingBuffer, np.ndarray | torch.Tensor, int]:
+    def _next(self, x: Any) -> tuple[StagingBuffer, int]:
+        """Write ``x`` into the next slot. A call that raises takes no slot and writes nothing."""
         trailing = self.size[1:]
         if type(x) is np.ndarray and x.dtype == self._np_dtype and x.shape[1:] == trailing and x.ndim:
             arr = x  # already right: nothing to check or convert
         else:
             arr = host_array(x, self.dtype, "x", ndims=(len(self.size),), trailing=trailing)
-        if self._curr >= 0:
+        if self._curr >= 0 and not self._marked:
             self._guard.mark(self._curr, self._seq - 1)
-        self._curr = (self._curr + 1) % self.max_concurrency
-        self._guard.acquire(self._curr, self._seq)
-        self._seq += 1
-        buf = self._bufs[self._curr]
+            self._marked = True
+        cur = (self._curr + 1) % self.max_concurrency
+        self._guard.acquire(cur, self._seq)
+        buf = self._bufs[cur]
         n = arr.shape[0]
         if n > buf.shape[0]:
             cap = 1 << (n - 1).bit_length()
             buf = make_buffer((cap, *trailing), self.dtype, self.device, buf.tier)
-            self._bufs[self._curr] = buf
+            self._bufs[cur] = buf
             self._stats["growths"] += 1
         buf.np[:n] = arr
-        return buf, arr, n
+        self._curr, self._seq, self._marked = cur, self._seq + 1, False
+        return buf, n
 
     def copy_to_uva(self, x: Any) -> torch.Tensor:
         """Stage ``x`` in the next slot; the device tensor of its first len(x) rows."""
-        buf, _, n = self._next(x)
+        buf, n = self._next(x)
         if buf.tier.copies:
             self._count(n, buf)
         return buf.uva(n)
 
     def copy_to_gpu(self, x: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """Stage ``x`` and copy it into device memory (``out`` or a new tensor)."""
+        arr = host_array(x, self.dtype, "x", ndims=(len(self.size),), trailing=self.size[1:])
         if out is not None:
-            self._check_out(out, x)
-        buf, _, n = self._next(x)
+            self._check_out(out, arr.shape[0])
+        buf, n = self._next(arr)
         if out is None:
             out = torch.empty((n, *self.size[1:]), dtype=self.dtype, device=self.device)
         if buf.tier is not Tier.HOST:
             self._count(n, buf)
         return buf.copy_to(out, n)
 
-    def _check_out(self, out: torch.Tensor, x: Any) -> None:
-        n = len(x) if not isinstance(x, (np.ndarray, torch.Tensor)) else x.shape[0]
+    def _check_out(self, out: torch.Tensor, n: int) -> None:
         want = (n, *self.size[1:])
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")

@@ -6,10 +6,13 @@ the host, checks every one of them when it is staged (row, start, end of row,
 values representable in the dtype) and applies all of them with one kernel;
 ``FusedStagedWriter`` does the same for several tensors of one dtype at once.
 
-One apply is one ``StepStager`` step: the contents and one packed int64
-metadata block (work items, group offsets, rows, starts, lengths, source
-offsets, and the target pointer table when it changed) are staged as a single
-byte array, so a copy tier pays exactly one host-to-device transfer per apply.
+Staged edits accumulate in typed host storage (a growable byte arena for the
+contents, an int64 array of (row, start, length)): staging a long write costs
+about one memcpy. One apply is one ``StepStager`` step: the contents and one
+packed int64 metadata block (tiles, group offsets, group keys, per-edit start,
+length and source offset, and the pointer table when the set of targets
+changed; see ``_SECTIONS``) are staged as a single byte array, so a copy tier
+pays exactly one host-to-device transfer per apply.
 
 Ordering of overlapping edits ("later wins")
 ---------------------------------------------
@@ -42,10 +45,10 @@ import torch
 
 from .buffers import UvaBuffer
 from .capabilities import TierUnavailableError, capabilities
-from .convert import host_array, numpy_dtype, shape_of, torch_dtype
+from .convert import cast_checked, host_array, numpy_dtype, shape_of, torch_dtype
 from .log import warn_once
 from .memory import PinnedAllocationError, alloc_device
-from .pool import empty_stats
+from .pool import empty_stats, slot_count
 from .stager import ALIGN, StepStager
 from .tier import Tier
 from .uva import UvaError
@@ -55,7 +58,6 @@ MIN_BLOCK = 16
 MAX_BLOCK = 1024
 """Column tile of one kernel program (a power of 4 times MIN_BLOCK, at most this)."""
 _TENSOR_CAPACITY = 1 << 14
-_I64 = np.dtype(np.int64)
 
 tl: Any = None  # triton.language, imported on first use (importing stagebuf stays cheap)
 _triton_error: list[str] = []
@@ -92,28 +94,30 @@ def select_kernel(device: torch.device) -> str:
     return "torch"
 
 
-def _staged_write_kernel(wi_group, wi_col0, goff, g_tid, g_row, e_start, e_len, e_src,
-                         content, table, BLOCK: tl.constexpr):
-    # One program: one BLOCK-column tile of one (tensor, row) group.
+def _staged_write_kernel(items, goff, gkey, edits, content, table, BLOCK: tl.constexpr):
+    # One program: one BLOCK-column tile of one (tensor, row) group (layout: see _SECTIONS).
     p = tl.program_id(0)
-    g = tl.load(wi_group + p)
-    c0 = tl.load(wi_col0 + p)
+    g = tl.load(items + 2 * p)
+    c0 = tl.load(items + 2 * p + 1)
     e0 = tl.load(goff + g)
     e1 = tl.load(goff + g + 1)
-    tid = tl.load(g_tid + g)
-    row = tl.load(g_row + g)
+    key = tl.load(gkey + g)
+    tid = key >> 40  # KEY_SHIFT
+    row = key & 0xFFFFFFFFFF
     base = tl.load(table + 2 * tid).to(tl.pointer_type(content.dtype.element_ty))
     stride = tl.load(table + 2 * tid + 1)
     cols = c0 + tl.arange(0, BLOCK)
     dst = base + row * stride + cols
-    for e in range(e0, e1):  # staging order: a later edit's stores come after an earlier one's
-        st = tl.load(e_start + e)
-        ln = tl.load(e_len + e)
-        src = tl.load(e_src + e)
+    e = e0
+    while e < e1:  # staging order: a later edit's stores come after an earlier one's
+        st = tl.load(edits + 3 * e)
+        ln = tl.load(edits + 3 * e + 1)
+        src = tl.load(edits + 3 * e + 2)
         m = (cols >= st) & (cols < st + ln)
         v = tl.load(content + src + (cols - st), mask=m)
         tl.store(dst, v, mask=m)
         tl.debug_barrier()
+        e += 1
 
 
 _kernels: dict[bool, Any] = {}
@@ -154,14 +158,14 @@ def _reserve(arena: np.ndarray, nbytes: int, keep: int) -> np.ndarray:
 
 
 class _HostEdits:
-    """Staged edits in typed host storage: (row, start, len) triples and a contents arena."""
+    """Staged edits in typed host storage: (row, start, len, source offset) rows and a contents arena."""
 
     __slots__ = ("dtype", "itemsize", "meta", "n", "arena", "vals", "nv")
 
     def __init__(self, dtype: np.dtype):
         self.dtype = dtype
         self.itemsize = dtype.itemsize
-        self.meta = np.empty((16, 3), np.int64)
+        self.meta = np.empty((16, 4), np.int64)
         self.n = 0
         self.arena = np.empty(4096, np.uint8)
         self.vals = self.arena.view(dtype)
@@ -170,16 +174,26 @@ class _HostEdits:
     def add(self, row: int, start: int, arr: np.ndarray) -> None:
         k = arr.shape[0]
         if self.n == self.meta.shape[0]:
-            meta = np.empty((2 * self.n, 3), np.int64)
+            meta = np.empty((2 * self.n, 4), np.int64)
             meta[: self.n] = self.meta
             self.meta = meta
         end = self.nv + k
         if end > self.vals.shape[0]:
             self.reserve(end * self.itemsize)
         self.vals[self.nv:end] = arr
-        self.meta[self.n] = (row, start, k)
+        self.meta[self.n] = (row, start, k, self.nv)
         self.n += 1
         self.nv = end
+
+    def add_scalar(self, row: int, start: int, value: int | float) -> None:
+        """``add(row, start, [value])`` for a value already checked to fit the dtype."""
+        if self.n == self.meta.shape[0] or self.nv == self.vals.shape[0]:
+            self.add(row, start, np.array([value], self.dtype))
+            return
+        self.vals[self.nv] = value
+        self.meta[self.n] = (row, start, 1, self.nv)
+        self.n += 1
+        self.nv += 1
 
     def reserve(self, nbytes: int) -> None:
         """Room for ``nbytes`` in the arena, keeping the staged contents."""
@@ -195,7 +209,15 @@ class _HostEdits:
 
 # --- packing: one byte array per apply ---------------------------------------------
 
-_SECTIONS = ("table", "wi_group", "wi_col0", "goff", "g_tid", "g_row", "e_start", "e_len", "e_src")
+# int64 metadata sections, in order; each starts 16-byte aligned. A group is one
+# (tensor, row); its key is tensor << KEY_SHIFT | row.
+#   table  (T, 2): base pointer, row stride       (only when the tensor set changed)
+#   items  (W, 2): group, first column of the tile (Triton only)
+#   goff   (G + 1): first edit of each group, then the edit count
+#   gkey   (G): tensor << KEY_SHIFT | row
+#   edits  (E, 3): start, length, source offset in the contents
+_SECTIONS = ("table", "items", "goff", "gkey", "edits")
+KEY_SHIFT = 40
 
 
 @dataclass
@@ -208,10 +230,11 @@ class _Layout:
     meta_off: int
     nbytes: int
     sections: dict[str, tuple[int, int]]
-    """name -> (first word, length) inside the int64 metadata block."""
+    """name -> (first word, number of words) inside the int64 metadata block."""
     elem_ranges: list[tuple[int, int]]
-    """Per target: its elements' range in the sorted element order (torch twin)."""
+    """Per target: the range of its elements in the sorted element order (torch twin)."""
     dedup: bool
+    """Some group has several edits (they may overlap)."""
 
 
 def _plan(targets: Sequence[StagedWriteTensor], tiles: bool, table: np.ndarray | None,
@@ -220,38 +243,55 @@ def _plan(targets: Sequence[StagedWriteTensor], tiles: bool, table: np.ndarray |
     eds = [t._edits for t in targets]
     if len(eds) == 1:
         m = eds[0].meta[: eds[0].n]
-        tids = np.zeros(m.shape[0], np.int64)
-        order = np.argsort(m[:, 0], kind="stable")
+        key = m[:, 0]
     else:
-        counts = [e.n for e in eds]
         m = np.concatenate([e.meta[: e.n] for e in eds])
-        tids = np.repeat(np.arange(len(eds), dtype=np.int64), counts)
-        order = np.lexsort((m[:, 0], tids))  # stable: staging order kept inside a group
-    lens = m[:, 2]
-    src = np.cumsum(lens) - lens  # contents are packed in target order, staging order
-    s_tid, s_row, s_start = tids[order], m[order, 0], m[order, 1]
-    s_len, s_src = lens[order], src[order]
-    n_edits = int(order.shape[0])
-    new = np.empty(n_edits, bool)
-    new[0] = True
-    np.logical_or(s_row[1:] != s_row[:-1], s_tid[1:] != s_tid[:-1], out=new[1:])
-    first = np.flatnonzero(new)
-    n_groups = int(first.shape[0])
-    goff = np.append(first, n_edits).astype(np.int64, copy=False)
-    arrays: dict[str, np.ndarray] = {
-        "goff": goff, "g_tid": s_tid[first], "g_row": s_row[first],
-        "e_start": s_start, "e_len": s_len, "e_src": s_src,
-    }
+        key = np.repeat(np.arange(len(eds), dtype=np.int64) << KEY_SHIFT, [e.n for e in eds])
+        key |= m[:, 0]
+        a = base = 0
+        for e in eds:  # source offsets: the contents are packed in target order
+            if base:
+                m[a: a + e.n, 3] += base
+            a += e.n
+            base += e.nv
+    n_edits = m.shape[0]
+    if n_edits > 1 and (key[1:] < key[:-1]).any():
+        order = np.argsort(key, kind="stable")  # stable: staging order kept inside a group
+        key, m = key[order], m[order]
+    edits = m[:, 1:]  # start, length, source offset
+    brk = np.flatnonzero(key[1:] != key[:-1])
+    n_groups = brk.shape[0] + 1
+    if n_groups == n_edits:  # one edit per group: the common case
+        first: np.ndarray | slice = slice(None)
+        goff = np.arange(n_edits + 1, dtype=np.int64)
+    else:
+        first = np.empty(n_groups, np.int64)
+        first[0] = 0
+        np.add(brk, 1, out=first[1:])
+        goff = np.append(first, n_edits)
+    arrays: dict[str, np.ndarray] = {"goff": goff, "gkey": key[first], "edits": edits}
     block = n_items = 0
     if tiles:
-        lo = np.minimum.reduceat(s_start, first)
-        hi = np.maximum.reduceat(s_start + s_len, first)
-        block = _block_for(int((hi - lo).max()))
-        per = (hi - lo + block - 1) // block
-        n_items = int(per.sum())
-        base = np.cumsum(per) - per
-        arrays["wi_group"] = np.repeat(np.arange(n_groups, dtype=np.int64), per)
-        arrays["wi_col0"] = np.repeat(lo - base * block, per) + np.arange(n_items, dtype=np.int64) * block
+        if n_groups == n_edits:
+            lo, ext = edits[:, 0], edits[:, 1]
+        else:
+            lo = np.minimum.reduceat(edits[:, 0], first)
+            ext = np.maximum.reduceat(edits[:, 0] + edits[:, 1], first) - lo
+        emax = int(ext.max())
+        block = _block_for(emax)
+        if emax <= block:  # one tile per group
+            n_items = n_groups
+            items = np.empty((n_items, 2), np.int64)
+            items[:, 0] = np.arange(n_groups)
+            items[:, 1] = lo
+        else:
+            per = (ext + (block - 1)) // block
+            n_items = int(per.sum())
+            base = np.cumsum(per) - per
+            items = np.empty((n_items, 2), np.int64)
+            items[:, 0] = np.repeat(np.arange(n_groups, dtype=np.int64), per)
+            items[:, 1] = np.repeat(lo - base * block, per) + np.arange(n_items, dtype=np.int64) * block
+        arrays["items"] = items
     if table is not None:
         arrays["table"] = table
     sections: dict[str, tuple[int, int]] = {}
@@ -259,13 +299,14 @@ def _plan(targets: Sequence[StagedWriteTensor], tiles: bool, table: np.ndarray |
     for name in _SECTIONS:
         a = arrays.get(name)
         if a is not None:
-            sections[name] = (words, a.shape[0])
-            words += (a.shape[0] + 1) & -2  # 16-byte aligned sections
-    n_elems = sum(e.nv for e in eds)
+            sections[name] = (words, a.size)
+            words += (a.size + 1) & -2  # 16-byte aligned sections
+    elem_ranges = []
+    n_elems = 0
+    for e in eds:  # a target's edits stay together after the sort, in target order
+        elem_ranges.append((n_elems, n_elems + e.nv))
+        n_elems += e.nv
     meta_off = (n_elems * eds[0].itemsize + ALIGN - 1) & -ALIGN
-    edges = np.searchsorted(s_tid, np.arange(len(eds) + 1))
-    cum = np.concatenate(([0], np.cumsum(s_len)))
-    elem_ranges = [(int(cum[edges[i]]), int(cum[edges[i + 1]])) for i in range(len(eds))]
     lay = _Layout(n_elems, n_edits, n_groups, n_items, block, meta_off, meta_off + 8 * words,
                   sections, elem_ranges, n_groups < n_edits)
     return lay, arrays
@@ -274,7 +315,8 @@ def _plan(targets: Sequence[StagedWriteTensor], tiles: bool, table: np.ndarray |
 def _write_meta(arena: np.ndarray, lay: _Layout, arrays: dict[str, np.ndarray]) -> None:
     words = arena[lay.meta_off: lay.nbytes].view(np.int64)
     for name, (off, n) in lay.sections.items():
-        words[off: off + n] = arrays[name]
+        a = arrays[name]
+        words[off: off + n].reshape(a.shape)[...] = a
 
 
 class _Launcher:
@@ -342,27 +384,40 @@ class _Launcher:
 def _launch_triton(device: torch.device, sec: dict[str, torch.Tensor], contents: torch.Tensor,
                    table: torch.Tensor | None, lay: _Layout) -> None:
     assert table is not None
-    args = [sec[n] for n in _SECTIONS[1:]] + [contents, table]
+    args = [sec["items"], sec["goff"], sec["gkey"], sec["edits"], contents, table]
     if device.type == "cuda":
-        kernel = _triton_kernel(interpret=False)
-        with torch.cuda.device(device):
-            kernel[(lay.n_items,)](*args, BLOCK=lay.block, num_warps=max(1, min(4, lay.block // 128)))
+        launch = _triton_kernel(interpret=False)[(lay.n_items,)]
+        warps = max(1, min(4, lay.block // 128))
+        if torch.cuda.current_device() == device.index:
+            launch(*args, BLOCK=lay.block, num_warps=warps)
+        else:
+            with torch.cuda.device(device):
+                launch(*args, BLOCK=lay.block, num_warps=warps)
     else:
         _triton_kernel(interpret=True)[(lay.n_items,)](*args, BLOCK=lay.block)
 
 
 def _torch_twin(targets: Sequence[StagedWriteTensor], sec: dict[str, torch.Tensor],
                 contents: torch.Tensor, lay: _Layout) -> None:
-    """The kernel in plain torch ops on the device (the oracle for the Triton kernel)."""
+    """The kernel in plain torch ops on the device (the oracle for the Triton kernel).
+
+    Vectorised: the flat destination and source index of every staged element,
+    then, where a (tensor, row) group holds several edits, only the last staged
+    write of each destination is kept, and one ``index_copy_`` per target.
+    """
     dev = contents.device
     n_edits, n = lay.n_edits, lay.n_elems
-    goff, e_len = sec["goff"], sec["e_len"]
-    row_e = torch.repeat_interleave(sec["g_row"], goff[1:] - goff[:-1], output_size=n_edits)
-    edit_of = torch.repeat_interleave(torch.arange(n_edits, device=dev), e_len, output_size=n)
+    goff = sec["goff"]
+    ed = sec["edits"].view(n_edits, 3)
+    e_start, e_len, e_src = ed[:, 0], ed[:, 1], ed[:, 2]
+    gkey = sec["gkey"]
+    if lay.n_groups != n_edits:
+        gkey = gkey[torch.repeat_interleave(goff[1:] - goff[:-1], output_size=n_edits)]
+    edit_of = torch.repeat_interleave(e_len, output_size=n)  # the edit of each element
     j = torch.arange(n, device=dev) - (torch.cumsum(e_len, 0) - e_len)[edit_of]
-    col = sec["e_start"][edit_of] + j
-    src = sec["e_src"][edit_of] + j
-    row = row_e[edit_of]
+    col = e_start[edit_of] + j
+    src = e_src[edit_of] + j
+    row = (gkey & ((1 << KEY_SHIFT) - 1))[edit_of]
     for t, (a, b) in zip(targets, lay.elem_ranges):
         if a == b:
             continue
@@ -424,6 +479,8 @@ class StagedWriteTensor:
         shape = shape_of(size)
         if len(shape) not in (1, 2):
             raise ValueError(f"size={size!r} has rank {len(shape)}; allowed: 1 (n) or 2 (rows, cols)")
+        if shape[0] >= 1 << KEY_SHIFT:
+            raise ValueError(f"size={size!r}: at most {(1 << KEY_SHIFT) - 1} rows")
         self.shape = shape
         self.dtype = _dtype(dtype)
         caps = capabilities(device)
@@ -435,6 +492,15 @@ class StagedWriteTensor:
         self.uva_buffer: UvaBuffer | None = None
         self.gpu = self._alloc(uva_instead_of_gpu)
         self._edits = _HostEdits(numpy_dtype(self.dtype))
+        if self.dtype.is_floating_point:
+            fmax = float(np.finfo(self._edits.dtype).max)
+            self._scalar_type: type = float
+            self._scalar_range: tuple[float, float] = (-fmax, fmax)
+        else:
+            info = np.iinfo(self._edits.dtype)
+            self._scalar_type, self._scalar_range = int, (int(info.min), int(info.max))
+        self._float_limit = None if self.dtype.is_floating_point else 2.0 ** (8 * self._edits.itemsize - 1)
+        slot_count(max_concurrency)  # checked now; the stager is made at the first apply
         self._launcher = _Launcher(self.device, max_concurrency, _TENSOR_CAPACITY)
         self.kernel = select_kernel(self.device)
 
@@ -469,9 +535,16 @@ class StagedWriteTensor:
         rows, cols = self.rows, self.cols
         row = _int_in(index, "index", 0, rows, f"the target has {rows} rows")
         col = _int_in(start, "start", 0, None, "")
-        arr = values if type(values) is np.ndarray and values.ndim == 1 and values.dtype == self._edits.dtype \
-            else host_array(values, self.dtype, f"values (edit index={row}, start={col})",
-                            ndims=(1,), iterables=True)
+        if type(values) is list and len(values) == 1 and col < cols:  # one Python number: fast path
+            v = values[0]
+            lo, hi = self._scalar_range
+            if type(v) is self._scalar_type and lo <= v <= hi:
+                self._edits.add_scalar(row, col, v)
+                return
+        if type(values) is np.ndarray and values.ndim == 1 and values.dtype == self._edits.dtype:
+            arr = values  # already the target dtype: nothing to check
+        else:
+            arr = self._checked(values, f"values (edit index={row}, start={col})")
         end = col + arr.shape[0]
         if end > cols:
             raise ValueError(
@@ -481,12 +554,38 @@ class StagedWriteTensor:
         if arr.shape[0]:
             self._edits.add(row, col, arr)
 
+    def _checked(self, values: Any, name: str) -> np.ndarray:
+        """``values`` as a 1-D array of the target dtype; raises if a value would change."""
+        lim = self._float_limit
+        if lim is None:  # a float target: convert's checks are exact
+            return host_array(values, self.dtype, name, ndims=(1,), iterables=True)
+        if not isinstance(values, (list, tuple, np.ndarray, torch.Tensor, str, bytes, dict)) \
+                and isinstance(values, Iterable):
+            values = list(values)  # read a one-shot iterable once
+        try:
+            arr = host_array(values, None, name, ndims=(1,), iterables=True)
+        except TypeError:  # e.g. a uint64 input: the dtype-aware path converts it or says why not
+            return host_array(values, self.dtype, name, ndims=(1,), iterables=True)
+        if arr.dtype.kind == "f" and arr.size and (np.isfinite(arr) & ((arr < -lim) | (arr >= lim))).any():
+            # convert.cast_checked compares with the dtype's max in float precision, where
+            # 2.0**63 (float32: 2.0**31) equals it: a value one past the range would wrap.
+            raise ValueError(f"{name} holds values outside {self._edits.dtype}'s range "
+                             f"[{-int(lim)}, {int(lim) - 1}]")
+        return cast_checked(arr, self._edits.dtype, name)
+
     def stage_write_elem(self, index: int, value: Any) -> None:
         """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target)."""
-        if isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 0:
+        lo, hi = self._scalar_range
+        if type(value) is self._scalar_type and lo <= value <= hi and self.cols:  # fast path
+            row = _int_in(index, "index", 0, self.rows, f"the target has {self.rows} rows")
+            self._edits.add_scalar(row, 0, value)
+            return
+        if isinstance(value, (np.ndarray, torch.Tensor)):
+            if value.ndim != 0:
+                raise ValueError(f"value has shape {tuple(value.shape)}; stage_write_elem takes one scalar")
             value = value.reshape(1)
-        elif not isinstance(value, (np.ndarray, torch.Tensor, Iterable)) or isinstance(value, (str, bytes)):
-            value = [value]
+        else:
+            value = [value]  # a list or other iterable becomes a rank-2 input and is rejected
         self.stage_write(index, 0, value)
 
     def apply_write(self) -> None:
@@ -517,11 +616,13 @@ class FusedStagedWriter:
 
     def __init__(self, device: Any, max_writes: int, max_concurrency: int | None = None):
         self.max_writes = _int_in(max_writes, "max_writes", 1, None, "")
+        slot_count(max_concurrency)
         self.device = capabilities(device).device
         self.max_concurrency = max_concurrency
         self._launcher = _Launcher(self.device, max_concurrency, self._capacity(self.max_writes))
         self._launcher.stager = StepStager(self.device, capacity=self._launcher.capacity,
                                            max_concurrency=max_concurrency)
+        self._launcher.arena = np.empty(self._launcher.capacity, np.uint8)
         self._edit_growths = 0
         self.kernel = select_kernel(self.device)
 
@@ -532,6 +633,9 @@ class FusedStagedWriter:
 
     def apply(self, tensors: Iterable[StagedWriteTensor]) -> None:
         """Apply and clear the staged edits of ``tensors`` (one dtype, this device) in one launch."""
+        if isinstance(tensors, StagedWriteTensor) or not isinstance(tensors, Iterable):
+            raise TypeError(f"tensors must be a list (or other iterable) of StagedWriteTensor; "
+                            f"got {type(tensors).__name__}")
         targets: list[StagedWriteTensor] = []
         for i, t in enumerate(tensors):
             if not isinstance(t, StagedWriteTensor):
@@ -543,6 +647,8 @@ class FusedStagedWriter:
                                  "one fused apply needs one dtype")
             if not any(t is u for u in targets):
                 targets.append(t)
+        if len(targets) >= 1 << (63 - KEY_SHIFT):
+            raise ValueError(f"{len(targets)} tensors in one apply; at most {(1 << (63 - KEY_SHIFT)) - 1}")
         n = sum(t.num_staged for t in targets)
         if n > self.max_writes:
             self.max_writes = 1 << (n - 1).bit_length()

@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# Reliability runs on a GPU machine (issue 6): the GPU test suite, GPU fuzzing with many examples,
+# compute-sanitizer memcheck and racecheck over the GPU tests, and a 2-process torchrun decode run.
+#
+#   OUT=/path/to/dir bash scripts/gpu_reliability.sh [STAGE ...]
+#
+# STAGE is any of: env gpu fuzz mp memcheck racecheck   (default: all of them, in that order).
+# One command on the device machine may run for 10 minutes, so split them, for example:
+#   bash scripts/gpu_reliability.sh env gpu fuzz mp      (about 6-8 minutes on one H200)
+#   bash scripts/gpu_reliability.sh memcheck             (each sanitizer stage is capped at ~9 minutes)
+#   bash scripts/gpu_reliability.sh racecheck
+# On a 2-GPU machine (nvidia-h200-x2) the mp stage and the gpu stage put one process on each GPU and
+# run the non-zero-device tests; on one GPU both processes share it.
+#
+# Knobs (environment): FUZZ_EXAMPLES (default 200) and FUZZ_STEPS (default 40) per machine and CUDA tier;
+# SAN_FUZZ_EXAMPLES (default 3) under the sanitizers; MP_STEPS (default 500); PYTHON (default python3);
+# COMPUTE_SANITIZER (default: found on PATH or under /usr/local/cuda*/bin); *_TIMEOUT per stage (seconds).
+#
+# Writes under $OUT (default ./out), at most 8 files:
+#   env.txt          nvidia-smi, versions, device count, compute-sanitizer version, `stagebuf doctor --json`
+#   gpu_tests.log    pytest -m gpu (every GPU-marked test but the fuzzing, which has its own stage)
+#   fuzz.log         the CUDA-tier state machines with FUZZ_EXAMPLES examples each
+#   fuzz_counts.json examples and steps actually run, per machine and tier
+#   mp_decode.log    torchrun, 2 processes: one per GPU where 2 exist, then both on one GPU; JSON summaries
+#   memcheck.log     compute-sanitizer --tool memcheck over pytest -m gpu (+ the torchrun run, all processes)
+#   racecheck.log    compute-sanitizer --tool racecheck over pytest -m gpu
+#   summary.md       per stage: command, exit status, seconds, and the lines docs/RELIABILITY.md quotes
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+# Keep NVLink multicast off (the device machines' rule), also for the processes torchrun starts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}  # mp_decode gathers results over gloo, on this host
+unset STAGEBUF_TIER
+
+FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-200}
+FUZZ_STEPS=${FUZZ_STEPS:-40}
+SAN_FUZZ_EXAMPLES=${SAN_FUZZ_EXAMPLES:-3}
+MP_STEPS=${MP_STEPS:-500}
+CS=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)}
+SUMMARY="$OUT/summary.md"
+# Deselected under the sanitizers: tests whose work runs in child processes (the sanitizer's
+# application-only mode does not instrument them; the torchrun run below is instrumented on its own),
+# and the deliberate out-of-memory tests (a refused cudaMalloc is reported as an API error).
+SAN_DESELECT="not torchrun and not tiny_memlock and not real_device_oom"
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env gpu fuzz mp memcheck racecheck)
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# run NAME TIMEOUT LOG CMD...: run CMD with a time limit, output to LOG (appended), record status.
+run() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local t0=$SECONDS
+  local cmd
+  cmd=$(printf '%q ' "$@")
+  echo "+ $cmd" | tee -a "$log"
+  timeout --signal=INT --kill-after=20 "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  local dt=$((SECONDS - t0))
+  note ""
+  note "### $name: exit $rc in ${dt}s$([ $rc -eq 124 ] && echo " (TIMED OUT after ${limit}s)")"
+  note '```'
+  note "$cmd"
+  note '```'
+  return $rc
+}
+
+pytest_tail() {  # the last summary line of a pytest log, and its failures
+  grep -E "^(FAILED|ERROR) " "$1" | head -20 | sed 's/^/    /' | tee -a "$SUMMARY"
+  grep -E "[0-9]+ (passed|failed|skipped|deselected|errors?)\b.* in [0-9.]+s" "$1" | tail -1 | sed 's/^/    /' \
+    | tee -a "$SUMMARY"
+}
+
+sanitizer_tail() {
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY" "$1" | sort | uniq -c | sed 's/^/    /' \
+    | tee -a "$SUMMARY"
+  local n
+  n=$(grep -E "ERROR SUMMARY: [0-9]+ error" "$1" | sed -E 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/' \
+      | awk '{s+=$1} END {print s+0}')
+  note "    sanitizer errors reported in $(basename "$1") so far: $n"
+}
+
+echo "# gpu_reliability $(date -u +%Y-%m-%dT%H:%M:%SZ) stages: ${stages[*]}" >>"$SUMMARY"
+
+for stage in "${stages[@]}"; do
+  case $stage in
+  env)
+    {
+      echo "# date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+      echo "# commit: $(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)"
+      nvidia-smi || echo "nvidia-smi: not available"
+      "$PY" - <<'EOF'
+import platform
+from importlib import metadata
+import torch
+print("python", platform.python_version())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+      "devices", torch.cuda.device_count())
+for i in range(torch.cuda.device_count()):
+    print("device", i, torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+for dist in ("triton", "cuda-bindings", "numpy", "hypothesis", "pytest"):
+    try:
+        print(dist, metadata.version(dist))
+    except metadata.PackageNotFoundError:
+        print(dist, "not installed")
+EOF
+      echo "compute-sanitizer: ${CS:-not found}"
+      [ -n "$CS" ] && "$CS" --version
+      echo "ulimit -l: $(ulimit -l); uid: $(id -u)"
+      "$PY" -m stagebuf doctor --json
+    } >"$OUT/env.txt" 2>&1
+    note ""
+    note "### env"
+    grep -E "^(torch|triton|cuda-bindings|device [0-9])|NVIDIA H|Version|\"tier\"" "$OUT/env.txt" | head -12 \
+      | sed 's/^/    /' | tee -a "$SUMMARY"
+    ;;
+  gpu)
+    run "GPU test suite" "${GPU_TIMEOUT:-420}" "$OUT/gpu_tests.log" \
+      "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/test_fuzz.py
+    pytest_tail "$OUT/gpu_tests.log"
+    ;;
+  fuzz)
+    rm -f "$OUT/fuzz_counts.json"
+    STAGEBUF_FUZZ_EXAMPLES=$FUZZ_EXAMPLES STAGEBUF_FUZZ_STEPS=$FUZZ_STEPS \
+      STAGEBUF_FUZZ_REPORT="$OUT/fuzz_counts.json" \
+      run "GPU fuzzing (STAGEBUF_FUZZ_EXAMPLES=$FUZZ_EXAMPLES STAGEBUF_FUZZ_STEPS=$FUZZ_STEPS)" \
+      "${FUZZ_TIMEOUT:-420}" "$OUT/fuzz.log" \
+      "$PY" -m pytest tests/test_fuzz.py -m gpu -q -p no:cacheprovider --durations=0
+    pytest_tail "$OUT/fuzz.log"
+    [ -f "$OUT/fuzz_counts.json" ] && "$PY" - "$OUT/fuzz_counts.json" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("    | machine | tier | examples | steps |")
+print("    | --- | --- | --- | --- |")
+for m in sorted(k for k in d if not k.startswith("_")):
+    for t, v in sorted(d[m].items()):
+        print(f"    | {m} | {t} | {v['examples']} | {v['steps']} |")
+EOF
+    ;;
+  mp)
+    ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    tmp=$(mktemp -d)
+    run "torchrun, 2 processes, default placement ($ngpu GPU(s) visible)" "${MP_TIMEOUT:-240}" \
+      "$OUT/mp_decode.log" "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+      scripts/mp_decode.py --steps "$MP_STEPS" --out "$tmp/default"
+    grep -E "^mp_decode:" "$OUT/mp_decode.log" | tail -8 | sed 's/^/    /' | tee -a "$SUMMARY"
+    if [ "$ngpu" -ge 2 ]; then
+      run "torchrun, 2 processes sharing cuda:0" "${MP_TIMEOUT:-240}" "$OUT/mp_decode.log" \
+        "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+        scripts/mp_decode.py --steps "$MP_STEPS" --shared-gpu --out "$tmp/shared"
+      grep -E "^mp_decode:" "$OUT/mp_decode.log" | tail -8 | sed 's/^/    /' | tee -a "$SUMMARY"
+    fi
+    rm -rf "$tmp"
+    ;;
+  memcheck | racecheck)
+    if [ -z "$CS" ]; then
+      note ""
+      note "### $stage: compute-sanitizer not found (set COMPUTE_SANITIZER)"
+      continue
+    fi
+    log="$OUT/$stage.log"
+    extra=()
+    [ "$stage" = memcheck ] && extra=(--leak-check no)
+    [ "$stage" = racecheck ] && extra=(--racecheck-report all)
+    # Without the caching allocator every tensor is its own cudaMalloc, so memcheck sees the bounds
+    # of each buffer instead of one large pooled block (torch reads the variable's presence, not its
+    # value, so it is set for memcheck only).
+    nocache=()
+    [ "$stage" = memcheck ] && nocache=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    STAGEBUF_FUZZ_EXAMPLES=$SAN_FUZZ_EXAMPLES STAGEBUF_FUZZ_STEPS=15 \
+      run "compute-sanitizer $stage over pytest -m gpu" "${SAN_TIMEOUT:-480}" "$log" \
+      "${nocache[@]}" "$CS" --tool "$stage" "${extra[@]}" --target-processes application-only \
+      --print-limit 50 "$PY" -m pytest -m gpu -q -p no:cacheprovider -k "$SAN_DESELECT"
+    pytest_tail "$log"
+    sanitizer_tail "$log"
+    if [ "$stage" = memcheck ]; then
+      tmp=$(mktemp -d)
+      run "compute-sanitizer memcheck over torchrun (all processes)" "${SAN_MP_TIMEOUT:-200}" "$log" \
+        env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$CS" --tool memcheck --leak-check no --target-processes all --print-limit 50 \
+        "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 scripts/mp_decode.py \
+        --steps 40 --busy 256 --out "$tmp"
+      grep -E "^mp_decode:" "$log" | tail -8 | sed 's/^/    /' | tee -a "$SUMMARY"
+      sanitizer_tail "$log"
+      rm -rf "$tmp"
+    fi
+    ;;
+  *)
+    echo "gpu_reliability: unknown stage '$stage' (env gpu fuzz mp memcheck racecheck)" >&2
+    exit 2
+    ;;
+  esac
+done
+echo "gpu_reliability: done; summary in $SUMMARY"

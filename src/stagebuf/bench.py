@@ -1,0 +1,889 @@
+"""``stagebuf bench``: every staging strategy, timed in one process, with the targets' ratios.
+
+Each (workload, strategy, size) is built, warmed up, then repeated: each repeat
+runs ``iters`` steps; host µs per step is the time to enqueue them, device-
+synchronised (e2e) µs per step the time until ``torch.cuda.synchronize()``
+returned (equal on the CPU). Medians over repeats are reported. ``iters`` is
+chosen per case so that a repeat lasts about ``--target-ms`` (at most
+``--iters``). The strategies are in :mod:`stagebuf.bench_workloads`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import bench_workloads as W
+from .capabilities import ENV_TIER, Capabilities, capabilities, reset_capabilities
+from .tier import Tier
+
+WORKLOADS = ("micro", "decode", "writes")
+UNITS = {"micro": "µs per step", "decode": "µs per step", "writes": "µs per apply"}
+SIZE_NAMES = {"micro": "N", "decode": "batch", "writes": "edits"}
+RATIO_EDITS = 256
+RATIO_N = 64
+
+
+@dataclass
+class BenchConfig:
+    quick: bool = False
+    device: str | None = None
+    tiers: tuple[str, ...] = ()
+    workloads: tuple[str, ...] = WORKLOADS
+    sizes: tuple[int, ...] = (64, 512, 4096, 32768)
+    edits: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096)
+    k: int = 8
+    batch: int = 256
+    repeats: int = 5
+    iters: int = 2000
+    target_ms: float = 150.0
+    check_every: int = 50
+    decode_steps: int = 500
+    threads: int | None = None
+    """torch intra-op threads during the run (None: 1 when the device is the CPU, else torch's)."""
+    seed: int = 0
+
+    @classmethod
+    def make(cls, quick: bool, **given: Any) -> BenchConfig:
+        """Defaults for a full (GPU) run or ``quick`` (CPU CI, well under 60 s); ``given`` wins."""
+        base: dict[str, Any] = {"quick": quick}
+        if quick:
+            base.update(sizes=(64, 4096), edits=(1, 16, 256), repeats=3, iters=200, target_ms=8.0,
+                        decode_steps=20)
+        base.update({k: v for k, v in given.items() if v is not None and v != ()})
+        return cls(**base)
+
+
+@dataclass
+class Measurement:
+    host_us: float
+    e2e_us: float
+    iters: int
+    repeats: int
+    host_samples_us: list[float] = field(default_factory=list)
+    e2e_samples_us: list[float] = field(default_factory=list)
+
+
+# --- timing -------------------------------------------------------------------------------------
+
+
+def make_sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def prepare(step: Callable[[], object], sync: Callable[[], None], max_iters: int, target_s: float,
+            min_warmup: int = 0, fixed_iters: int | None = None) -> int:
+    """Warm ``step`` up; the steps per repeat.
+
+    Warm-up runs ``max(3, min_warmup)`` steps (compiles, first allocations, a
+    decode loop's prefill). Then a calibration of about 20% of ``target_s`` (at
+    most ``max_iters // 4 + 2`` steps) sets the steps per repeat so that a
+    repeat lasts about ``target_s`` (2 .. ``max_iters``), unless ``fixed_iters``
+    is given.
+    """
+    for _ in range(max(3, min_warmup)):
+        step()
+    sync()
+    if fixed_iters is not None:
+        return fixed_iters
+    cap = max_iters // 4 + 2
+    n = 0
+    t0 = time.perf_counter()
+    while n < 2 or (n < cap and time.perf_counter() - t0 < 0.2 * target_s):
+        step()
+        n += 1
+    sync()
+    per = (time.perf_counter() - t0) / n
+    return max(2, min(max_iters, int(target_s / max(per, 1e-9))))
+
+
+def time_repeat(step: Callable[[], object], sync: Callable[[], None], iters: int) -> tuple[float, float]:
+    """One repeat of ``iters`` steps: (host µs per step, device-synchronised µs per step).
+
+    The garbage collector is off while it runs (callers collect between repeats).
+    """
+    sync()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+    finally:
+        if was:
+            gc.enable()
+    return (t1 - t0) / iters * 1e6, (t2 - t0) / iters * 1e6
+
+
+def summarise(hs: list[float], es: list[float], iters: int) -> Measurement:
+    return Measurement(round(statistics.median(hs), 3), round(statistics.median(es), 3), iters, len(hs),
+                       [round(h, 3) for h in hs], [round(e, 3) for e in es])
+
+
+def measure(step: Callable[[], object], sync: Callable[[], None], repeats: int, max_iters: int,
+            target_s: float, min_warmup: int = 0, fixed_iters: int | None = None) -> Measurement:
+    """``prepare`` then ``repeats`` repeats of one step function (the bench interleaves instead)."""
+    iters = prepare(step, sync, max_iters, target_s, min_warmup, fixed_iters)
+    hs, es = [], []
+    for _ in range(repeats):
+        gc.collect()
+        h, e = time_repeat(step, sync, iters)
+        hs.append(h)
+        es.append(e)
+    return summarise(hs, es, iters)
+
+
+@contextlib.contextmanager
+def tier_env(tier: Tier | None) -> Iterator[None]:
+    """Force ``tier`` through STAGEBUF_TIER (None: unset it) for the block; restore after."""
+    old = os.environ.get(ENV_TIER)
+    if tier is None:
+        os.environ.pop(ENV_TIER, None)
+    else:
+        os.environ[ENV_TIER] = tier.name.lower()
+    reset_capabilities()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV_TIER, None)
+        else:
+            os.environ[ENV_TIER] = old
+        reset_capabilities()
+
+
+# --- what this machine can run ------------------------------------------------------------------
+
+
+@dataclass
+class Machine:
+    caps: Capabilities
+    env: W.Env
+    available: list[Tier]
+    unavailable: dict[Tier, str]
+    staged_write_error: str | None
+
+
+def detect(cfg: BenchConfig) -> Machine:
+    with tier_env(None):
+        caps = capabilities(cfg.device)
+    dev = caps.device
+    unavailable: dict[Tier, str] = {}
+    if caps.device_type == "cpu":
+        available = [Tier.HOST, Tier.PAGEABLE]
+        for t in (Tier.UVA, Tier.PINNED):
+            unavailable[t] = f"tier {t.name} needs an accelerator; the target device is the CPU"
+    else:
+        best = Tier.UVA if caps.uva else Tier.PINNED if caps.pin_memory else Tier.PAGEABLE
+        available = [t for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= best]
+        why = " ".join(r for r in caps.reasons if r.startswith("No ")) or "see `stagebuf doctor`"
+        for t in (Tier.UVA, Tier.PINNED):
+            if t < best:
+                unavailable[t] = f"tier {t.name} is not available on {dev}: {why}"
+        unavailable[Tier.HOST] = f"tier HOST targets the CPU; the device is {dev}"
+    try:
+        from . import staged_write  # noqa: F401
+        sw_error = None
+    except Exception as e:  # not written yet, or broken
+        sw_error = f"stagebuf.staged_write is not importable ({type(e).__name__}: {e})"
+    env = W.Env(dev, caps.device_type == "cuda", caps.pin_memory, caps.uva, cfg.k, cfg.batch,
+                16, cfg.check_every, cfg.decode_steps, cfg.seed)
+    return Machine(caps, env, available, unavailable, sw_error)
+
+
+def _missing(s: W.Strategy, m: Machine) -> str | None:
+    """Why strategy ``s`` cannot run here (None: it can)."""
+    env = m.env
+    for need in s.needs:
+        if need in ("cuda", "pinned", "uva") and not env.cuda:
+            return f"needs a CUDA device; the device is {env.device}"
+        if need == "pinned" and not env.pin_memory:
+            return f"needs pinned host memory: {m.unavailable.get(Tier.PINNED, 'not available')}"
+        if need == "uva" and not env.uva:
+            return f"needs UVA: {m.unavailable.get(Tier.UVA, 'not available')}"
+        if need == "staged_write" and m.staged_write_error:
+            return m.staged_write_error
+    if s.tier is not None and s.tier in m.unavailable:
+        return m.unavailable[s.tier]
+    return None
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    workload: str
+    strategy: W.Strategy
+    size: int
+    section: str = "results"
+    """'results', 'guard' (guard-cost variants) or 'stage_only' (staged writes without the apply)."""
+
+
+def _tiers_to_run(cfg: BenchConfig, m: Machine) -> tuple[list[Tier], list[dict[str, str]]]:
+    """The stagebuf tiers to measure, and an entry for each wanted tier that cannot run here."""
+    want = [Tier.parse(t) for t in cfg.tiers] if cfg.tiers else list(Tier)
+    skipped = []
+    for t in want:
+        if t not in m.available:
+            n = W.TIER_NAMES[t]
+            skipped.append({"workload": "*", "strategy": f"pool_{n}, stager_{n}, staged_write_{n}",
+                            "reason": m.unavailable.get(t, "not available")})
+    return [t for t in m.available if t in want], skipped
+
+
+def _stage_only(tier: Tier) -> W.Strategy:
+    def build(env: W.Env, e: int) -> W.Case:
+        sets, _want = W._edits(env, e)
+        sw = W.staged_write_tensor(W._write_shape(e), env.device)
+        edits = sets[0]
+
+        def step() -> object:
+            for row, col, values in edits:
+                sw.stage_write(row, col, values)
+            sw.clear_staged_writes()
+            return None
+
+        return W.Case(step)
+
+    return W.Strategy(f"staged_write_{W.TIER_NAMES[tier]}.stage_only", "stage_write x E, no apply",
+                      "stagebuf", build, tier=tier, needs=("staged_write",))
+
+
+def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]]:
+    tiers, skipped = _tiers_to_run(cfg, m)
+    tasks: list[Task] = []
+
+    def add(workload: str, strategies: Sequence[W.Strategy], sizes: Sequence[int], section: str) -> None:
+        for s in strategies:
+            why = _missing(s, m)
+            if why is not None:
+                if section == "results":
+                    skipped.append({"workload": workload, "strategy": s.name, "reason": why})
+                continue
+            tasks.extend(Task(workload, s, n, section) for n in sizes)
+
+    if "micro" in cfg.workloads:
+        add("micro", W.micro_strategies(tiers), cfg.sizes, "results")
+        guard_tiers = [t for t in tiers if t in (Tier.UVA, Tier.PINNED)] or [
+            t for t in tiers if t is Tier.PAGEABLE]
+        add("micro", W.guard_strategies(guard_tiers), [_ratio_size(cfg.sizes, RATIO_N)], "guard")
+    if "decode" in cfg.workloads:
+        add("decode", W.decode_strategies(tiers), [cfg.batch], "results")
+    if "writes" in cfg.workloads:
+        add("writes", W.writes_strategies(tiers), cfg.edits, "results")
+        if RATIO_EDITS in cfg.edits:
+            add("writes", [_stage_only(t) for t in tiers], [RATIO_EDITS], "stage_only")
+    # grouped by (workload, size), which run_tasks interleaves; floors first, guard variants last
+    tasks.sort(key=lambda t: (WORKLOADS.index(t.workload), t.size, t.section != "results",
+                              t.strategy.kind != "floor"))
+    return tasks, skipped
+
+
+def _ratio_size(sizes: Sequence[int], want: int) -> int:
+    return want if want in sizes else min(sizes)
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Live:
+    task: Task
+    case: W.Case
+    iters: int
+    hs: list[float] = field(default_factory=list)
+    es: list[float] = field(default_factory=list)
+
+
+def run_tasks(cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console, show_progress: bool
+              ) -> dict[str, Any]:
+    """Time ``tasks``; the cases of one (workload, size) are built together and their repeats interleaved.
+
+    Interleaving (in a rotating order) spreads any drift of the machine over every
+    strategy that a ratio compares, instead of charging it to whichever ran last.
+    """
+    results: dict[str, dict[str, Any]] = {w: {} for w in cfg.workloads}
+    guard: dict[str, Any] = {}
+    stage_only: dict[str, Any] = {}
+    sync = make_sync(m.env.device)
+    target_s = cfg.target_ms / 1000.0
+    groups: dict[tuple[str, int], list[Task]] = {}
+    for t in tasks:
+        groups.setdefault((t.workload, t.size), []).append(t)
+    cols = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn())
+    with Progress(*cols, console=console, transient=True, disable=not show_progress) as prog:
+        bar = prog.add_task("bench", total=len(tasks) * (cfg.repeats + 2))
+        for (wl, size), group in groups.items():
+            where = f"{wl} {SIZE_NAMES[wl]}={size}"
+            live: list[_Live] = []
+            for t in group:
+                s = t.strategy
+                prog.update(bar, description=f"{where}: warm-up {s.name}")
+                with tier_env(s.tier):
+                    case = s.build(m.env, size)
+                    iters = prepare(case.step, sync, cfg.iters, target_s, case.min_warmup, case.fixed_iters)
+                live.append(_Live(t, case, iters))
+                prog.advance(bar)
+            for r in range(cfg.repeats):
+                prog.update(bar, description=f"{where}: repeat {r + 1}/{cfg.repeats}")
+                gc.collect()
+                k = r % len(live)
+                for lv in live[k:] + live[:k]:
+                    with tier_env(lv.task.strategy.tier):
+                        capabilities(m.env.device)  # probed now, never inside the timed steps
+                        h, e = time_repeat(lv.case.step, sync, lv.iters)
+                    lv.hs.append(h)
+                    lv.es.append(e)
+                    prog.advance(bar)
+            for lv in live:
+                s = lv.task.strategy
+                with tier_env(s.tier):
+                    extra = lv.case.finish()
+                row = {**asdict(summarise(lv.hs, lv.es, lv.iters)), **extra}
+                if lv.task.section == "guard":
+                    guard.setdefault(s.name, {})[str(size)] = row
+                elif lv.task.section == "stage_only":
+                    stage_only.setdefault(s.name, {})[str(size)] = row
+                else:
+                    tier = s.tier.name if s.tier is not None else None
+                    entry = results[wl].setdefault(
+                        s.name, {"label": s.label, "kind": s.kind, "tier": tier, "sizes": {}})
+                    entry["sizes"][str(size)] = row
+                prog.advance(bar)
+            del live
+    _add_staging(results)
+    return {"results": results, "guard_raw": guard, "stage_only": stage_only}
+
+
+def _add_staging(results: dict[str, dict[str, Any]]) -> None:
+    """staging = strategy - floor, per size (micro and decode)."""
+    for wl in ("micro", "decode"):
+        floor = results.get(wl, {}).get("floor")
+        if not floor:
+            continue
+        for entry in results[wl].values():
+            for size, row in entry["sizes"].items():
+                f = floor["sizes"].get(size)
+                if f is not None:
+                    row["staging_host_us"] = round(row["host_us"] - f["host_us"], 3)
+                    row["staging_e2e_us"] = round(row["e2e_us"] - f["e2e_us"], 3)
+
+
+def guard_cost(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per tier and structure: guard='wait' minus guard='off', µs per step."""
+    out: dict[str, Any] = {}
+    for name, by_size in raw.items():
+        base, _, mode = name.partition(".guard_")
+        if mode != "wait":
+            continue
+        off = raw.get(f"{base}.guard_off", {})
+        for size, w in by_size.items():
+            o = off.get(size)
+            if o is None:
+                continue
+            what, _, tier = base.partition("_")
+            out.setdefault(base, {})[size] = {
+                "structure": {"stager": "StepStager", "pool": "UvaBufferPool per array"}.get(what, what),
+                "tier": tier.upper(),
+                "wait_host_us": w["host_us"], "off_host_us": o["host_us"],
+                "wait_e2e_us": w["e2e_us"], "off_e2e_us": o["e2e_us"],
+                "delta_host_us": round(w["host_us"] - o["host_us"], 3),
+                "delta_e2e_us": round(w["e2e_us"] - o["e2e_us"], 3),
+                "guard_waits": w.get("guard_waits", 0),
+                "guard_active": w.get("guard") == "wait" if "guard" in w else None,
+            }
+    return out
+
+
+# --- ratios -------------------------------------------------------------------------------------
+
+
+def _value(results: dict[str, Any], wl: str, strat: str, size: int, key: str) -> float | None:
+    row = results.get(wl, {}).get(strat, {}).get("sizes", {}).get(str(size))
+    if row is None:
+        return None
+    v = row.get(key)
+    return float(v) if v is not None else None
+
+
+def _ratio(description: str, results: dict[str, Any], wl: str, size: int, num: str, den: str,
+           metric: str, op: str, target: float) -> dict[str, Any]:
+    """One target: ``num/den`` of ``metric`` ('staging' or 'step') at ``size``, against ``target``."""
+    key = {"staging": "staging_{}_us", "step": "{}_us"}[metric]
+    entry: dict[str, Any] = {
+        "description": description, "workload": wl, "size": size, "metric": f"{metric} (e2e µs)",
+        "numerator": num, "denominator": den, "op": op, "target": target,
+    }
+    e2e, host = key.format("e2e"), key.format("host")
+    nv, dv = _value(results, wl, num, size, e2e), _value(results, wl, den, size, e2e)
+    nh, dh = _value(results, wl, num, size, host), _value(results, wl, den, size, host)
+    entry.update(numerator_us=nv, denominator_us=dv)
+    if nv is None or dv is None:
+        missing = [f"{wl} {s} at {SIZE_NAMES[wl]}={size}" for s, v in ((num, nv), (den, dv)) if v is None]
+        entry.update(measured=None, passed=None, missing=missing,
+                     skipped=f"not measured in this run: {', '.join(missing)}")
+        return entry
+    if dv <= 0:
+        entry.update(measured=None, passed=None,
+                     skipped=f"{den} is not above the floor ({dv} µs): no ratio")
+        return entry
+    r = nv / dv
+    entry["measured"] = round(r, 4)
+    entry["measured_host"] = round(nh / dh, 4) if nh is not None and dh and dh > 0 else None
+    entry["passed"] = bool(r <= target) if op == "<=" else bool(r >= target)
+    return entry
+
+
+def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequence[Tier],
+                   cfg: BenchConfig, device: str) -> dict[str, Any]:
+    n = RATIO_N
+    best = tiers_run[0] if tiers_run else None
+    sw_name = f"staged_write_{W.TIER_NAMES[best]}" if best is not None else "staged_write_uva"
+    out: dict[str, Any] = {
+        "uva_stager_vs_pinned_per_array": _ratio(
+            "UVA StepStager staging cost / per-array pinned copies' (fixed pinned buffer per array "
+            "+ async copy, vLLM V1 style)", results, "micro", n, "stager_uva", "pinned_buffer_per_array",
+            "staging", "<=", 0.2),
+        "pinned_stager_vs_pinned_per_array": _ratio(
+            "PINNED StepStager staging cost / per-array pinned copies'", results, "micro", n,
+            "stager_pinned", "pinned_buffer_per_array", "staging", "<=", 0.3),
+        "pageable_stager_vs_seed_nonuva": _ratio(
+            "PAGEABLE StepStager staging cost / the seed's NonUvaBuffer per array", results,
+            "micro", n, "stager_pageable", "seed_pageable_per_array", "staging", "<=", 0.25),
+        "staged_write_256_speedup": _ratio(
+            f"per-row indexed copies / StagedWriteTensor ({best.name if best is not None else '-'}) "
+            f"for {RATIO_EDITS} one-element edits (stage_write x {RATIO_EDITS} + apply_write)", results,
+            "writes", RATIO_EDITS, "row_copy_per_edit", sw_name, "step", ">=", 20.0),
+        "decode_pageable_vs_uva": _ratio(
+            "decode loop step time: PAGEABLE StepStager / UVA StepStager", results, "decode",
+            cfg.batch, "stager_pageable", "stager_uva", "step", "<=", 1.5),
+    }
+    # the nano-vllm flavour of 'per-array pinned copies', for reference
+    for key, strat in (("uva_stager_vs_pinned_per_array", "stager_uva"),
+                       ("pinned_stager_vs_pinned_per_array", "stager_pinned")):
+        alt = _ratio("", results, "micro", n, strat, "pinned_tensor_per_array", "staging", "<=", 0)
+        out[key]["vs_pinned_tensor_per_array"] = alt.get("measured")
+    so = stage_only.get(f"{sw_name}.stage_only", {}).get(str(RATIO_EDITS))
+    full = _value(results, "writes", sw_name, RATIO_EDITS, "e2e_us")
+    rc = _value(results, "writes", "row_copy_per_edit", RATIO_EDITS, "e2e_us")
+    if so is not None and full is not None and rc is not None:
+        apply_us = full - so["e2e_us"]
+        out["staged_write_256_speedup"]["breakdown"] = {
+            "stage_write_x_edits_e2e_us": so["e2e_us"], "apply_e2e_us": round(apply_us, 3),
+            "row_copies_e2e_us": rc, "ratio_apply_only": round(rc / apply_us, 3) if apply_us > 0 else None,
+        }
+    # no tier slower than the seed's UVA-pool path by more than 10%
+    parts = []
+    for wl, size in (("micro", n), ("decode", cfg.batch)):
+        for t in tiers_run:
+            parts.append(_ratio(f"{wl}: {t.name} StepStager / seed UVA pool", results, wl, size,
+                                f"stager_{W.TIER_NAMES[t]}", "seed_uva_pool_per_array", "step", "<=", 1.10))
+    got = [p for p in parts if p.get("measured") is not None]
+    worst = max(got, key=lambda p: p["measured"]) if got else None
+    out["no_tier_slower_than_seed_uva"] = {
+        "description": "every tier's StepStager step time / the seed's UVA-pool step time (micro K=8 N=64 "
+                       "and decode loop); measured is the worst",
+        "metric": "step (e2e µs)", "op": "<=", "target": 1.10,
+        "measured": worst["measured"] if worst else None,
+        "worst": f"{worst['workload']} {worst['numerator']}" if worst else None,
+        "passed": all(p["passed"] for p in got) if got else None,
+        "parts": [{k: p.get(k) for k in ("workload", "numerator", "measured", "passed", "skipped")}
+                  for p in parts],
+    }
+    if not got:
+        missing = sorted({x for p in parts for x in p.get("missing", [])})
+        out["no_tier_slower_than_seed_uva"]["skipped"] = (
+            f"not measured in this run: {', '.join(missing)}" if missing else "no stagebuf tier ran")
+    for entry in out.values():
+        entry["device"] = device
+        if cfg.k != 8 and entry.get("workload") == "micro":
+            entry["note"] = f"K={cfg.k}; the target assumes K=8"
+    return out
+
+
+# --- metadata -----------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
+                           cwd=Path(__file__).resolve().parent)
+    except Exception:
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _driver_version() -> str | None:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=10)
+    except Exception:
+        return None
+    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+
+
+def command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith("__main__.py"):
+        return "python3 -m stagebuf " + " ".join(shlex.quote(a) for a in argv[1:])
+    if argv and Path(argv[0]).name == "stagebuf":
+        return "stagebuf " + " ".join(shlex.quote(a) for a in argv[1:])
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def metadata(m: Machine, cfg: BenchConfig) -> dict[str, Any]:
+    versions = dict(m.caps.versions)
+    if m.env.cuda:
+        drv = _driver_version()
+        if drv:
+            versions["driver"] = drv
+    commit = _git("rev-parse", "HEAD") or os.environ.get("STAGEBUF_BENCH_COMMIT")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "command": command_line(),
+        "argv": list(sys.argv),
+        "config": asdict(cfg),
+        "commit": commit,
+        "dirty": bool(status) if status is not None else None,
+        "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": str(m.env.device),
+        "device_name": versions.get("device_name", platform.processor() or platform.machine()),
+        "versions": versions,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "capabilities": m.caps.as_dict(),
+    }
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    res = report["results"]
+    for wl in WORKLOADS:
+        data = res.get(wl)
+        if not data:
+            continue
+        sizes = sorted({int(s) for e in data.values() for s in e["sizes"]})
+        title = {"micro": f"micro: K={report['config']['k']} int32 arrays of N per step",
+                 "decode": "decode loop: per-request arrays + block table + slot mapping",
+                 "writes": "staged writes: one-element edits per apply"}[wl]
+        has_staging = wl in ("micro", "decode") and "floor" in data
+        cap = f"{UNITS[wl]}, median: host / device-synchronised"
+        if has_staging:
+            cap += "; (+x) = staging cost: synchronised time minus the floor's"
+        tab = Table(title=title, caption=cap, title_justify="left")
+        tab.add_column("strategy", no_wrap=True)
+        for n in sizes:
+            tab.add_column(f"{SIZE_NAMES[wl]}={n}", justify="right", no_wrap=True)
+        if wl == "decode":
+            tab.add_column("checks", justify="right")
+        for name, e in data.items():
+            cells = []
+            for n in sizes:
+                row = e["sizes"].get(str(n))
+                if row is None:
+                    cells.append("-")
+                    continue
+                c = f"{_fmt(row['host_us'])} / {_fmt(row['e2e_us'])}"
+                if has_staging and name != "floor" and "staging_e2e_us" in row:
+                    c += f" (+{_fmt(row['staging_e2e_us'])})"
+                cells.append(c)
+            if wl == "decode":
+                first = next(iter(e["sizes"].values()))
+                cells.append(str(first.get("checks", "-")))
+            tab.add_row(name, *cells)
+        console.print(tab)
+    if report.get("guard_cost"):
+        tab = Table(title="guard cost: guard='wait' minus guard='off'", title_justify="left",
+                    caption="e2e µs per step")
+        for c in ("structure", "tier", "size", "wait", "off", "delta", "waits"):
+            tab.add_column(c, justify="right" if c not in ("structure", "tier") else "left")
+        for by_size in report["guard_cost"].values():
+            for size, g in by_size.items():
+                tab.add_row(g["structure"], g["tier"], size, _fmt(g["wait_e2e_us"]), _fmt(g["off_e2e_us"]),
+                            f"{g['delta_e2e_us']:+.2f}", str(g["guard_waits"]))
+        console.print(tab)
+    tab = Table(title=f"targets (device {report['device']})", title_justify="left")
+    for c in ("target", "measured", "goal", "result"):
+        tab.add_column(c)
+    for name, r in report["ratios"].items():
+        if r.get("measured") is None:
+            verdict = f"[yellow]skipped[/]: {escape(r.get('skipped', ''))}"
+        else:
+            verdict = "[green]pass[/]" if r["passed"] else "[red]FAIL[/]"
+        goal = f"{r['op']} {r['target']}"
+        tab.add_row(name, "-" if r.get("measured") is None else f"{r['measured']:.3f}", goal, verdict)
+    console.print(tab)
+    if report["skipped"]:
+        console.print("[bold]skipped[/]:")
+        for s in report["skipped"]:
+            wl = "all workloads" if s["workload"] == "*" else s["workload"]
+            console.print(escape(f"  {wl} {s['strategy']}: {s['reason']}"), highlight=False)
+    console.print(f"total {report['elapsed_s']:.1f} s", highlight=False)
+
+
+def _cell(row: dict[str, Any] | None, staging: bool) -> str:
+    if row is None:
+        return "-"
+    c = f"{_fmt(row['host_us'])} / {_fmt(row['e2e_us'])}"
+    if staging and "staging_e2e_us" in row:
+        c += f" (+{_fmt(row['staging_e2e_us'])})"
+    return c
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report's tables as Markdown (what docs/BENCHMARKS.md shows), all from this one report."""
+    v = report.get("versions", {})
+    lines = [
+        "| | |", "|---|---|",
+        f"| command | `{report.get('command', '?')}` |",
+        f"| commit | `{report.get('commit') or '?'}`{' (dirty tree)' if report.get('dirty') else ''} |",
+        f"| device | {report.get('device_name', '?')} ({report.get('device', '?')}) |",
+        f"| torch / CUDA runtime | {v.get('torch', '?')} / {v.get('cuda_runtime', '-')} |",
+        f"| driver | {v.get('driver', '-')} (CUDA driver API {v.get('cuda_driver_api', '-')}) |",
+        f"| Triton / cuda-bindings | {v.get('triton', '-')} / {v.get('cuda_bindings', '-')} |",
+        f"| python / torch threads | {v.get('python', '?')} / {report.get('torch_threads', '?')} |",
+        f"| started (UTC) / total | {report.get('started_utc', '?')} / {report.get('elapsed_s', '?')} s |",
+        "",
+    ]
+    res = report["results"]
+    for wl in WORKLOADS:
+        data = res.get(wl)
+        if not data:
+            continue
+        sizes = sorted({int(s) for e in data.values() for s in e["sizes"]})
+        staging = wl in ("micro", "decode") and "floor" in data
+        lines.append(f"#### {wl}: {UNITS[wl]}, median host / device-synchronised"
+                     + (" (+ staging = synchronised minus the floor)" if staging else ""))
+        lines.append("")
+        head = ["strategy", "what"] + [f"{SIZE_NAMES[wl]}={n}" for n in sizes]
+        if wl == "decode":
+            head.append("checks")
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name, e in data.items():
+            cells = [f"`{name}`", e.get("label", "")]
+            cells += [_cell(e["sizes"].get(str(n)), staging and name != "floor") for n in sizes]
+            if wl == "decode":
+                cells.append(str(next(iter(e["sizes"].values())).get("checks", "-")))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    if report.get("guard_cost"):
+        lines += ["#### guard cost: guard='wait' minus guard='off' (µs per step, device-synchronised)", "",
+                  "| structure | tier | N | wait | off | delta | waits |", "|---|---|---|---|---|---|---|"]
+        for by_size in report["guard_cost"].values():
+            for size, g in by_size.items():
+                lines.append(f"| {g['structure']} | {g['tier']} | {size} | {_fmt(g['wait_e2e_us'])} | "
+                             f"{_fmt(g['off_e2e_us'])} | {g['delta_e2e_us']:+.2f} | {g['guard_waits']} |")
+        lines.append("")
+    lines += ["#### targets", "", "| target | definition | measured | goal | result |",
+              "|---|---|---|---|---|"]
+    for name, r in report["ratios"].items():
+        if r.get("measured") is None:
+            got, verdict = "-", f"skipped: {r.get('skipped', '')}"
+        else:
+            got, verdict = f"{r['measured']:.3f}", "pass" if r["passed"] else "**FAIL**"
+        goal = f"{r['op']} {r['target']}"
+        lines.append(f"| `{name}` | {r.get('description', '')} | {got} | {goal} | {verdict} |")
+    lines.append("")
+    if report.get("skipped"):
+        lines += ["Skipped:", ""]
+        lines += [f"- {'all workloads' if s['workload'] == '*' else s['workload']} `{s['strategy']}`: "
+                  f"{s['reason']}" for s in report["skipped"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """µs per step against size, one line per strategy, log axes (micro, writes); decode as bars."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    res = report["results"]
+    panels = [w for w in WORKLOADS if res.get(w)]
+    fig = Figure(figsize=(6.5 * max(len(panels), 1), 5.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, wl in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        data = res[wl]
+        if wl == "decode":
+            names = list(data)
+            vals = [next(iter(data[n]["sizes"].values()))["e2e_us"] for n in names]
+            colors = {"baseline": "0.6", "floor": "0.85", "stagebuf": "C0"}
+            ax.barh(names, vals, color=[colors.get(data[n]["kind"], "C0") for n in names])
+            for y, v in enumerate(vals):
+                ax.annotate(_fmt(v), (v, y), xytext=(3, 0), textcoords="offset points", va="center",
+                            fontsize=7)
+            ax.set_xscale("log")
+            ax.set_xlabel(f"{UNITS[wl]} (device-synchronised, batch {report['config']['batch']})")
+            ax.invert_yaxis()
+        else:
+            for name, e in data.items():
+                xs = sorted(int(s) for s in e["sizes"])
+                ys = [e["sizes"][str(x)]["e2e_us"] for x in xs]
+                style = "--" if e["kind"] == "baseline" else ":" if e["kind"] == "floor" else "-"
+                ax.plot(xs, ys, style, marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel(SIZE_NAMES[wl] + (" (int32 per array)" if wl == "micro" else " per apply"))
+            ax.set_ylabel(f"{UNITS[wl]} (device-synchronised)")
+            ax.legend(fontsize=7)
+            ax.grid(True, which="both", alpha=0.3)
+        ax.set_title(wl)
+    commit = (report.get("commit") or "?")[:10]
+    fig.suptitle(f"stagebuf bench on {report['device_name']} ({report['device']}), commit {commit}")
+    fig.savefig(path, dpi=120)
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def run(cfg: BenchConfig, console: Console | None = None, show_progress: bool | None = None
+        ) -> dict[str, Any]:
+    """Run the bench; the report (as written by ``--json``). Raises BenchCheckError on a wrong answer."""
+    console = console or Console()
+    t0 = time.perf_counter()
+    m = detect(cfg)
+    tiers, _ = _tiers_to_run(cfg, m)
+    tasks, skipped = plan(cfg, m)
+    report = metadata(m, cfg)
+    report["tiers"] = {"available": [t.name for t in m.available], "measured": [t.name for t in tiers]}
+    if show_progress is None:
+        show_progress = console.is_terminal
+    # On the CPU, torch's parallel ops stall for a scheduler slice whenever another process
+    # holds a core; one thread (an engine's host thread) keeps CPU numbers stable.
+    threads = cfg.threads or (1 if m.env.device.type == "cpu" else None)
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    report["torch_threads"] = torch.get_num_threads()
+    try:
+        out = run_tasks(cfg, m, tasks, console, show_progress)
+    finally:
+        torch.set_num_threads(old_threads)
+    report["results"] = out["results"]
+    report["units"] = {w: UNITS[w] for w in cfg.workloads}
+    report["guard_cost"] = guard_cost(out["guard_raw"])
+    report["staged_write_stage_only"] = out["stage_only"]
+    report["skipped"] = skipped
+    report["ratios"] = compute_ratios(out["results"], out["stage_only"], tiers, cfg, str(m.env.device))
+    report["elapsed_s"] = round(time.perf_counter() - t0, 2)
+    return report
+
+
+def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        out = tuple(int(v) for v in value.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated integers", param_hint=name) from None
+    if not out or any(v < 1 for v in out):
+        raise click.BadParameter(f"{value!r}: expected integers >= 1", param_hint=name)
+    return out
+
+
+@click.command("bench")
+@click.option("--quick", is_flag=True, help="Small sizes and short repeats: a CPU-only CI run (< 60 s).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the full report (medians, samples, ratios, versions) to this file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG: µs per step against size, one line per strategy, log axes.")
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the tables as Markdown (environment, results, guard cost, targets).")
+@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Run nothing: print (and --plot/--markdown) the report of an earlier --json run.")
+@click.option("--tier", "tiers", multiple=True,
+              type=click.Choice([t.name.lower() for t in Tier], case_sensitive=False),
+              help="Only these stagebuf tiers (repeatable); baselines always run. Default: all available.")
+@click.option("--workload", "workloads", multiple=True, type=click.Choice(WORKLOADS),
+              help="Only these workloads (repeatable). Default: all.")
+@click.option("--sizes", default=None, help="micro: N values, comma-separated [64,512,4096,32768].")
+@click.option("--edits", default=None, help="staged writes: edit counts, comma-separated [1,4,...,4096].")
+@click.option("-k", "--arrays", "k", type=click.IntRange(1, 256), default=None,
+              help="micro: arrays per step [8].")
+@click.option("--batch", type=click.IntRange(1, 65536), default=None, help="decode: requests per step [256].")
+@click.option("--repeats", type=click.IntRange(1, 1000), default=None, help="Timed repeats per case [5].")
+@click.option("--iters", type=click.IntRange(2, 10_000_000), default=None,
+              help="Most steps per repeat [2000]; fewer when a step is slow (see --target-ms).")
+@click.option("--target-ms", type=click.FloatRange(0.1, 60_000), default=None,
+              help="Aim for repeats of about this long [150].")
+@click.option("--decode-steps", type=click.IntRange(2, 10_000_000), default=None,
+              help="decode: timed steps per repeat, the same for every strategy [500].")
+@click.option("--check-every", type=click.IntRange(1, 1_000_000), default=None,
+              help="decode: check the device result against the host model every N steps [50].")
+@click.option("--device", default=None, help="Target device (default: current accelerator, else cpu).")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              help="torch intra-op threads during the run [1 on a CPU device, else torch's default].")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
+@click.option("--strict", is_flag=True, help="Exit with status 3 when a measured target fails.")
+def bench(quick: bool, json_path: str | None, plot_path: str | None, md_path: str | None,
+          from_json: str | None, tiers: tuple[str, ...],
+          workloads: tuple[str, ...], sizes: str | None, edits: str | None, k: int | None, batch: int | None,
+          repeats: int | None, iters: int | None, target_ms: float | None, decode_steps: int | None,
+          check_every: int | None, device: str | None, threads: int | None, progress: bool | None,
+          strict: bool) -> None:
+    """Time every staging strategy (baselines, stagebuf per tier, the floor) and the targets' ratios."""
+    cfg = BenchConfig.make(
+        quick, device=device, tiers=tuple(t.lower() for t in tiers),
+        workloads=tuple(w for w in WORKLOADS if w in workloads) or None,
+        sizes=_ints(sizes, "--sizes"), edits=_ints(edits, "--edits"), k=k, batch=batch, repeats=repeats,
+        iters=iters, target_ms=target_ms, decode_steps=decode_steps, check_every=check_every,
+        threads=threads)
+    console = Console(width=None if sys.stdout.isatty() else 180)
+    if from_json:
+        report = json.loads(Path(from_json).read_text())
+    else:
+        try:
+            report = run(cfg, console, progress)
+        except W.BenchCheckError as e:
+            console.print(f"[bold red]WRONG ANSWER[/]: {escape(str(e))}", highlight=False)
+            raise click.ClickException(f"the bench found a wrong device result: {e}") from e
+    render(report, console)
+    if json_path and not from_json:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        console.print(f"wrote {json_path}", highlight=False)
+    if plot_path:
+        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+        plot(report, plot_path)
+        console.print(f"wrote {plot_path}", highlight=False)
+    if md_path:
+        Path(md_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(md_path).write_text(markdown(report))
+        console.print(f"wrote {md_path}", highlight=False)
+    if strict and any(r.get("passed") is False for r in report["ratios"].values()):
+        raise SystemExit(3)

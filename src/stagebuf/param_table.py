@@ -1,0 +1,154 @@
+"""``DeviceParamTable``: per-request parameters written on the host, uploaded only when changed.
+
+All fields (``name -> dtype``, ``num_rows`` values each) live in one packed host
+arena, each at a 16-byte-aligned offset; users write ``table[name].np`` directly.
+``table[name].gpu`` is a typed view of one fixed device arena (its address never
+changes, so CUDA graphs may read it). ``sync()`` compares the host arena with a
+shadow of what was last uploaded and, only if a byte differs, snapshots the
+host arena into the next of ``max_concurrency`` round-robin staging slots and
+issues one stream-ordered copy of the whole arena from that slot. The copy
+reads the snapshot, not the arena, so host writes after ``sync()`` never race
+the copy in flight; the slot-reuse guard (see :mod:`stagebuf.guard`) makes
+sure a slot's previous copy is done before the slot is written again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .buffers import StagingBuffer, make_buffer
+from .capabilities import capabilities
+from .convert import torch_dtype
+from .guard import SlotGuard
+from .memory import alloc_device, alloc_host
+from .pool import empty_stats, slot_count
+from .tier import Tier
+
+_ALIGN = 16
+
+
+class ParamField:
+    """One field of a DeviceParamTable: ``.np``/``.cpu`` on the host, ``.gpu`` on the device."""
+
+    __slots__ = ("name", "dtype", "offset", "cpu", "np", "gpu")
+
+    def __init__(self, name: str, dtype: torch.dtype, offset: int, cpu: torch.Tensor, gpu: torch.Tensor):
+        self.name = name
+        self.dtype = dtype
+        self.offset = offset
+        self.cpu = cpu
+        self.np: np.ndarray = cpu.numpy()
+        self.gpu = gpu
+
+    def __repr__(self) -> str:
+        return f"ParamField({self.name!r}, dtype={self.dtype}, rows={self.cpu.shape[0]})"
+
+
+class DeviceParamTable:
+    """Per-row parameters (e.g. sampling temperature, top-k) mirrored on the device."""
+
+    def __init__(
+        self,
+        num_rows: int,
+        fields: Mapping[str, Any],
+        device: Any,
+        max_concurrency: int | None = None,
+    ):
+        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or num_rows < 0:
+            raise ValueError(f"num_rows={num_rows!r} must be an int >= 0")
+        if not isinstance(fields, Mapping) or not fields:
+            raise ValueError(f"fields={fields!r} must be a non-empty dict of name -> torch dtype")
+        self.num_rows = int(num_rows)
+        layout: list[tuple[str, torch.dtype, int]] = []
+        off = 0
+        for name, dt in fields.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"field name {name!r} must be a non-empty str")
+            dtype = torch_dtype(dt, f"fields[{name!r}]")
+            layout.append((name, dtype, off))
+            nbytes = self.num_rows * torch.empty((), dtype=dtype).element_size()
+            off = (off + nbytes + _ALIGN - 1) & -_ALIGN
+        self.nbytes = max(off, _ALIGN)
+        caps = capabilities(device)
+        self.device = caps.device
+        self.max_concurrency = slot_count(max_concurrency)
+        self._host = alloc_host((self.nbytes,), torch.uint8, pinned=False)
+        self._host_np = self._host.numpy()
+        self._shadow = np.zeros(self.nbytes, np.uint8)  # the device arena starts zero-filled too
+        self._dev = alloc_device((self.nbytes,), torch.uint8, self.device)
+        self._slots: list[StagingBuffer] = [
+            make_buffer(self.nbytes, torch.uint8, self.device) for _ in range(self.max_concurrency)
+        ]
+        self._guard = SlotGuard(self.max_concurrency, self.device, "auto", self.tier, "param table slot")
+        self._cur = -1
+        self._seq = 0
+        self._stats = {**empty_stats(), "skipped": 0, "syncs": 0}
+        self._fields: dict[str, ParamField] = {}
+        for name, dtype, o in layout:
+            n = self.num_rows * torch.empty((), dtype=dtype).element_size()
+            self._fields[name] = ParamField(name, dtype, o, self._host[o: o + n].view(dtype),
+                                            self._dev[o: o + n].view(dtype))
+
+    @property
+    def tier(self) -> Tier:
+        """The tier of the staging slots (the lowest, if a run-time fallback split them)."""
+        return max(s.tier for s in self._slots)
+
+    @property
+    def fields(self) -> dict[str, torch.dtype]:
+        return {name: f.dtype for name, f in self._fields.items()}
+
+    def __getitem__(self, name: str) -> ParamField:
+        try:
+            return self._fields[name]
+        except KeyError:
+            raise KeyError(f"no field {name!r}; fields: {', '.join(self._fields)}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fields
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def changed(self) -> bool:
+        """True when a host value differs from what was last uploaded."""
+        return not np.array_equal(self._host_np.view(np.uint64), self._shadow.view(np.uint64))
+
+    def sync(self, force: bool = False) -> bool:
+        """Upload every field with one stream-ordered copy if a host value changed (or ``force``).
+
+        Returns True when a copy was issued, False when the device already held
+        the host values.
+        """
+        self._stats["syncs"] += 1
+        if not force and not self.changed():
+            self._stats["skipped"] += 1
+            return False
+        if self._cur >= 0:
+            self._guard.mark(self._cur, self._seq - 1)
+        self._cur = (self._cur + 1) % self.max_concurrency
+        self._guard.acquire(self._cur, self._seq)
+        self._seq += 1
+        slot = self._slots[self._cur]
+        np.copyto(slot.np, self._host_np)
+        np.copyto(self._shadow, self._host_np)
+        slot.copy_to(self._dev, self.nbytes)
+        if slot.tier is not Tier.HOST:
+            self._stats["transfers"] += 1
+            self._stats["bytes"] += self.nbytes
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """transfers, bytes, growths, guard_waits, skipped (syncs with nothing to upload), syncs."""
+        return {**self._stats, "guard_waits": self._guard.waits}
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"{n}: {str(f.dtype).replace('torch.', '')}" for n, f in self._fields.items())
+        return f"DeviceParamTable(num_rows={self.num_rows}, fields={{{names}}}, device={self.device})"

@@ -1,0 +1,707 @@
+"""Differential fuzzing: random call sequences against a pure-numpy model of the device.
+
+Each ``RuleBasedStateMachine`` drives one public object (pool, backed tensor,
+step stager, staged-write tensor, fused writer, param table) through random
+sequences of calls: lengths that cross growth, every supported dtype and input
+kind (list, ndarray, tensor, non-contiguous), and invalid calls that must be
+refused without changing anything. After every step the device contents are
+read back and compared with a numpy model kept by the machine itself: the model
+never calls stagebuf to compute an expected value.
+
+Each machine also runs in a lazy variant (``*_async``): every result is read by a
+device kernel queued behind a ``torch.cuda._sleep``, with no synchronisation until
+the example ends, so the host runs ahead and reuses slots while the device may
+still read them. Only the slot guards keep those reads right. On the CPU, where
+nothing is asynchronous, the lazy variants run a fifth of the examples.
+
+Tiers: HOST and PAGEABLE (targeting the CPU) run everywhere, with a bounded
+example count; UVA, PINNED and PAGEABLE on the CUDA device carry the ``gpu``
+marker. Knobs (environment):
+
+* ``STAGEBUF_FUZZ_EXAMPLES``: examples per machine and tier (default 25)
+* ``STAGEBUF_FUZZ_STEPS``: steps per example (default 30)
+* ``STAGEBUF_FUZZ_REPORT``: a JSON file that receives the examples and steps run
+  per machine and tier (merged with what the file already holds)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import stagebuf
+from stagebuf import StepStager, Tier, UvaBackedTensor, UvaBufferPool
+
+try:
+    from stagebuf.staged_write import FusedStagedWriter, StagedWriteTensor
+except ImportError:  # pragma: no cover - the module is part of the package
+    StagedWriteTensor = FusedStagedWriter = None  # type: ignore[assignment,misc]
+try:
+    from stagebuf.param_table import DeviceParamTable
+except ImportError:  # pragma: no cover
+    DeviceParamTable = None  # type: ignore[assignment,misc]
+
+EXAMPLES = int(os.environ.get("STAGEBUF_FUZZ_EXAMPLES", "25"))
+STEPS = int(os.environ.get("STAGEBUF_FUZZ_STEPS", "30"))
+FUZZ_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
+
+# (STAGEBUF_TIER, device): the CPU tiers target the CPU explicitly so that they mean the
+# same on a GPU machine; the CUDA tiers use the default device.
+TIER_PARAMS = [
+    pytest.param("host", "cpu", id="host"),
+    pytest.param("pageable", "cpu", id="pageable-cpu"),
+    pytest.param("uva", None, id="cuda-uva", marks=pytest.mark.gpu),
+    pytest.param("pinned", None, id="cuda-pinned", marks=pytest.mark.gpu),
+    pytest.param("pageable", None, id="cuda-pageable", marks=pytest.mark.gpu),
+]
+
+NP_DTYPES = [np.dtype(d) for d in (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64,
+                                   np.float16, np.float32, np.float64)]
+TORCH_OF = {np.dtype(np.bool_): torch.bool, np.dtype(np.uint8): torch.uint8, np.dtype(np.int8): torch.int8,
+            np.dtype(np.int16): torch.int16, np.dtype(np.int32): torch.int32,
+            np.dtype(np.int64): torch.int64, np.dtype(np.float16): torch.float16,
+            np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+KINDS = ["ndarray", "list", "tensor", "strided-tensor", "strided-ndarray"]
+
+COUNTS: Counter[tuple[str, str, str]] = Counter()
+SLEEP_CYCLES = 200_000  # about 0.1 ms of a GPU clock: long enough for the host to run ahead
+
+
+# --------------------------------------------------------------------------- the model's helpers
+
+
+def rand_array(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Random values of ``dtype`` over its whole range, floats with specials sprinkled in."""
+    if dtype.kind == "b":
+        return rng.random(shape) < 0.5
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    a = (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4)).astype(dtype)
+    if a.size and rng.random() < 0.5:
+        fi = np.finfo(dtype)
+        specials = np.array([np.nan, np.inf, -np.inf, -0.0, fi.max, fi.min, fi.tiny], dtype=dtype)
+        idx = rng.integers(0, a.size, min(a.size, 3))
+        a.reshape(-1)[idx] = rng.choice(specials, idx.shape[0])
+    return a
+
+
+def as_input(a: np.ndarray, kind: str) -> Any:
+    """``a`` in one of the host input kinds the entry points accept."""
+    if kind == "list":
+        return a.tolist()
+    if kind == "tensor":
+        return torch.from_numpy(a.copy())
+    if kind == "strided-tensor":  # every other element of a twice-as-long tensor
+        big = torch.zeros((a.shape[0] * 2, *a.shape[1:]), dtype=TORCH_OF[a.dtype])
+        big[::2] = torch.from_numpy(a.copy())
+        return big[::2]
+    if kind == "strided-ndarray":
+        big = np.zeros((a.shape[0] * 2, *a.shape[1:]), dtype=a.dtype)
+        big[::2] = a
+        return big[::2]
+    return a.copy()
+
+
+def read(t: torch.Tensor) -> np.ndarray:
+    """What the device holds: on CUDA a kernel reads it (through the view on UVA) first."""
+    if t.device.type == "cuda":
+        t = t.clone()
+        torch.cuda.synchronize(t.device)
+    return t.cpu().numpy()
+
+
+def same(got: np.ndarray, want: np.ndarray) -> bool:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if want.dtype.kind == "f":
+        return bool(np.array_equal(got, want, equal_nan=True)
+                    and np.array_equal(np.signbit(got), np.signbit(want)))
+    return bool(np.array_equal(got, want))
+
+
+def assert_same(t: torch.Tensor, want: np.ndarray, what: str) -> None:
+    got = read(t)
+    assert same(got, want), f"{what}: device holds\n{got!r}\nmodel says\n{want!r}"
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+seeds = st.integers(0, 2**32 - 1)
+
+
+# --------------------------------------------------------------------------- the machines
+
+
+class TierMachine(RuleBasedStateMachine):
+    """Base: the tier and device under test, and the counters."""
+
+    tier_name: ClassVar[str] = "host"
+    device: ClassVar[str | None] = "cpu"
+    label: ClassVar[str] = "base"
+    lazy: ClassVar[bool] = False
+    """Asynchronous consumers: each result is read by a device kernel queued behind a sleep, with
+    no synchronisation until the example ends, so the host runs ahead and reuses slots while the
+    device may still read them; only the slot guards keep the results right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        COUNTS[(self.label, self.tier_id(), "examples")] += 1
+        self.snaps: list[tuple[torch.Tensor, np.ndarray, str]] = []
+
+    def consume(self, t: torch.Tensor, want: np.ndarray, what: str) -> None:
+        """Lazy mode: queue a device read of ``t`` now, compare it when the example ends."""
+        if not self.lazy:
+            return
+        if t.device.type == "cuda":
+            torch.cuda._sleep(SLEEP_CYCLES)  # the stream falls behind the host
+        self.snaps.append((t.clone(), want.copy(), what))
+
+    def teardown(self) -> None:
+        if not self.snaps:
+            return
+        if any(t.device.type == "cuda" for t, _, _ in self.snaps):
+            torch.cuda.synchronize()
+        for i, (t, want, what) in enumerate(self.snaps):
+            got = t.cpu().numpy()
+            assert same(got, want), f"read {i} ({what}) queued on the device saw\n{got!r}\nnot\n{want!r}"
+
+    @classmethod
+    def tier_id(cls) -> str:
+        return f"{cls.tier_name}-{'cpu' if cls.device == 'cpu' else 'cuda'}"
+
+    def count(self) -> None:
+        COUNTS[(self.label, self.tier_id(), "steps")] += 1
+
+    @property
+    def tier(self) -> Tier:
+        return Tier.parse(self.tier_name)
+
+
+class PoolMachine(TierMachine):
+    """UvaBufferPool: copy_to_uva / copy_to_gpu of random lengths, growth included."""
+
+    label = "pool"
+
+    @initialize(dtype=st.sampled_from(NP_DTYPES), rows=st.integers(0, 8),
+                trailing=st.sampled_from([(), (1,), (3,)]), depth=st.integers(1, 4))
+    def build(self, dtype: np.dtype, rows: int, trailing: tuple[int, ...], depth: int) -> None:
+        self.dtype, self.trailing = dtype, trailing
+        self.pool = UvaBufferPool((rows, *trailing), TORCH_OF[dtype], max_concurrency=depth,
+                                  device=self.device)
+        self.slots = max(2, depth)
+        self.caps = [rows] * self.slots  # the model of each slot's first dimension
+        self.next_slot = 0
+        self.growths = 0
+        self.transfers = 0
+        self.window: list[tuple[torch.Tensor, np.ndarray] | None] = []  # the last `slots` calls' results
+        self.owned: list[tuple[torch.Tensor, np.ndarray]] = []  # copy_to_gpu results: never overwritten
+        assert self.pool.tier is self.tier
+
+    def _take_slot(self, n: int) -> None:
+        s = self.next_slot
+        if n > self.caps[s]:
+            self.caps[s] = pow2_at_least(n)
+            self.growths += 1
+        self.next_slot = (s + 1) % self.slots
+
+    @rule(n=st.integers(0, 40), kind=st.sampled_from(KINDS), seed=seeds)
+    def copy_to_uva(self, n: int, kind: str, seed: int) -> None:
+        self.count()
+        a = rand_array(np.random.default_rng(seed), self.dtype, (n, *self.trailing))
+        t = self.pool.copy_to_uva(as_input(a, kind))
+        self._take_slot(n)
+        if self.tier.copies:
+            self.transfers += 1
+        self.window = (self.window + [(t, a)])[-self.slots:]
+        self.consume(t, a, "copy_to_uva")
+
+    @rule(n=st.integers(0, 40), kind=st.sampled_from(KINDS), seed=seeds, with_out=st.booleans())
+    def copy_to_gpu(self, n: int, kind: str, seed: int, with_out: bool) -> None:
+        self.count()
+        a = rand_array(np.random.default_rng(seed), self.dtype, (n, *self.trailing))
+        out = None
+        if with_out:
+            out = torch.full((n, *self.trailing), 1, dtype=TORCH_OF[self.dtype], device=self.pool.device)
+        t = self.pool.copy_to_gpu(as_input(a, kind), out=out)
+        if out is not None:
+            assert t.data_ptr() == out.data_ptr()
+        self._take_slot(n)
+        if self.tier is not Tier.HOST:
+            self.transfers += 1
+        self.owned = (self.owned + [(t, a)])[-8:]
+        self.consume(t, a, "copy_to_gpu")
+        self.window = (self.window + [None])[-self.slots:]  # took a slot: its result is not a view of it
+
+    @rule(data=st.data())
+    def refused(self, data: st.DataObject) -> None:
+        """An invalid input: refused, and no slot taken (the window below still holds)."""
+        self.count()
+        row = self.trailing
+        bad: list[Any] = [
+            np.zeros((2, *row, 2), self.dtype),  # one rank too many
+            None,
+            [[1, "a"]] if row else [1, "a"],  # mixed types
+            torch.zeros((2, *row), dtype=TORCH_OF[self.dtype], device="meta"),  # on another device
+        ]
+        if row:
+            bad.append(np.zeros((2, row[0] + 1), self.dtype))  # rows of the wrong shape
+        if self.dtype.kind in "iu":
+            bad += [np.full((2, *row), np.nan), np.full((2, *row), 2.0**70), np.full((2, *row), 0.5)]
+        if self.dtype.kind != "b":
+            bad.append(np.ones((2, *row), bool))
+        if self.dtype.kind == "f" and self.dtype.itemsize < 8:
+            bad.append(np.full((2, *row), 1e300))  # finite, beyond the dtype's range
+        x = data.draw(st.sampled_from(bad))
+        with pytest.raises((TypeError, ValueError)):
+            self.pool.copy_to_uva(x)
+
+    @invariant()
+    def device_matches_model(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        for i, res in enumerate([] if self.lazy else self.window):
+            if res is None:
+                continue
+            t, a = res
+            assert t.device == self.pool.device and t.dtype == TORCH_OF[self.dtype]
+            assert_same(t, a, f"copy_to_uva result {i} of the last {self.slots}")
+        for t, a in [] if self.lazy else self.owned:
+            assert_same(t, a, "copy_to_gpu result")
+        s = self.pool.stats()
+        assert s["growths"] == self.growths and s["transfers"] == self.transfers
+        assert self.pool.tier is self.tier
+
+
+class BackedMachine(TierMachine):
+    """UvaBackedTensor: host writes through .np / .cpu, publishes of the first n rows."""
+
+    label = "backed"
+
+    @initialize(dtype=st.sampled_from(NP_DTYPES), rows=st.integers(1, 12),
+                trailing=st.sampled_from([(), (2,)]), depth=st.integers(1, 3))
+    def build(self, dtype: np.dtype, rows: int, trailing: tuple[int, ...], depth: int) -> None:
+        self.dtype, self.rows, self.trailing = dtype, rows, trailing
+        self.bt = UvaBackedTensor((rows, *trailing), TORCH_OF[dtype], max_concurrency=depth,
+                                  device=self.device)
+        self.slots = max(2, depth)
+        self.host = np.zeros((rows, *trailing), dtype)
+        self.window = [(self.bt.gpu, self.host.copy())]
+        assert self.bt.tier is self.tier
+
+    @rule(data=st.data(), seed=seeds, via_torch=st.booleans())
+    def host_write(self, data: st.DataObject, seed: int, via_torch: bool) -> None:
+        self.count()
+        lo = data.draw(st.integers(0, self.rows - 1))
+        hi = data.draw(st.integers(lo, self.rows))
+        vals = rand_array(np.random.default_rng(seed), self.dtype, (hi - lo, *self.trailing))
+        if via_torch:
+            self.bt.cpu[lo:hi] = torch.from_numpy(vals.copy())
+        else:
+            self.bt.np[lo:hi] = vals
+        self.host[lo:hi] = vals
+
+    @rule(n=st.one_of(st.none(), st.integers(0, 12)))
+    def publish(self, n: int | None) -> None:
+        self.count()
+        if n is not None and n > self.rows:
+            with pytest.raises(ValueError, match="n="):
+                self.bt.copy_to_uva(n)
+            return
+        g = self.bt.copy_to_uva(n)
+        assert g is self.bt.gpu
+        k = self.rows if n is None else n
+        self.window = (self.window + [(g, self.host[:k].copy())])[-self.slots:]
+        self.consume(g, self.host[:k], f"publish of {k} rows")
+
+    @invariant()
+    def device_matches_model(self) -> None:
+        if not hasattr(self, "bt"):
+            return
+        assert same(self.bt.np, self.host) and same(self.bt.cpu.numpy(), self.host)
+        for t, snap in [] if self.lazy else self.window:  # later host writes never reach a published tensor
+            assert_same(t, snap, "published rows")
+
+
+_STAGE_DTYPES = [None, torch.int32, torch.int64, torch.float32, torch.float16, torch.uint8, torch.bool]
+
+
+class StagerMachine(TierMachine):
+    """StepStager: steps of many arrays (growth inside a step), flushes, abandons, marks."""
+
+    label = "stager"
+
+    @initialize(capacity=st.sampled_from([16, 64, 200, 4096]), depth=st.integers(1, 3))
+    def build(self, capacity: int, depth: int) -> None:
+        self.stager = StepStager(device=self.device, capacity=capacity, max_concurrency=depth)
+        self.slots = max(2, depth)
+        self.step: Any = None
+        self.pending: list[tuple[torch.Tensor, np.ndarray]] = []
+        self.done: list[tuple[int, list[tuple[torch.Tensor, np.ndarray]]]] = []  # (seq, results)
+        self.seq = 0
+        self.transfers = 0
+        assert self.stager.tier is self.tier
+
+    @precondition(lambda self: self.step is None)
+    @rule()
+    def begin(self) -> None:
+        self.count()
+        self.step = self.stager.step()
+        self.pending = []
+        self.seq += 1
+
+    @precondition(lambda self: self.step is not None)
+    @rule(dtype=st.sampled_from(NP_DTYPES), shape=st.sampled_from([(0,), (1,), (7,), (33,), (3, 5), (20, 4)]),
+          kind=st.sampled_from(KINDS), seed=seeds, give_dtype=st.booleans())
+    def stage(self, dtype: np.dtype, shape: tuple[int, ...], kind: str, seed: int, give_dtype: bool) -> None:
+        self.count()
+        a = rand_array(np.random.default_rng(seed), dtype, shape)
+        x = as_input(a, kind)
+        if kind == "list" and not give_dtype:  # numpy's reading of a list; an empty one is int64
+            want = np.asarray(a.tolist()) if a.size else np.empty(shape, np.int64)
+        else:
+            want = a
+        t = self.step.stage(x, dtype=TORCH_OF[dtype] if give_dtype else None)
+        assert t.device == self.stager.device and t.shape == want.shape
+        assert t.data_ptr() % 16 == 0 or want.size == 0
+        self.pending.append((t, want))
+
+    @precondition(lambda self: self.step is not None)
+    @rule(bad=st.sampled_from(["rank3", "scalar", "none", "mixed", "nan-int", "bool-int"]))
+    def refused(self, bad: str) -> None:
+        self.count()
+        x, dt = {
+            "rank3": (np.zeros((2, 2, 2)), None), "scalar": (5, None), "none": (None, None),
+            "mixed": ([1, "a"], None), "nan-int": ([1.0, np.nan], torch.int32),
+            "bool-int": (np.array([True]), torch.int64),
+        }[bad]
+        with pytest.raises((TypeError, ValueError)):
+            self.step.stage(x, dtype=dt)
+
+    @precondition(lambda self: self.step is not None)
+    @rule()
+    def flush(self) -> None:
+        self.count()
+        self.step.flush()
+        if self.tier.copies and any(w.size for _, w in self.pending):
+            self.transfers += 1
+        self.done.append((self.seq, self.pending))
+        for t, want in self.pending:
+            self.consume(t, want, f"step {self.seq}")
+        self.step = None
+
+    @precondition(lambda self: self.step is not None)
+    @rule()
+    def abandon(self) -> None:
+        """An exception inside ``with stager.step()``: the step is dropped, the stager goes on."""
+        self.count()
+        with pytest.raises(KeyError), self.step:
+            raise KeyError("the engine failed mid-step")
+        self.step = None
+
+    @precondition(lambda self: self.step is None)
+    @rule()
+    def mark_consumed(self) -> None:
+        self.count()
+        self.stager.mark_consumed()
+
+    @invariant()
+    def device_matches_model(self) -> None:
+        if not hasattr(self, "stager"):
+            return
+        # a flushed step's tensors hold until its slot is begun again, `slots` steps later
+        for seq, results in [] if self.lazy else self.done:
+            if seq > self.seq - self.slots:
+                for t, want in results:
+                    assert_same(t, want, f"step {seq} (now at step {self.seq})")
+        s = self.stager.stats()
+        assert s["steps"] == self.seq and s["transfers"] == self.transfers
+        self.done = [d for d in self.done if d[0] > self.seq - self.slots]
+
+
+SW_DTYPES = [torch.int32, torch.int64, torch.float32]
+
+
+class StagedWriteMachine(TierMachine):
+    """StagedWriteTensor: random edits (overlapping, empty, whole-row), applies and clears."""
+
+    label = "staged_write"
+
+    @initialize(dtype=st.sampled_from(SW_DTYPES), rows=st.integers(1, 9),
+                cols=st.sampled_from([None, 1, 5, 40]), uva=st.booleans(), depth=st.integers(1, 3))
+    def build(self, dtype: torch.dtype, rows: int, cols: int | None, uva: bool, depth: int) -> None:
+        self.np_dtype = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
+                         torch.float32: np.dtype(np.float32)}[dtype]
+        size = rows if cols is None else (rows, cols)
+        self.swt = StagedWriteTensor(size, dtype, self.device, max_concurrency=depth, uva_instead_of_gpu=uva)
+        self.rows, self.cols = rows, 1 if cols is None else cols
+        self.model = np.zeros((rows, self.cols), self.np_dtype)
+        self.staged: list[tuple[int, int, np.ndarray]] = []
+        assert self.swt.gpu.shape == ((rows,) if cols is None else (rows, cols))
+
+    @rule(data=st.data(), seed=seeds, kind=st.sampled_from(KINDS + ["iterable"]))
+    def stage_write(self, data: st.DataObject, seed: int, kind: str) -> None:
+        self.count()
+        row = data.draw(st.integers(0, self.rows - 1))
+        start = data.draw(st.integers(0, self.cols))
+        n = data.draw(st.integers(0, self.cols - start))
+        a = rand_array(np.random.default_rng(seed), self.np_dtype, (n,))
+        x = iter(a.tolist()) if kind == "iterable" else as_input(a, kind)
+        self.swt.stage_write(row, start, x)
+        if n:
+            self.staged.append((row, start, a))
+
+    @rule(data=st.data(), seed=seeds)
+    def stage_write_elem(self, data: st.DataObject, seed: int) -> None:
+        self.count()
+        row = data.draw(st.integers(0, self.rows - 1))
+        a = rand_array(np.random.default_rng(seed), self.np_dtype, (1,))
+        v = data.draw(st.sampled_from(["python", "numpy", "tensor0d"]))
+        value: Any = {"python": a[0].item(), "numpy": a[0], "tensor0d": torch.from_numpy(a.copy())[0]}[v]
+        self.swt.stage_write_elem(row, value)
+        self.staged.append((row, 0, a))
+
+    @rule(bad=st.sampled_from(["row", "neg-row", "start", "too-long", "nan", "bool", "none", "rank2"]))
+    def refused(self, bad: str) -> None:
+        self.count()
+        nan_ok = self.np_dtype.kind == "f"
+        call = {
+            "row": lambda: self.swt.stage_write(self.rows, 0, [1]),
+            "neg-row": lambda: self.swt.stage_write(-1, 0, [1]),
+            "start": lambda: self.swt.stage_write(0, -1, [1]),
+            "too-long": lambda: self.swt.stage_write(0, 0, [1] * (self.cols + 1)),
+            "nan": lambda: self.swt.stage_write(0, 0, [1e300] if nan_ok else [np.nan]),
+            "bool": lambda: self.swt.stage_write(0, 0, [True]),
+            "none": lambda: self.swt.stage_write_elem(0, None),
+            "rank2": lambda: self.swt.stage_write(0, 0, np.zeros((1, 1), self.np_dtype)),
+        }[bad]
+        with pytest.raises((TypeError, ValueError)):
+            call()
+
+    @rule()
+    def apply(self) -> None:
+        self.count()
+        self.swt.apply_write()
+        for row, start, a in self.staged:  # staging order: later edits win
+            self.model[row, start:start + a.shape[0]] = a
+        self.staged = []
+        self.consume(self.swt.gpu, self._want(), "after apply")
+
+    @rule()
+    def clear(self) -> None:
+        self.count()
+        self.swt.clear_staged_writes()
+        self.staged = []
+
+    def _want(self) -> np.ndarray:
+        return self.model if self.swt.gpu.dim() == 2 else self.model[:, 0]
+
+    @invariant()
+    def device_matches_model(self) -> None:
+        if not hasattr(self, "swt"):
+            return
+        if not self.lazy:  # staged, unapplied edits are invisible
+            assert_same(self.swt.gpu, self._want(), "staged-write target")
+        assert self.swt.num_staged == len(self.staged)
+
+
+class FusedWriterMachine(TierMachine):
+    """FusedStagedWriter over several tensors of one dtype, mixed with single applies."""
+
+    label = "fused_writer"
+
+    @initialize(dtype=st.sampled_from(SW_DTYPES), shapes=st.lists(
+        st.tuples(st.integers(1, 6), st.sampled_from([1, 3, 17])), min_size=1, max_size=3),
+        max_writes=st.integers(1, 4), depth=st.integers(1, 3))
+    def build(self, dtype: torch.dtype, shapes: list[tuple[int, int]], max_writes: int, depth: int) -> None:
+        self.np_dtype = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
+                         torch.float32: np.dtype(np.float32)}[dtype]
+        self.ts = [StagedWriteTensor(s, dtype, self.device, max_concurrency=depth) for s in shapes]
+        self.writer = FusedStagedWriter(self.device, max_writes, max_concurrency=depth)
+        self.models = [np.zeros(s, self.np_dtype) for s in shapes]
+        self.staged: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in shapes]
+
+    @rule(data=st.data(), seed=seeds)
+    def stage(self, data: st.DataObject, seed: int) -> None:
+        self.count()
+        i = data.draw(st.integers(0, len(self.ts) - 1))
+        rows, cols = self.models[i].shape
+        row = data.draw(st.integers(0, rows - 1))
+        start = data.draw(st.integers(0, cols - 1))
+        n = data.draw(st.integers(1, cols - start))
+        a = rand_array(np.random.default_rng(seed), self.np_dtype, (n,))
+        self.ts[i].stage_write(row, start, a)
+        self.staged[i].append((row, start, a))
+
+    def _apply_model(self, i: int) -> None:
+        for row, start, a in self.staged[i]:
+            self.models[i][row, start:start + a.shape[0]] = a
+        self.staged[i] = []
+        self.consume(self.ts[i].gpu, self.models[i], f"tensor {i} after apply")
+
+    @rule(data=st.data())
+    def fused_apply(self, data: st.DataObject) -> None:
+        self.count()
+        idx = data.draw(st.lists(st.integers(0, len(self.ts) - 1), max_size=4))  # repeats allowed
+        self.writer.apply([self.ts[i] for i in idx])
+        for i in set(idx):
+            self._apply_model(i)
+
+    @rule(data=st.data())
+    def single_apply(self, data: st.DataObject) -> None:
+        self.count()
+        i = data.draw(st.integers(0, len(self.ts) - 1))
+        self.ts[i].apply_write()
+        self._apply_model(i)
+
+    @rule(bad=st.sampled_from(["not-a-tensor", "none-item"]))
+    def refused(self, bad: str) -> None:
+        """A bad list is refused before anything is applied: every staged edit stays staged."""
+        self.count()
+        items: list[Any] = [*self.ts, "x"] if bad == "not-a-tensor" else [self.ts[0], None]
+        with pytest.raises(TypeError, match=r"tensors\[\d\]"):
+            self.writer.apply(items)
+
+    @invariant()
+    def device_matches_model(self) -> None:
+        if not hasattr(self, "ts"):
+            return
+        for i, (t, m) in enumerate(zip(self.ts, self.models, strict=True)):
+            if not self.lazy:
+                assert_same(t.gpu, m, f"tensor {i}")
+            assert t.num_staged == len(self.staged[i])
+
+
+PT_FIELDS = {"temperature": np.float32, "top_k": np.int32, "seed": np.int64, "greedy": np.bool_,
+             "penalty": np.float16, "tok": np.uint8}
+
+
+class ParamTableMachine(TierMachine):
+    """DeviceParamTable: random row updates, syncs (forced or not) and no-op syncs."""
+
+    label = "param_table"
+
+    @initialize(rows=st.integers(0, 20), names=st.lists(st.sampled_from(sorted(PT_FIELDS)), min_size=1,
+                                                         max_size=6, unique=True), depth=st.integers(1, 3))
+    def build(self, rows: int, names: list[str], depth: int) -> None:
+        fields = {n: TORCH_OF[np.dtype(PT_FIELDS[n])] for n in names}
+        self.table = DeviceParamTable(rows, fields, self.device, max_concurrency=depth)
+        self.rows = rows
+        self.host = {n: np.zeros(rows, PT_FIELDS[n]) for n in names}
+        self.dev = {n: a.copy() for n, a in self.host.items()}
+        self.transfers = 0
+
+    @precondition(lambda self: self.rows > 0)
+    @rule(data=st.data(), seed=seeds)
+    def update(self, data: st.DataObject, seed: int) -> None:
+        self.count()
+        name = data.draw(st.sampled_from(sorted(self.host)))
+        lo = data.draw(st.integers(0, self.rows - 1))
+        hi = data.draw(st.integers(lo, self.rows))
+        a = rand_array(np.random.default_rng(seed), self.host[name].dtype, (hi - lo,))
+        self.table[name].np[lo:hi] = a
+        self.host[name][lo:hi] = a
+
+    @rule(force=st.booleans())
+    def sync(self, force: bool) -> None:
+        self.count()
+        changed = any(self.host[n].tobytes() != self.dev[n].tobytes() for n in self.host)
+        assert self.table.sync(force=force) == (changed or force)
+        if changed or force:
+            self.dev = {n: a.copy() for n, a in self.host.items()}
+            for n in self.host:
+                self.consume(self.table[n].gpu, self.dev[n], f"field {n} after sync")
+            if self.tier is not Tier.HOST:
+                self.transfers += 1
+
+    @rule()
+    def unknown_field(self) -> None:
+        self.count()
+        with pytest.raises(KeyError, match="no field 'nope'"):
+            self.table["nope"]
+
+    @invariant()
+    def device_matches_model(self) -> None:
+        if not hasattr(self, "table"):
+            return
+        for n in self.host:
+            assert same(self.table[n].np, self.host[n])
+            if not self.lazy:
+                assert_same(self.table[n].gpu, self.dev[n], f"field {n}")
+        assert self.table.stats()["transfers"] == self.transfers
+
+
+def _lazy(cls: type[TierMachine]) -> type[TierMachine]:
+    """The same machine with asynchronous consumers (see ``TierMachine.lazy``)."""
+    return type(f"Async{cls.__name__}", (cls,), {"lazy": True, "label": f"{cls.label}_async"})
+
+
+MACHINES: list[type[TierMachine]] = [PoolMachine, BackedMachine, StagerMachine]
+if StagedWriteTensor is not None:
+    MACHINES += [StagedWriteMachine, FusedWriterMachine]
+if DeviceParamTable is not None:
+    MACHINES.append(ParamTableMachine)
+MACHINES += [_lazy(m) for m in MACHINES]
+
+
+# --------------------------------------------------------------------------- running them
+
+
+def _record(counts: Counter[tuple[str, str, str]]) -> None:
+    """Add ``counts`` to the STAGEBUF_FUZZ_REPORT file, if one is named (after each test, so that
+    a run stopped by a time limit still reports what it ran)."""
+    report = os.environ.get("STAGEBUF_FUZZ_REPORT")
+    if not report or not counts:
+        return
+    path = Path(report)
+    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    for (machine, tier, what), n in counts.items():
+        entry = data.setdefault(machine, {}).setdefault(tier, {"examples": 0, "steps": 0})
+        entry[what] += n
+    data["_settings"] = {"max_examples": EXAMPLES, "stateful_step_count": STEPS}
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+@pytest.mark.parametrize("machine", MACHINES, ids=lambda m: m.label)
+@pytest.mark.parametrize("tier, device", TIER_PARAMS)
+def test_fuzz(machine: type[TierMachine], tier: str, device: str | None,
+              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STAGEBUF_TIER", tier)
+    stagebuf.reset_capabilities()
+    cls = type(f"{machine.__name__}_{tier}_{device or 'cuda'}", (machine,),
+               {"tier_name": tier, "device": device})
+    conf = FUZZ_SETTINGS
+    if machine.lazy and device == "cpu":  # no asynchrony on the CPU: a few examples check the path
+        conf = settings(FUZZ_SETTINGS, max_examples=max(3, EXAMPLES // 5))
+    before = COUNTS.copy()
+    try:
+        run_state_machine_as_test(cls, settings=conf)
+    finally:
+        _record(COUNTS - before)
+    key = (machine.label, cls.tier_id(), "examples")
+    assert COUNTS[key] > before[key]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +32,12 @@ import torch
 
 import stagebuf
 from stagebuf import (
+    HostBuffer,
+    PinnedBuffer,
     StepStager,
+    TierUnavailableError,
     UvaBackedTensor,
+    UvaBuffer,
     UvaBufferPool,
     async_copy_to_gpu,
     capabilities,
@@ -165,6 +170,23 @@ def _copy_to_gpu_strided_out(c: Ctx) -> Any:
     return c.pool.copy_to_gpu(_strided_i32(), out=c.out)
 
 
+def _f16_into_int(c: Ctx) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as under `pytest -W error`: a warning would be an error
+        return c.pool.copy_to_uva(np.array([1.0, -3.0, 65504.0], np.float16))
+
+
+def _sw_f16_into_int(c: Ctx) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c.swt.stage_write(2, 0, np.array([1.0, -3.0], np.float16))
+
+
+def _f16_converted(c: Ctx, t: torch.Tensor) -> None:
+    c.advanced = True
+    np.testing.assert_array_equal(read(t), [1, -3, 65504])
+
+
 def _bt_n(c: Ctx, t: torch.Tensor) -> None:
     np.testing.assert_array_equal(read(t), [10, 20, 30])
     c.bt.copy_to_uva(4)  # back to what intact() expects
@@ -232,6 +254,8 @@ STEP = "StepStager.step() / mark_consumed()"
 STAGE = "Step.stage(x, dtype)"
 ASYNC = "async_copy_to_gpu(x, out, device, dtype)"
 MAKE = "make_buffer(size, dtype, device, tier)"
+BUFS = "HostBuffer / UvaBuffer / PinnedBuffer(size, dtype, device)"
+BUF_N = "StagingBuffer.uva(n) / copy_to(out, n)"
 SETMC = "set_default_max_concurrency(n)"
 CAPS = "capabilities(device) / STAGEBUF_TIER"
 SWT = "StagedWriteTensor(size, dtype, device, ...)"
@@ -274,6 +298,8 @@ CASES: list[Case] = [
          "x is not a rectangular list"),
     Case(COPY, "too long (10 rows into 4)", lambda c: c.pool.copy_to_uva(np.arange(10, dtype=np.int32)),
          None, "accepted: the slot grows to 16 rows, data copied", _pool_grew),
+    Case(COPY, "float16 whole numbers into int", _f16_into_int, None,
+         "accepted: converted exactly, with no warning", _f16_converted),
     Case(COPY, "NaN into int", lambda c: c.pool.copy_to_uva([1.0, np.nan]), ValueError,
          "x holds NaN or inf"),
     Case(COPY, "inf into int", lambda c: c.pool.copy_to_uva(np.array([np.inf])), ValueError,
@@ -284,6 +310,9 @@ CASES: list[Case] = [
          ValueError, "x holds finite values beyond"),
     Case(COPY, "out of range int into float16 (70000)", lambda c: UvaBufferPool(4, F16).copy_to_uva([70000]),
          ValueError, "x holds finite values beyond"),
+    Case(COPY, "out of range int into float16 (int32 minimum)",
+         lambda c: UvaBufferPool(4, F16).copy_to_uva(np.array([-2**31, 1], np.int32)), ValueError,
+         "x holds finite values beyond"),
     Case(COPY, "bool array into int", lambda c: c.pool.copy_to_uva(np.array([True, False])), TypeError,
          "bools and numbers are not converted"),
     Case(COPY, "bool scalar", lambda c: c.pool.copy_to_uva(True), TypeError, "x must be a list"),
@@ -365,6 +394,9 @@ CASES: list[Case] = [
          "x holds values in"),
     Case(STAGE, "out of range int into float16 (70000)", lambda c: c.step.stage([70000], dtype=F16),
          ValueError, "x holds finite values beyond"),
+    Case(STAGE, "out of range int into float16 (int64 minimum)",
+         lambda c: c.step.stage(np.array([-2**63], np.int64), dtype=F16), ValueError,
+         "x holds finite values beyond"),
     Case(STAGE, "bool into int", lambda c: c.step.stage([True], dtype=I32), TypeError,
          "bools and numbers are not converted"),
     Case(STAGE, "None", lambda c: c.step.stage(None), TypeError, "x must be a list"),
@@ -407,6 +439,17 @@ CASES: list[Case] = [
     Case(MAKE, "tier unknown", lambda c: make_buffer(4, I32, tier="fast"), ValueError, "tier='fast'"),
     Case(MAKE, "size negative", lambda c: make_buffer(-2, I32), ValueError, "size=-2"),
     Case(MAKE, "dtype unsupported", lambda c: make_buffer(4, "complex64"), TypeError, "dtype='complex64'"),
+    Case(BUFS, "HostBuffer on another device", lambda c: HostBuffer(4, I32, device="meta"), ValueError,
+         "HostBuffer: device='meta'"),
+    Case(BUFS, "UvaBuffer for the CPU", lambda c: UvaBuffer(4, I32, "cpu"), TierUnavailableError,
+         "accelerator"),
+    Case(BUFS, "PinnedBuffer for the CPU", lambda c: PinnedBuffer(4, I32, "cpu"), TierUnavailableError,
+         "accelerator"),
+    Case(BUF_N, "n past the rows", lambda c: make_buffer(4, I32).uva(5), ValueError, "n=5"),
+    Case(BUF_N, "n negative (copy_to)",
+         lambda c: make_buffer(4, I32).copy_to(torch.zeros(4, dtype=I32, device=c.device), -1), ValueError,
+         "n=-1"),
+    Case(CAPS, "device string unknown", lambda c: capabilities("gpu9"), RuntimeError, "gpu9"),
     Case(SETMC, "n 0", lambda c: set_default_max_concurrency(0), ValueError, "n=0"),
     Case(SETMC, "n str", lambda c: set_default_max_concurrency("2"), ValueError, "n='2'"),
     Case(SETMC, "n bool", lambda c: set_default_max_concurrency(True), ValueError, "n=True"),
@@ -440,6 +483,8 @@ CASES: list[Case] = [
          "holds values in"),
     Case(SW, "out of range float (1e39 into float32)", lambda c: c.swf.stage_write(1, 0, [1e39]), ValueError,
          "holds finite values beyond"),
+    Case(SW, "float16 whole numbers into int", _sw_f16_into_int, None,
+         "accepted: applied exactly, with no warning", _sw_accepted(2, 0, [1, -3])),
     Case(SW, "bool values into int", lambda c: c.swt.stage_write(0, 0, [True]), TypeError,
          "bools and numbers are not converted"),
     Case(SW, "values None", lambda c: c.swt.stage_write(0, 0, None), TypeError,

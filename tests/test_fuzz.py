@@ -99,7 +99,13 @@ def rand_array(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ...]
         return rng.random(shape) < 0.5
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
-        return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+        lo, hi = (info.min, info.max) if rng.random() < 0.5 else (max(info.min, -100), min(info.max, 100))
+        a = rng.integers(lo, hi, shape, dtype=dtype, endpoint=True)
+        if a.size and rng.random() < 0.5:  # the edges of the range
+            edges = np.array(sorted({info.min, info.max, 0, 1, max(info.min, -1)}), dtype=dtype)
+            idx = rng.integers(0, a.size, min(a.size, 3))
+            a.reshape(-1)[idx] = rng.choice(edges, idx.shape[0])
+        return a
     a = (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4)).astype(dtype)
     if a.size and rng.random() < 0.5:
         fi = np.finfo(dtype)
@@ -148,6 +154,35 @@ def assert_same(t: torch.Tensor, want: np.ndarray, what: str) -> None:
     assert same(got, want), f"{what}: device holds\n{got!r}\nmodel says\n{want!r}"
 
 
+def _fits(a: np.ndarray, target: np.dtype) -> np.ndarray | None:
+    """``a`` converted to ``target`` where the documented rule accepts it, else None.
+
+    The rule, in exact Python arithmetic: bools and numbers never mix; into an integer dtype
+    every value must be finite, whole and inside the range; into a float dtype every finite
+    value must be inside the range (rounding is allowed, NaN and inf pass).
+    """
+    if a.dtype == target:
+        return a.copy()
+    if (a.dtype.kind == "b") != (target.kind == "b"):
+        return None
+    values = a.reshape(-1).tolist()
+    if target.kind in "iu":
+        info = np.iinfo(target)
+        for v in values:
+            if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf")) or v != int(v)):
+                return None
+            if not info.min <= int(v) <= info.max:
+                return None
+    else:
+        fmax = float(np.finfo(target).max)
+        for v in values:
+            if isinstance(v, int) and abs(v) > fmax:
+                return None
+            if isinstance(v, float) and v == v and abs(v) != float("inf") and abs(v) > fmax:
+                return None
+    return a.astype(target)
+
+
 def pow2_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -173,6 +208,7 @@ class TierMachine(RuleBasedStateMachine):
         super().__init__()
         COUNTS[(self.label, self.tier_id(), "examples")] += 1
         self.snaps: list[tuple[torch.Tensor, np.ndarray, str]] = []
+        self.nstep = 0
 
     def consume(self, t: torch.Tensor, want: np.ndarray, what: str) -> None:
         """Lazy mode: queue a device read of ``t`` now, compare it when the example ends."""
@@ -197,6 +233,12 @@ class TierMachine(RuleBasedStateMachine):
 
     def count(self) -> None:
         COUNTS[(self.label, self.tier_id(), "steps")] += 1
+        self.nstep += 1
+
+    def rng(self, seed: int) -> np.random.Generator:
+        """Values for this step: the drawn seed mixed with the step number, so that the seeds
+        hypothesis likes to repeat (0, 2**32 - 1, ...) still give fresh values; replays agree."""
+        return np.random.default_rng([seed, self.nstep])
 
     @property
     def tier(self) -> Tier:
@@ -233,7 +275,7 @@ class PoolMachine(TierMachine):
     @rule(n=st.integers(0, 40), kind=st.sampled_from(KINDS), seed=seeds)
     def copy_to_uva(self, n: int, kind: str, seed: int) -> None:
         self.count()
-        a = rand_array(np.random.default_rng(seed), self.dtype, (n, *self.trailing))
+        a = rand_array(self.rng(seed), self.dtype, (n, *self.trailing))
         t = self.pool.copy_to_uva(as_input(a, kind))
         self._take_slot(n)
         if self.tier.copies:
@@ -241,10 +283,28 @@ class PoolMachine(TierMachine):
         self.window = (self.window + [(t, a)])[-self.slots:]
         self.consume(t, a, "copy_to_uva")
 
+    @rule(src=st.sampled_from(NP_DTYPES), n=st.integers(1, 12), seed=seeds, as_tensor=st.booleans())
+    def convert(self, src: np.dtype, n: int, seed: int, as_tensor: bool) -> None:
+        """An input of another dtype: accepted and converted where every value fits, else refused."""
+        self.count()
+        a = rand_array(self.rng(seed), src, (n, *self.trailing))
+        fits = _fits(a, self.dtype)
+        x = torch.from_numpy(a.copy()) if as_tensor else a
+        if fits is None:
+            with pytest.raises((TypeError, ValueError)):
+                self.pool.copy_to_uva(x)
+            return
+        t = self.pool.copy_to_uva(x)
+        self._take_slot(n)
+        if self.tier.copies:
+            self.transfers += 1
+        self.window = (self.window + [(t, fits)])[-self.slots:]
+        self.consume(t, fits, "converted copy_to_uva")
+
     @rule(n=st.integers(0, 40), kind=st.sampled_from(KINDS), seed=seeds, with_out=st.booleans())
     def copy_to_gpu(self, n: int, kind: str, seed: int, with_out: bool) -> None:
         self.count()
-        a = rand_array(np.random.default_rng(seed), self.dtype, (n, *self.trailing))
+        a = rand_array(self.rng(seed), self.dtype, (n, *self.trailing))
         out = None
         if with_out:
             out = torch.full((n, *self.trailing), 1, dtype=TORCH_OF[self.dtype], device=self.pool.device)
@@ -319,7 +379,7 @@ class BackedMachine(TierMachine):
         self.count()
         lo = data.draw(st.integers(0, self.rows - 1))
         hi = data.draw(st.integers(lo, self.rows))
-        vals = rand_array(np.random.default_rng(seed), self.dtype, (hi - lo, *self.trailing))
+        vals = rand_array(self.rng(seed), self.dtype, (hi - lo, *self.trailing))
         if via_torch:
             self.bt.cpu[lo:hi] = torch.from_numpy(vals.copy())
         else:
@@ -380,7 +440,7 @@ class StagerMachine(TierMachine):
           kind=st.sampled_from(KINDS), seed=seeds, give_dtype=st.booleans())
     def stage(self, dtype: np.dtype, shape: tuple[int, ...], kind: str, seed: int, give_dtype: bool) -> None:
         self.count()
-        a = rand_array(np.random.default_rng(seed), dtype, shape)
+        a = rand_array(self.rng(seed), dtype, shape)
         x = as_input(a, kind)
         if kind == "list" and not give_dtype:  # numpy's reading of a list; an empty one is int64
             want = np.asarray(a.tolist()) if a.size else np.empty(shape, np.int64)
@@ -390,6 +450,19 @@ class StagerMachine(TierMachine):
         assert t.device == self.stager.device and t.shape == want.shape
         assert t.data_ptr() % 16 == 0 or want.size == 0
         self.pending.append((t, want))
+
+    @precondition(lambda self: self.step is not None)
+    @rule(src=st.sampled_from(NP_DTYPES), dst=st.sampled_from(NP_DTYPES), n=st.integers(1, 12), seed=seeds)
+    def stage_converted(self, src: np.dtype, dst: np.dtype, n: int, seed: int) -> None:
+        """An array of one dtype staged as another: converted where every value fits, else refused."""
+        self.count()
+        a = rand_array(self.rng(seed), src, (n,))
+        want = _fits(a, dst)
+        if want is None:
+            with pytest.raises((TypeError, ValueError)):
+                self.step.stage(a, dtype=TORCH_OF[dst])
+            return
+        self.pending.append((self.step.stage(a, dtype=TORCH_OF[dst]), want))
 
     @precondition(lambda self: self.step is not None)
     @rule(bad=st.sampled_from(["rank3", "scalar", "none", "mixed", "nan-int", "bool-int"]))
@@ -470,17 +543,32 @@ class StagedWriteMachine(TierMachine):
         row = data.draw(st.integers(0, self.rows - 1))
         start = data.draw(st.integers(0, self.cols))
         n = data.draw(st.integers(0, self.cols - start))
-        a = rand_array(np.random.default_rng(seed), self.np_dtype, (n,))
+        a = rand_array(self.rng(seed), self.np_dtype, (n,))
         x = iter(a.tolist()) if kind == "iterable" else as_input(a, kind)
         self.swt.stage_write(row, start, x)
         if n:
             self.staged.append((row, start, a))
 
+    @rule(data=st.data(), src=st.sampled_from(NP_DTYPES), seed=seeds)
+    def stage_write_converted(self, data: st.DataObject, src: np.dtype, seed: int) -> None:
+        """Values of another dtype: staged where every value fits the target's dtype, else refused."""
+        self.count()
+        row = data.draw(st.integers(0, self.rows - 1))
+        n = data.draw(st.integers(1, self.cols))
+        a = rand_array(self.rng(seed), src, (n,))
+        want = _fits(a, self.np_dtype)
+        if want is None:
+            with pytest.raises((TypeError, ValueError)):
+                self.swt.stage_write(row, 0, a)
+            return
+        self.swt.stage_write(row, 0, a)
+        self.staged.append((row, 0, want))
+
     @rule(data=st.data(), seed=seeds)
     def stage_write_elem(self, data: st.DataObject, seed: int) -> None:
         self.count()
         row = data.draw(st.integers(0, self.rows - 1))
-        a = rand_array(np.random.default_rng(seed), self.np_dtype, (1,))
+        a = rand_array(self.rng(seed), self.np_dtype, (1,))
         v = data.draw(st.sampled_from(["python", "numpy", "tensor0d"]))
         value: Any = {"python": a[0].item(), "numpy": a[0], "tensor0d": torch.from_numpy(a.copy())[0]}[v]
         self.swt.stage_write_elem(row, value)
@@ -554,7 +642,7 @@ class FusedWriterMachine(TierMachine):
         row = data.draw(st.integers(0, rows - 1))
         start = data.draw(st.integers(0, cols - 1))
         n = data.draw(st.integers(1, cols - start))
-        a = rand_array(np.random.default_rng(seed), self.np_dtype, (n,))
+        a = rand_array(self.rng(seed), self.np_dtype, (n,))
         self.ts[i].stage_write(row, start, a)
         self.staged[i].append((row, start, a))
 
@@ -623,7 +711,7 @@ class ParamTableMachine(TierMachine):
         name = data.draw(st.sampled_from(sorted(self.host)))
         lo = data.draw(st.integers(0, self.rows - 1))
         hi = data.draw(st.integers(lo, self.rows))
-        a = rand_array(np.random.default_rng(seed), self.host[name].dtype, (hi - lo,))
+        a = rand_array(self.rng(seed), self.host[name].dtype, (hi - lo,))
         self.table[name].np[lo:hi] = a
         self.host[name][lo:hi] = a
 

@@ -551,6 +551,12 @@ def _driver_version() -> str | None:
 
 def command_line() -> str:
     argv = list(sys.argv)
+    ctx = click.get_current_context(silent=True)
+    if "bench" not in argv[1:] and ctx is not None:  # called in-process (tests): rebuild from the params
+        opts = [f"--{k.replace('_', '-')}={v}" for k, v in sorted(ctx.params.items())
+                if v not in (None, False, ()) and not isinstance(v, bool)]
+        flags = [f"--{k.replace('_', '-')}" for k, v in sorted(ctx.params.items()) if v is True]
+        return " ".join(["stagebuf", "bench", *flags, *opts])
     if argv and argv[0].endswith("__main__.py"):
         return "python3 -m stagebuf " + " ".join(shlex.quote(a) for a in argv[1:])
     if argv and Path(argv[0]).name == "stagebuf":

@@ -178,6 +178,7 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
             info = np.iinfo(target)
             lo, hi = arr.min(), arr.max()
             if src.kind == "f":
+                lo, hi = float(lo), float(hi)  # compare in float64: float16 cannot hold 2**31
                 # float(info.max) rounds up to 2**(bits-1): compare against exact powers of two
                 bad = lo < float(info.min) or hi >= float(info.max) + 1.0
             else:
@@ -189,7 +190,8 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
                 )
         elif target.kind == "f":
             finfo = np.finfo(target)
-            finite = arr[np.isfinite(arr)] if src.kind == "f" else arr
+            # integers through float64: np.abs of an integer minimum overflows to a negative value
+            finite = arr[np.isfinite(arr)] if src.kind == "f" else arr.astype(np.float64)
             if finite.size and np.abs(finite).max() > finfo.max:
                 raise ValueError(f"{name} holds finite values beyond {target}'s range (±{finfo.max})")
     return arr.astype(target, copy=False)

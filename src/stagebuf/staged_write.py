@@ -566,11 +566,13 @@ class StagedWriteTensor:
             arr = host_array(values, None, name, ndims=(1,), iterables=True)
         except TypeError:  # e.g. a uint64 input: the dtype-aware path converts it or says why not
             return host_array(values, self.dtype, name, ndims=(1,), iterables=True)
-        if arr.dtype.kind == "f" and arr.size and (np.isfinite(arr) & ((arr < -lim) | (arr >= lim))).any():
-            # convert.cast_checked compares with the dtype's max in float precision, where
-            # 2.0**63 (float32: 2.0**31) equals it: a value one past the range would wrap.
-            raise ValueError(f"{name} holds values outside {self._edits.dtype}'s range "
-                             f"[{-int(lim)}, {int(lim) - 1}]")
+        if arr.dtype.kind == "f" and arr.size:
+            a64 = arr.astype(np.float64, copy=False)  # float16 cannot hold lim: compare in float64
+            if (np.isfinite(a64) & ((a64 < -lim) | (a64 >= lim))).any():
+                # convert.cast_checked compares with the dtype's max in float precision, where
+                # 2.0**63 (float32: 2.0**31) equals it: a value one past the range would wrap.
+                raise ValueError(f"{name} holds values outside {self._edits.dtype}'s range "
+                                 f"[{-int(lim)}, {int(lim) - 1}]")
         return cast_checked(arr, self._edits.dtype, name)
 
     def stage_write_elem(self, index: int, value: Any) -> None:

@@ -37,14 +37,16 @@ class Event(Protocol):
 
 
 class _TorchEvent:
-    __slots__ = ("_ev",)
+    __slots__ = ("_ev", "_device")
 
     def __init__(self, device: torch.device):
+        self._device = device
         with torch.cuda.device(device):
             self._ev = torch.cuda.Event()
 
     def record(self) -> None:
-        self._ev.record()
+        # the current stream *of the event's device*, whichever device is current
+        self._ev.record(torch.cuda.current_stream(self._device))
 
     def query(self) -> bool:
         return bool(self._ev.query())
@@ -72,6 +74,9 @@ class _CudartEvent:
 
     def record(self) -> None:
         (err,) = self._record(self._ev, self._stream(self._idx))
+        if int(err) != 0:  # the caller switched its current device since: record under ours
+            with torch.cuda.device(self._idx):
+                (err,) = self._record(self._ev, self._stream(self._idx))
         if int(err) != 0:
             raise RuntimeError(f"cudaEventRecord failed: {err}")
 
@@ -100,12 +105,17 @@ def make_event(device: torch.device) -> Event | None:
     """
     if device.type != "cuda":
         return None
-    try:
-        from .uva import load_cudart
+    if device.index is None or device.index == torch.cuda.current_device():
+        # cuda-bindings' runtime records against the calling thread's current device, so
+        # the cheap path is only for the current device (one process per GPU, the usual
+        # engine layout); an event for another device goes through torch.
+        try:
+            from .uva import load_cudart
 
-        return _CudartEvent(device, load_cudart())
-    except Exception:
-        return _TorchEvent(device)
+            return _CudartEvent(device, load_cudart())
+        except Exception:
+            pass
+    return _TorchEvent(device)
 
 
 class SlotGuard:

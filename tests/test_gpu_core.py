@@ -79,3 +79,13 @@ def test_async_copy_on_each_gpu_tier(gpu_tier):
     a[:] = 0
     assert out.is_cuda and out.sum().item() == sum(range(1000))
     assert stagebuf.is_pin_memory_available() is (gpu_tier is not Tier.PAGEABLE or capabilities().pin_memory)
+
+
+def test_zero_row_uva_pool_stays_uva(monkeypatch):
+    """Regression (GPU fuzzing): an empty UVA buffer fell back to PINNED (empty tensors are 'unpinned')."""
+    monkeypatch.setenv("STAGEBUF_TIER", "uva")
+    stagebuf.reset_capabilities()
+    pool = UvaBufferPool(0, torch.int32, max_concurrency=2)
+    assert pool.tier is Tier.UVA
+    t = pool.copy_to_uva(np.arange(5, dtype=np.int32))  # grows from 0 rows
+    assert pool.tier is Tier.UVA and t.tolist() == list(range(5))

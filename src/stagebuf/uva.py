@@ -62,6 +62,8 @@ def _check(err: Any, what: str) -> None:
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A device tensor aliasing the pinned, contiguous CPU tensor ``host``."""
+    if host.numel() == 0:  # nothing to alias (and torch reports empty tensors as unpinned)
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
     if not host.is_contiguous():
         raise UvaError("host tensor must be contiguous")
     if not host.is_pinned():

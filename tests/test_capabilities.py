@@ -80,6 +80,7 @@ def fake_gpu(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("fakes an accelerator on a CPU-only machine")
     monkeypatch.setattr(caps_mod, "_is_wsl", lambda: False)
+    monkeypatch.setattr(caps_mod, "_device_missing", lambda dev: None)
     monkeypatch.setattr(caps_mod, "_memlock_limit", lambda: None)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
     monkeypatch.setattr(caps_mod, "_alloc_pinned", lambda n: torch.zeros(n, dtype=torch.uint8))
@@ -198,3 +199,12 @@ def test_non_cuda_accelerator_without_uva_gets_pinned(fake_gpu):
     caps = capabilities("xpu:0")
     assert caps.tier is Tier.PINNED
     assert any("need CUDA" in r for r in caps.reasons)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_asking_for_cuda_without_it_is_a_clear_error(device):
+    with pytest.raises(TierUnavailableError, match=r"torch sees no CUDA device.*device=None"):
+        capabilities(device)
+    with pytest.raises(TierUnavailableError, match="torch sees no CUDA device"):
+        stagebuf.StepStager(device=device)

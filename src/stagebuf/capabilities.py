@@ -80,6 +80,19 @@ def _memlock_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
+def _device_missing(dev: torch.device) -> str | None:
+    """Why torch cannot use accelerator ``dev`` here, or None when it can."""
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return "torch sees no CUDA device (a CPU-only torch build, or no driver)"
+        n = torch.cuda.device_count()
+        return None if dev.index is None or dev.index < n else f"torch sees only {n} CUDA device(s)"
+    available = getattr(getattr(torch, dev.type, None), "is_available", None)
+    if callable(available) and not available():
+        return f"torch.{dev.type}.is_available() is False"
+    return None
+
+
 def _alloc_pinned(nbytes: int) -> torch.Tensor:
     """Allocate page-locked host memory (the same call the buffers make)."""
     return alloc_host((nbytes,), torch.uint8, pinned=True)
@@ -149,6 +162,13 @@ def _resolve_device(device: Any, forced: Tier | None) -> torch.device:
         cur = acc.current_accelerator() if acc is not None and acc.is_available() else None
         return torch.device(cur) if cur is not None else torch.device("cpu")
     dev = torch.device(device)
+    if dev.type != "cpu":
+        why = _device_missing(dev)
+        if why:
+            raise TierUnavailableError(
+                f"device={device!r} cannot be used: {why}; pass device=None to use the best "
+                "device this machine has"
+            )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

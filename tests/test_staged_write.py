@@ -602,6 +602,21 @@ def test_random_edit_streams(cpu_tier, stream):
     run_stream(t, m, ops)
 
 
+def run_fused_stream(data, w, pairs, dtype, max_start: int, max_len: int) -> None:
+    """Random rounds of edits to every (tensor, model) pair, each round applied by ``w`` and checked."""
+    edit = st.tuples(st.integers(0, 99), st.integers(0, max_start), st.integers(0, max_len),
+                     st.integers(0, 999))
+    for _ in range(data.draw(st.integers(1, 4))):
+        for t, m in pairs:
+            for a, b, n, seed in data.draw(st.lists(edit, max_size=6)):
+                row, start = a % t.rows, b % (t.cols + 1)
+                stage_both(t, m, row, start, _values(dtype, min(n, t.cols - start), seed))
+        w.apply([t for t, _ in pairs])
+        for t, m in pairs:
+            m.apply()
+            check(t, m)
+
+
 @examples(25)
 @given(data=st.data())
 def test_random_fused_streams(cpu_tier, data):
@@ -610,17 +625,7 @@ def test_random_fused_streams(cpu_tier, data):
     shapes = data.draw(st.lists(shape, min_size=1, max_size=4))
     pairs = [make(s, dtype, cpu_tier) for s in shapes]
     w = FusedStagedWriter(device_of(cpu_tier), max_writes=data.draw(st.integers(1, 8)))
-    for _ in range(data.draw(st.integers(1, 4))):
-        for t, m in pairs:
-            for a, b, n, seed in data.draw(st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99),
-                                                              st.integers(0, 40), st.integers(0, 999)),
-                                                    max_size=6)):
-                row, start = a % t.rows, b % (t.cols + 1)
-                stage_both(t, m, row, start, _values(dtype, min(n, t.cols - start), seed))
-        w.apply([t for t, _ in pairs])
-        for t, m in pairs:
-            m.apply()
-            check(t, m)
+    run_fused_stream(data, w, pairs, dtype, max_start=99, max_len=40)
 
 
 # --- GPU: the same checks on UVA, PINNED and PAGEABLE ---------------------------------
@@ -651,17 +656,7 @@ def test_gpu_random_fused_streams(gpu_tier, data):
     shapes = data.draw(st.lists(st.tuples(st.integers(1, 5), st.integers(1, 3000)), min_size=1, max_size=4))
     pairs = [(StagedWriteTensor(s, dtype, "cuda"), Model(*s, dtype)) for s in shapes]
     w = FusedStagedWriter("cuda", max_writes=4)
-    for _ in range(data.draw(st.integers(1, 4))):
-        for t, m in pairs:
-            for a, b, n, seed in data.draw(st.lists(st.tuples(st.integers(0, 99), st.integers(0, 5000),
-                                                              st.integers(0, 3000), st.integers(0, 999)),
-                                                    max_size=6)):
-                row, start = a % t.rows, b % (t.cols + 1)
-                stage_both(t, m, row, start, _values(dtype, min(n, t.cols - start), seed))
-        w.apply([t for t, _ in pairs])
-        for t, m in pairs:
-            m.apply()
-            check(t, m)
+    run_fused_stream(data, w, pairs, dtype, max_start=5000, max_len=3000)
     s = w.stats()
     assert s["transfers"] == (0 if gpu_tier is stagebuf.Tier.UVA else s["steps"])
 

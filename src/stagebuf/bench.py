@@ -597,41 +597,41 @@ def _fmt(v: float | None) -> str:
     return f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"
 
 
-def render(report: dict[str, Any], console: Console) -> None:
-    res = report["results"]
+def _workload_tables(report: dict[str, Any]) -> Iterator[tuple[str, bool, list[str], list[list[str]]]]:
+    """Per workload with results: (workload, has staging column, size headers, rows of cells).
+
+    Each row is the strategy's name followed by one cell per size (and the decode checks).
+    """
     for wl in WORKLOADS:
-        data = res.get(wl)
+        data = report["results"].get(wl)
         if not data:
             continue
         sizes = sorted({int(s) for e in data.values() for s in e["sizes"]})
+        staging = wl in ("micro", "decode") and "floor" in data
+        head = [f"{SIZE_NAMES[wl]}={n}" for n in sizes] + (["checks"] if wl == "decode" else [])
+        rows = []
+        for name, e in data.items():
+            cells = [name] + [_cell(e["sizes"].get(str(n)), staging and name != "floor") for n in sizes]
+            if wl == "decode":
+                cells.append(str(next(iter(e["sizes"].values())).get("checks", "-")))
+            rows.append(cells)
+        yield wl, staging, head, rows
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    for wl, has_staging, head, rows in _workload_tables(report):
         title = {"micro": f"micro: K={report['config']['k']} int32 arrays of N per step",
                  "decode": "decode loop: per-request arrays + block table + slot mapping",
                  "writes": "staged writes: one-element edits per apply"}[wl]
-        has_staging = wl in ("micro", "decode") and "floor" in data
         cap = f"{UNITS[wl]}, median: host / device-synchronised"
         if has_staging:
             cap += "; (+x) = staging cost: synchronised time minus the floor's"
         tab = Table(title=title, caption=cap, title_justify="left")
         tab.add_column("strategy", no_wrap=True)
-        for n in sizes:
-            tab.add_column(f"{SIZE_NAMES[wl]}={n}", justify="right", no_wrap=True)
-        if wl == "decode":
-            tab.add_column("checks", justify="right")
-        for name, e in data.items():
-            cells = []
-            for n in sizes:
-                row = e["sizes"].get(str(n))
-                if row is None:
-                    cells.append("-")
-                    continue
-                c = f"{_fmt(row['host_us'])} / {_fmt(row['e2e_us'])}"
-                if has_staging and name != "floor" and "staging_e2e_us" in row:
-                    c += f" (+{_fmt(row['staging_e2e_us'])})"
-                cells.append(c)
-            if wl == "decode":
-                first = next(iter(e["sizes"].values()))
-                cells.append(str(first.get("checks", "-")))
-            tab.add_row(name, *cells)
+        for h in head:
+            tab.add_column(h, justify="right", no_wrap=True)
+        for cells in rows:
+            tab.add_row(*cells)
         console.print(tab)
     if report.get("guard_cost"):
         tab = Table(title="guard cost: guard='wait' minus guard='off'", title_justify="left",
@@ -686,25 +686,15 @@ def markdown(report: dict[str, Any]) -> str:
         f"| started (UTC) / total | {report.get('started_utc', '?')} / {report.get('elapsed_s', '?')} s |",
         "",
     ]
-    res = report["results"]
-    for wl in WORKLOADS:
-        data = res.get(wl)
-        if not data:
-            continue
-        sizes = sorted({int(s) for e in data.values() for s in e["sizes"]})
-        staging = wl in ("micro", "decode") and "floor" in data
+    for wl, staging, head, rows in _workload_tables(report):
         lines.append(f"#### {wl}: {UNITS[wl]}, median host / device-synchronised"
                      + (" (+ staging = synchronised minus the floor)" if staging else ""))
         lines.append("")
-        head = ["strategy", "what"] + [f"{SIZE_NAMES[wl]}={n}" for n in sizes]
-        if wl == "decode":
-            head.append("checks")
+        head = ["strategy", "what", *head]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for name, e in data.items():
-            cells = [f"`{name}`", e.get("label", "")]
-            cells += [_cell(e["sizes"].get(str(n)), staging and name != "floor") for n in sizes]
-            if wl == "decode":
-                cells.append(str(next(iter(e["sizes"].values())).get("checks", "-")))
+        labels = report["results"][wl]
+        for name, *cells in rows:
+            cells = [f"`{name}`", labels[name].get("label", ""), *cells]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     if report.get("guard_cost"):

@@ -27,7 +27,6 @@ _TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
 }
 _NUMPY_TO_TORCH = {v: k for k, v in _TORCH_TO_NUMPY.items()}
 SUPPORTED_DTYPES = tuple(_TORCH_TO_NUMPY)
-HostInput = Sequence[Any] | np.ndarray | torch.Tensor
 
 
 def _names(dtypes: Iterable[torch.dtype]) -> str:

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from .capabilities import Capabilities, capabilities
+from .capabilities import Capabilities
 
 
 def _limit(v: int | None) -> str:
     if v is None:
         return "unlimited"
     return f"{v} bytes ({v / (1 << 20):.1f} MiB)"
-
-
-def report(device: Any = None) -> Capabilities:
-    return capabilities(device)
 
 
 def render(caps: Capabilities, console: Console | None = None) -> None:

@@ -84,7 +84,9 @@ def test_bad_input_is_refused_and_slots_kept(any_tier, x, err, msg):
     with pytest.raises(err, match=msg):
         pool.copy_to_uva(x)
     np.testing.assert_array_equal(t.cpu().numpy(), good)
-    assert pool._curr == 0  # the bad call took no slot
+    # Had the bad call taken slot 1, this call would go to slot 0 and overwrite t.
+    pool.copy_to_uva(np.full((2, 3), 7, np.int32))
+    np.testing.assert_array_equal(t.cpu().numpy(), good)
 
 
 def test_out_must_match(any_tier):

@@ -162,3 +162,41 @@ class SlotGuard:
             )
         ev.synchronize()
         self.waits += 1
+
+
+class SlotRing:
+    """A ring of ``n`` slots taken in turn, with the guard that says when one may be reused.
+
+    ``next()`` records the current slot's event (its consumers are enqueued by
+    now) and checks the following slot, returning its index without taking it,
+    so a caller that fails before ``take()`` leaves the ring as it was.
+    """
+
+    __slots__ = ("guard", "n", "cur", "seq", "_marked")
+
+    def __init__(self, n: int, device: torch.device, mode: str, tier: Tier, what: str = "slot"):
+        self.guard = SlotGuard(n, device, mode, tier, what)
+        self.n = n
+        self.cur = -1  # the slot last taken
+        self.seq = 0  # uses taken so far
+        self._marked = True
+
+    def mark(self) -> None:
+        """The current slot's consumers are enqueued: record its event (once per use)."""
+        if not self._marked:
+            self.guard.mark(self.cur, self.seq - 1)
+            self._marked = True
+
+    def next(self) -> int:
+        """The slot the next use goes to, once its previous readers are done (per the guard)."""
+        self.mark()
+        slot = (self.cur + 1) % self.n
+        self.guard.acquire(slot, self.seq)
+        return slot
+
+    def take(self, slot: int) -> int:
+        """Take ``slot`` (from ``next()``) for the next use; returns that use's number."""
+        self.cur = slot
+        self._marked = False
+        self.seq += 1
+        return self.seq - 1

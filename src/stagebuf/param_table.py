@@ -23,7 +23,7 @@ import torch
 from .buffers import StagingBuffer, make_buffer
 from .capabilities import capabilities
 from .convert import torch_dtype
-from .guard import SlotGuard
+from .guard import SlotRing
 from .memory import alloc_device, alloc_host
 from .pool import empty_stats, slot_count
 from .tier import Tier
@@ -83,9 +83,7 @@ class DeviceParamTable:
         self._slots: list[StagingBuffer] = [
             make_buffer(self.nbytes, torch.uint8, self.device) for _ in range(self.max_concurrency)
         ]
-        self._guard = SlotGuard(self.max_concurrency, self.device, "auto", self.tier, "param table slot")
-        self._cur = -1
-        self._seq = 0
+        self._ring = SlotRing(self.max_concurrency, self.device, "auto", self.tier, "param table slot")
         self._stats = {**empty_stats(), "skipped": 0, "syncs": 0}
         self._fields: dict[str, ParamField] = {}
         for name, dtype, o in layout:
@@ -131,15 +129,14 @@ class DeviceParamTable:
         if not force and not self.changed():
             self._stats["skipped"] += 1
             return False
-        if self._cur >= 0:
-            self._guard.mark(self._cur, self._seq - 1)
-        self._cur = (self._cur + 1) % self.max_concurrency
-        self._guard.acquire(self._cur, self._seq)
-        self._seq += 1
-        slot = self._slots[self._cur]
+        ring = self._ring
+        cur = ring.next()
+        slot = self._slots[cur]
         np.copyto(slot.np, self._host_np)
         np.copyto(self._shadow, self._host_np)
         slot.copy_to(self._dev, self.nbytes)
+        ring.take(cur)
+        ring.mark()  # the slot's one reader, the copy, is enqueued
         if slot.tier is not Tier.HOST:
             self._stats["transfers"] += 1
             self._stats["bytes"] += self.nbytes
@@ -147,7 +144,7 @@ class DeviceParamTable:
 
     def stats(self) -> dict[str, int]:
         """transfers, bytes, growths, guard_waits, skipped (syncs with nothing to upload), syncs."""
-        return {**self._stats, "guard_waits": self._guard.waits}
+        return {**self._stats, "guard_waits": self._ring.guard.waits}
 
     def __repr__(self) -> str:
         names = ", ".join(f"{n}: {str(f.dtype).replace('torch.', '')}" for n, f in self._fields.items())

@@ -10,7 +10,7 @@ import torch
 
 from .buffers import StagingBuffer, make_buffer
 from .convert import check_rows, host_array, numpy_dtype, shape_of, torch_dtype
-from .guard import SlotGuard
+from .guard import SlotRing
 from .tier import Tier
 
 _DEFAULT_MAX_CONCURRENCY = 2
@@ -64,10 +64,7 @@ class UvaBufferPool:
             make_buffer(self.size, self.dtype, device) for _ in range(self.max_concurrency)
         ]
         self.device = self._bufs[0].device
-        self._guard = SlotGuard(self.max_concurrency, self.device, guard, self.tier, "pool slot")
-        self._curr = -1
-        self._seq = 0
-        self._marked = True
+        self._ring = SlotRing(self.max_concurrency, self.device, guard, self.tier, "pool slot")
         self._stats = empty_stats()
 
     @property
@@ -82,11 +79,7 @@ class UvaBufferPool:
             arr = x  # already right: nothing to check or convert
         else:
             arr = host_array(x, self.dtype, "x", ndims=(len(self.size),), trailing=trailing)
-        if self._curr >= 0 and not self._marked:
-            self._guard.mark(self._curr, self._seq - 1)
-            self._marked = True
-        cur = (self._curr + 1) % self.max_concurrency
-        self._guard.acquire(cur, self._seq)
+        cur = self._ring.next()
         buf = self._bufs[cur]
         n = arr.shape[0]
         if n > buf.shape[0]:
@@ -95,7 +88,7 @@ class UvaBufferPool:
             self._bufs[cur] = buf
             self._stats["growths"] += 1
         buf.np[:n] = arr
-        self._curr, self._seq, self._marked = cur, self._seq + 1, False
+        self._ring.take(cur)
         return buf, n
 
     def copy_to_uva(self, x: Any) -> torch.Tensor:
@@ -132,7 +125,7 @@ class UvaBufferPool:
         self._stats["bytes"] += n * (buf.nbytes // max(buf.shape[0], 1))
 
     def stats(self) -> dict[str, int]:
-        return {**self._stats, "guard_waits": self._guard.waits}
+        return {**self._stats, "guard_waits": self._ring.guard.waits}
 
 
 class UvaBackedTensor:

@@ -17,7 +17,7 @@ import torch
 
 from .buffers import StagingBuffer, make_buffer
 from .convert import _NUMPY_TO_TORCH, _TORCH_TO_NUMPY, host_array
-from .guard import SlotGuard
+from .guard import SlotRing
 from .pool import empty_stats, slot_count
 from .tier import Tier
 
@@ -182,10 +182,7 @@ class StepStager:
             _Slot(make_buffer(capacity, torch.uint8, device)) for _ in range(self.max_concurrency)
         ]
         self.device = self._slots[0].buf.device
-        self._guard = SlotGuard(self.max_concurrency, self.device, guard, self.tier, "step slot")
-        self._cur = -1
-        self._seq = 0
-        self._marked = True
+        self._ring = SlotRing(self.max_concurrency, self.device, guard, self.tier, "step slot")
         self._open: Step | None = None
         self._stats = empty_stats()
 
@@ -195,31 +192,24 @@ class StepStager:
 
     @property
     def guard(self) -> str:
-        return self._guard.mode
+        return self._ring.guard.mode
 
     def step(self) -> Step:
         """Begin a step in the next slot (after the guard's check of that slot)."""
         if self._open is not None:
             raise RuntimeError(f"step {self._open.seq} is still open; flush it before step()")
-        if not self._marked:
-            self._guard.mark(self._cur, self._seq - 1)
-        cur = (self._cur + 1) % self.max_concurrency
-        self._guard.acquire(cur, self._seq)
+        ring = self._ring
+        cur = ring.next()
         slot = self._slots[cur]
         slot.retired.clear()
-        self._cur = cur
-        self._marked = False
-        st = self._open = Step(self, slot, self._seq)
-        self._seq += 1
+        st = self._open = Step(self, slot, ring.take(cur))
         return st
 
     def mark_consumed(self) -> None:
         """The last step's consumers are enqueued: record the guard's event now."""
         if self._open is not None:
             raise RuntimeError(f"step {self._open.seq} is still open; flush it first")
-        if not self._marked and self._cur >= 0:
-            self._guard.mark(self._cur, self._seq - 1)
-            self._marked = True
+        self._ring.mark()
 
     def stats(self) -> dict[str, int]:
-        return {**self._stats, "guard_waits": self._guard.waits, "steps": self._seq}
+        return {**self._stats, "guard_waits": self._ring.guard.waits, "steps": self._ring.seq}

@@ -18,6 +18,10 @@
 # Knobs (environment): FUZZ_EXAMPLES (default 100) and FUZZ_STEPS (default 40) per machine and CUDA tier;
 # SAN_FUZZ_EXAMPLES (default 3) under the sanitizers; MP_STEPS (default 500); PYTHON (default python3);
 # COMPUTE_SANITIZER (default: found on PATH or under /usr/local/cuda*/bin); BUDGET; *_TIMEOUT per stage (s).
+# Sanitizer stages: SAN_GPU (CUDA_VISIBLE_DEVICES for them: run memcheck and racecheck side by side on
+# two GPUs), SAN_SELECT (a pytest -k expression to narrow the tests), SAN_MP=0 (skip the torchrun run).
+# They set STAGEBUF_UNDER_SANITIZER=1: the run-ahead tests then take fewer steps and drop their
+# "the guard had to wait" check, since the sanitizer slows the host too much for it to run ahead.
 #
 # Writes under $OUT (default ./out), at most 8 files:
 #   env.txt          nvidia-smi, versions, device count, compute-sanitizer version, `stagebuf doctor --json`
@@ -26,7 +30,7 @@
 #   fuzz_counts.json examples and steps actually run, per machine and tier
 #   mp_decode.log    torchrun, 2 processes: one per GPU where 2 exist, then both on one GPU; JSON summaries
 #   memcheck.log     compute-sanitizer --tool memcheck over pytest -m gpu (+ the torchrun run, all processes)
-#   racecheck.log    compute-sanitizer --tool racecheck over pytest -m gpu
+#   racecheck.log    compute-sanitizer --tool racecheck over pytest -m gpu (+ the torchrun run, all processes)
 #   summary.md       per stage: command, exit status, seconds, and the lines docs/RELIABILITY.md quotes
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -184,18 +188,22 @@ EOF
     # Without the caching allocator every tensor is its own cudaMalloc, so memcheck sees the bounds
     # of each buffer instead of one large pooled block (torch reads the variable's presence, not its
     # value, so it is set for memcheck only).
-    nocache=()
-    [ "$stage" = memcheck ] && nocache=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    envs=(env STAGEBUF_UNDER_SANITIZER=1)
+    [ "$stage" = memcheck ] && envs+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    [ -n "${SAN_GPU:-}" ] && envs+=(CUDA_VISIBLE_DEVICES="$SAN_GPU")
+    sel=$SAN_DESELECT
+    [ -n "${SAN_SELECT:-}" ] && sel="($SAN_SELECT) and $SAN_DESELECT"
     STAGEBUF_FUZZ_EXAMPLES=$SAN_FUZZ_EXAMPLES STAGEBUF_FUZZ_STEPS=15 \
-      run "compute-sanitizer $stage over pytest -m gpu" "${SAN_TIMEOUT:-480}" "$log" \
-      "${nocache[@]}" "$CS" --tool "$stage" "${extra[@]}" --target-processes application-only \
-      --print-limit 50 "$PY" -m pytest -m gpu -q -p no:cacheprovider -k "$SAN_DESELECT"
+      run "compute-sanitizer $stage over pytest -m gpu${SAN_GPU:+ (CUDA_VISIBLE_DEVICES=$SAN_GPU)}" \
+      "${SAN_TIMEOUT:-480}" "$log" \
+      "${envs[@]}" "$CS" --tool "$stage" "${extra[@]}" --target-processes application-only \
+      --print-limit 50 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider -k "$sel"
     pytest_tail "$log"
     sanitizer_tail "$log"
-    if [ "$stage" = memcheck ]; then
+    if [ "${SAN_MP:-1}" = 1 ]; then
       tmp=$(mktemp -d)
-      run "compute-sanitizer memcheck over torchrun (all processes)" "${SAN_MP_TIMEOUT:-200}" "$log" \
-        env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$CS" --tool memcheck --leak-check no --target-processes all --print-limit 50 \
+      run "compute-sanitizer $stage over torchrun (all processes)" "${SAN_MP_TIMEOUT:-200}" "$log" \
+        "${envs[@]}" "$CS" --tool "$stage" "${extra[@]}" --target-processes all --print-limit 50 \
         "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 scripts/mp_decode.py \
         --steps 40 --busy 256 --out "$tmp"
       grep -E "^mp_decode:" "$log" | tail -8 | sed 's/^/    /' | tee -a "$SUMMARY"

@@ -3,6 +3,8 @@
 #   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh A   # GPU tests, torchrun, guard experiment, bench
 #   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh B   # GPU fuzzing, compute-sanitizer memcheck + racecheck
 #   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh C   # all GPU tests, bench, sanitizers on kernel tests
+#   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh D   # GPU tests, fuzzing (100 examples), torchrun, bench
+#   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh E   # memcheck and racecheck over every GPU test (2 GPUs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
@@ -28,6 +30,25 @@ case "${1:-A}" in
         > "$R/$tool.log" 2>&1
       echo "$tool exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$R/$tool.log" | tail -3
     done
+    ;;
+  D)  # the resolving run, part 1 (a 2-GPU machine runs the non-zero-device tests and torchrun across GPUs)
+    echo "commit: ${STAGEBUF_BENCH_COMMIT:-unknown}" > "$R/commit.txt"
+    OUT=$R/rel BUDGET=${BUDGET:-420} GPU_TIMEOUT=${GPU_TIMEOUT:-150} FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-100} \
+      FUZZ_TIMEOUT=${FUZZ_TIMEOUT:-200} MP_TIMEOUT=${MP_TIMEOUT:-60} bash scripts/gpu_reliability.sh env gpu fuzz mp
+    OUT=$R timeout 60 python3 scripts/guard_experiment.py 2000 > "$R/guard_experiment.txt" 2>&1
+    OUT=$R/bench timeout ${BENCH_TIMEOUT:-150} bash scripts/gpu_bench.sh > "$R/bench_run.txt" 2>&1
+    ;;
+  E)  # the resolving run, part 2: memcheck on GPU 0 and racecheck on GPU 1 side by side over every
+      # GPU test, then both over the tests that need two GPUs and over torchrun with one process per GPU
+    echo "commit: ${STAGEBUF_BENCH_COMMIT:-unknown}" > "$R/commit.txt"
+    OUT=$R/memcheck SAN_GPU=0 SAN_MP=0 BUDGET=${SAN_BUDGET:-430} SAN_TIMEOUT=${SAN_TIMEOUT:-420} \
+      bash scripts/gpu_reliability.sh memcheck > "$R/memcheck_run.txt" 2>&1 &
+    OUT=$R/racecheck SAN_GPU=1 SAN_MP=0 BUDGET=${SAN_BUDGET:-430} SAN_TIMEOUT=${SAN_TIMEOUT:-420} \
+      bash scripts/gpu_reliability.sh racecheck > "$R/racecheck_run.txt" 2>&1 &
+    wait
+    OUT=$R/two_gpus SAN_SELECT=non_zero_device BUDGET=${SAN2_BUDGET:-130} SAN_TIMEOUT=40 SAN_MP_TIMEOUT=40 \
+      bash scripts/gpu_reliability.sh memcheck racecheck > "$R/two_gpus_run.txt" 2>&1
+    tail -n 30 "$R"/memcheck/summary.md "$R"/racecheck/summary.md "$R"/two_gpus/summary.md
     ;;
 esac
 tail -n 60 "$R"/rel/summary.md 2>/dev/null

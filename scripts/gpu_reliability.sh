@@ -110,7 +110,8 @@ for stage in "${stages[@]}"; do
   env)
     {
       echo "# date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-      echo "# commit: $(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)"
+      # STAGEBUF_BENCH_COMMIT first: the device machine's copy of .git can name an older HEAD
+      echo "# commit: ${STAGEBUF_BENCH_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}"
       nvidia-smi || echo "nvidia-smi: not available"
       "$PY" - <<'EOF'
 import platform

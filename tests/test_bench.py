@@ -330,3 +330,15 @@ def test_ratios_from_synthetic_results() -> None:
     # nothing measured: skipped, never a pass or a fail
     empty = B.compute_ratios({}, {}, [], cfg, "cpu")
     assert all(v["measured"] is None and v["passed"] is None and v["skipped"] for v in empty.values())
+
+
+def test_named_commit_wins_over_what_git_finds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the device machine the copied tree's .git can name an older HEAD than the files it holds.
+    cfg = B.BenchConfig(device="cpu")
+    m = B.detect(cfg)
+    monkeypatch.delenv("STAGEBUF_BENCH_COMMIT", raising=False)
+    found = B.metadata(m, cfg)["commit"]
+    monkeypatch.setenv("STAGEBUF_BENCH_COMMIT", "0123abc")
+    meta = B.metadata(m, cfg)
+    assert meta["commit"] == "0123abc" and meta["dirty"] is None
+    assert found != "0123abc"

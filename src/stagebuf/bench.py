@@ -570,8 +570,10 @@ def metadata(m: Machine, cfg: BenchConfig) -> dict[str, Any]:
         drv = _driver_version()
         if drv:
             versions["driver"] = drv
-    commit = _git("rev-parse", "HEAD") or os.environ.get("STAGEBUF_BENCH_COMMIT")
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # The variable, when set, wins: a copied tree may carry a .git whose HEAD is not what was copied.
+    named = os.environ.get("STAGEBUF_BENCH_COMMIT")
+    commit = named or _git("rev-parse", "HEAD")
+    status = None if named else _git("status", "--porcelain", "--untracked-files=no")
     return {
         "command": command_line(),
         "argv": list(sys.argv),

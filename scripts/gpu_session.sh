@@ -7,6 +7,9 @@
 #   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh E   # memcheck and racecheck over every GPU test (2 GPUs)
 #   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh F   # what E leaves out: racecheck over torchrun, the
 #                                                               # memlock and device-OOM fault tests under both tools
+#   STAGEBUF_BENCH_COMMIT=<sha> [OLD_SRC=dir] bash scripts/gpu_session.sh G   # every GPU test, the hot-path probe
+#       against an older src/ (OLD_SRC, e.g. `mkdir -p abtest/old && git archive <sha> src | tar -x -C abtest/old`
+#       gives OLD_SRC=abtest/old/src), old and new interleaved twice, and the bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
@@ -51,6 +54,23 @@ case "${1:-A}" in
     OUT=$R/two_gpus SAN_SELECT=non_zero_device BUDGET=${SAN2_BUDGET:-130} SAN_TIMEOUT=40 SAN_MP_TIMEOUT=40 \
       bash scripts/gpu_reliability.sh memcheck racecheck > "$R/two_gpus_run.txt" 2>&1
     tail -n 30 "$R"/memcheck/summary.md "$R"/racecheck/summary.md "$R"/two_gpus/summary.md
+    ;;
+  G)  # the final check of a commit
+    echo "commit: ${STAGEBUF_BENCH_COMMIT:-unknown}" > "$R/commit.txt"
+    timeout ${GPU_TIMEOUT:-200} python3 -m pytest -m gpu -q -rs -p no:cacheprovider > "$R/gpu_tests_all.log" 2>&1
+    echo "pytest -m gpu: exit $?"; tail -n 3 "$R/gpu_tests_all.log"
+    if [ -n "${OLD_SRC:-}" ]; then
+      for i in 1 2; do
+        for v in old new; do
+          p=src; [ $v = old ] && p=$OLD_SRC
+          mkdir -p "$R/hotpath_$v$i"
+          OUT=$R/hotpath_$v$i PYTHONPATH=$p timeout 90 python3 scripts/hotpath_probe.py > /dev/null 2>&1
+          echo "hotpath $v $i: exit $?"
+        done
+      done
+    fi
+    OUT=$R/bench timeout ${BENCH_TIMEOUT:-150} bash scripts/gpu_bench.sh > "$R/bench_run.txt" 2>&1
+    echo "bench: exit $?"
     ;;
   F)  # the resolving run, part 3. The fault tests keep the caching allocator on: their device-memory
       # cap is the allocator's, so the refused allocation never reaches cudaMalloc; the memlock test's

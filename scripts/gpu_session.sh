@@ -7,6 +7,7 @@
 #   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh E   # memcheck and racecheck over every GPU test (2 GPUs)
 #   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh F   # what E leaves out: racecheck over torchrun, the
 #                                                               # memlock and device-OOM fault tests under both tools
+#   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh H   # E and F in one call (about 5 minutes)
 #   STAGEBUF_BENCH_COMMIT=<sha> [OLD_SRC=dir] bash scripts/gpu_session.sh G   # every GPU test, the hot-path probe
 #       against an older src/ (OLD_SRC, e.g. `mkdir -p abtest/old && git archive <sha> src | tar -x -C abtest/old`
 #       gives OLD_SRC=abtest/old/src), old and new interleaved twice, and the bench
@@ -54,6 +55,28 @@ case "${1:-A}" in
     OUT=$R/two_gpus SAN_SELECT=non_zero_device BUDGET=${SAN2_BUDGET:-130} SAN_TIMEOUT=40 SAN_MP_TIMEOUT=40 \
       bash scripts/gpu_reliability.sh memcheck racecheck > "$R/two_gpus_run.txt" 2>&1
     tail -n 30 "$R"/memcheck/summary.md "$R"/racecheck/summary.md "$R"/two_gpus/summary.md
+    ;;
+  H)  # E and F in one call: memcheck (GPU 0) and racecheck (GPU 1) side by side over every GPU test
+      # and then over the memlock and device-OOM fault tests; then, both GPUs visible, both tools over the
+      # tests that need two GPUs and over torchrun with one process per GPU
+    echo "commit: ${STAGEBUF_BENCH_COMMIT:-unknown}" > "$R/commit.txt"
+    CS=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
+    lane() {  # lane TOOL GPU
+      OUT=$R/$1 SAN_GPU=$2 SAN_MP=0 BUDGET=${SAN_BUDGET:-300} SAN_TIMEOUT=${SAN_TIMEOUT:-280} \
+        bash scripts/gpu_reliability.sh "$1" > "$R/$1_run.txt" 2>&1
+      (set -x; CUDA_VISIBLE_DEVICES=$2 STAGEBUF_UNDER_SANITIZER=1 timeout 120 "$CS" --tool "$1" \
+        --target-processes all --print-limit 50 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+        -k "tiny_memlock or real_device_oom") > "$R/$1/faults.log" 2>&1
+      echo "$1 over the memlock and device-OOM fault tests: exit $?" >> "$R/$1/summary.md"
+      grep -E "SUMMARY|passed|failed|^FAILED" "$R/$1/faults.log" | sed 's/^/    /' >> "$R/$1/summary.md"
+    }
+    lane memcheck 0 &
+    lane racecheck 1 &
+    wait
+    OUT=$R/two_gpus SAN_SELECT=non_zero_device BUDGET=${SAN2_BUDGET:-250} SAN_TIMEOUT=40 \
+      SAN_MP_TIMEOUT=${SAN_MP_TIMEOUT:-150} bash scripts/gpu_reliability.sh memcheck racecheck \
+      > "$R/two_gpus_run.txt" 2>&1
+    cat "$R"/memcheck/summary.md "$R"/racecheck/summary.md "$R"/two_gpus/summary.md
     ;;
   G)  # the final check of a commit
     echo "commit: ${STAGEBUF_BENCH_COMMIT:-unknown}" > "$R/commit.txt"

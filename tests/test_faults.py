@@ -4,7 +4,7 @@ Each fault must degrade to the next tier (or raise a clear error), give exactly
 one warning, keep the data correct and lose nothing staged before it.
 
 The faults are injected where the OS and driver answer (``memory.alloc_host`` /
-``alloc_device`` as bound in ``stagebuf.buffers``, ``capabilities._alloc_pinned``,
+``alloc_device`` as bound in ``stagebuf.buffers``, ``probe._alloc_pinned``,
 ``uva.load_cudart``, ``uva.device_view``), never inside stagebuf's own logic. Two
 backends run the same tests:
 
@@ -48,11 +48,11 @@ from stagebuf import (
     capabilities,
 )
 from stagebuf import memory as memory_mod
+from stagebuf import probe as caps_mod
 from stagebuf import uva as uva_mod
 from stagebuf.param_table import DeviceParamTable
 from stagebuf.staged_write import FusedStagedWriter, StagedWriteTensor
 
-caps_mod = importlib.import_module("stagebuf.capabilities")
 buffers_mod = importlib.import_module("stagebuf.buffers")
 guard_mod = importlib.import_module("stagebuf.guard")
 sw_mod = importlib.import_module("stagebuf.staged_write")
@@ -614,7 +614,7 @@ _MEMLOCK_CHILD = textwrap.dedent(
         stagebuf.reset_capabilities()
         import importlib
         # only "is there a device" is faked: the memlock limit and the pinned allocation are real
-        importlib.import_module("stagebuf.capabilities")._device_missing = lambda dev: None
+        importlib.import_module("stagebuf.probe")._device_missing = lambda dev: None
         out["accel_reasons"] = stagebuf.capabilities("cuda:0").reasons
     else:
         out["reasons"] = caps.reasons

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
 
 import stagebuf
 from stagebuf import Tier, UvaBufferPool, capabilities, make_buffer
+from stagebuf import probe as caps_mod
 from stagebuf import uva as uva_mod
 
 pytestmark = pytest.mark.gpu
-caps_mod = importlib.import_module("stagebuf.capabilities")
 
 
 def _consume(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,11 @@ from typing import Any
 
 from .async_copy import async_copy_to_gpu
 from .buffers import HostBuffer, NonUvaBuffer, PinnedBuffer, StagingBuffer, UvaBuffer, make_buffer
-from .capabilities import (
+from .guard import SlotInFlightError
+from .memory import DeviceAllocationError, PinnedAllocationError
+from .param_table import DeviceParamTable, ParamField
+from .pool import UvaBackedTensor, UvaBufferPool, set_default_max_concurrency
+from .probe import (
     Capabilities,
     TierUnavailableError,
     capabilities,
@@ -21,10 +25,6 @@ from .capabilities import (
     is_uva_available,
     reset_capabilities,
 )
-from .guard import SlotInFlightError
-from .memory import DeviceAllocationError, PinnedAllocationError
-from .param_table import DeviceParamTable, ParamField
-from .pool import UvaBackedTensor, UvaBufferPool, set_default_max_concurrency
 from .staged_write import FusedStagedWriter, StagedWriteTensor
 from .stager import Step, StepStager
 from .tier import Tier

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capabilities import capabilities
 from .convert import host_array, torch_dtype
 from .log import warn_once
+from .probe import capabilities
 from .tier import Tier
 
 _ANY_RANK = tuple(range(0, 9))

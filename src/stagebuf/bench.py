@@ -34,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import bench_workloads as W
-from .capabilities import ENV_TIER, Capabilities, capabilities, reset_capabilities
+from .probe import ENV_TIER, Capabilities, capabilities, reset_capabilities
 from .tier import Tier
 
 WORKLOADS = ("micro", "decode", "writes")

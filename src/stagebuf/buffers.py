@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from . import uva as _uva
-from .capabilities import TierUnavailableError, capabilities
 from .convert import check_rows, shape_of, torch_dtype
 from .log import warn_once
 from .memory import PinnedAllocationError, alloc_device, alloc_host
+from .probe import TierUnavailableError, capabilities
 from .tier import Tier
 
 

@@ -22,7 +22,7 @@ def main(verbose: bool) -> None:
 def doctor(device: str | None, as_json: bool) -> None:
     """Report pinned memory, UVA and the chosen tier, with a reason and fix for each 'no'."""
     from . import doctor as d
-    from .capabilities import capabilities
+    from .probe import capabilities
 
     caps = capabilities(device)
     if as_json:

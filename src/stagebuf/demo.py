@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from .capabilities import capabilities
+from .probe import capabilities
 from .stager import StepStager
 
 

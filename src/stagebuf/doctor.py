@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from .capabilities import Capabilities
+from .probe import Capabilities
 
 
 def _limit(v: int | None) -> str:

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from .buffers import StagingBuffer, make_buffer
-from .capabilities import capabilities
 from .convert import torch_dtype
 from .guard import SlotRing
 from .memory import alloc_device, alloc_host
 from .pool import empty_stats, slot_count
+from .probe import capabilities
 from .tier import Tier
 
 _ALIGN = 16

@@ -44,11 +44,11 @@ import numpy as np
 import torch
 
 from .buffers import UvaBuffer
-from .capabilities import TierUnavailableError, capabilities
 from .convert import cast_checked, host_array, numpy_dtype, shape_of, torch_dtype
 from .log import warn_once
 from .memory import PinnedAllocationError, alloc_device
 from .pool import empty_stats, slot_count
+from .probe import TierUnavailableError, capabilities
 from .stager import ALIGN, StepStager
 from .tier import Tier
 from .uva import UvaError

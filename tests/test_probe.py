@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import subprocess
@@ -13,11 +12,9 @@ import torch
 
 import stagebuf
 from stagebuf import Tier, TierUnavailableError, capabilities
+from stagebuf import probe as caps_mod
 from stagebuf import uva as uva_mod
 from stagebuf.log import reset_warnings
-
-# the module (the package attribute of the same name is the function)
-caps_mod = importlib.import_module("stagebuf.capabilities")
 
 
 def test_import_does_not_initialise_cuda():

@@ -4,10 +4,9 @@
 #   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh B   # GPU fuzzing, compute-sanitizer memcheck + racecheck
 #   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh C   # all GPU tests, bench, sanitizers on kernel tests
 #   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh D   # GPU tests, fuzzing (100 examples), torchrun, bench
-#   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh E   # memcheck and racecheck over every GPU test (2 GPUs)
-#   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh F   # what E leaves out: racecheck over torchrun, the
-#                                                               # memlock and device-OOM fault tests under both tools
-#   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh H   # E and F in one call (about 5 minutes)
+#   STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_session.sh H   # memcheck and racecheck over every GPU test (2 GPUs,
+#                                                               # about 5 minutes); runs E and F of docs/RELIABILITY.md
+#                                                               # used modes E and F, as they are at commit 2c4ab4b
 #   STAGEBUF_BENCH_COMMIT=<sha> [OLD_SRC=dir] bash scripts/gpu_session.sh G   # every GPU test, the hot-path probe
 #       against an older src/ (OLD_SRC, e.g. `mkdir -p abtest/old && git archive <sha> src | tar -x -C abtest/old`
 #       gives OLD_SRC=abtest/old/src), old and new interleaved twice, and the bench
@@ -44,19 +43,7 @@ case "${1:-A}" in
     OUT=$R timeout 60 python3 scripts/guard_experiment.py 2000 > "$R/guard_experiment.txt" 2>&1
     OUT=$R/bench timeout ${BENCH_TIMEOUT:-150} bash scripts/gpu_bench.sh > "$R/bench_run.txt" 2>&1
     ;;
-  E)  # the resolving run, part 2: memcheck on GPU 0 and racecheck on GPU 1 side by side over every
-      # GPU test, then both over the tests that need two GPUs and over torchrun with one process per GPU
-    echo "commit: ${STAGEBUF_BENCH_COMMIT:-unknown}" > "$R/commit.txt"
-    OUT=$R/memcheck SAN_GPU=0 SAN_MP=0 BUDGET=${SAN_BUDGET:-430} SAN_TIMEOUT=${SAN_TIMEOUT:-420} \
-      bash scripts/gpu_reliability.sh memcheck > "$R/memcheck_run.txt" 2>&1 &
-    OUT=$R/racecheck SAN_GPU=1 SAN_MP=0 BUDGET=${SAN_BUDGET:-430} SAN_TIMEOUT=${SAN_TIMEOUT:-420} \
-      bash scripts/gpu_reliability.sh racecheck > "$R/racecheck_run.txt" 2>&1 &
-    wait
-    OUT=$R/two_gpus SAN_SELECT=non_zero_device BUDGET=${SAN2_BUDGET:-130} SAN_TIMEOUT=40 SAN_MP_TIMEOUT=40 \
-      bash scripts/gpu_reliability.sh memcheck racecheck > "$R/two_gpus_run.txt" 2>&1
-    tail -n 30 "$R"/memcheck/summary.md "$R"/racecheck/summary.md "$R"/two_gpus/summary.md
-    ;;
-  H)  # E and F in one call: memcheck (GPU 0) and racecheck (GPU 1) side by side over every GPU test
+  H)  # memcheck (GPU 0) and racecheck (GPU 1) side by side over every GPU test
       # and then over the memlock and device-OOM fault tests; then, both GPUs visible, both tools over the
       # tests that need two GPUs and over torchrun with one process per GPU
     echo "commit: ${STAGEBUF_BENCH_COMMIT:-unknown}" > "$R/commit.txt"
@@ -94,26 +81,6 @@ case "${1:-A}" in
     fi
     OUT=$R/bench timeout ${BENCH_TIMEOUT:-150} bash scripts/gpu_bench.sh > "$R/bench_run.txt" 2>&1
     echo "bench: exit $?"
-    ;;
-  F)  # the resolving run, part 3. The fault tests keep the caching allocator on: their device-memory
-      # cap is the allocator's, so the refused allocation never reaches cudaMalloc; the memlock test's
-      # child process is instrumented too (--target-processes all).
-    echo "commit: ${STAGEBUF_BENCH_COMMIT:-unknown}" > "$R/commit.txt"
-    export STAGEBUF_UNDER_SANITIZER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
-    CS=/usr/local/cuda/bin/compute-sanitizer
-    (set -x; timeout ${SAN_MP_TIMEOUT:-240} $CS --tool racecheck --racecheck-report all --target-processes all \
-      --print-limit 50 python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/mp_decode.py \
-      --steps 40 --busy 256 --out /tmp/mp_racecheck) > "$R/racecheck_torchrun.log" 2>&1
-    echo "racecheck over torchrun: exit $?"
-    grep -E "SUMMARY|^mp_decode" "$R/racecheck_torchrun.log"
-    for tool in memcheck racecheck; do
-      (set -x; timeout ${SAN_TIMEOUT:-120} $CS --tool $tool --target-processes all --print-limit 50 \
-        python3 -m pytest -m gpu -q -rs -p no:cacheprovider -k "tiny_memlock or real_device_oom") \
-        > "$R/${tool}_faults.log" 2>&1
-      echo "$tool over the memlock and device-OOM fault tests: exit $?"
-      grep -E "SUMMARY|passed|failed|^FAILED" "$R/${tool}_faults.log"
-    done
     ;;
 esac
 tail -n 60 "$R"/rel/summary.md 2>/dev/null

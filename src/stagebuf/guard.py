@@ -1,4 +1,4 @@
-"""The slot-reuse guard: one event per step, checked before a slot comes round again.
+"""The slot-reuse guard: one event per step for a whole device, checked before a slot comes round.
 
 On UVA the device reads a slot's host memory while kernels run; on PINNED the
 asynchronous copy reads it after the host call returned. Rewriting that slot
@@ -118,10 +118,112 @@ def make_event(device: torch.device) -> Event | None:
     return _TorchEvent(device)
 
 
-class SlotGuard:
-    """Per-slot events and the reuse check for a ring of ``n`` slots."""
+_CLOCK_EVENTS = 64
+"""Events a clock keeps; a use whose event was recycled is checked against a later one (safe)."""
 
-    __slots__ = ("mode", "active", "waits", "_events", "_owner", "_device", "_what")
+
+class StepClock:
+    """One event per step for every ring on one device.
+
+    A *step* ends when a ring that already staged in it stages again (the natural
+    engine order: stage every input once, launch the model, repeat), or when a
+    ring's uses are marked consumed and nothing else records. Ending a step
+    records one event on the device's current stream; every slot used during
+    that step is protected by it. Rings whose consumer is enqueued inside the
+    call itself (a staged-write apply, a parameter-table sync) mark their use,
+    and are protected by the first event recorded after it.
+
+    So one event is recorded per step, and one query answers for every ring,
+    where a guard per ring records and queries one per call.
+    """
+
+    __slots__ = ("device", "factory", "active", "tick", "serial", "_events", "_done", "_tick_end")
+
+    def __init__(self, device: torch.device, factory: Any):
+        self.device = device
+        self.factory = factory
+        self.tick = 0
+        """The current step."""
+        self.serial = 0
+        """Events recorded so far (the next event's serial)."""
+        self._events: list[Event | None] = [None] * _CLOCK_EVENTS
+        self._done = [-1] * _CLOCK_EVENTS
+        """Per event object: the latest serial known to be complete."""
+        self._tick_end = [-1] * _CLOCK_EVENTS
+        """Per step (mod _CLOCK_EVENTS): the serial of the event that ended it."""
+        self.active = factory(device) is not None
+
+    def record(self) -> int:
+        """Record an event now; its serial."""
+        k = self.serial
+        i = k % _CLOCK_EVENTS
+        ev = self._events[i]
+        if ev is None:
+            ev = self._events[i] = self.factory(self.device)
+        assert ev is not None
+        ev.record()
+        self.serial = k + 1
+        return k
+
+    def end_step(self) -> None:
+        """Record the event that ends the current step, and begin the next."""
+        self._tick_end[self.tick % _CLOCK_EVENTS] = self.record()
+        self.tick += 1
+
+    def step_event(self, tick: int) -> int:
+        """The serial of the event that ended step ``tick`` (-1: none recorded yet)."""
+        if tick >= self.tick:
+            return -1
+        k = self._tick_end[tick % _CLOCK_EVENTS]
+        # a recycled entry holds a later step's event, which is later still: safe to wait for
+        return k
+
+    def done(self, k: int) -> bool:
+        """Whether event ``k`` (or a later one in its place) has completed; asks the device once."""
+        i = k % _CLOCK_EVENTS
+        if self._done[i] >= k:
+            return True
+        ev = self._events[i]
+        if ev is None or ev.query():
+            self._done[i] = max(k, self._done[i])
+            return True
+        return False
+
+    def wait(self, k: int) -> None:
+        i = k % _CLOCK_EVENTS
+        ev = self._events[i]
+        if ev is not None:
+            ev.synchronize()
+        self._done[i] = max(k, self._done[i])
+
+
+_clocks: dict[tuple[str, Any], StepClock] = {}
+
+
+def step_clock(device: torch.device) -> StepClock:
+    """The clock shared by every ring on ``device`` (one per event factory: tests swap it)."""
+    key = (str(device), make_event)
+    clock = _clocks.get(key)
+    if clock is None:
+        clock = _clocks[key] = StepClock(device, make_event)
+    return clock
+
+
+class SlotRing:
+    """A ring of ``n`` slots taken in turn, guarded by the device's step clock.
+
+    ``next()`` returns the slot the next use goes to once the device is done with
+    that slot's previous use (per the guard mode), without taking it, so a caller
+    that fails before ``take()`` leaves the ring as it was. ``mark()`` says the
+    current use's consumers are enqueued now (rings that launch their own reader).
+
+    Modes: ``wait`` blocks (and counts the wait), ``raise`` raises
+    SlotInFlightError, ``off`` skips; ``auto`` is ``wait`` on the tiers whose host
+    memory the device reads asynchronously (UVA, PINNED), else ``off``.
+    """
+
+    __slots__ = ("mode", "active", "waits", "n", "cur", "seq", "clock", "_what", "_tick", "_serial",
+                 "_owner", "_last_tick", "_last_marked")
 
     def __init__(self, n: int, device: torch.device, mode: str, tier: Tier, what: str = "slot"):
         if mode not in GUARD_MODES:
@@ -129,74 +231,71 @@ class SlotGuard:
         if mode == "auto":
             mode = "wait" if tier.async_host_reads else "off"
         self.mode = mode
-        self._device = device
-        self._what = what
-        self._events: list[Event | None] = [None] * n
-        self._owner: list[int] = [-1] * n
+        self.clock = step_clock(device)
+        self.active = mode != "off" and self.clock.active
         self.waits = 0
-        self.active = mode != "off" and make_event(device) is not None
-
-    def mark(self, slot: int, seq: int) -> None:
-        """The consumers of use ``seq`` of ``slot`` have been enqueued: record it."""
-        if not self.active:
-            return
-        ev = self._events[slot]
-        if ev is None:
-            ev = self._events[slot] = make_event(self._device)
-        assert ev is not None
-        ev.record()
-        self._owner[slot] = seq
-
-    def acquire(self, slot: int, seq: int) -> None:
-        """Before use ``seq`` of ``slot``: make sure its last readers are done."""
-        if not self.active:
-            return
-        ev = self._events[slot]
-        if ev is None or self._owner[slot] < 0 or ev.query():
-            return
-        if self.mode == "raise":
-            raise SlotInFlightError(
-                f"{self._what} {slot} comes round again for use {seq} while use "
-                f"{self._owner[slot]} may still be read by the device; add slots "
-                "(max_concurrency) or wait for the consumers"
-            )
-        ev.synchronize()
-        self.waits += 1
-
-
-class SlotRing:
-    """A ring of ``n`` slots taken in turn, with the guard that says when one may be reused.
-
-    ``next()`` records the current slot's event (its consumers are enqueued by
-    now) and checks the following slot, returning its index without taking it,
-    so a caller that fails before ``take()`` leaves the ring as it was.
-    """
-
-    __slots__ = ("guard", "n", "cur", "seq", "_marked")
-
-    def __init__(self, n: int, device: torch.device, mode: str, tier: Tier, what: str = "slot"):
-        self.guard = SlotGuard(n, device, mode, tier, what)
         self.n = n
         self.cur = -1  # the slot last taken
         self.seq = 0  # uses taken so far
-        self._marked = True
+        self._what = what
+        self._tick = [-1] * n  # per slot: the step of its last use
+        self._serial = [-1] * n  # per slot: its last use was marked before this event serial
+        self._owner = [-1] * n  # per slot: the number of its last use
+        self._last_tick = -1  # the step of the current use
+        self._last_marked = False
+
+    @property
+    def guard(self) -> SlotRing:
+        return self  # stats read ``ring.guard.waits`` and ``ring.guard.mode``
 
     def mark(self) -> None:
-        """The current slot's consumers are enqueued: record its event (once per use)."""
-        if not self._marked:
-            self.guard.mark(self.cur, self.seq - 1)
-            self._marked = True
+        """The current use's consumers are enqueued: the next event recorded protects its slot."""
+        if self.active and self.cur >= 0 and not self._last_marked:
+            self._serial[self.cur] = self.clock.serial
+            self._last_marked = True
 
     def next(self) -> int:
         """The slot the next use goes to, once its previous readers are done (per the guard)."""
-        self.mark()
         slot = (self.cur + 1) % self.n
-        self.guard.acquire(slot, self.seq)
+        if not self.active:
+            return slot
+        clock = self.clock
+        if self.cur >= 0:  # cover the current use before checking an older one
+            if self._last_marked:
+                if self._serial[self.cur] >= clock.serial:
+                    clock.record()
+            elif self._last_tick == clock.tick:
+                clock.end_step()  # this ring stages again: the step it staged in is over
+        owner = self._owner[slot]
+        if owner < 0:
+            return slot
+        k = self._serial[slot]
+        if k < 0:
+            k = clock.step_event(self._tick[slot])
+        if k < 0 or k >= clock.serial:  # not covered yet (cannot happen in order): cover it now
+            k = clock.record()
+        if clock.done(k):
+            return slot
+        if self.mode == "raise":
+            raise SlotInFlightError(
+                f"{self._what} {slot} comes round again for use {self.seq} while use "
+                f"{owner} may still be read by the device; add slots "
+                "(max_concurrency) or wait for the consumers"
+            )
+        clock.wait(k)
+        self.waits += 1
         return slot
 
     def take(self, slot: int) -> int:
         """Take ``slot`` (from ``next()``) for the next use; returns that use's number."""
         self.cur = slot
-        self._marked = False
-        self.seq += 1
-        return self.seq - 1
+        use = self.seq
+        self.seq = use + 1
+        if self.active:
+            t = self.clock.tick
+            self._tick[slot] = t
+            self._serial[slot] = -1
+            self._owner[slot] = use
+            self._last_tick = t
+            self._last_marked = False
+        return use

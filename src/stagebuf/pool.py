@@ -56,12 +56,14 @@ class UvaBufferPool:
         device: Any = None,
         guard: str = "auto",
     ):
-        self.size = shape_of(size)
+        self.size = size
+        """The size as passed (an int or a tuple), as MRV2 keeps it; ``shape`` is the tuple."""
+        self.shape = shape_of(size)
         self.dtype = torch_dtype(dtype)
         self._np_dtype = numpy_dtype(self.dtype)
         self.max_concurrency = slot_count(max_concurrency)
         self._bufs: list[StagingBuffer] = [
-            make_buffer(self.size, self.dtype, device) for _ in range(self.max_concurrency)
+            make_buffer(self.shape, self.dtype, device) for _ in range(self.max_concurrency)
         ]
         self.device = self._bufs[0].device
         self._ring = SlotRing(self.max_concurrency, self.device, guard, self.tier, "pool slot")
@@ -74,11 +76,11 @@ class UvaBufferPool:
 
     def _next(self, x: Any) -> tuple[StagingBuffer, int]:
         """Write ``x`` into the next slot. A call that raises takes no slot and writes nothing."""
-        trailing = self.size[1:]
+        trailing = self.shape[1:]
         if type(x) is np.ndarray and x.dtype == self._np_dtype and x.shape[1:] == trailing and x.ndim:
             arr = x  # already right: nothing to check or convert
         else:
-            arr = host_array(x, self.dtype, "x", ndims=(len(self.size),), trailing=trailing)
+            arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=trailing)
         cur = self._ring.next()
         buf = self._bufs[cur]
         n = arr.shape[0]
@@ -100,18 +102,18 @@ class UvaBufferPool:
 
     def copy_to_gpu(self, x: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """Stage ``x`` and copy it into device memory (``out`` or a new tensor)."""
-        arr = host_array(x, self.dtype, "x", ndims=(len(self.size),), trailing=self.size[1:])
+        arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=self.shape[1:])
         if out is not None:
             self._check_out(out, arr.shape[0])
         buf, n = self._next(arr)
         if out is None:
-            out = torch.empty((n, *self.size[1:]), dtype=self.dtype, device=self.device)
+            out = torch.empty((n, *self.shape[1:]), dtype=self.dtype, device=self.device)
         if buf.tier is not Tier.HOST:
             self._count(n, buf)
         return buf.copy_to(out, n)
 
     def _check_out(self, out: torch.Tensor, n: int) -> None:
-        want = (n, *self.size[1:])
+        want = (n, *self.shape[1:])
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
         if tuple(out.shape) != want or out.dtype != self.dtype or out.device != self.device:

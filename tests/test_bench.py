@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +24,32 @@ from stagebuf.cli import main
 
 HAS_CUDA = torch.cuda.is_available()
 
+HAS_BATCHED = W.has_stage_writes()
 CPU_STRATEGIES = {
     "micro": {"list_tensor", "seed_pageable_per_array", "pool_host", "stager_host", "pool_pageable",
               "stager_pageable", "floor"},
     "decode": {"list_tensor", "seed_pageable_per_array", "stager_host", "stager_pageable", "floor"},
-    "writes": {"row_copy_per_edit", "staged_write_host", "staged_write_pageable"},
+    "writes": {"row_copy_per_edit", "staged_write_host", "staged_write_pageable"}
+    | ({"staged_writes_host", "staged_writes_pageable"} if HAS_BATCHED else set()),
 }
 CUDA_ONLY = {
-    "micro": {"pinned_tensor_per_array", "pinned_buffer_per_array", "seed_uva_pool_per_array"},
-    "decode": {"pinned_tensor_per_array", "pinned_buffer_per_array", "seed_uva_pool_per_array"},
+    "micro": {"pinned_tensor_per_array", "pinned_buffer_per_array", "seed_uva_pool_per_array",
+              "mrv2_uva_pool"},
+    "decode": {"pinned_tensor_per_array", "pinned_buffer_per_array", "seed_uva_pool_per_array",
+               "mrv2_decode"},
+    "writes": {"mrv2_staged_write"},
 }
 RATIOS = {"uva_stager_vs_pinned_per_array", "pinned_stager_vs_pinned_per_array",
           "pageable_stager_vs_seed_nonuva", "staged_write_256_speedup", "decode_pageable_vs_uva",
-          "no_tier_slower_than_seed_uva"}
+          "no_tier_slower_than_seed_uva", "staged_write_uva_vs_mrv2_e_le_16",
+          "staged_write_uva_vs_mrv2_e_ge_256", "staged_writes_uva_vs_mrv2_e_ge_256",
+          "staged_write_pinned_vs_mrv2", "staged_write_pageable_vs_mrv2", "stage_write_8_ints_us",
+          "pool_vs_mrv2_pool", "decode_stager_uva_vs_mrv2", "decode_stager_pinned_vs_mrv2",
+          "decode_stager_pageable_vs_mrv2", "host_decode_vs_naive_cpu", "host_one_edit_vs_row_copy"}
+GPU_RATIOS = {name for name in RATIOS if name not in (
+    "pageable_stager_vs_seed_nonuva", "staged_write_256_speedup", "stage_write_8_ints_us",
+    "host_decode_vs_naive_cpu", "host_one_edit_vs_row_copy")}
+HOST_RATIOS = {"host_decode_vs_naive_cpu", "host_one_edit_vs_row_copy"}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +80,9 @@ def test_quick_has_every_cpu_strategy_with_positive_numbers(quick: dict[str, Any
                 assert row["iters"] >= 2 and len(row["e2e_samples_us"]) == row["repeats"]
     cfg = quick["report"]["config"]
     assert sorted(int(s) for s in res["micro"]["floor"]["sizes"]) == sorted(cfg["sizes"])
-    assert sorted(int(s) for s in res["writes"]["row_copy_per_edit"]["sizes"]) == sorted(cfg["edits"])
+    cells = {f"{e}x{ln}" for e in cfg["edits"] for ln in cfg["lengths"]}
+    for name in CPU_STRATEGIES["writes"]:
+        assert set(res["writes"][name]["sizes"]) == cells, name
 
 
 def test_quick_records_each_strategy_tier(quick: dict[str, Any]) -> None:
@@ -130,19 +146,21 @@ def test_quick_ratios_section(quick: dict[str, Any]) -> None:
     ratios = quick["report"]["ratios"]
     assert set(ratios) == RATIOS
     for name, r in ratios.items():
-        assert {"description", "target", "op", "measured", "passed"} <= set(r), name
-        if r["measured"] is None:
-            assert r["passed"] is None and r["skipped"], name
+        assert {"description", "target", "op", "measured", "passed", "applies", "status"} <= set(r), name
+        if not r["applies"]:
+            assert r["measured"] is None and r["passed"] is None and r["status"] == "n/a" and r["na"], name
+            assert "skipped" not in r, name
+        elif r["measured"] is None:
+            assert r["passed"] is None and r["skipped"] and r["status"] == "skipped", name
         else:
             assert isinstance(r["passed"], bool), name
-    # these two can be computed on any machine
-    for name in ("pageable_stager_vs_seed_nonuva", "staged_write_256_speedup"):
+            assert r["status"] == ("pass" if r["passed"] else "fail"), name
+    # these can be computed on any machine
+    for name in ("pageable_stager_vs_seed_nonuva", "staged_write_256_speedup", "stage_write_8_ints_us"):
         assert ratios[name]["measured"] is not None, ratios[name]
     sw = ratios["staged_write_256_speedup"]
     assert sw["measured"] == pytest.approx(sw["numerator_us"] / sw["denominator_us"], rel=1e-3)
-    assert "breakdown" in sw
-    if not HAS_CUDA:
-        assert ratios["uva_stager_vs_pinned_per_array"]["skipped"]
+    assert sw["size"] == "256x1" and "breakdown" in sw
 
 
 def test_quick_metadata_guard_cost_and_plot(quick: dict[str, Any]) -> None:
@@ -264,11 +282,36 @@ def test_seed_pool_and_row_copy_baselines_are_correct() -> None:
 
 def test_writes_cases_verify_on_cpu() -> None:
     env = W.Env(torch.device("cpu"), False, False, False)
-    for build in (W.writes_row_copy, W.writes_staged):
-        case = build(env, 16)
-        for _ in range(3):
-            case.step()
-        assert case.finish()["verified"]
+    builds = [W.writes_row_copy, W.writes_staged, W.writes_mrv2(W.seed_nonuva_pool, "torch", False)]
+    if HAS_BATCHED:
+        builds.append(W.writes_staged_batched)
+    for cell in (W.WriteCell(1, 1), W.WriteCell(16, 8), W.WriteCell(40, 64)):
+        for build in builds:
+            case = build(env, cell)
+            for _ in range(3):
+                case.step()
+            got = case.finish()
+            assert got["verified"] and (got["edits"], got["length"]) == (cell.edits, cell.length)
+
+
+def test_writes_cases_catch_a_wrong_table() -> None:
+    env = W.Env(torch.device("cpu"), False, False, False)
+
+    class SkipLastEdit(W.RowCopyTable):
+        skip = -1
+
+        def write(self, row: int, start: int, values: list[int]) -> None:
+            if row != self.skip:
+                super().write(row, start, values)
+
+    cell = W.WriteCell(16, 8)
+    ws = W.write_sets(env, cell)
+    t = SkipLastEdit(W.write_shape(cell), env.device, pinned=False)
+    t.skip = int(ws.rows[-1])
+    case = W._writes_case("broken", cell, ws, W._per_edit(t.write, ws), lambda: None, lambda: t.dev)
+    case.step()
+    with pytest.raises(W.BenchCheckError, match=r"broken\] E=16 L=8: 8 table cells"):
+        case.finish()
 
 
 def test_tier_restriction_and_unavailable_tier(tmp_path: Path) -> None:
@@ -294,7 +337,7 @@ def test_bad_sizes_is_a_usage_error() -> None:
     assert res.exit_code == 2 and "comma-separated" in res.output
 
 
-def _synthetic(values: dict[tuple[str, str, int], float]) -> dict[str, Any]:
+def _synthetic(values: dict[tuple[str, str, int | str], float]) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for (wl, name, size), v in values.items():
         entry = res.setdefault(wl, {}).setdefault(name, {"sizes": {}})
@@ -312,7 +355,7 @@ def test_ratios_from_synthetic_results() -> None:
         ("micro", "seed_uva_pool_per_array", 64): 30.0,
         ("decode", "stager_uva", 256): 100.0, ("decode", "stager_pinned", 256): 105.0,
         ("decode", "stager_pageable", 256): 120.0, ("decode", "seed_uva_pool_per_array", 256): 100.0,
-        ("writes", "row_copy_per_edit", 256): 2000.0, ("writes", "staged_write_uva", 256): 50.0,
+        ("writes", "row_copy_per_edit", "256x1"): 2000.0, ("writes", "staged_write_uva", "256x1"): 50.0,
     })
     cfg = B.BenchConfig()
     r = B.compute_ratios(res, {}, [T.UVA, T.PINNED, T.PAGEABLE], cfg, "cuda:0")
@@ -327,9 +370,12 @@ def test_ratios_from_synthetic_results() -> None:
     worst = r["no_tier_slower_than_seed_uva"]
     assert worst["measured"] == pytest.approx(40 / 30, rel=1e-3) and worst["passed"] is False
     assert worst["worst"] == "micro stager_pinned"
-    # nothing measured: skipped, never a pass or a fail
-    empty = B.compute_ratios({}, {}, [], cfg, "cpu")
-    assert all(v["measured"] is None and v["passed"] is None and v["skipped"] for v in empty.values())
+    # nothing measured: skipped (or n/a), never a pass or a fail
+    for device in ("cpu", "cuda:0"):
+        empty = B.compute_ratios({}, {}, [], cfg, device)
+        for v in empty.values():
+            assert v["measured"] is None and v["passed"] is None, v
+            assert v["skipped"] if v["applies"] else v["na"], v
 
 
 def test_named_commit_wins_over_what_git_finds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -342,3 +388,277 @@ def test_named_commit_wins_over_what_git_finds(monkeypatch: pytest.MonkeyPatch) 
     meta = B.metadata(m, cfg)
     assert meta["commit"] == "0123abc" and meta["dirty"] is None
     assert found != "0123abc"
+
+
+# --- the MRV2 baselines ---------------------------------------------------------------------------
+
+CPU = torch.device("cpu")
+
+
+def _mrv2_cpu(shape: tuple[int, int], kernel: str) -> W.Mrv2StagedWrite:
+    """MRV2's staged write on the CPU: a pageable pool stand-in for the UVA pools, no pinned contents."""
+    return W.Mrv2StagedWrite(shape, torch.int32, CPU, W.seed_nonuva_pool, kernel, pin_contents=False)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only behaviour")
+def test_mrv2_uva_pool_refuses_a_machine_without_uva() -> None:
+    with pytest.raises(Exception, match="UVA|accelerator"):
+        W.mrv2_uva_pool(8, torch.int32, CPU)
+
+
+def test_mrv2_pool_is_a_ring_without_a_guard() -> None:
+    # the ring itself (the seed's SeedPool); the pageable stand-in has a device tensor per slot
+    pool = W.SeedPool(8, torch.int32, lambda shape: W.SeedNonUvaBuffer(shape, torch.int32, CPU),
+                      slots=W.MRV2_SLOTS)
+    outs = [pool.copy_to_uva(np.full(4, i, np.int32)) for i in range(3)]
+    assert outs[0].data_ptr() != outs[1].data_ptr() and outs[2].data_ptr() == outs[0].data_ptr()
+    # no guard: the third write rewrote the first slot, which the first result still views
+    assert outs[0].tolist() == [2] * 4 and outs[1].tolist() == [1] * 4
+    assert pool.copy_to_uva([5, 6]).tolist() == [5, 6]  # lists go through the numpy view
+
+
+@pytest.mark.parametrize("kernel", ["torch", "interpret"])
+def test_mrv2_staged_write_matches_a_model(kernel: str) -> None:
+    if kernel == "interpret" and W.triton_error():
+        pytest.skip(W.triton_error() or "")
+    rows, cols = 24, 1600
+    sw = _mrv2_cpu((rows, cols), kernel)
+    model = np.zeros((rows, cols), np.int32)
+    rng = np.random.default_rng(5)
+    for step in range(3):
+        n = [1, 7, 12][step]
+        for r in rng.permutation(rows)[:n]:
+            ln = int(rng.integers(1, 40))
+            st = int(rng.integers(0, cols - ln + 1))
+            vals = rng.integers(-(1 << 30), 1 << 30, ln).tolist()
+            sw.stage_write(int(r), st, vals)
+            model[r, st:st + ln] = vals
+        sw.stage_write(0, 3, [])  # an empty edit stages nothing
+        assert len(sw._cu_lens) == n and sw._cu_lens[-1] == len(sw._contents)
+        sw.apply_write()
+        assert not sw._indices and not sw._contents  # apply clears the staged lists
+        assert np.array_equal(sw.gpu.numpy(), model), step
+    # an edit longer than the kernel's tile: the program loops over it
+    long = list(range(1, W.MRV2_BLOCK + 300))
+    sw.stage_write(5, 10, long)
+    model[5, 10:10 + len(long)] = long
+    sw.apply_write()
+    assert np.array_equal(sw.gpu.numpy(), model)
+    sw.apply_write()  # nothing staged: nothing happens
+    with pytest.raises(AssertionError):
+        sw.stage_write(-1, 0, [1])
+    with pytest.raises(AssertionError):
+        sw.stage_write(0, -1, [1])
+
+
+def test_mrv2_decode_loop_checks_its_answers_on_cpu() -> None:
+    env = W.Env(CPU, False, False, False, check_every=5, decode_steps=10)
+    case = W.decode_mrv2(W.seed_nonuva_pool, "torch", pin_contents=False)(env, 32)
+    for _ in range(W.DECODE_WARMUP + 20):
+        case.step()
+    got = case.finish()
+    assert got["checks"] >= 10 and got["kernel"] == "torch"
+
+
+def test_mrv2_decode_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = W._mrv2_torch_apply
+
+    def drops_the_last_edit(out: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                            contents: torch.Tensor, cu_lens: torch.Tensor) -> None:
+        n = rows.shape[0] - 1
+        if n:
+            real(out, rows[:n], starts[:n], contents[:int(cu_lens[n - 1])], cu_lens[:n])
+
+    monkeypatch.setattr(W, "_mrv2_torch_apply", drops_the_last_edit)
+    env = W.Env(CPU, False, False, False, check_every=5, decode_steps=10)
+    case = W.decode_mrv2(W.seed_nonuva_pool, "torch", pin_contents=False)(env, 32)
+    with pytest.raises(W.BenchCheckError, match="mrv2_decode"):
+        for _ in range(W.DECODE_WARMUP + 20):
+            case.step()
+
+
+@pytest.mark.gpu
+def test_mrv2_staged_write_on_the_gpu_matches_a_model() -> None:
+    dev = torch.device("cuda")
+    if W.triton_error():
+        pytest.skip(W.triton_error() or "")
+    env = W.Env(dev, True, True, True)
+    for cell in (W.WriteCell(1, 1), W.WriteCell(256, 8), W.WriteCell(64, 64)):
+        case = W.writes_mrv2()(env, cell)
+        for _ in range(5):
+            case.step()
+        assert case.finish()["verified"]
+
+
+# --- the writes sweep -------------------------------------------------------------------------------
+
+
+def test_write_sets_are_distinct_rows_inside_the_table() -> None:
+    env = W.Env(CPU, False, False, False)
+    for cell in (W.WriteCell(1, 1), W.WriteCell(256, 8), W.WriteCell(4096, 64)):
+        ws = W.write_sets(env, cell)
+        rows, cols = W.write_shape(cell)
+        assert cols >= 2 * cell.length and rows >= cell.edits
+        assert len(set(ws.rows.tolist())) == cell.edits
+        assert ws.starts.min() >= 0 and ws.starts.max() <= cols - cell.length
+        assert ws.values[0].shape == (cell.edits, cell.length)
+        assert [len(v) for _, _, v in ws.lists[1]] == [cell.length] * cell.edits
+        model = np.zeros((rows, cols), np.int32)
+        for r, st, v in ws.lists[1]:
+            model[r, st:st + len(v)] = v
+        assert np.array_equal(model, ws.want)
+        assert not np.array_equal(ws.values[0], ws.values[1])
+
+
+def test_write_cell_keys() -> None:
+    c = W.WriteCell(256, 8)
+    assert str(c) == "256x8" and W.WriteCell.parse("256x8") == c
+    assert W.WriteCell.parse("256") == W.WriteCell(256, 1)  # reports from before the sweep
+    assert sorted([W.WriteCell(16, 1), W.WriteCell(1, 64), W.WriteCell(1, 8)]) == [
+        W.WriteCell(1, 8), W.WriteCell(1, 64), W.WriteCell(16, 1)]
+
+
+def test_plan_sweeps_every_edit_count_and_length() -> None:
+    for quick in (True, False):
+        cfg = B.BenchConfig.make(quick, device="cpu")
+        m = B.detect(cfg)
+        tasks, _ = B.plan(cfg, m)
+        cells = {str(t.size) for t in tasks if t.workload == "writes" and t.section == "results"}
+        assert cells == {f"{e}x{ln}" for e in cfg.edits for ln in cfg.lengths}
+        only = {(t.strategy.name, str(t.size)) for t in tasks if t.section == "stage_only"}
+        assert ("staged_write_host.stage_only", "256x8") in only
+    assert B.BenchConfig.make(False).edits == (1, 16, 256, 4096)
+    assert B.BenchConfig.make(False).lengths == (1, 8, 64)
+
+
+def test_quick_writes_keys_and_stage_only(quick: dict[str, Any]) -> None:
+    rep = quick["report"]
+    cfg = rep["config"]
+    cells = {f"{e}x{ln}" for e in cfg["edits"] for ln in cfg["lengths"]}
+    for name, e in rep["results"]["writes"].items():
+        assert set(e["sizes"]) == cells, name
+        for key, row in e["sizes"].items():
+            assert f"{row['edits']}x{row['length']}" == key and row["verified"]
+    so = rep["staged_write_stage_only"]["staged_write_host.stage_only"]["256x8"]
+    r = rep["ratios"]["stage_write_8_ints_us"]
+    host = next(p for p in r["parts"] if p["numerator"] == "staged_write_host.stage_only")
+    assert host["measured"] == pytest.approx(so["host_us"] / 256, rel=1e-3)
+    assert r["measured"] == max(p["measured"] for p in r["parts"])
+    assert "stage only" in quick["output"] and "per call" in quick["output"]
+    if not HAS_BATCHED:
+        reasons = {s["strategy"]: s["reason"] for s in rep["skipped"] if s["workload"] == "writes"}
+        assert "stage_writes" in reasons["staged_writes_host"]
+
+
+def test_quick_targets_that_need_a_gpu_are_na_on_cpu(quick: dict[str, Any]) -> None:
+    ratios = quick["report"]["ratios"]
+    for name, r in ratios.items():
+        gpu_only = name in GPU_RATIOS
+        assert r["needs"] == ("cuda" if gpu_only else "cpu" if name in HOST_RATIOS else None), name
+        if HAS_CUDA:
+            assert r["applies"] is (name not in HOST_RATIOS), name
+        else:
+            assert r["applies"] is (not gpu_only), name
+            if gpu_only:
+                assert r["na"] == "needs a CUDA device; this run's device is cpu"
+    if not HAS_CUDA:
+        line = next(ln for ln in quick["output"].splitlines() if "staged_write_uva_vs_mrv2_e_le_16" in ln)
+        assert "n/a" in line and "needs a CUDA device" in line and "FAIL" not in line
+        for name in HOST_RATIOS:  # the HOST targets are measured on a CPU run
+            assert ratios[name]["measured"] is not None, ratios[name]
+
+
+def _cells(values: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """writes results from {strategy: {cell: µs}}."""
+    return _synthetic({("writes", name, cell): v for name, by in values.items() for cell, v in by.items()})
+
+
+def test_per_cell_targets_from_synthetic_results() -> None:
+    T = W.Tier
+    cfg = B.BenchConfig(edits=(1, 16, 256), lengths=(1, 8))
+    mrv2 = {"1x1": 100.0, "1x8": 100.0, "16x1": 200.0, "16x8": 200.0, "256x1": 1000.0, "256x8": 2000.0}
+    res = _cells({
+        "mrv2_staged_write": mrv2,
+        "staged_write_uva": {"1x1": 40.0, "1x8": 45.0, "16x1": 120.0, "16x8": 80.0, "256x1": 600.0,
+                             "256x8": 1000.0},
+        "staged_writes_uva": {"256x1": 150.0, "256x8": 300.0},
+        "staged_write_pinned": {c: 0.5 * v for c, v in mrv2.items()},
+        "row_copy_per_edit": {"1x1": 10.0},
+        "staged_write_host": {"1x1": 30.0},
+    })
+    r = B.compute_ratios(res, {}, [T.UVA, T.PINNED, T.PAGEABLE], cfg, "cuda:0")
+    small = r["staged_write_uva_vs_mrv2_e_le_16"]
+    assert [p["size"] for p in small["parts"]] == ["1x1", "1x8", "16x1", "16x8"]
+    assert small["measured"] == pytest.approx(0.6) and small["worst_size"] == "16x1"
+    assert small["passed"] is False and small["status"] == "fail"
+    assert [p["passed"] for p in small["parts"]] == [True, True, False, True]
+    large = r["staged_write_uva_vs_mrv2_e_ge_256"]
+    assert [p["size"] for p in large["parts"]] == ["256x1", "256x8"]
+    assert large["measured"] == pytest.approx(0.6) and large["passed"] is True
+    batched = r["staged_writes_uva_vs_mrv2_e_ge_256"]
+    assert batched["measured"] == pytest.approx(0.15) and batched["worst_size"] == "256x1"
+    assert batched["passed"] is True
+    assert r["staged_write_pinned_vs_mrv2"]["measured"] == pytest.approx(0.5)
+    assert r["staged_write_pinned_vs_mrv2"]["passed"] is True
+    pageable = r["staged_write_pageable_vs_mrv2"]  # not measured: skipped, with each missing cell
+    assert pageable["measured"] is None and pageable["status"] == "skipped"
+    assert "writes staged_write_pageable at ExL=16x8" in pageable["skipped"]
+    # HOST targets do not apply to a GPU run
+    assert r["host_one_edit_vs_row_copy"]["status"] == "n/a"
+    assert "device is cuda:0" in r["host_one_edit_vs_row_copy"]["na"]
+    on_cpu = B.compute_ratios(res, {}, [T.HOST], cfg, "cpu")
+    assert on_cpu["host_one_edit_vs_row_copy"]["measured"] == pytest.approx(3.0)
+    assert on_cpu["host_one_edit_vs_row_copy"]["passed"] is False
+    assert on_cpu["staged_write_uva_vs_mrv2_e_le_16"]["status"] == "n/a"
+    assert "parts" not in on_cpu["staged_write_uva_vs_mrv2_e_le_16"]
+    # a sweep with no E >= 256: skipped with why, not a pass
+    r = B.compute_ratios(res, {}, [T.UVA], B.BenchConfig(edits=(1, 16), lengths=(1,)), "cuda:0")
+    assert r["staged_writes_uva_vs_mrv2_e_ge_256"]["skipped"] == (
+        "no cell of this run's writes sweep has E >= 256")
+
+
+def test_stage_write_pool_decode_and_host_targets_from_synthetic_results() -> None:
+    T = W.Tier
+    cfg = B.BenchConfig()
+    res = _synthetic({
+        ("micro", "floor", 64): 20.0, ("micro", "pool_uva", 64): 30.0, ("micro", "mrv2_uva_pool", 64): 28.0,
+        ("decode", "floor", 256): 100.0, ("decode", "mrv2_decode", 256): 300.0,
+        ("decode", "stager_uva", 256): 180.0, ("decode", "stager_pinned", 256): 260.0,
+        ("decode", "stager_host", 256): 150.0, ("decode", "list_tensor", 256): 400.0,
+        ("decode", "seed_pageable_per_array", 256): 250.0,
+    })
+    stage_only = {"staged_write_uva.stage_only": {"256x8": {"host_us": 192.0, "e2e_us": 200.0}},
+                  "staged_write_pinned.stage_only": {"256x8": {"host_us": 320.0, "e2e_us": 330.0}}}
+    r = B.compute_ratios(res, stage_only, [T.UVA, T.PINNED, T.PAGEABLE], cfg, "cuda:0")
+    sw = r["stage_write_8_ints_us"]
+    assert sw["measured"] == pytest.approx(1.25) and sw["passed"] is False
+    assert sw["worst_note"] == "PINNED" and sw["applies"] is True
+    assert [p["measured"] for p in sw["parts"][:2]] == [pytest.approx(0.75), pytest.approx(1.25)]
+    assert sw["parts"][2]["skipped"]  # PAGEABLE: not measured
+    pool = r["pool_vs_mrv2_pool"]
+    assert pool["measured"] == pytest.approx(10 / 8) and pool["passed"] is False
+    assert r["decode_stager_uva_vs_mrv2"]["measured"] == pytest.approx(80 / 200)
+    assert r["decode_stager_uva_vs_mrv2"]["passed"] is True
+    assert r["decode_stager_pinned_vs_mrv2"]["measured"] == pytest.approx(160 / 200)
+    assert r["decode_stager_pinned_vs_mrv2"]["passed"] is False
+    assert r["decode_stager_pageable_vs_mrv2"]["status"] == "skipped"
+    host = B.compute_ratios(res, stage_only, [T.HOST], cfg, "cpu")["host_decode_vs_naive_cpu"]
+    assert host["denominator"] == "seed_pageable_per_array"  # the faster naive strategy
+    assert host["measured"] == pytest.approx(150 / 250) and host["passed"] is True
+    assert host["naive_candidates_us"] == {"list_tensor": 400.0, "seed_pageable_per_array": 250.0}
+
+
+def test_plot_without_matplotlib_writes_the_rest_then_says_what_to_install(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for mod in ("matplotlib", "matplotlib.figure", "matplotlib.backends", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, mod, None)  # makes ``import matplotlib...`` raise ImportError
+    js, md, png = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.png"
+    res = CliRunner().invoke(main, ["bench", "--quick", "--no-progress", "--workload", "micro",
+                                    "--sizes", "64", "--tier", "host", "--json", str(js),
+                                    "--markdown", str(md), "--plot", str(png)])
+    assert res.exit_code == 1, res.output
+    assert "pip install 'stagebuf[plot]'" in res.output
+    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
+    assert json.loads(js.read_text())["results"]["micro"]["stager_host"]
+    assert "#### targets" in md.read_text()
+    assert not png.exists()

@@ -39,9 +39,16 @@ from .tier import Tier
 
 WORKLOADS = ("micro", "decode", "writes")
 UNITS = {"micro": "µs per step", "decode": "µs per step", "writes": "µs per apply"}
-SIZE_NAMES = {"micro": "N", "decode": "batch", "writes": "edits"}
+SIZE_NAMES = {"micro": "N", "decode": "batch", "writes": "ExL"}
+"""How a workload's size keys read: N, the batch, or "ExL" (E edits of L elements, e.g. "256x8")."""
 RATIO_EDITS = 256
 RATIO_N = 64
+RATIO_CELL = W.WriteCell(RATIO_EDITS, 1)
+"""staged_write_256_speedup's cell: 256 one-element edits."""
+STAGE_ONLY_CELL = W.WriteCell(RATIO_EDITS, 8)
+"""stage_write_8_ints_us: 256 stage_write calls of 8-int lists, then clear_staged_writes()."""
+NAIVE_CPU = ("list_tensor", "seed_pageable_per_array", "pinned_tensor_per_array", "pinned_buffer_per_array")
+"""The naive strategies a HOST-tier decode step is compared with (the pinned ones never run on a CPU)."""
 
 
 @dataclass
@@ -51,7 +58,10 @@ class BenchConfig:
     tiers: tuple[str, ...] = ()
     workloads: tuple[str, ...] = WORKLOADS
     sizes: tuple[int, ...] = (64, 512, 4096, 32768)
-    edits: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096)
+    edits: tuple[int, ...] = (1, 16, 256, 4096)
+    """writes: E, the edits per apply."""
+    lengths: tuple[int, ...] = (1, 8, 64)
+    """writes: L, the elements per edit (the sweep is every E x L)."""
     k: int = 8
     batch: int = 256
     repeats: int = 5
@@ -68,8 +78,8 @@ class BenchConfig:
         """Defaults for a full (GPU) run or ``quick`` (CPU CI, well under 60 s); ``given`` wins."""
         base: dict[str, Any] = {"quick": quick}
         if quick:
-            base.update(sizes=(64, 4096), edits=(1, 16, 256), repeats=3, iters=200, target_ms=8.0,
-                        decode_steps=20)
+            base.update(sizes=(64, 4096), edits=(1, 16, 256), lengths=(1, 8), repeats=3, iters=200,
+                        target_ms=8.0, decode_steps=20)
         base.update({k: v for k, v in given.items() if v is not None and v != ()})
         return cls(**base)
 
@@ -187,6 +197,8 @@ class Machine:
     available: list[Tier]
     unavailable: dict[Tier, str]
     staged_write_error: str | None
+    staged_writes_error: str | None = None
+    """Why StagedWriteTensor.stage_writes (the batched API) cannot be timed (None: it can)."""
 
 
 def detect(cfg: BenchConfig) -> Machine:
@@ -211,9 +223,11 @@ def detect(cfg: BenchConfig) -> Machine:
         sw_error = None
     except Exception as e:  # not written yet, or broken
         sw_error = f"stagebuf.staged_write is not importable ({type(e).__name__}: {e})"
+    sws_error = sw_error or (None if W.has_stage_writes() else
+                             "StagedWriteTensor.stage_writes (the batched API) is not in this build")
     env = W.Env(dev, caps.device_type == "cuda", caps.pin_memory, caps.uva, cfg.k, cfg.batch,
                 16, cfg.check_every, cfg.decode_steps, cfg.seed)
-    return Machine(caps, env, available, unavailable, sw_error)
+    return Machine(caps, env, available, unavailable, sw_error, sws_error)
 
 
 def _missing(s: W.Strategy, m: Machine) -> str | None:
@@ -228,6 +242,10 @@ def _missing(s: W.Strategy, m: Machine) -> str | None:
             return f"needs UVA: {m.unavailable.get(Tier.UVA, 'not available')}"
         if need == "staged_write" and m.staged_write_error:
             return m.staged_write_error
+        if need == "staged_writes" and m.staged_writes_error:
+            return m.staged_writes_error
+        if need == "triton" and W.triton_error():
+            return f"needs Triton: {W.triton_error()}"
     if s.tier is not None and s.tier in m.unavailable:
         return m.unavailable[s.tier]
     return None
@@ -240,7 +258,8 @@ def _missing(s: W.Strategy, m: Machine) -> str | None:
 class Task:
     workload: str
     strategy: W.Strategy
-    size: int
+    size: int | W.WriteCell
+    """micro N, decode batch, or a writes cell (``str()`` of it is the size key)."""
     section: str = "results"
     """'results', 'guard' (guard-cost variants) or 'stage_only' (staged writes without the apply)."""
 
@@ -252,16 +271,16 @@ def _tiers_to_run(cfg: BenchConfig, m: Machine) -> tuple[list[Tier], list[dict[s
     for t in want:
         if t not in m.available:
             n = W.TIER_NAMES[t]
-            skipped.append({"workload": "*", "strategy": f"pool_{n}, stager_{n}, staged_write_{n}",
+            skipped.append({"workload": "*",
+                            "strategy": f"pool_{n}, stager_{n}, staged_write_{n}, staged_writes_{n}",
                             "reason": m.unavailable.get(t, "not available")})
     return [t for t in m.available if t in want], skipped
 
 
 def _stage_only(tier: Tier) -> W.Strategy:
-    def build(env: W.Env, e: int) -> W.Case:
-        sets, _want = W._edits(env, e)
-        sw = W.staged_write_tensor(W._write_shape(e), env.device)
-        edits = sets[0]
+    def build(env: W.Env, cell: W.WriteCell) -> W.Case:
+        sw = W.staged_write_tensor(W.write_shape(cell), env.device)
+        edits = W.write_sets(env, cell).lists[0]
 
         def step() -> object:
             for row, col, values in edits:
@@ -296,13 +315,22 @@ def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]
     if "decode" in cfg.workloads:
         add("decode", W.decode_strategies(tiers), [cfg.batch], "results")
     if "writes" in cfg.workloads:
-        add("writes", W.writes_strategies(tiers), cfg.edits, "results")
-        if RATIO_EDITS in cfg.edits:
-            add("writes", [_stage_only(t) for t in tiers], [RATIO_EDITS], "stage_only")
+        add("writes", W.writes_strategies(tiers), write_cells(cfg), "results")
+        only = [RATIO_CELL] if RATIO_CELL in write_cells(cfg) else []
+        add("writes", [_stage_only(t) for t in tiers], [*only, STAGE_ONLY_CELL], "stage_only")
     # grouped by (workload, size), which run_tasks interleaves; floors first, guard variants last
-    tasks.sort(key=lambda t: (WORKLOADS.index(t.workload), t.size, t.section != "results",
+    tasks.sort(key=lambda t: (WORKLOADS.index(t.workload), _size_order(t.size), t.section != "results",
                               t.strategy.kind != "floor"))
     return tasks, skipped
+
+
+def _size_order(size: int | W.WriteCell) -> tuple[int, ...]:
+    return (size,) if isinstance(size, int) else (size.edits, size.length)
+
+
+def write_cells(cfg: BenchConfig) -> list[W.WriteCell]:
+    """The writes sweep: every (E, L) of the configuration."""
+    return [W.WriteCell(e, ln) for e in cfg.edits for ln in cfg.lengths]
 
 
 def _ratio_size(sizes: Sequence[int], want: int) -> int:
@@ -333,7 +361,7 @@ def run_tasks(cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console,
     stage_only: dict[str, Any] = {}
     sync = make_sync(m.env.device)
     target_s = cfg.target_ms / 1000.0
-    groups: dict[tuple[str, int], list[Task]] = {}
+    groups: dict[tuple[str, int | W.WriteCell], list[Task]] = {}
     for t in tasks:
         groups.setdefault((t.workload, t.size), []).append(t)
     cols = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -425,7 +453,7 @@ def guard_cost(raw: dict[str, Any]) -> dict[str, Any]:
 # --- ratios -------------------------------------------------------------------------------------
 
 
-def _value(results: dict[str, Any], wl: str, strat: str, size: int, key: str) -> float | None:
+def _value(results: dict[str, Any], wl: str, strat: str, size: int | str, key: str) -> float | None:
     row = results.get(wl, {}).get(strat, {}).get("sizes", {}).get(str(size))
     if row is None:
         return None
@@ -433,7 +461,11 @@ def _value(results: dict[str, Any], wl: str, strat: str, size: int, key: str) ->
     return float(v) if v is not None else None
 
 
-def _ratio(description: str, results: dict[str, Any], wl: str, size: int, num: str, den: str,
+def _meets(r: float, op: str, target: float) -> bool:
+    return bool(r <= target) if op == "<=" else bool(r >= target)
+
+
+def _ratio(description: str, results: dict[str, Any], wl: str, size: int | str, num: str, den: str,
            metric: str, op: str, target: float) -> dict[str, Any]:
     """One target: ``num/den`` of ``metric`` ('staging' or 'step') at ``size``, against ``target``."""
     key = {"staging": "staging_{}_us", "step": "{}_us"}[metric]
@@ -457,8 +489,118 @@ def _ratio(description: str, results: dict[str, Any], wl: str, size: int, num: s
     r = nv / dv
     entry["measured"] = round(r, 4)
     entry["measured_host"] = round(nh / dh, 4) if nh is not None and dh and dh > 0 else None
-    entry["passed"] = bool(r <= target) if op == "<=" else bool(r >= target)
+    entry["passed"] = _meets(r, op, target)
     return entry
+
+
+PART_KEYS = ("workload", "size", "numerator", "denominator", "numerator_us", "denominator_us", "measured",
+             "passed", "skipped")
+
+
+def _worst_of(description: str, parts: list[dict[str, Any]], metric: str, op: str, target: float,
+              none_why: str, note: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """One target made of parts (each a ratio): ``measured`` is the worst part, ``passed`` if all pass.
+
+    Parts that were not measured are listed with why, and do not count; none measured: skipped.
+    ``worst_note`` (``note`` of the worst part) is what the tables show next to ``measured``.
+    """
+    got = [p for p in parts if p.get("measured") is not None]
+    worst = (max if op == "<=" else min)(got, key=lambda p: p["measured"]) if got else None
+    entry: dict[str, Any] = {
+        "description": description, "metric": metric, "op": op, "target": target,
+        "measured": worst["measured"] if worst else None,
+        "worst": f"{worst['workload']} {worst['numerator']}" if worst else None,
+        "worst_size": worst.get("size") if worst else None,
+        "worst_note": note(worst) if worst else None,
+        "passed": all(p["passed"] for p in got) if got else None,
+        "parts": [{k: p.get(k) for k in PART_KEYS if k in p} for p in parts],
+    }
+    if not got:
+        missing = sorted({x for p in parts for x in p.get("missing", [])})
+        entry["skipped"] = f"not measured in this run: {', '.join(missing)}" if missing else none_why
+    return entry
+
+
+def _cells_target(description: str, results: dict[str, Any], cells: Sequence[W.WriteCell], num: str,
+                  den: str, op: str, target: float, which: str) -> dict[str, Any]:
+    """``num / den`` (writes step time) in each of ``cells``; the worst cell is ``measured``."""
+    parts = [_ratio(f"writes {c}: {num} / {den}", results, "writes", str(c), num, den, "step", op, target)
+             for c in cells]
+    return _worst_of(description, parts, "step (e2e µs), per cell", op, target,
+                     f"no cell of this run's writes sweep has {which}", lambda p: f"E x L = {p['size']}")
+
+
+def _stage_write_us(stage_only: dict[str, Any], tiers_run: Sequence[Tier], target: float) -> dict[str, Any]:
+    cell = STAGE_ONLY_CELL
+    parts = []
+    for t in tiers_run:
+        name = f"staged_write_{W.TIER_NAMES[t]}.stage_only"
+        part: dict[str, Any] = {"workload": "writes", "size": str(cell), "numerator": name,
+                                "denominator": None}
+        row = stage_only.get(name, {}).get(str(cell))
+        if row is None:
+            miss = f"writes {name} at ExL={cell}"
+            part.update(measured=None, passed=None, missing=[miss],
+                        skipped=f"not measured in this run: {miss}")
+        else:
+            us = row["host_us"] / cell.edits
+            part.update(numerator_us=row["host_us"], measured=round(us, 4), passed=_meets(us, "<=", target))
+        parts.append(part)
+    entry = _worst_of(f"StagedWriteTensor.stage_write of a list of {cell.length} ints: host µs per call "
+                      f"({cell.edits} calls, then clear_staged_writes(); no apply); measured is the worst "
+                      "tier", parts, "host µs per call", "<=", target, "no stagebuf tier ran",
+                      lambda p: p["numerator"].split(".")[0].rsplit("_", 1)[1].upper())
+    entry["unit"] = "µs"
+    return entry
+
+
+TARGET_NEEDS: dict[str, str | None] = {
+    "uva_stager_vs_pinned_per_array": "cuda",
+    "pinned_stager_vs_pinned_per_array": "cuda",
+    "pageable_stager_vs_seed_nonuva": None,
+    "staged_write_256_speedup": None,
+    "decode_pageable_vs_uva": "cuda",
+    "no_tier_slower_than_seed_uva": "cuda",
+    "staged_write_uva_vs_mrv2_e_le_16": "cuda",
+    "staged_write_uva_vs_mrv2_e_ge_256": "cuda",
+    "staged_writes_uva_vs_mrv2_e_ge_256": "cuda",
+    "staged_write_pinned_vs_mrv2": "cuda",
+    "staged_write_pageable_vs_mrv2": "cuda",
+    "stage_write_8_ints_us": None,
+    "pool_vs_mrv2_pool": "cuda",
+    "decode_stager_uva_vs_mrv2": "cuda",
+    "decode_stager_pinned_vs_mrv2": "cuda",
+    "decode_stager_pageable_vs_mrv2": "cuda",
+    "host_decode_vs_naive_cpu": "cpu",
+    "host_one_edit_vs_row_copy": "cpu",
+}
+"""Which device each target is defined for: 'cuda' (a GPU run), 'cpu' (HOST tier) or None (any)."""
+
+_NA_DROP = ("measured_host", "numerator_us", "denominator_us", "missing", "skipped", "parts", "worst",
+            "worst_size", "worst_note", "breakdown", "vs_pinned_tensor_per_array", "naive_candidates_us")
+
+
+def na_reason(needs: str | None, device: str) -> str | None:
+    """Why a target defined for ``needs`` does not apply to a run on ``device`` (None: it applies)."""
+    kind = device.split(":", 1)[0]
+    if needs == "cuda" and kind != "cuda":
+        return f"needs a CUDA device; this run's device is {device}"
+    if needs == "cpu" and kind != "cpu":
+        return f"a HOST-tier target: applies only when the device is the CPU; this run's device is {device}"
+    return None
+
+
+def _settle(entry: dict[str, Any], needs: str | None, device: str) -> None:
+    """Add ``needs``, ``applies`` and ``status`` ('pass', 'fail', 'skipped' or 'n/a' with ``na``)."""
+    entry["needs"] = needs
+    why = na_reason(needs, device)
+    if why is not None:
+        for k in _NA_DROP:
+            entry.pop(k, None)
+        entry.update(measured=None, passed=None, applies=False, status="n/a", na=why)
+        return
+    entry["applies"] = True
+    entry["status"] = "skipped" if entry.get("passed") is None else "pass" if entry["passed"] else "fail"
 
 
 def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequence[Tier],
@@ -466,6 +608,7 @@ def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_ru
     n = RATIO_N
     best = tiers_run[0] if tiers_run else None
     sw_name = f"staged_write_{W.TIER_NAMES[best]}" if best is not None else "staged_write_uva"
+    rc = str(RATIO_CELL)
     out: dict[str, Any] = {
         "uva_stager_vs_pinned_per_array": _ratio(
             "UVA StepStager staging cost / per-array pinned copies' (fixed pinned buffer per array "
@@ -480,7 +623,7 @@ def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_ru
         "staged_write_256_speedup": _ratio(
             f"per-row indexed copies / StagedWriteTensor ({best.name if best is not None else '-'}) "
             f"for {RATIO_EDITS} one-element edits (stage_write x {RATIO_EDITS} + apply_write)", results,
-            "writes", RATIO_EDITS, "row_copy_per_edit", sw_name, "step", ">=", 20.0),
+            "writes", rc, "row_copy_per_edit", sw_name, "step", ">=", 20.0),
         "decode_pageable_vs_uva": _ratio(
             "decode loop step time: PAGEABLE StepStager / UVA StepStager", results, "decode",
             cfg.batch, "stager_pageable", "stager_uva", "step", "<=", 1.5),
@@ -490,41 +633,78 @@ def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_ru
                        ("pinned_stager_vs_pinned_per_array", "stager_pinned")):
         alt = _ratio("", results, "micro", n, strat, "pinned_tensor_per_array", "staging", "<=", 0)
         out[key]["vs_pinned_tensor_per_array"] = alt.get("measured")
-    so = stage_only.get(f"{sw_name}.stage_only", {}).get(str(RATIO_EDITS))
-    full = _value(results, "writes", sw_name, RATIO_EDITS, "e2e_us")
-    rc = _value(results, "writes", "row_copy_per_edit", RATIO_EDITS, "e2e_us")
-    if so is not None and full is not None and rc is not None:
+    so = stage_only.get(f"{sw_name}.stage_only", {}).get(rc)
+    full = _value(results, "writes", sw_name, rc, "e2e_us")
+    rcv = _value(results, "writes", "row_copy_per_edit", rc, "e2e_us")
+    if so is not None and full is not None and rcv is not None:
         apply_us = full - so["e2e_us"]
         out["staged_write_256_speedup"]["breakdown"] = {
             "stage_write_x_edits_e2e_us": so["e2e_us"], "apply_e2e_us": round(apply_us, 3),
-            "row_copies_e2e_us": rc, "ratio_apply_only": round(rc / apply_us, 3) if apply_us > 0 else None,
+            "row_copies_e2e_us": rcv, "ratio_apply_only": round(rcv / apply_us, 3) if apply_us > 0 else None,
         }
     # no tier slower than the seed's UVA-pool path by more than 10%
-    parts = []
-    for wl, size in (("micro", n), ("decode", cfg.batch)):
-        for t in tiers_run:
-            parts.append(_ratio(f"{wl}: {t.name} StepStager / seed UVA pool", results, wl, size,
-                                f"stager_{W.TIER_NAMES[t]}", "seed_uva_pool_per_array", "step", "<=", 1.10))
-    got = [p for p in parts if p.get("measured") is not None]
-    worst = max(got, key=lambda p: p["measured"]) if got else None
-    out["no_tier_slower_than_seed_uva"] = {
-        "description": "every tier's StepStager step time / the seed's UVA-pool step time (micro K=8 N=64 "
-                       "and decode loop); measured is the worst",
-        "metric": "step (e2e µs)", "op": "<=", "target": 1.10,
-        "measured": worst["measured"] if worst else None,
-        "worst": f"{worst['workload']} {worst['numerator']}" if worst else None,
-        "passed": all(p["passed"] for p in got) if got else None,
-        "parts": [{k: p.get(k) for k in ("workload", "numerator", "measured", "passed", "skipped")}
-                  for p in parts],
-    }
-    if not got:
-        missing = sorted({x for p in parts for x in p.get("missing", [])})
-        out["no_tier_slower_than_seed_uva"]["skipped"] = (
-            f"not measured in this run: {', '.join(missing)}" if missing else "no stagebuf tier ran")
-    for entry in out.values():
+    parts = [_ratio(f"{wl}: {t.name} StepStager / seed UVA pool", results, wl, size,
+                    f"stager_{W.TIER_NAMES[t]}", "seed_uva_pool_per_array", "step", "<=", 1.10)
+             for wl, size in (("micro", n), ("decode", cfg.batch)) for t in tiers_run]
+    out["no_tier_slower_than_seed_uva"] = _worst_of(
+        "every tier's StepStager step time / the seed's UVA-pool step time (micro K=8 N=64 and decode "
+        "loop); measured is the worst", parts, "step (e2e µs)", "<=", 1.10, "no stagebuf tier ran",
+        lambda p: f"{p['workload']} {p['numerator']}")
+
+    # StagedWriteTensor against MRV2's (which runs on UVA), cell by cell of the writes sweep
+    cells = write_cells(cfg)
+    small = [c for c in cells if c.edits <= 16]
+    large = [c for c in cells if c.edits >= 256]
+    mrv2 = "mrv2_staged_write"
+    out["staged_write_uva_vs_mrv2_e_le_16"] = _cells_target(
+        "UVA StagedWriteTensor (stage_write per edit from lists + apply) / MRV2's StagedWriteTensor, step "
+        "time in every cell with E <= 16; measured is the worst cell", results, small, "staged_write_uva",
+        mrv2, "<=", 0.5, "E <= 16")
+    out["staged_write_uva_vs_mrv2_e_ge_256"] = _cells_target(
+        "UVA StagedWriteTensor (stage_write per edit from lists + apply) / MRV2's, every cell with "
+        "E >= 256; measured is the worst cell", results, large, "staged_write_uva", mrv2, "<=", 0.7,
+        "E >= 256")
+    out["staged_writes_uva_vs_mrv2_e_ge_256"] = _cells_target(
+        "UVA StagedWriteTensor batched (stage_writes from numpy + apply) / MRV2's (stage_write per edit), "
+        "every cell with E >= 256; measured is the worst cell", results, large, "staged_writes_uva", mrv2,
+        "<=", 0.2, "E >= 256")
+    for t in (Tier.PINNED, Tier.PAGEABLE):
+        tn = W.TIER_NAMES[t]
+        out[f"staged_write_{tn}_vs_mrv2"] = _cells_target(
+            f"{t.name} StagedWriteTensor (stage_write per edit + apply) / MRV2's StagedWriteTensor on UVA, "
+            "every cell; measured is the worst cell", results, cells, f"staged_write_{tn}", mrv2, "<=",
+            0.8, "any cell")
+    out["stage_write_8_ints_us"] = _stage_write_us(stage_only, tiers_run, 1.0)
+    out["pool_vs_mrv2_pool"] = _ratio(
+        "UVA UvaBufferPool per array (default guard) staging cost / MRV2's UvaBufferPool per array",
+        results, "micro", n, "pool_uva", "mrv2_uva_pool", "staging", "<=", 1.0)
+    for t, goal in ((Tier.UVA, 0.5), (Tier.PINNED, 0.7), (Tier.PAGEABLE, 0.7)):
+        tn = W.TIER_NAMES[t]
+        out[f"decode_stager_{tn}_vs_mrv2"] = _ratio(
+            f"decode loop staging cost: {t.name} StepStager + StagedWriteTensor / MRV2's UVA pools + "
+            "StagedWriteTensor (on UVA)", results, "decode", cfg.batch, f"stager_{tn}", "mrv2_decode",
+            "staging", "<=", goal)
+    # the HOST tier, when the device is the CPU
+    cands: dict[str, float] = {}
+    for name in NAIVE_CPU:
+        v = _value(results, "decode", name, cfg.batch, "e2e_us")
+        if v is not None:
+            cands[name] = v
+    naive = min(cands, key=lambda k: cands[k]) if cands else NAIVE_CPU[0]
+    out["host_decode_vs_naive_cpu"] = _ratio(
+        f"decode loop step time on the CPU: HOST StepStager + StagedWriteTensor / the fastest naive "
+        f"strategy of this run ({naive}, of {', '.join(cands) or 'none measured'})", results, "decode",
+        cfg.batch, "stager_host", naive, "step", "<=", 0.8)
+    out["host_decode_vs_naive_cpu"]["naive_candidates_us"] = cands
+    one = str(W.WriteCell(1, 1))
+    out["host_one_edit_vs_row_copy"] = _ratio(
+        "one one-element edit on the CPU: HOST StagedWriteTensor stage_write + apply_write / one row copy",
+        results, "writes", one, "staged_write_host", "row_copy_per_edit", "step", "<=", 2.0)
+    for name, entry in out.items():
         entry["device"] = device
         if cfg.k != 8 and entry.get("workload") == "micro":
             entry["note"] = f"K={cfg.k}; the target assumes K=8"
+        _settle(entry, TARGET_NEEDS.get(name), device)
     return out
 
 
@@ -603,15 +783,27 @@ def _workload_tables(report: dict[str, Any]) -> Iterator[tuple[str, bool, list[s
     """Per workload with results: (workload, has staging column, size headers, rows of cells).
 
     Each row is the strategy's name followed by one cell per size (and the decode checks).
+    The writes table has a row per (strategy, L), grouped by L, and a column per E.
     """
     for wl in WORKLOADS:
         data = report["results"].get(wl)
         if not data:
             continue
-        sizes = sorted({int(s) for e in data.values() for s in e["sizes"]})
         staging = wl in ("micro", "decode") and "floor" in data
-        head = [f"{SIZE_NAMES[wl]}={n}" for n in sizes] + (["checks"] if wl == "decode" else [])
         rows = []
+        if wl == "writes":
+            cells = {W.WriteCell.parse(s) for e in data.values() for s in e["sizes"]}
+            es = sorted({c.edits for c in cells})
+            head = ["L", *(f"E={e}" for e in es)]
+            for ln in sorted({c.length for c in cells}):
+                for name, e in data.items():
+                    if any(W.WriteCell.parse(s).length == ln for s in e["sizes"]):
+                        rows.append([name, str(ln), *(_cell(e["sizes"].get(str(W.WriteCell(x, ln))), False)
+                                                       for x in es)])
+            yield wl, staging, head, rows
+            continue
+        sizes = sorted({int(s) for e in data.values() for s in e["sizes"]})
+        head = [f"{SIZE_NAMES[wl]}={n}" for n in sizes] + (["checks"] if wl == "decode" else [])
         for name, e in data.items():
             cells = [name] + [_cell(e["sizes"].get(str(n)), staging and name != "floor") for n in sizes]
             if wl == "decode":
@@ -620,11 +812,41 @@ def _workload_tables(report: dict[str, Any]) -> Iterator[tuple[str, bool, list[s
         yield wl, staging, head, rows
 
 
+TITLES = {"decode": "decode loop: per-request arrays + block table + slot mapping",
+          "writes": "staged writes: E edits of L elements (distinct rows), staged then applied once per step"}
+
+
+def _stage_only_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(strategy, ExL, host µs per step, host µs per stage_write call) of the stage-only runs."""
+    out = []
+    for name, by_cell in report.get("staged_write_stage_only", {}).items():
+        for key, row in by_cell.items():
+            e = W.WriteCell.parse(key).edits
+            out.append((name, key, _fmt(row["host_us"]), f"{row['host_us'] / e:.3f}"))
+    return out
+
+
+def _status(r: dict[str, Any]) -> str:
+    """'pass', 'fail', 'skipped' or 'n/a' (reports from before the field: from ``passed``)."""
+    if "status" in r:
+        return str(r["status"])
+    return "skipped" if r.get("passed") is None else "pass" if r["passed"] else "fail"
+
+
+def _measured(r: dict[str, Any]) -> str:
+    if r.get("measured") is None:
+        return "-"
+    got = f"{r['measured']:.3f}"
+    return got + (f" ({r['worst_note']})" if r.get("worst_note") else "")
+
+
+def _goal(r: dict[str, Any]) -> str:
+    return f"{r['op']} {r['target']}" + (f" {r['unit']}" if r.get("unit") else "")
+
+
 def render(report: dict[str, Any], console: Console) -> None:
     for wl, has_staging, head, rows in _workload_tables(report):
-        title = {"micro": f"micro: K={report['config']['k']} int32 arrays of N per step",
-                 "decode": "decode loop: per-request arrays + block table + slot mapping",
-                 "writes": "staged writes: one-element edits per apply"}[wl]
+        title = TITLES.get(wl, f"micro: K={report['config']['k']} int32 arrays of N per step")
         cap = f"{UNITS[wl]}, median: host / device-synchronised"
         if has_staging:
             cap += "; (+x) = staging cost: synchronised time minus the floor's"
@@ -632,7 +854,17 @@ def render(report: dict[str, Any], console: Console) -> None:
         tab.add_column("strategy", no_wrap=True)
         for h in head:
             tab.add_column(h, justify="right", no_wrap=True)
-        for cells in rows:
+        for i, cells in enumerate(rows):
+            last_of_l = wl == "writes" and (i + 1 == len(rows) or rows[i + 1][1] != cells[1])
+            tab.add_row(*cells, end_section=last_of_l)
+        console.print(tab)
+    so = _stage_only_rows(report)
+    if so:
+        tab = Table(title="stage only: stage_write x E from Python lists, then clear_staged_writes() "
+                    "(no apply)", title_justify="left", caption="host µs")
+        for c in ("strategy", "ExL", "per step", "per call"):
+            tab.add_column(c, justify="left" if c == "strategy" else "right")
+        for cells in so:
             tab.add_row(*cells)
         console.print(tab)
     if report.get("guard_cost"):
@@ -645,16 +877,16 @@ def render(report: dict[str, Any], console: Console) -> None:
                 tab.add_row(g["structure"], g["tier"], size, _fmt(g["wait_e2e_us"]), _fmt(g["off_e2e_us"]),
                             f"{g['delta_e2e_us']:+.2f}", str(g["guard_waits"]))
         console.print(tab)
-    tab = Table(title=f"targets (device {report['device']})", title_justify="left")
+    tab = Table(title=f"targets (device {report['device']})", title_justify="left",
+                caption="measured: a ratio of e2e µs; (…): the worst part of a target made of parts")
     for c in ("target", "measured", "goal", "result"):
         tab.add_column(c)
     for name, r in report["ratios"].items():
-        if r.get("measured") is None:
-            verdict = f"[yellow]skipped[/]: {escape(r.get('skipped', ''))}"
-        else:
-            verdict = "[green]pass[/]" if r["passed"] else "[red]FAIL[/]"
-        goal = f"{r['op']} {r['target']}"
-        tab.add_row(name, "-" if r.get("measured") is None else f"{r['measured']:.3f}", goal, verdict)
+        status = _status(r)
+        verdict = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]",
+                   "n/a": f"[dim]n/a[/]: {escape(r.get('na', ''))}",
+                   }.get(status, f"[yellow]skipped[/]: {escape(r.get('skipped', ''))}")
+        tab.add_row(name, _measured(r), _goal(r), verdict)
     console.print(tab)
     if report["skipped"]:
         console.print("[bold]skipped[/]:")
@@ -699,6 +931,12 @@ def markdown(report: dict[str, Any]) -> str:
             cells = [f"`{name}`", labels[name].get("label", ""), *cells]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    so = _stage_only_rows(report)
+    if so:
+        lines += ["#### stage only: stage_write x E from Python lists, then clear_staged_writes() (host µs)",
+                  "", "| strategy | ExL | per step | per call |", "|---|---|---|---|"]
+        lines += [f"| `{a}` | {b} | {c} | {d} |" for a, b, c, d in so]
+        lines.append("")
     if report.get("guard_cost"):
         lines += ["#### guard cost: guard='wait' minus guard='off' (µs per step, device-synchronised)", "",
                   "| structure | tier | N | wait | off | delta | waits |", "|---|---|---|---|---|---|---|"]
@@ -710,12 +948,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["#### targets", "", "| target | definition | measured | goal | result |",
               "|---|---|---|---|---|"]
     for name, r in report["ratios"].items():
-        if r.get("measured") is None:
-            got, verdict = "-", f"skipped: {r.get('skipped', '')}"
-        else:
-            got, verdict = f"{r['measured']:.3f}", "pass" if r["passed"] else "**FAIL**"
-        goal = f"{r['op']} {r['target']}"
-        lines.append(f"| `{name}` | {r.get('description', '')} | {got} | {goal} | {verdict} |")
+        status = _status(r)
+        verdict = {"pass": "pass", "fail": "**FAIL**", "n/a": f"n/a: {r.get('na', '')}"}.get(
+            status, f"skipped: {r.get('skipped', '')}")
+        lines.append(f"| `{name}` | {r.get('description', '')} | {_measured(r)} | {_goal(r)} | {verdict} |")
     lines.append("")
     if report.get("skipped"):
         lines += ["Skipped:", ""]
@@ -725,16 +961,34 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], path: str) -> None:
-    """µs per step against size, one line per strategy, log axes (micro, writes); decode as bars."""
+PLOT_HINT = "--plot needs matplotlib: pip install 'stagebuf[plot]'"
+
+
+def _import_matplotlib() -> tuple[Any, Any]:
+    """(Figure, FigureCanvasAgg); ImportError when matplotlib is not installed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    return Figure, FigureCanvasAgg
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """µs per step against size, one line per strategy, log axes (micro; writes: a panel per L, against E);
+    decode as bars. Raises ImportError without matplotlib."""
+    Figure, FigureCanvasAgg = _import_matplotlib()
     res = report["results"]
-    panels = [w for w in WORKLOADS if res.get(w)]
+    panels: list[tuple[str, int | None]] = []
+    for w in WORKLOADS:
+        if not res.get(w):
+            continue
+        if w == "writes":
+            lens = sorted({W.WriteCell.parse(s).length for e in res[w].values() for s in e["sizes"]})
+            panels += [(w, ln) for ln in lens]
+        else:
+            panels.append((w, None))
     fig = Figure(figsize=(6.5 * max(len(panels), 1), 5.5), layout="constrained")
     FigureCanvasAgg(fig)
-    for i, wl in enumerate(panels):
+    for i, (wl, ln) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
         data = res[wl]
         if wl == "decode":
@@ -748,19 +1002,25 @@ def plot(report: dict[str, Any], path: str) -> None:
             ax.set_xscale("log")
             ax.set_xlabel(f"{UNITS[wl]} (device-synchronised, batch {report['config']['batch']})")
             ax.invert_yaxis()
-        else:
-            for name, e in data.items():
-                xs = sorted(int(s) for s in e["sizes"])
-                ys = [e["sizes"][str(x)]["e2e_us"] for x in xs]
-                style = "--" if e["kind"] == "baseline" else ":" if e["kind"] == "floor" else "-"
-                ax.plot(xs, ys, style, marker="o", label=name)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel(SIZE_NAMES[wl] + (" (int32 per array)" if wl == "micro" else " per apply"))
-            ax.set_ylabel(f"{UNITS[wl]} (device-synchronised)")
-            ax.legend(fontsize=7)
-            ax.grid(True, which="both", alpha=0.3)
-        ax.set_title(wl)
+            ax.set_title(wl)
+            continue
+        for name, e in data.items():
+            if ln is None:
+                pts = sorted((int(s), r["e2e_us"]) for s, r in e["sizes"].items())
+            else:
+                cells = ((W.WriteCell.parse(s), r) for s, r in e["sizes"].items())
+                pts = sorted((c.edits, r["e2e_us"]) for c, r in cells if c.length == ln)
+            if not pts:
+                continue
+            style = "--" if e["kind"] == "baseline" else ":" if e["kind"] == "floor" else "-"
+            ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("N (int32 per array)" if wl == "micro" else "E (edits per apply)")
+        ax.set_ylabel(f"{UNITS[wl]} (device-synchronised)")
+        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_title(wl if ln is None else f"writes, L={ln} elements per edit")
     commit = (report.get("commit") or "?")[:10]
     fig.suptitle(f"stagebuf bench on {report['device_name']} ({report['device']}), commit {commit}")
     fig.savefig(path, dpi=120)
@@ -830,7 +1090,10 @@ def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
 @click.option("--workload", "workloads", multiple=True, type=click.Choice(WORKLOADS),
               help="Only these workloads (repeatable). Default: all.")
 @click.option("--sizes", default=None, help="micro: N values, comma-separated [64,512,4096,32768].")
-@click.option("--edits", default=None, help="staged writes: edit counts, comma-separated [1,4,...,4096].")
+@click.option("--edits", default=None, help="staged writes: E, edits per apply, comma-separated "
+              "[1,16,256,4096].")
+@click.option("--lengths", default=None,
+              help="staged writes: L, elements per edit, comma-separated [1,8,64]; the sweep is every E x L.")
 @click.option("-k", "--arrays", "k", type=click.IntRange(1, 256), default=None,
               help="micro: arrays per step [8].")
 @click.option("--batch", type=click.IntRange(1, 65536), default=None, help="decode: requests per step [256].")
@@ -850,7 +1113,8 @@ def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
 @click.option("--strict", is_flag=True, help="Exit with status 3 when a measured target fails.")
 def bench(quick: bool, json_path: str | None, plot_path: str | None, md_path: str | None,
           from_json: str | None, tiers: tuple[str, ...],
-          workloads: tuple[str, ...], sizes: str | None, edits: str | None, k: int | None, batch: int | None,
+          workloads: tuple[str, ...], sizes: str | None, edits: str | None, lengths: str | None,
+          k: int | None, batch: int | None,
           repeats: int | None, iters: int | None, target_ms: float | None, decode_steps: int | None,
           check_every: int | None, device: str | None, threads: int | None, progress: bool | None,
           strict: bool) -> None:
@@ -858,7 +1122,8 @@ def bench(quick: bool, json_path: str | None, plot_path: str | None, md_path: st
     cfg = BenchConfig.make(
         quick, device=device, tiers=tuple(t.lower() for t in tiers),
         workloads=tuple(w for w in WORKLOADS if w in workloads) or None,
-        sizes=_ints(sizes, "--sizes"), edits=_ints(edits, "--edits"), k=k, batch=batch, repeats=repeats,
+        sizes=_ints(sizes, "--sizes"), edits=_ints(edits, "--edits"), lengths=_ints(lengths, "--lengths"),
+        k=k, batch=batch, repeats=repeats,
         iters=iters, target_ms=target_ms, decode_steps=decode_steps, check_every=check_every,
         threads=threads)
     console = Console(width=None if sys.stdout.isatty() else 180)
@@ -875,13 +1140,16 @@ def bench(quick: bool, json_path: str | None, plot_path: str | None, md_path: st
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=1, default=str) + "\n")
         console.print(f"wrote {json_path}", highlight=False)
-    if plot_path:
-        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
-        plot(report, plot_path)
-        console.print(f"wrote {plot_path}", highlight=False)
     if md_path:
         Path(md_path).parent.mkdir(parents=True, exist_ok=True)
         Path(md_path).write_text(markdown(report))
         console.print(f"wrote {md_path}", highlight=False)
+    if plot_path:  # last: without matplotlib, everything else is written before the error
+        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            plot(report, plot_path)
+        except ImportError as e:
+            raise click.ClickException(f"{PLOT_HINT} ({type(e).__name__}: {e})") from None
+        console.print(f"wrote {plot_path}", highlight=False)
     if strict and any(r.get("passed") is False for r in report["ratios"].values()):
         raise SystemExit(3)

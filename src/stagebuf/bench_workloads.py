@@ -9,7 +9,15 @@ the stagebuf strategies use the public classes on a forced tier.
 * decode: a simulated serving loop (requests arrive and finish) staging the
   per-request arrays, appending block ids to a block table and computing the
   slot mapping on the device, checked against a numpy model every few steps.
-* writes: applies of E one-element edits to a 2-D device table.
+* writes: a sweep over E edits of L elements each (distinct rows), staged and
+  applied once per step to a 2-D device table.
+
+The ``mrv2_*`` baselines rebuild vLLM Model Runner V2's buffer layer from its
+design (no code of it is used): ``mrv2_uva_pool`` (a ring of pinned buffers with
+device views, round robin, no guard, a view slice per call),
+``mrv2_staged_write`` (StagedWriteTensor: Python lists per edit, three int32
+UVA pools + the contents through a fresh pinned tensor and one async copy, one
+Triton program per edit) and ``mrv2_decode`` (the decode loop built from both).
 """
 
 from __future__ import annotations
@@ -63,11 +71,12 @@ class Strategy:
     label: str
     kind: str
     """'baseline', 'stagebuf' or 'floor'."""
-    build: Callable[[Env, int], Case]
+    build: Callable[[Env, Any], Case]
+    """(env, size): size is an int (micro N, decode batch) or a :class:`WriteCell` (writes)."""
     tier: Tier | None = None
     """The forced stagebuf tier (None: built with STAGEBUF_TIER unset)."""
     needs: tuple[str, ...] = ()
-    """Subset of 'cuda', 'pinned', 'uva', 'staged_write'."""
+    """Subset of 'cuda', 'pinned', 'uva', 'triton', 'staged_write', 'staged_writes'."""
 
 
 class BenchCheckError(RuntimeError):
@@ -148,6 +157,187 @@ def seed_uva_pool(size: int, dtype: torch.dtype, device: torch.device) -> SeedPo
     return SeedPool(size, dtype, lambda shape: UvaBuffer(shape, dtype, device))
 
 
+# --- vLLM Model Runner V2's buffer layer, rebuilt from its design as baselines -------------------
+
+MRV2_SLOTS = 2
+"""MRV2's default round-robin depth of a UVA buffer pool."""
+MRV2_BLOCK = 1024
+"""MRV2's staged-write kernel tile: each program loops over its edit in steps of this many elements."""
+
+
+class Mrv2UvaBuffer:
+    """MRV2's UvaBuffer: zeroed pinned memory and a device view of it.
+
+    stagebuf's :class:`UvaBuffer` allocates the pinned tensor and builds the view;
+    unlike it (it caches its row slices), ``uva(n)`` slices the view on every call,
+    as MRV2's pool does (``buf.uva[:n]``).
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        inner = UvaBuffer(shape, dtype, device)
+        self.cpu = inner.cpu
+        self.np = inner.np
+        self.view = inner.dev
+
+    def uva(self, n: int | None = None) -> torch.Tensor:
+        return self.view if n is None else self.view[:n]
+
+
+PoolMaker = Callable[[int, torch.dtype, torch.device], SeedPool]
+
+
+def mrv2_uva_pool(size: int, dtype: torch.dtype, device: torch.device) -> SeedPool:
+    """MRV2's UvaBufferPool: ``MRV2_SLOTS`` pinned buffers with device views, round robin, no guard.
+
+    copy_to_uva(x) writes x into the next slot's numpy view (its torch view for a
+    tensor) and returns a fresh slice of that slot's device view. The ring is the
+    seed's :class:`SeedPool`, which has the same design.
+    """
+    return SeedPool(size, dtype, lambda shape: Mrv2UvaBuffer(shape, dtype, device), slots=MRV2_SLOTS)
+
+
+tl: Any = None  # triton.language, set on the first use of the MRV2 kernel (CPU-only installs lack it)
+_triton_import_error: list[str] = []
+_mrv2_kernels: dict[bool, Any] = {}
+
+
+def triton_error() -> str | None:
+    """Why Triton cannot be imported here (None: it can); imported once, on first call."""
+    global tl
+    if tl is None and not _triton_import_error:
+        try:
+            import triton.language as _tl  # type: ignore[import-not-found]
+        except Exception as e:  # not installed, or broken
+            _triton_import_error.append(f"triton is not importable ({type(e).__name__}: {e})"[:200])
+        else:
+            tl = _tl
+    return _triton_import_error[0] if _triton_import_error else None
+
+
+def _mrv2_write_kernel(out, out_stride, rows, starts, contents, cu_lens, BLOCK: tl.constexpr):
+    # One program per staged edit: copy its values into out[row, start:start + len] in BLOCK tiles.
+    e = tl.program_id(0)
+    row = tl.load(rows + e).to(tl.int64)
+    col = tl.load(starts + e)
+    end = tl.load(cu_lens + e)
+    begin = tl.load(cu_lens + e - 1, mask=e > 0, other=0)
+    length = end - begin
+    dst = out + row * out_stride + col
+    src = contents + begin
+    for i in range(0, length, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        m = offs < length
+        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+def _mrv2_kernel(interpret: bool) -> Any:
+    """The MRV2 staged-write kernel, compiled by Triton (``interpret``: Triton's CPU interpreter)."""
+    k = _mrv2_kernels.get(interpret)
+    if k is None:
+        err = triton_error()
+        if err is not None:
+            raise RuntimeError(f"mrv2_staged_write needs Triton: {err}")
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction  # type: ignore[import-not-found]
+
+            k = InterpretedFunction(_mrv2_write_kernel)
+        else:
+            from triton.runtime.jit import JITFunction  # type: ignore[import-not-found]
+
+            k = JITFunction(_mrv2_write_kernel)
+        _mrv2_kernels[interpret] = k
+    return k
+
+
+def _mrv2_torch_apply(out: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, contents: torch.Tensor,
+                      cu_lens: torch.Tensor) -> None:
+    """What the kernel does, in torch ops (CPU tests: no Triton launch without a GPU)."""
+    lens = torch.diff(cu_lens.long(), prepend=cu_lens.new_zeros(1, dtype=torch.int64))
+    edit = torch.repeat_interleave(torch.arange(rows.shape[0], device=rows.device), lens)
+    j = torch.arange(contents.shape[0], device=rows.device) - (cu_lens.long() - lens)[edit]
+    out[rows.long()[edit], starts.long()[edit] + j] = contents
+
+
+Mrv2Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _mrv2_launcher(kernel: str, device: torch.device) -> Mrv2Launch:
+    if kernel == "torch":
+        return _mrv2_torch_apply
+    if kernel not in ("triton", "interpret"):
+        raise ValueError(f"kernel={kernel!r}; allowed: 'triton', 'interpret', 'torch'")
+    jit = _mrv2_kernel(interpret=kernel == "interpret")
+    other_device = device.type == "cuda" and device.index is not None and (
+        device.index != torch.cuda.current_device())
+
+    def launch(out: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, contents: torch.Tensor,
+               cu_lens: torch.Tensor) -> None:
+        grid = (rows.shape[0],)
+        if other_device:
+            with torch.cuda.device(device):
+                jit[grid](out, out.stride(0), rows, starts, contents, cu_lens, BLOCK=MRV2_BLOCK)
+        else:
+            jit[grid](out, out.stride(0), rows, starts, contents, cu_lens, BLOCK=MRV2_BLOCK)
+
+    return launch
+
+
+class Mrv2StagedWrite:
+    """MRV2's StagedWriteTensor, rebuilt from its design.
+
+    Staging appends to Python lists (rows, starts, cumulative lengths; the values
+    with ``list.extend``). ``apply_write`` moves rows, starts and cumulative lengths
+    through three int32 UVA pools, the values through a new pinned tensor and one
+    asynchronous copy, launches one kernel with one program per edit, then clears
+    the lists. ``make_pool``, ``kernel`` and ``pin_contents`` exist for CPU tests
+    only (a pageable pool stand-in, the torch twin or Triton's interpreter); the
+    bench uses the defaults: UVA pools, compiled Triton, pinned contents.
+    """
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                 make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton", pin_contents: bool = True):
+        self.dtype = dtype
+        self.device = device
+        self.gpu = torch.zeros(shape, dtype=dtype, device=device)
+        self._indices: list[int] = []
+        self._starts: list[int] = []
+        self._contents: list[int | float] = []
+        self._cu_lens: list[int] = []
+        self._index_pool = make_pool(shape[0], torch.int32, device)
+        self._start_pool = make_pool(shape[0], torch.int32, device)
+        self._cu_len_pool = make_pool(shape[0], torch.int32, device)
+        self._pin = pin_contents
+        self._launch = _mrv2_launcher(kernel, device)
+        self.kernel = kernel
+
+    def stage_write(self, index: int, start: int, values: list[int]) -> None:
+        assert index >= 0
+        assert start >= 0
+        if not values:
+            return
+        self._indices.append(index)
+        self._starts.append(start)
+        self._contents.extend(values)
+        self._cu_lens.append(len(self._contents))
+
+    def apply_write(self) -> None:
+        if not self._indices:
+            return
+        rows = self._index_pool.copy_to_uva(self._indices)
+        starts = self._start_pool.copy_to_uva(self._starts)
+        cu_lens = self._cu_len_pool.copy_to_uva(self._cu_lens)
+        contents = torch.tensor(self._contents, dtype=self.dtype, pin_memory=self._pin).to(
+            self.device, non_blocking=True)
+        self._launch(self.gpu, rows, starts, contents, cu_lens)
+        self.clear_staged_writes()
+
+    def clear_staged_writes(self) -> None:
+        self._indices.clear()
+        self._starts.clear()
+        self._contents.clear()
+        self._cu_lens.clear()
+
+
 class CpuGpuBuffer:
     """vLLM V1's CpuGpuBuffer: a fixed pinned buffer and a fixed device buffer, one async copy."""
 
@@ -216,8 +406,7 @@ def micro_pinned_buffer(env: Env, n: int) -> Case:
     return _micro_case("pinned_buffer_per_array", srcs, run)
 
 
-def micro_seed_pool(make: Callable[[int, torch.dtype, torch.device], SeedPool], name: str) -> Callable[
-        [Env, int], Case]:
+def micro_seed_pool(make: PoolMaker, name: str) -> Callable[[Env, int], Case]:
     def build(env: Env, n: int) -> Case:
         srcs = _sources(env, n)
         pools = [make(n, torch.int32, env.device) for _ in srcs]
@@ -538,18 +727,41 @@ def decode_pinned_buffer(env: Env, batch: int) -> Case:
                         lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=True).ops())
 
 
-def decode_seed_pool(make_pool: Callable[[int, torch.dtype, torch.device], SeedPool], name: str,
-                     pinned_table: bool) -> Callable[[Env, int], Case]:
+def _pool_stage(make_pool: PoolMaker, dev: torch.device) -> Callable[[DecodeSim], Stage4]:
+    """Each per-step array through its own pool (``copy_to_uva``)."""
+
+    def make(sim: DecodeSim) -> Stage4:
+        p = [make_pool(n, dt, dev) for n, dt in _decode_sizes(sim)]
+        return lambda st: (p[0].copy_to_uva(st.idx), p[1].copy_to_uva(st.pos),
+                           p[2].copy_to_uva(st.seq), p[3].copy_to_uva(st.qsl))
+
+    return make
+
+
+def decode_seed_pool(make_pool: PoolMaker, name: str, pinned_table: bool) -> Callable[[Env, int], Case]:
+    def build(env: Env, batch: int) -> Case:
+        dev = env.device
+        return _decode_case(env, batch, name, _pool_stage(make_pool, dev),
+                            lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=pinned_table).ops())
+
+    return build
+
+
+def decode_mrv2(make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton",
+                pin_contents: bool = True) -> Callable[[Env, int], Case]:
+    """MRV2's decode step: per-step arrays through UVA pools, block-table appends through its
+    StagedWriteTensor (one stage_write per edit, one apply per step). The defaults are the bench's;
+    the arguments let a CPU test run the same loop (see :class:`Mrv2StagedWrite`)."""
+
     def build(env: Env, batch: int) -> Case:
         dev = env.device
 
-        def make(sim: DecodeSim) -> Stage4:
-            p = [make_pool(n, dt, dev) for n, dt in _decode_sizes(sim)]
-            return lambda st: (p[0].copy_to_uva(st.idx), p[1].copy_to_uva(st.pos),
-                               p[2].copy_to_uva(st.seq), p[3].copy_to_uva(st.qsl))
+        def make_table(sim: DecodeSim) -> TableOps:
+            sw = Mrv2StagedWrite(_table_shape(sim), torch.int32, dev, make_pool, kernel, pin_contents)
+            return TableOps(sw.stage_write, sw.apply_write, lambda: sw.gpu)
 
-        return _decode_case(env, batch, name, make,
-                            lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=pinned_table).ops())
+        return _decode_case(env, batch, "mrv2_decode", _pool_stage(make_pool, dev), make_table,
+                            lambda: {"kernel": kernel, "pool_slots": MRV2_SLOTS})
 
     return build
 
@@ -615,38 +827,76 @@ def decode_floor(env: Env, batch: int) -> Case:
 
 # --- workload 3: staged writes ------------------------------------------------------------------
 
-WRITE_COLS = 64
+WRITE_MIN_ROWS = 4096
+WRITE_MIN_COLS = 64
 
 
-def _write_shape(e: int) -> tuple[int, int]:
-    return (max(4096, e), WRITE_COLS)
+@dataclass(frozen=True, order=True)
+class WriteCell:
+    """One cell of the writes sweep: E edits of L elements each, on distinct rows; key ``"ExL"``."""
+
+    edits: int
+    length: int
+
+    def __str__(self) -> str:
+        return f"{self.edits}x{self.length}"
+
+    @classmethod
+    def parse(cls, key: str) -> WriteCell:
+        """``"256x8"``; a plain ``"256"`` (reports from before the sweep: one-element edits) is 256x1."""
+        e, _, ln = key.partition("x")
+        return cls(int(e), int(ln or 1))
 
 
-def _edits(env: Env, e: int) -> tuple[list[list[tuple[int, int, list[int]]]], np.ndarray]:
-    """Two sets of E one-element edits on distinct rows (alternated), and the table after the second."""
-    shape = _write_shape(e)
-    rng = np.random.default_rng(env.seed * 31 + e)
-    rows = rng.permutation(shape[0])[:e]
-    cols = rng.integers(0, shape[1], e)
-    sets = []
+def write_shape(cell: WriteCell) -> tuple[int, int]:
+    """The table of a cell: max(4096, E) rows (edits go to distinct rows) and max(64, 2 L) columns,
+    so that an edit's start has at least L + 1 choices (0 .. cols - L)."""
+    return (max(WRITE_MIN_ROWS, cell.edits), max(WRITE_MIN_COLS, 2 * cell.length))
+
+
+@dataclass
+class WriteSets:
+    """Two sets of the same E edits (rows, starts) with different values, applied alternately."""
+
+    rows: np.ndarray
+    """int64 [E], distinct."""
+    starts: np.ndarray
+    """int64 [E], each in [0, cols - L]."""
+    values: list[np.ndarray]
+    """Per set: int32 [E, L]."""
+    lists: list[list[tuple[int, int, list[int]]]]
+    """Per set, the same edits as Python ints and lists (what per-edit staging gets)."""
+    want: np.ndarray
+    """The table after the second set."""
+
+
+def write_sets(env: Env, cell: WriteCell) -> WriteSets:
+    shape = write_shape(cell)
+    e, ln = cell.edits, cell.length
+    rng = np.random.default_rng((env.seed, e, ln))
+    rows = rng.permutation(shape[0])[:e].astype(np.int64)
+    starts = rng.integers(0, shape[1] - ln + 1, e).astype(np.int64)
     want = np.zeros(shape, np.int32)
+    values, lists = [], []
+    cols = starts[:, None] + np.arange(ln)[None, :]
     for _ in range(2):
-        vals = rng.integers(1, 1 << 30, e)
-        sets.append([(int(r), int(c), [int(v)]) for r, c, v in zip(rows, cols, vals)])
-        want[rows, cols] = vals
-    return sets, want
+        vals = rng.integers(1, 1 << 30, (e, ln)).astype(np.int32)
+        values.append(vals)
+        lists.append(list(zip(rows.tolist(), starts.tolist(), vals.tolist())))
+        want[rows[:, None], cols] = vals
+    return WriteSets(rows, starts, values, lists, want)
 
 
-def _writes_case(name: str, sets: list[list[tuple[int, int, list[int]]]], want: np.ndarray,
-                 table: TableOps, extra: Callable[[], dict[str, Any]] | None = None) -> Case:
-    write, apply, target = table
+def _writes_case(name: str, cell: WriteCell, ws: WriteSets, stage: Callable[[int], None],
+                 apply: Callable[[], None], target: Callable[[], torch.Tensor],
+                 extra: Callable[[], dict[str, Any]] | None = None) -> Case:
+    """Each step stages set 0 or set 1 (alternately) with ``stage(k)``, then applies once."""
     state = [0]
 
     def step() -> object:
-        edits = sets[state[0] & 1]
+        k = state[0] & 1
         state[0] += 1
-        for row, col, values in edits:
-            write(row, col, values)
+        stage(k)
         apply()
         return None
 
@@ -654,27 +904,79 @@ def _writes_case(name: str, sets: list[list[tuple[int, int, list[int]]]], want: 
         if state[0] & 1:  # end on the second set, whose values ``want`` holds
             step()
         got = target().cpu().numpy()
-        if not np.array_equal(got, want):
-            bad = int(np.count_nonzero(got != want))
-            raise BenchCheckError(f"staged writes [{name}]: {bad} table cells differ from the host model "
-                                  f"after {state[0]} applies of {len(sets[0])} edits")
-        return {"applies": state[0], "verified": True, **(extra() if extra else {})}
+        if not np.array_equal(got, ws.want):
+            bad = int(np.count_nonzero(got != ws.want))
+            raise BenchCheckError(f"staged writes [{name}] E={cell.edits} L={cell.length}: {bad} table "
+                                  f"cells differ from the host model after {state[0]} applies")
+        return {"edits": cell.edits, "length": cell.length, "applies": state[0], "verified": True,
+                **(extra() if extra else {})}
 
     return Case(step, finish)
 
 
-def writes_row_copy(env: Env, e: int) -> Case:
-    sets, want = _edits(env, e)
-    t = RowCopyTable(_write_shape(e), env.device, pinned=env.pin_memory and env.cuda)
-    return _writes_case("row_copy_per_edit", sets, want, t.ops(),
+def _per_edit(write: Callable[[int, int, list[int]], None], ws: WriteSets) -> Callable[[int], None]:
+    """Stage set k with one ``write(row, start, values)`` per edit, from Python lists."""
+
+    def stage(k: int) -> None:
+        for row, start, values in ws.lists[k]:
+            write(row, start, values)
+
+    return stage
+
+
+def writes_row_copy(env: Env, cell: WriteCell) -> Case:
+    ws = write_sets(env, cell)
+    t = RowCopyTable(write_shape(cell), env.device, pinned=env.pin_memory and env.cuda)
+    return _writes_case("row_copy_per_edit", cell, ws, _per_edit(t.write, ws), lambda: None, lambda: t.dev,
                         lambda: {"host_memory": "pinned" if t.non_blocking else "pageable"})
 
 
-def writes_staged(env: Env, e: int) -> Case:
-    sets, want = _edits(env, e)
-    sw = staged_write_tensor(_write_shape(e), env.device)
-    return _writes_case("staged_write", sets, want, staged_ops(sw),
-                        lambda: {"kernel": getattr(sw, "kernel", None), "stats": _stats_of(sw)})
+def writes_staged(env: Env, cell: WriteCell) -> Case:
+    """StagedWriteTensor: one ``stage_write(row, start, list)`` per edit, then ``apply_write()``."""
+    ws = write_sets(env, cell)
+    sw = staged_write_tensor(write_shape(cell), env.device)
+    return _writes_case("staged_write", cell, ws, _per_edit(sw.stage_write, ws), sw.apply_write,
+                        lambda: sw.gpu, lambda: _sw_facts(sw))
+
+
+def _sw_facts(sw: Any) -> dict[str, Any]:
+    return {"kernel": getattr(sw, "kernel", None), "stats": _stats_of(sw)}
+
+
+def has_stage_writes() -> bool:
+    """Whether this build's StagedWriteTensor has the batched ``stage_writes`` (False if not importable)."""
+    try:
+        from .staged_write import StagedWriteTensor
+    except Exception:
+        return False
+    return callable(getattr(StagedWriteTensor, "stage_writes", None))
+
+
+def writes_staged_batched(env: Env, cell: WriteCell) -> Case:
+    """StagedWriteTensor: one ``stage_writes(rows, starts, values[E, L])`` from numpy, then apply."""
+    ws = write_sets(env, cell)
+    sw = staged_write_tensor(write_shape(cell), env.device)
+    rows, starts, values = ws.rows, ws.starts, ws.values
+
+    def stage(k: int) -> None:
+        sw.stage_writes(rows, starts, values[k])
+
+    return _writes_case("staged_writes", cell, ws, stage, sw.apply_write, lambda: sw.gpu,
+                        lambda: _sw_facts(sw))
+
+
+def writes_mrv2(make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton",
+                pin_contents: bool = True) -> Callable[[Env, WriteCell], Case]:
+    """MRV2's StagedWriteTensor: one stage_write per edit from Python lists, then apply_write.
+    The defaults are the bench's (UVA pools, compiled Triton); see :class:`Mrv2StagedWrite`."""
+
+    def build(env: Env, cell: WriteCell) -> Case:
+        ws = write_sets(env, cell)
+        sw = Mrv2StagedWrite(write_shape(cell), torch.int32, env.device, make_pool, kernel, pin_contents)
+        return _writes_case("mrv2_staged_write", cell, ws, _per_edit(sw.stage_write, ws), sw.apply_write,
+                            lambda: sw.gpu, lambda: {"kernel": kernel, "block": MRV2_BLOCK})
+
+    return build
 
 
 # --- the strategy lists -------------------------------------------------------------------------
@@ -693,6 +995,8 @@ def micro_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
                  "baseline", micro_seed_pool(seed_nonuva_pool, "seed_pageable_per_array")),
         Strategy("seed_uva_pool_per_array", "seed UVA pool per array (2 slots, no guard)", "baseline",
                  micro_seed_pool(seed_uva_pool, "seed_uva_pool_per_array"), needs=("uva",)),
+        Strategy("mrv2_uva_pool", "MRV2 UvaBufferPool per array (2 UVA slots, slice per call, no guard)",
+                 "baseline", micro_seed_pool(mrv2_uva_pool, "mrv2_uva_pool"), needs=("uva",)),
     ]
     for t in tiers:
         n = TIER_NAMES[t]
@@ -730,6 +1034,8 @@ def decode_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
                  "baseline", decode_seed_pool(seed_nonuva_pool, "seed_pageable_per_array", False)),
         Strategy("seed_uva_pool_per_array", "seed UVA pool per array; pinned row copies", "baseline",
                  decode_seed_pool(seed_uva_pool, "seed_uva_pool_per_array", True), needs=("uva",)),
+        Strategy("mrv2_decode", "MRV2: UvaBufferPool per array; StagedWriteTensor (lists, Triton) appends",
+                 "baseline", decode_mrv2(), needs=("uva", "triton")),
     ]
     for t in tiers:
         out.append(Strategy(f"stager_{TIER_NAMES[t]}", f"StepStager + StagedWriteTensor [{t.name}]",
@@ -740,9 +1046,18 @@ def decode_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
 
 
 def writes_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
-    out = [Strategy("row_copy_per_edit", "per-row indexed copy per edit (host table + copy_)", "baseline",
-                    writes_row_copy)]
+    out = [
+        Strategy("row_copy_per_edit", "per-row indexed copy per edit (host table + copy_)", "baseline",
+                 writes_row_copy),
+        Strategy("mrv2_staged_write",
+                 "MRV2 StagedWriteTensor: lists, 3 UVA pools + pinned contents, 1 Triton program per edit",
+                 "baseline", writes_mrv2(), needs=("uva", "triton")),
+    ]
     for t in tiers:
-        out.append(Strategy(f"staged_write_{TIER_NAMES[t]}", f"StagedWriteTensor apply [{t.name}]",
-                            "stagebuf", writes_staged, tier=t, needs=("staged_write",)))
+        n = TIER_NAMES[t]
+        out.append(Strategy(f"staged_write_{n}", f"StagedWriteTensor: stage_write per edit + apply "
+                            f"[{t.name}]", "stagebuf", writes_staged, tier=t, needs=("staged_write",)))
+        out.append(Strategy(f"staged_writes_{n}", f"StagedWriteTensor: stage_writes (numpy) + apply "
+                            f"[{t.name}]", "stagebuf", writes_staged_batched, tier=t,
+                            needs=("staged_write", "staged_writes")))
     return out

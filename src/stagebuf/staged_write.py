@@ -1,43 +1,43 @@
-"""Staged writes: sparse ``(row, start, values)`` edits to device tensors, applied in one launch.
+"""Staged writes: sparse ``(row, start, values)`` edits to device tensors, one transfer and one launch.
 
 Per-request device state (block tables, prompt token ids) lives in large device
 tensors that change a little each step. ``StagedWriteTensor`` collects edits on
-the host, checks every one of them when it is staged (row, start, end of row,
-values representable in the dtype) and applies all of them with one kernel;
-``FusedStagedWriter`` does the same for several tensors of one dtype at once.
+the host and applies all of them at once; ``FusedStagedWriter`` does the same
+for several tensors of one dtype.
 
-Staged edits accumulate in typed host storage (a growable byte arena for the
-contents, an int64 array of (row, start, length)): staging a long write costs
-about one memcpy. One apply is one ``StepStager`` step: the contents and one
-packed int64 metadata block (tiles, group offsets, group keys, per-edit start,
-length and source offset, and the pointer table when the set of targets
-changed; see ``_SECTIONS``) are staged as a single byte array, so a copy tier
-pays exactly one host-to-device transfer per apply.
+Staging is as cheap as appending to a list: ``stage_write`` checks the row and
+the column range (O(1) integer checks) and appends; values given as a Python
+list are checked at apply, vectorised over the whole batch. ``stage_writes``
+stages a batch of edits from numpy arrays with a few array operations.
 
-Ordering of overlapping edits ("later wins")
----------------------------------------------
-Edits are sorted stably by (tensor, row) on the host, which keeps staging order
-inside each (tensor, row) group. The Triton kernel runs one program per column
-tile (``BLOCK`` columns) of one group; the program walks the group's edits in
-staging order, stores the part of each edit that falls in its tile and issues a
-``tl.debug_barrier()`` before the next edit, so a later edit's stores come after
-an earlier one's. Different programs own disjoint tiles and never write the
-same element, so overlaps never race. The torch twin applies the same rule by
-keeping, for each destination element, the last staged value.
+Apply (one per call, whatever the number of edits):
 
-Bounds: every store is masked to ``[start, start + len)`` of its edit, which was
-checked on the host to lie inside the row: the kernel cannot write out of bounds.
+1. Gather and check every staged edit (numpy). A bad value raises
+   ``StagedWriteError`` naming the edit (its position and its row and start);
+   then nothing is written and every staged edit stays staged.
+2. Pack them into one staging slot (a ``StepStager`` step): one host-to-device
+   transfer on the copy tiers, none on UVA.
+3. Write them with one launch, the cheaper of two kernels for the batch:
 
-Kernels: Triton on CUDA; on CPU tensors the torch twin, or the Triton kernel
-under Triton's CPU interpreter when ``TRITON_INTERPRET=1`` (how CI checks the
-kernel against the twin). ``.kernel`` says which one ran.
+   * ``scatter``: the flat destination index of every element, computed on the
+     host, and one ATen ``index_copy_`` on the target's flat view;
+   * ``triton``: one program per edit (``_staged_write_kernel``), reading
+     (tensor, offset, length, source) per edit, so large edits move their
+     values only; several targets go through one launch via a pointer table.
+
+   On the HOST tier the scatter is one numpy assignment into the target.
+
+Overlapping edits apply in staging order ("later wins"): when two edits share
+a row (found with one scatter into a per-row marker array), the elements are
+de-duplicated on the host, keeping each destination's last staged value, and
+the scatter kernel runs. ``_torch_twin`` is the Triton kernel in plain torch
+ops over the same packed layout: the oracle the kernel is tested against.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,16 +54,35 @@ from .tier import Tier
 from .uva import UvaError
 
 ALLOWED_DTYPES = (torch.int32, torch.int64, torch.float32)
+KERNELS = ("auto", "scatter", "triton")
+ENV_KERNEL = "STAGEBUF_WRITE_KERNEL"
+"""Forces the apply kernel (``scatter`` or ``triton``); ``auto`` (default) picks per batch."""
+TRITON_MIN_ELEMS = 1 << 15
+"""``auto`` uses the Triton kernel from this many staged elements on (measured: docs/DESIGN.md)."""
 MIN_BLOCK = 16
 MAX_BLOCK = 1024
-"""Column tile of one kernel program (a power of 4 times MIN_BLOCK, at most this)."""
-_TENSOR_CAPACITY = 1 << 14
+"""Columns one Triton program writes per iteration (a power of two in [MIN_BLOCK, MAX_BLOCK])."""
+_CAPACITY = 1 << 14
 
 tl: Any = None  # triton.language, imported on first use (importing stagebuf stays cheap)
 _triton_error: list[str] = []
 
 
-# --- kernel selection -------------------------------------------------------------
+class StagedWriteError(ValueError):
+    """A staged edit cannot be applied; ``position``, ``index`` and ``start`` name it.
+
+    Nothing was written and every staged edit is still staged: inspect them with
+    ``pending_writes()``, drop them with ``clear_staged_writes()``.
+    """
+
+    def __init__(self, message: str, position: int, index: int, start: int):
+        super().__init__(message)
+        self.position = position
+        self.index = index
+        self.start = start
+
+
+# --- kernels ------------------------------------------------------------------------
 
 def _triton_available() -> bool:
     global tl
@@ -80,44 +99,28 @@ def _triton_available() -> bool:
     return True
 
 
-def select_kernel(device: torch.device) -> str:
-    """``"triton"`` or ``"torch"``: the kernel an apply on ``device`` runs now."""
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernel can run on ``device`` (CUDA, or the CPU interpreter)."""
     if device.type == "cuda":
-        if _triton_available():
-            return "triton"
-        warn_once(("staged-write-no-triton", str(device)),
-                  f"stagebuf: staged writes on {device} use the torch twin: triton is not "
-                  f"importable ({_triton_error[0]}). Fix: pip install triton")
-        return "torch"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _triton_available():
-        return "triton"
-    return "torch"
+        return _triton_available()
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _triton_available()
 
 
-def _staged_write_kernel(items, goff, gkey, edits, content, table, BLOCK: tl.constexpr):
-    # One program: one BLOCK-column tile of one (tensor, row) group (layout: see _SECTIONS).
-    p = tl.program_id(0)
-    g = tl.load(items + 2 * p)
-    c0 = tl.load(items + 2 * p + 1)
-    e0 = tl.load(goff + g)
-    e1 = tl.load(goff + g + 1)
-    key = tl.load(gkey + g)
-    tid = key >> 40  # KEY_SHIFT
-    row = key & 0xFFFFFFFFFF
-    base = tl.load(table + 2 * tid).to(tl.pointer_type(content.dtype.element_ty))
-    stride = tl.load(table + 2 * tid + 1)
-    cols = c0 + tl.arange(0, BLOCK)
-    dst = base + row * stride + cols
-    e = e0
-    while e < e1:  # staging order: a later edit's stores come after an earlier one's
-        st = tl.load(edits + 3 * e)
-        ln = tl.load(edits + 3 * e + 1)
-        src = tl.load(edits + 3 * e + 2)
-        m = (cols >= st) & (cols < st + ln)
-        v = tl.load(content + src + (cols - st), mask=m)
-        tl.store(dst, v, mask=m)
-        tl.debug_barrier()
-        e += 1
+def _staged_write_kernel(meta, content, table, BLOCK: tl.constexpr):
+    # One program per edit; meta row: target, flat offset of the first element, length, source offset.
+    e = tl.program_id(0)
+    tid = tl.load(meta + 4 * e)
+    dst = tl.load(meta + 4 * e + 1)
+    ln = tl.load(meta + 4 * e + 2)
+    src = tl.load(meta + 4 * e + 3)
+    base = tl.load(table + tid).to(tl.pointer_type(content.dtype.element_ty))
+    cols = tl.arange(0, BLOCK)
+    c0 = 0
+    while c0 < ln:
+        m = c0 + cols < ln
+        v = tl.load(content + src + c0 + cols, mask=m)
+        tl.store(base + dst + c0 + cols, v, mask=m)
+        c0 += BLOCK
 
 
 _kernels: dict[bool, Any] = {}
@@ -138,297 +141,202 @@ def _triton_kernel(interpret: bool) -> Any:
     return k
 
 
-def _block_for(extent: int) -> int:
+def _block_for(longest: int) -> int:
     b = MIN_BLOCK
-    while b < extent and b < MAX_BLOCK:
-        b *= 4
-    return min(b, MAX_BLOCK)
+    while b < longest and b < MAX_BLOCK:
+        b *= 2
+    return b
 
 
-# --- host storage -----------------------------------------------------------------
-
-def _reserve(arena: np.ndarray, nbytes: int, keep: int) -> np.ndarray:
-    """``arena``, or a larger one (doubled, 16-byte multiple) holding its first ``keep`` bytes."""
-    if nbytes <= arena.shape[0]:
-        return arena
-    cap = (max(2 * arena.shape[0], nbytes) + ALIGN - 1) & -ALIGN
-    new = np.empty(cap, np.uint8)
-    new[:keep] = arena[:keep]
-    return new
-
-
-class _HostEdits:
-    """Staged edits in typed host storage: (row, start, len, source offset) rows and a contents arena."""
-
-    __slots__ = ("dtype", "itemsize", "meta", "n", "arena", "vals", "nv")
-
-    def __init__(self, dtype: np.dtype):
-        self.dtype = dtype
-        self.itemsize = dtype.itemsize
-        self.meta = np.empty((16, 4), np.int64)
-        self.n = 0
-        self.arena = np.empty(4096, np.uint8)
-        self.vals = self.arena.view(dtype)
-        self.nv = 0
-
-    def add(self, row: int, start: int, arr: np.ndarray) -> None:
-        k = arr.shape[0]
-        if self.n == self.meta.shape[0]:
-            meta = np.empty((2 * self.n, 4), np.int64)
-            meta[: self.n] = self.meta
-            self.meta = meta
-        end = self.nv + k
-        if end > self.vals.shape[0]:
-            self.reserve(end * self.itemsize)
-        self.vals[self.nv:end] = arr
-        self.meta[self.n] = (row, start, k, self.nv)
-        self.n += 1
-        self.nv = end
-
-    def add_scalar(self, row: int, start: int, value: int | float) -> None:
-        """``add(row, start, [value])`` for a value already checked to fit the dtype."""
-        if self.n == self.meta.shape[0] or self.nv == self.vals.shape[0]:
-            self.add(row, start, np.array([value], self.dtype))
-            return
-        self.vals[self.nv] = value
-        self.meta[self.n] = (row, start, 1, self.nv)
-        self.n += 1
-        self.nv += 1
-
-    def reserve(self, nbytes: int) -> None:
-        """Room for ``nbytes`` in the arena, keeping the staged contents."""
-        arena = _reserve(self.arena, nbytes, self.nv * self.itemsize)
-        if arena is not self.arena:
-            self.arena = arena
-            self.vals = arena.view(self.dtype)
-
-    def clear(self) -> None:
-        self.n = 0
-        self.nv = 0
-
-
-# --- packing: one byte array per apply ---------------------------------------------
-
-# int64 metadata sections, in order; each starts 16-byte aligned. A group is one
-# (tensor, row); its key is tensor << KEY_SHIFT | row.
-#   table  (T, 2): base pointer, row stride       (only when the tensor set changed)
-#   items  (W, 2): group, first column of the tile (Triton only)
-#   goff   (G + 1): first edit of each group, then the edit count
-#   gkey   (G): tensor << KEY_SHIFT | row
-#   edits  (E, 3): start, length, source offset in the contents
-_SECTIONS = ("table", "items", "goff", "gkey", "edits")
-KEY_SHIFT = 40
-
-
-@dataclass
-class _Layout:
-    n_elems: int
-    n_edits: int
-    n_groups: int
-    n_items: int
-    block: int
-    meta_off: int
-    nbytes: int
-    sections: dict[str, tuple[int, int]]
-    """name -> (first word, number of words) inside the int64 metadata block."""
-    elem_ranges: list[tuple[int, int]]
-    """Per target: the range of its elements in the sorted element order (torch twin)."""
-    dedup: bool
-    """Some group has several edits (they may overlap)."""
-
-
-def _plan(targets: Sequence[StagedWriteTensor], tiles: bool, table: np.ndarray | None,
-          ) -> tuple[_Layout, dict[str, np.ndarray]]:
-    """Sort the staged edits by (tensor, row), stably, and lay out the metadata."""
-    eds = [t._edits for t in targets]
-    if len(eds) == 1:
-        m = eds[0].meta[: eds[0].n]
-        key = m[:, 0]
-    else:
-        m = np.concatenate([e.meta[: e.n] for e in eds])
-        key = np.repeat(np.arange(len(eds), dtype=np.int64) << KEY_SHIFT, [e.n for e in eds])
-        key |= m[:, 0]
-        a = base = 0
-        for e in eds:  # source offsets: the contents are packed in target order
-            if base:
-                m[a: a + e.n, 3] += base
-            a += e.n
-            base += e.nv
-    n_edits = m.shape[0]
-    if n_edits > 1 and (key[1:] < key[:-1]).any():
-        order = np.argsort(key, kind="stable")  # stable: staging order kept inside a group
-        key, m = key[order], m[order]
-    edits = m[:, 1:]  # start, length, source offset
-    brk = np.flatnonzero(key[1:] != key[:-1])
-    n_groups = brk.shape[0] + 1
-    if n_groups == n_edits:  # one edit per group: the common case
-        first: np.ndarray | slice = slice(None)
-        goff = np.arange(n_edits + 1, dtype=np.int64)
-    else:
-        first = np.empty(n_groups, np.int64)
-        first[0] = 0
-        np.add(brk, 1, out=first[1:])
-        goff = np.append(first, n_edits)
-    arrays: dict[str, np.ndarray] = {"goff": goff, "gkey": key[first], "edits": edits}
-    block = n_items = 0
-    if tiles:
-        if n_groups == n_edits:
-            lo, ext = edits[:, 0], edits[:, 1]
+def _launch_triton(device: torch.device, meta: torch.Tensor, content: torch.Tensor, table: torch.Tensor,
+                   n_edits: int, block: int) -> None:
+    if device.type == "cuda":
+        launch = _triton_kernel(interpret=False)[(n_edits,)]
+        warps = max(1, min(4, block // 128))
+        if torch.cuda.current_device() == device.index:
+            launch(meta, content, table, BLOCK=block, num_warps=warps)
         else:
-            lo = np.minimum.reduceat(edits[:, 0], first)
-            ext = np.maximum.reduceat(edits[:, 0] + edits[:, 1], first) - lo
-        emax = int(ext.max())
-        block = _block_for(emax)
-        if emax <= block:  # one tile per group
-            n_items = n_groups
-            items = np.empty((n_items, 2), np.int64)
-            items[:, 0] = np.arange(n_groups)
-            items[:, 1] = lo
+            with torch.cuda.device(device):
+                launch(meta, content, table, BLOCK=block, num_warps=warps)
+    else:
+        _triton_kernel(interpret=True)[(n_edits,)](meta, content, table, BLOCK=block)
+
+
+def _torch_twin(flats: Sequence[torch.Tensor], meta: torch.Tensor, content: torch.Tensor) -> None:
+    """The Triton kernel in plain torch ops, on the same packed layout (its test oracle)."""
+    n = content.shape[0]
+    tid, dst, ln, src = meta.unbind(1)
+    edit_of = torch.repeat_interleave(ln, output_size=n)
+    j = torch.arange(n, device=content.device) - (torch.cumsum(ln, 0) - ln)[edit_of]
+    dest, source, owner = dst[edit_of] + j, src[edit_of] + j, tid[edit_of]
+    for k, flat in enumerate(flats):
+        sel = owner == k
+        flat.index_copy_(0, dest[sel], content[source[sel]])
+
+
+# --- gathering and checking the staged edits ------------------------------------------
+
+class _Batch:
+    """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked)."""
+
+    __slots__ = ("rows", "starts", "lens", "vals", "checked")
+
+    def __init__(self, rows: Any, starts: Any, lens: Any, vals: Any, checked: bool):
+        self.rows, self.starts, self.lens, self.vals, self.checked = rows, starts, lens, vals, checked
+
+
+class _Gathered:
+    """One target's staged edits as arrays: destination, values and (for Triton) per-edit metadata."""
+
+    __slots__ = ("target", "rows", "starts", "lens", "vals", "dup")
+
+    def __init__(self, target: StagedWriteTensor, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                 vals: np.ndarray, dup: bool):
+        self.target, self.rows, self.starts, self.lens, self.vals, self.dup = (
+            target, rows, starts, lens, vals, dup)
+
+    def dest(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat destination of every element, and the values, de-duplicated (later wins) if needed."""
+        t = self.target
+        first = self.rows * t.row_stride + self.starts
+        n = self.vals.shape[0]
+        if n == first.shape[0]:  # one element per edit
+            dest = first
         else:
-            per = (ext + (block - 1)) // block
-            n_items = int(per.sum())
-            base = np.cumsum(per) - per
-            items = np.empty((n_items, 2), np.int64)
-            items[:, 0] = np.repeat(np.arange(n_groups, dtype=np.int64), per)
-            items[:, 1] = np.repeat(lo - base * block, per) + np.arange(n_items, dtype=np.int64) * block
-        arrays["items"] = items
-    if table is not None:
-        arrays["table"] = table
-    sections: dict[str, tuple[int, int]] = {}
-    words = 0
-    for name in _SECTIONS:
-        a = arrays.get(name)
-        if a is not None:
-            sections[name] = (words, a.size)
-            words += (a.size + 1) & -2  # 16-byte aligned sections
-    elem_ranges = []
-    n_elems = 0
-    for e in eds:  # a target's edits stay together after the sort, in target order
-        elem_ranges.append((n_elems, n_elems + e.nv))
-        n_elems += e.nv
-    meta_off = (n_elems * eds[0].itemsize + ALIGN - 1) & -ALIGN
-    lay = _Layout(n_elems, n_edits, n_groups, n_items, block, meta_off, meta_off + 8 * words,
-                  sections, elem_ranges, n_groups < n_edits)
-    return lay, arrays
+            lens = self.lens
+            dest = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
+        vals = self.vals
+        if self.dup:
+            rev = dest[::-1]
+            _, last = np.unique(rev, return_index=True)  # each destination's last staged element
+            keep = (n - 1) - last
+            dest, vals = dest[keep], vals[keep]
+        return dest, vals
 
 
-def _write_meta(arena: np.ndarray, lay: _Layout, arrays: dict[str, np.ndarray]) -> None:
-    words = arena[lay.meta_off: lay.nbytes].view(np.int64)
-    for name, (off, n) in lay.sections.items():
-        a = arrays[name]
-        words[off: off + n].reshape(a.shape)[...] = a
+def _ints(x: Any, name: str) -> np.ndarray:
+    """A 1-D int64 array of the integers in ``x`` (bools and fractions are refused)."""
+    a = x if isinstance(x, np.ndarray) else host_array(x, None, name, ndims=(1,))
+    if a.ndim != 1:
+        raise ValueError(f"{name} has rank {a.ndim} (shape {a.shape}); allowed: a 1-D array of ints")
+    if a.dtype.kind not in "iu":
+        if a.dtype.kind == "f" and a.size and np.isfinite(a).all() and (a == np.trunc(a)).all():
+            pass  # integral floats are accepted, as elsewhere in stagebuf
+        elif a.size:
+            raise TypeError(f"{name} has dtype {a.dtype}; allowed: an integer array")
+    if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds values beyond int64")
+    return a.astype(np.int64, copy=False)
 
+
+# --- the launcher: one packed transfer, one launch --------------------------------------
 
 class _Launcher:
-    """The stager, pack arena and cached pointer table behind one writer."""
+    """The stager and cached pointer table behind one writer."""
 
     def __init__(self, device: torch.device, max_concurrency: int | None, capacity: int):
         self.device = device
         self.max_concurrency = max_concurrency
         self.capacity = capacity
         self.stager: StepStager | None = None
-        self.arena = np.empty(0, np.uint8)
-        self.table_key: tuple[tuple[int, int], ...] | None = None
+        self.table_key: tuple[int, ...] | None = None
         self.table: torch.Tensor | None = None
+        forced = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
+        if forced not in KERNELS:
+            raise ValueError(f"{ENV_KERNEL}={forced!r}; allowed: {', '.join(KERNELS)}")
+        self.forced = forced
 
     def stats(self) -> dict[str, int]:
         if self.stager is None:
             return {**empty_stats(), "steps": 0}
         return self.stager.stats()
 
-    def apply(self, targets: Sequence[StagedWriteTensor]) -> str:
-        """Apply and clear the staged edits of ``targets`` with one launch; the kernel's name."""
-        kernel = select_kernel(self.device)
-        if sum(t._edits.n for t in targets) == 0:
-            return kernel
-        triton = kernel == "triton"
-        key = tuple((t.gpu.data_ptr(), t.row_stride) for t in targets) if triton else None
-        table = None
-        if triton and key != self.table_key:
-            table = np.array(key, dtype=np.int64).reshape(-1)
-        lay, arrays = _plan(targets, triton, table)
-        if len(targets) == 1:
-            eds = targets[0]._edits
-            eds.reserve(lay.nbytes)
-            arena = eds.arena
-        else:
-            arena = self.arena = _reserve(self.arena, lay.nbytes, 0)
-            off = 0
-            for t in targets:
-                nb = t._edits.nv * t._edits.itemsize
-                arena[off: off + nb] = t._edits.arena[:nb]
-                off += nb
-        _write_meta(arena, lay, arrays)
+    def _stager(self) -> StepStager:
         if self.stager is None:
             self.stager = StepStager(self.device, capacity=max(self.capacity, ALIGN),
                                      max_concurrency=self.max_concurrency)
-        with self.stager.step() as st:
-            dev = st.stage(arena[: lay.nbytes])
-        dtype = targets[0].dtype
-        contents = dev[: lay.n_elems * targets[0]._edits.itemsize].view(dtype)
-        words = dev[lay.meta_off: lay.nbytes].view(torch.int64)
-        sec = {name: words[off: off + n] for name, (off, n) in lay.sections.items()}
-        if triton:
-            if table is not None:
-                self.table = sec["table"].clone()  # device-side copy: later applies reuse it
-                self.table_key = key
-            _launch_triton(self.device, sec, contents, self.table, lay)
+        return self.stager
+
+    def kernel_for(self, parts: Sequence[_Gathered], n_elems: int) -> str:
+        if parts[0].target.tier is Tier.HOST:
+            return "host"
+        if any(p.dup for p in parts):
+            return "scatter"  # overlaps: de-duplicated on the host, then one scatter
+        want = self.forced
+        if want == "auto":
+            want = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > 1 else "scatter"
+        if want == "triton" and not triton_usable(self.device):
+            if self.forced == "triton":
+                warn_once(("staged-write-no-triton", str(self.device)),
+                          f"staged writes on {self.device} use the scatter kernel: Triton cannot run "
+                          f"here ({_triton_error[0] if _triton_error else 'not on this device'})")
+            return "scatter"
+        return want
+
+    def apply(self, parts: Sequence[_Gathered]) -> str:
+        """Write the gathered edits of ``parts``; the kernel's name."""
+        n_elems = sum(p.vals.shape[0] for p in parts)
+        kernel = self.kernel_for(parts, n_elems)
+        if kernel == "host":
+            for p in parts:
+                dest, vals = p.dest()
+                p.target._flat_np[dest] = vals
+            return kernel
+        stager = self._stager()
+        if kernel == "scatter":
+            pieces = [p.dest() for p in parts]
+            if len(pieces) == 1:
+                dest, vals = pieces[0]
+            else:
+                dest = np.concatenate([d for d, _ in pieces])
+                vals = np.concatenate([v for _, v in pieces])
+            with stager.step() as st:
+                d_dest = st.stage(dest)
+                d_vals = st.stage(vals)
+            if len(parts) == 1:
+                parts[0].target._flat.index_copy_(0, d_dest, d_vals)
+            else:
+                a = 0
+                for p, (d, _) in zip(parts, pieces):
+                    b = a + d.shape[0]
+                    p.target._flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
+                    a = b
         else:
-            _torch_twin(targets, sec, contents, lay)
-        self.stager.mark_consumed()
-        for t in targets:
-            t._edits.clear()
+            meta, vals, longest = _edit_meta(parts)
+            key = tuple(p.target.gpu.data_ptr() for p in parts)
+            if key != self.table_key:
+                self.table = torch.tensor(key, dtype=torch.int64).to(self.device)
+                self.table_key = key
+            assert self.table is not None
+            with stager.step() as st:
+                d_meta = st.stage(meta)
+                d_vals = st.stage(vals)
+            _launch_triton(self.device, d_meta, d_vals, self.table, meta.shape[0], _block_for(longest))
+        stager.mark_consumed()
         return kernel
 
 
-def _launch_triton(device: torch.device, sec: dict[str, torch.Tensor], contents: torch.Tensor,
-                   table: torch.Tensor | None, lay: _Layout) -> None:
-    assert table is not None
-    args = [sec["items"], sec["goff"], sec["gkey"], sec["edits"], contents, table]
-    if device.type == "cuda":
-        launch = _triton_kernel(interpret=False)[(lay.n_items,)]
-        warps = max(1, min(4, lay.block // 128))
-        if torch.cuda.current_device() == device.index:
-            launch(*args, BLOCK=lay.block, num_warps=warps)
-        else:
-            with torch.cuda.device(device):
-                launch(*args, BLOCK=lay.block, num_warps=warps)
-    else:
-        _triton_kernel(interpret=True)[(lay.n_items,)](*args, BLOCK=lay.block)
-
-
-def _torch_twin(targets: Sequence[StagedWriteTensor], sec: dict[str, torch.Tensor],
-                contents: torch.Tensor, lay: _Layout) -> None:
-    """The kernel in plain torch ops on the device (the oracle for the Triton kernel).
-
-    Vectorised: the flat destination and source index of every staged element,
-    then, where a (tensor, row) group holds several edits, only the last staged
-    write of each destination is kept, and one ``index_copy_`` per target.
-    """
-    dev = contents.device
-    n_edits, n = lay.n_edits, lay.n_elems
-    goff = sec["goff"]
-    ed = sec["edits"].view(n_edits, 3)
-    e_start, e_len, e_src = ed[:, 0], ed[:, 1], ed[:, 2]
-    gkey = sec["gkey"]
-    if lay.n_groups != n_edits:
-        gkey = gkey[torch.repeat_interleave(goff[1:] - goff[:-1], output_size=n_edits)]
-    edit_of = torch.repeat_interleave(e_len, output_size=n)  # the edit of each element
-    j = torch.arange(n, device=dev) - (torch.cumsum(e_len, 0) - e_len)[edit_of]
-    col = e_start[edit_of] + j
-    src = e_src[edit_of] + j
-    row = (gkey & ((1 << KEY_SHIFT) - 1))[edit_of]
-    for t, (a, b) in zip(targets, lay.elem_ranges):
-        if a == b:
-            continue
-        dest = row[a:b] * t.row_stride + col[a:b]
-        s = src[a:b]
-        if lay.dedup:  # keep the last staged value of each element (stable sort keeps order)
-            dest, perm = torch.sort(dest, stable=True)
-            keep = torch.ones_like(dest, dtype=torch.bool)
-            keep[:-1] = dest[1:] != dest[:-1]
-            dest, s = dest[keep], s[perm][keep]
-        t.gpu.view(-1).index_copy_(0, dest, contents[s])
+def _edit_meta(parts: Sequence[_Gathered]) -> tuple[np.ndarray, np.ndarray, int]:
+    """The Triton kernel's per-edit rows (target, offset, length, source), the values, the longest edit."""
+    metas, vals = [], []
+    src = 0
+    longest = 1
+    for k, p in enumerate(parts):
+        e = p.rows.shape[0]
+        m = np.empty((e, 4), np.int64)
+        m[:, 0] = k
+        np.multiply(p.rows, p.target.row_stride, out=m[:, 1])
+        m[:, 1] += p.starts
+        m[:, 2] = p.lens
+        np.cumsum(p.lens, out=m[:, 3])
+        m[:, 3] += src - p.lens
+        src += p.vals.shape[0]
+        longest = max(longest, int(p.lens.max()))
+        metas.append(m)
+        vals.append(p.vals)
+    if len(parts) == 1:
+        return metas[0], vals[0], longest
+    return np.concatenate(metas), np.concatenate(vals), longest
 
 
 # --- public classes -----------------------------------------------------------------
@@ -462,47 +370,48 @@ class StagedWriteTensor:
     """A zero-filled device tensor edited by staged ``(row, start, values)`` writes.
 
     ``size`` is ``(rows, cols)`` or ``n`` (n rows of one column: ``stage_write_elem(i, v)``
-    sets ``gpu[i]``). ``uva_instead_of_gpu`` keeps the tensor in pinned host memory
-    that kernels read through UVA (tier UVA only; elsewhere it is a device tensor,
-    logged once). Edits are checked when staged and applied by ``apply_write()``
-    with one launch; overlapping edits to one row apply in staging order.
+    sets ``gpu[i]``). ``device=None`` is the current accelerator, else the CPU.
+    ``uva_instead_of_gpu`` keeps the tensor in pinned host memory that kernels read
+    through UVA (tier UVA only; elsewhere it is a device tensor, logged once).
+    ``apply_write()`` applies every staged edit with one transfer and one launch;
+    overlapping edits apply in staging order.
     """
 
     def __init__(
         self,
         size: int | Sequence[int],
         dtype: Any,
-        device: Any,
+        device: Any = None,
         max_concurrency: int | None = None,
         uva_instead_of_gpu: bool = False,
     ):
         shape = shape_of(size)
         if len(shape) not in (1, 2):
             raise ValueError(f"size={size!r} has rank {len(shape)}; allowed: 1 (n) or 2 (rows, cols)")
-        if shape[0] >= 1 << KEY_SHIFT:
-            raise ValueError(f"size={size!r}: at most {(1 << KEY_SHIFT) - 1} rows")
         self.shape = shape
         self.dtype = _dtype(dtype)
         caps = capabilities(device)
         self.device = caps.device
         self.tier = caps.tier
-        self.rows = shape[0]
+        self.num_rows = self.rows = shape[0]
         self.cols = shape[1] if len(shape) == 2 else 1
-        self.row_stride = self.cols if len(shape) == 2 else 1
+        self.row_stride = self.cols
+        self.max_concurrency = slot_count(max_concurrency)
         self.uva_buffer: UvaBuffer | None = None
         self.gpu = self._alloc(uva_instead_of_gpu)
-        self._edits = _HostEdits(numpy_dtype(self.dtype))
-        if self.dtype.is_floating_point:
-            fmax = float(np.finfo(self._edits.dtype).max)
-            self._scalar_type: type = float
-            self._scalar_range: tuple[float, float] = (-fmax, fmax)
-        else:
-            info = np.iinfo(self._edits.dtype)
-            self._scalar_type, self._scalar_range = int, (int(info.min), int(info.max))
-        self._float_limit = None if self.dtype.is_floating_point else 2.0 ** (8 * self._edits.itemsize - 1)
-        slot_count(max_concurrency)  # checked now; the stager is made at the first apply
-        self._launcher = _Launcher(self.device, max_concurrency, _TENSOR_CAPACITY)
-        self.kernel = select_kernel(self.device)
+        self._flat = self.gpu.view(-1)
+        self._flat_np = self._flat.numpy() if self.tier is Tier.HOST else None
+        self._np_dtype = numpy_dtype(self.dtype)
+        self._float_limit = None if self.dtype.is_floating_point else 2.0 ** (8 * self._np_dtype.itemsize - 1)
+        self._rows: list[int] = []
+        self._starts: list[int] = []
+        self._lens: list[int] = []
+        self._vals: list[Any] = []
+        self._batches: list[_Batch] = []
+        self._mark: np.ndarray | None = None
+        self._launcher = _Launcher(self.device, self.max_concurrency, _CAPACITY)
+        self.kernel = "host" if self.tier is Tier.HOST else "scatter"
+        """The kernel the last apply ran: ``host``, ``scatter`` or ``triton``."""
 
     def _alloc(self, uva: bool) -> torch.Tensor:
         if uva:
@@ -516,7 +425,7 @@ class StagedWriteTensor:
             else:
                 why = f"the tier of {self.device} is {self.tier.name}, not UVA"
             warn_once(("staged-write-uva", str(self.device), self.tier),
-                      f"stagebuf: StagedWriteTensor(uva_instead_of_gpu=True) on {self.device} is a "
+                      f"StagedWriteTensor(uva_instead_of_gpu=True) on {self.device} is a "
                       f"device tensor: {why}")
         return alloc_device(self.shape, self.dtype, self.device)
 
@@ -528,31 +437,138 @@ class StagedWriteTensor:
     @property
     def num_staged(self) -> int:
         """Edits staged and not yet applied (empty ones are not kept)."""
-        return self._edits.n
+        return len(self._rows) + sum(len(b.rows) for b in self._batches)
+
+    # --- staging ---
 
     def stage_write(self, index: int, start: int, values: Any) -> None:
-        """Stage ``gpu[index, start:start + len(values)] = values``; checked now, applied later."""
-        rows, cols = self.rows, self.cols
-        row = _int_in(index, "index", 0, rows, f"the target has {rows} rows")
-        col = _int_in(start, "start", 0, None, "")
-        if type(values) is list and len(values) == 1 and col < cols:  # one Python number: fast path
-            v = values[0]
-            lo, hi = self._scalar_range
-            if type(v) is self._scalar_type and lo <= v <= hi:
-                self._edits.add_scalar(row, col, v)
+        """Stage ``gpu[index, start:start + len(values)] = values``, applied by ``apply_write()``.
+
+        The row and the column range are checked now; values given as a list are
+        checked at apply (with the whole batch), other inputs now.
+        """
+        if type(values) is list and type(index) is int and type(start) is int \
+                and 0 <= index < self.rows and start >= 0:
+            n = len(values)
+            if n and start + n <= self.cols:
+                self._rows.append(index)
+                self._starts.append(start)
+                self._lens.append(n)
+                self._vals.extend(values)
                 return
-        if type(values) is np.ndarray and values.ndim == 1 and values.dtype == self._edits.dtype:
-            arr = values  # already the target dtype: nothing to check
+        self._stage_checked(index, start, values)
+
+    def _stage_checked(self, index: Any, start: Any, values: Any) -> None:
+        row = _int_in(index, "index", 0, self.rows, f"the target has {self.rows} rows")
+        col = _int_in(start, "start", 0, None, "")
+        if type(values) is list:
+            arr_len = len(values)
+            arr: np.ndarray | None = None
         else:
             arr = self._checked(values, f"values (edit index={row}, start={col})")
-        end = col + arr.shape[0]
-        if end > cols:
+            arr_len = arr.shape[0]
+        end = col + arr_len
+        if end > self.cols:
             raise ValueError(
-                f"edit (index={row}, start={col}, {arr.shape[0]} values) ends at column {end}, "
-                f"past the end of the row ({cols} columns)"
+                f"edit (index={row}, start={col}, {arr_len} values) ends at column {end}, "
+                f"past the end of the row ({self.cols} columns)"
             )
-        if arr.shape[0]:
-            self._edits.add(row, col, arr)
+        if not arr_len:
+            return
+        if arr is None:
+            assert type(values) is list
+            self._rows.append(row)
+            self._starts.append(col)
+            self._lens.append(arr_len)
+            self._vals.extend(values)
+            return
+        self._seal()
+        self._batches.append(_Batch(np.array([row], np.int64), np.array([col], np.int64),
+                                    np.array([arr_len], np.int64), arr.copy(), True))
+
+    def stage_write_elem(self, index: int, value: Any) -> None:
+        """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target)."""
+        if type(index) is int and 0 <= index < self.rows and (type(value) is int or type(value) is float):
+            self._rows.append(index)
+            self._starts.append(0)
+            self._lens.append(1)
+            self._vals.append(value)
+            return
+        if isinstance(value, (list, tuple)):
+            raise ValueError(f"value is a {type(value).__name__}; stage_write_elem takes one scalar")
+        if isinstance(value, (np.ndarray, torch.Tensor)):
+            if value.ndim != 0:
+                raise ValueError(f"value has shape {tuple(value.shape)}; stage_write_elem takes one scalar")
+            value = value.reshape(1)
+        else:
+            if isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"value={value!r} is a bool; allowed: an int or float")
+            if not isinstance(value, (int, float, np.number)):
+                raise TypeError(f"value={value!r} is a {type(value).__name__}; allowed: an int or float")
+            value = np.array([value])
+        self._stage_checked(index, 0, value)
+
+    def stage_writes(self, rows: Any, starts: Any, values: Any, lengths: Any = None) -> None:
+        """Stage a batch of edits from arrays: edit i writes row ``rows[i]`` from column ``starts[i]``.
+
+        ``values`` is ``(E, L)`` (each edit writes L values), ``(E,)`` (one value
+        each), or, with ``lengths``, a flat array whose consecutive runs of
+        ``lengths[i]`` values are the edits. Everything is checked now, with
+        numpy; a bad edit raises naming its position and stages nothing.
+        """
+        r = _ints(rows, "rows")
+        s = _ints(starts, "starts")
+        e = r.shape[0]
+        if s.shape[0] != e:
+            raise ValueError(f"starts has {s.shape[0]} entries but rows has {e}; allowed: one start per row")
+        try:
+            v = host_array(values, None, "values", ndims=(1, 2) if lengths is None else (1,))
+        except TypeError:  # e.g. uint64: converted to the target dtype with checks, or refused
+            v = host_array(values, self.dtype, "values", ndims=(1, 2) if lengths is None else (1,))
+        if lengths is None:
+            if v.shape[0] != e:
+                raise ValueError(f"values has {v.shape[0]} rows but rows has {e}; allowed: one per edit")
+            width = 1 if v.ndim == 1 else v.shape[1]
+            lens = np.full(e, width, np.int64)
+        else:
+            lens = _ints(lengths, "lengths")
+            if lens.shape[0] != e:
+                raise ValueError(f"lengths has {lens.shape[0]} entries but rows has {e}; "
+                                 "allowed: one per edit")
+            if e and (lens < 0).any():
+                i = int(np.flatnonzero(lens < 0)[0])
+                raise ValueError(f"lengths[{i}]={lens[i]} is negative; allowed: an int >= 0")
+            total = int(lens.sum()) if e else 0
+            if v.shape[0] != total:
+                raise ValueError(f"values has {v.shape[0]} elements but lengths add up to {total}")
+        flat = self._checked(v.reshape(-1), "values")
+        if e:
+            bad = (r < 0) | (r >= self.rows)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"rows[{i}]={r[i]} is out of range; allowed: [0, {self.rows - 1}]")
+            bad = s < 0
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"starts[{i}]={s[i]} is negative; allowed: an int >= 0")
+            bad = s + lens > self.cols
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}, {lens[i]} values) ends at "
+                                 f"column {s[i] + lens[i]}, past the end of the row ({self.cols} columns)")
+            keep = lens > 0
+            if not keep.all():
+                r, s, lens = r[keep], s[keep], lens[keep]
+        if not r.shape[0]:
+            return
+        self._seal()
+        self._batches.append(_Batch(r.copy(), s.copy(), lens.copy(), np.array(flat, copy=True), True))
+
+    def _seal(self) -> None:
+        """Move the list-staged edits into a batch, so later batches keep staging order."""
+        if self._rows:
+            self._batches.append(_Batch(self._rows, self._starts, self._lens, self._vals, False))
+            self._rows, self._starts, self._lens, self._vals = [], [], [], []
 
     def _checked(self, values: Any, name: str) -> np.ndarray:
         """``values`` as a 1-D array of the target dtype; raises if a value would change."""
@@ -571,32 +587,135 @@ class StagedWriteTensor:
             if (np.isfinite(a64) & ((a64 < -lim) | (a64 >= lim))).any():
                 # convert.cast_checked compares with the dtype's max in float precision, where
                 # 2.0**63 (float32: 2.0**31) equals it: a value one past the range would wrap.
-                raise ValueError(f"{name} holds values outside {self._edits.dtype}'s range "
+                raise ValueError(f"{name} holds values outside {self._np_dtype}'s range "
                                  f"[{-int(lim)}, {int(lim) - 1}]")
-        return cast_checked(arr, self._edits.dtype, name)
+        return cast_checked(arr, self._np_dtype, name)
 
-    def stage_write_elem(self, index: int, value: Any) -> None:
-        """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target)."""
-        lo, hi = self._scalar_range
-        if type(value) is self._scalar_type and lo <= value <= hi and self.cols:  # fast path
-            row = _int_in(index, "index", 0, self.rows, f"the target has {self.rows} rows")
-            self._edits.add_scalar(row, 0, value)
-            return
-        if isinstance(value, (np.ndarray, torch.Tensor)):
-            if value.ndim != 0:
-                raise ValueError(f"value has shape {tuple(value.shape)}; stage_write_elem takes one scalar")
-            value = value.reshape(1)
+    # --- inspecting, applying ---
+
+    def pending_writes(self) -> list[tuple[int, int, list[Any]]]:
+        """The staged edits, in staging order: ``(index, start, values)``."""
+        out: list[tuple[int, int, list[Any]]] = []
+        for b in [*self._batches, _Batch(self._rows, self._starts, self._lens, self._vals, False)]:
+            vals = b.vals.tolist() if isinstance(b.vals, np.ndarray) else b.vals
+            a = 0
+            for r, s, n in zip(b.rows, b.starts, b.lens):
+                out.append((int(r), int(s), list(vals[a: a + int(n)])))
+                a += int(n)
+        return out
+
+    def _gather(self) -> _Gathered | None:
+        """Every staged edit as checked arrays (raises StagedWriteError; nothing is changed then)."""
+        if self._batches:
+            batches = [*self._batches]
+            if self._rows:
+                batches.append(_Batch(self._rows, self._starts, self._lens, self._vals, False))
+        elif self._rows:
+            batches = [_Batch(self._rows, self._starts, self._lens, self._vals, False)]
         else:
-            value = [value]  # a list or other iterable becomes a rank-2 input and is rejected
-        self.stage_write(index, 0, value)
+            return None
+        rows, starts, lens, vals = [], [], [], []
+        pos = 0
+        for b in batches:
+            if b.checked:
+                rows.append(b.rows)
+                starts.append(b.starts)
+                lens.append(b.lens)
+                vals.append(b.vals)
+                pos += b.rows.shape[0]
+                continue
+            lens_b = np.array(b.lens, np.int64)
+            vals.append(self._list_values(b, lens_b, pos))
+            rows.append(np.array(b.rows, np.int64))
+            starts.append(np.array(b.starts, np.int64))
+            lens.append(lens_b)
+            pos += len(b.rows)
+        if len(batches) == 1:
+            r, s, n, v = rows[0], starts[0], lens[0], vals[0]
+        else:
+            r, s, n, v = (np.concatenate(x) for x in (rows, starts, lens, vals))
+        e = r.shape[0]
+        dup = False
+        if e > 1:
+            mark = self._mark
+            if mark is None:
+                mark = self._mark = np.empty(self.rows, np.int64)
+            ar = np.arange(e, dtype=np.int64)
+            mark[r] = ar
+            dup = not np.array_equal(mark[r], ar)  # exact whichever duplicate numpy wrote last
+        return _Gathered(self, r, s, n, v, dup)
+
+    def _list_values(self, b: _Batch, lens: np.ndarray, pos: int) -> np.ndarray:
+        """The values of list-staged edits as the target dtype, checked in bulk."""
+        target = self._np_dtype
+        try:
+            a = np.array(b.vals)
+        except (ValueError, TypeError, OverflowError):
+            a = None
+        if a is not None and a.ndim == 1 and a.dtype.kind in "iuf":
+            bad = None
+            if target.kind == "f":
+                if a.dtype.kind == "f":
+                    bad = np.isfinite(a) & (np.abs(a) > np.finfo(target).max)
+                elif a.size and (np.abs(a.astype(np.float64)) > np.finfo(target).max).any():
+                    bad = np.abs(a.astype(np.float64)) > np.finfo(target).max
+            elif a.dtype.kind == "f":
+                lim = self._float_limit
+                assert lim is not None
+                bad = ~np.isfinite(a) | (a != np.trunc(a)) | (a < -lim) | (a >= lim)
+            elif a.size:
+                info = np.iinfo(target)
+                narrows = a.dtype.itemsize > target.itemsize or a.dtype.kind != target.kind
+                if narrows and (int(a.min()) < info.min or int(a.max()) > info.max):
+                    bad = (a < info.min) | (a > info.max)
+            if bad is None or not bad.any():
+                return a.astype(target, copy=False)
+            j = int(np.flatnonzero(bad)[0])
+            k = int(np.searchsorted(np.cumsum(lens), j, side="right"))
+        else:
+            k = self._first_bad_edit(b)
+        row, start = int(b.rows[k]), int(b.starts[k])
+        a0 = int(lens[:k].sum())
+        try:  # the strict per-edit check says what is wrong with this edit
+            self._checked(list(b.vals[a0: a0 + int(lens[k])]), "values")
+            why = "values do not fit the target dtype"
+        except (ValueError, TypeError) as e:
+            why = str(e)
+        if a is not None and a.dtype.kind == "b":
+            why = "values are bools; allowed: int or float values"
+        raise StagedWriteError(
+            f"staged edit {pos + k} (stage_write(index={row}, start={start}, {int(lens[k])} values)) "
+            f"cannot be applied to {self.dtype}: {why}. Nothing was written and every staged edit is "
+            "still staged: clear_staged_writes() drops them", pos + k, row, start)
+
+    def _first_bad_edit(self, b: _Batch) -> int:
+        a = 0
+        for k, n in enumerate(b.lens):
+            try:
+                arr = self._checked(list(b.vals[a: a + n]), "values")
+                if arr.ndim != 1 or arr.shape[0] != n:
+                    return k
+            except (ValueError, TypeError):
+                return k
+            a += n
+        return 0
 
     def apply_write(self) -> None:
-        """Apply every staged edit with one kernel launch (one transfer on copy tiers), then clear."""
-        self.kernel = self._launcher.apply([self])
+        """Apply every staged edit (one transfer, one launch), then clear them.
+
+        A bad staged value raises StagedWriteError before anything is written, and
+        every staged edit stays staged.
+        """
+        g = self._gather()
+        if g is None:
+            return
+        self.kernel = self._launcher.apply([g])
+        self.clear_staged_writes()
 
     def clear_staged_writes(self) -> None:
         """Drop the staged edits without applying them."""
-        self._edits.clear()
+        self._rows, self._starts, self._lens, self._vals = [], [], [], []
+        self._batches = []
 
     def stats(self) -> dict[str, int]:
         """This tensor's stager counters: transfers, bytes, growths, guard_waits, steps."""
@@ -608,36 +727,37 @@ class StagedWriteTensor:
 
 
 class FusedStagedWriter:
-    """Applies the staged edits of several StagedWriteTensors of one dtype with one launch.
+    """Applies the staged edits of several StagedWriteTensors of one dtype: one transfer, one launch.
 
-    Base pointers and row strides are kept in a small device table, rebuilt
-    (inside the same transfer) only when the set of tensors changes.
-    ``max_writes`` is the expected number of edits per apply; it grows to the
-    next power of two when an apply stages more.
+    ``max_writes`` is the expected number of edits per apply (it sizes the staging
+    slots; a larger apply grows them).
     """
 
-    def __init__(self, device: Any, max_writes: int, max_concurrency: int | None = None):
+    def __init__(self, device: Any = None, max_writes: int = 1024, max_concurrency: int | None = None):
         self.max_writes = _int_in(max_writes, "max_writes", 1, None, "")
-        slot_count(max_concurrency)
+        self.max_concurrency = slot_count(max_concurrency)
         self.device = capabilities(device).device
-        self.max_concurrency = max_concurrency
-        self._launcher = _Launcher(self.device, max_concurrency, self._capacity(self.max_writes))
-        self._launcher.stager = StepStager(self.device, capacity=self._launcher.capacity,
-                                           max_concurrency=max_concurrency)
-        self._launcher.arena = np.empty(self._launcher.capacity, np.uint8)
+        self._launcher = _Launcher(self.device, self.max_concurrency, self._capacity(self.max_writes))
         self._edit_growths = 0
-        self.kernel = select_kernel(self.device)
+        self.kernel = "scatter"
 
     @staticmethod
     def _capacity(max_writes: int) -> int:
-        # metadata (about 8 int64 words per edit) plus room for about 16 8-byte values per edit
-        return 1024 + 192 * max_writes
+        # per edit: an 8-byte destination and about 8 values of 8 bytes, or 32 bytes of Triton metadata
+        return 1024 + 96 * max_writes
 
-    def apply(self, tensors: Iterable[StagedWriteTensor]) -> None:
-        """Apply and clear the staged edits of ``tensors`` (one dtype, this device) in one launch."""
+    def apply(self, tensors: Iterable[StagedWriteTensor], output_ptrs: Any = None,
+              output_strides: Any = None) -> None:
+        """Apply and clear the staged edits of ``tensors`` (one dtype, this device) at once.
+
+        ``output_ptrs`` and ``output_strides`` (vLLM's call shape: each tensor's
+        ``data_ptr()`` and row stride, as a sequence or a tensor) are optional; when
+        given they are checked against the tensors.
+        """
         if isinstance(tensors, StagedWriteTensor) or not isinstance(tensors, Iterable):
             raise TypeError(f"tensors must be a list (or other iterable) of StagedWriteTensor; "
                             f"got {type(tensors).__name__}")
+        tensors = list(tensors)
         targets: list[StagedWriteTensor] = []
         for i, t in enumerate(tensors):
             if not isinstance(t, StagedWriteTensor):
@@ -649,14 +769,34 @@ class FusedStagedWriter:
                                  "one fused apply needs one dtype")
             if not any(t is u for u in targets):
                 targets.append(t)
-        if len(targets) >= 1 << (63 - KEY_SHIFT):
-            raise ValueError(f"{len(targets)} tensors in one apply; at most {(1 << (63 - KEY_SHIFT)) - 1}")
-        n = sum(t.num_staged for t in targets)
+        self._check_outputs(tensors, output_ptrs, "output_ptrs", lambda t: t.gpu.data_ptr())
+        self._check_outputs(tensors, output_strides, "output_strides", lambda t: t.row_stride)
+        parts = [g for g in (t._gather() for t in targets) if g is not None]
+        if not parts:
+            return
+        n = sum(p.rows.shape[0] for p in parts)
         if n > self.max_writes:
             self.max_writes = 1 << (n - 1).bit_length()
             self._edit_growths += 1
-            self._launcher.arena = _reserve(self._launcher.arena, self._capacity(self.max_writes), 0)
-        self.kernel = self._launcher.apply(targets) if targets else select_kernel(self.device)
+        self.kernel = self._launcher.apply(parts)
+        for p in parts:
+            p.target.clear_staged_writes()
+
+    @staticmethod
+    def _check_outputs(tensors: list[StagedWriteTensor], given: Any, name: str, want: Any) -> None:
+        if given is None:
+            return
+        if isinstance(given, torch.Tensor):
+            given = given.detach().cpu().reshape(-1).tolist()
+        try:
+            got = [int(v) for v in given]
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be None or a sequence (or tensor) of ints, one per tensor; "
+                            f"got {type(given).__name__}") from None
+        expect = [int(want(t)) for t in tensors]
+        if got != expect:
+            raise ValueError(f"{name}={got} does not match the tensors passed ({expect}); "
+                             f"allowed: None, or exactly those values in the same order")
 
     def stats(self) -> dict[str, int]:
         """The stager's counters (transfers, bytes, growths, guard_waits, steps) and max_writes growths."""

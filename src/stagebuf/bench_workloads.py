@@ -22,6 +22,8 @@ Triton program per edit) and ``mrv2_decode`` (the decode loop built from both).
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -430,10 +432,11 @@ def _capacity_for(nbytes: int) -> int:
     return max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
 
 
-def micro_stager(guard: str = "auto") -> Callable[[Env, int], Case]:
+def micro_stager(guard: str = "auto", static: bool = False) -> Callable[[Env, int], Case]:
     def build(env: Env, n: int) -> Case:
         srcs = _sources(env, n)
-        stager = StepStager(device=env.device, capacity=_capacity_for(env.k * (n * 4 + 16)), guard=guard)
+        stager = StepStager(device=env.device, capacity=_capacity_for(env.k * (n * 4 + 16)), guard=guard,
+                            static=static)
 
         def run() -> list[torch.Tensor]:
             with stager.step() as s:
@@ -625,11 +628,21 @@ class RowCopyTable:
         return TableOps(self.write, lambda: None, lambda: self.dev)
 
 
-def staged_write_tensor(shape: tuple[int, int], device: torch.device) -> Any:
-    """A StagedWriteTensor on the tier STAGEBUF_TIER forces (imported here: it is optional)."""
-    from .staged_write import StagedWriteTensor
+def staged_write_tensor(shape: tuple[int, int], device: torch.device, kernel: str | None = None) -> Any:
+    """A StagedWriteTensor on the tier STAGEBUF_TIER forces; ``kernel`` forces its apply kernel."""
+    from .staged_write import ENV_KERNEL, StagedWriteTensor
 
-    return StagedWriteTensor(shape, torch.int32, device)
+    if kernel is None:
+        return StagedWriteTensor(shape, torch.int32, device)
+    old = os.environ.get(ENV_KERNEL)
+    os.environ[ENV_KERNEL] = kernel
+    try:
+        return StagedWriteTensor(shape, torch.int32, device)
+    finally:
+        if old is None:
+            os.environ.pop(ENV_KERNEL, None)
+        else:
+            os.environ[ENV_KERNEL] = old
 
 
 def staged_ops(sw: Any) -> TableOps:
@@ -931,10 +944,10 @@ def writes_row_copy(env: Env, cell: WriteCell) -> Case:
                         lambda: {"host_memory": "pinned" if t.non_blocking else "pageable"})
 
 
-def writes_staged(env: Env, cell: WriteCell) -> Case:
+def writes_staged(env: Env, cell: WriteCell, kernel: str | None = None) -> Case:
     """StagedWriteTensor: one ``stage_write(row, start, list)`` per edit, then ``apply_write()``."""
     ws = write_sets(env, cell)
-    sw = staged_write_tensor(write_shape(cell), env.device)
+    sw = staged_write_tensor(write_shape(cell), env.device, kernel)
     return _writes_case("staged_write", cell, ws, _per_edit(sw.stage_write, ws), sw.apply_write,
                         lambda: sw.gpu, lambda: _sw_facts(sw))
 
@@ -952,10 +965,10 @@ def has_stage_writes() -> bool:
     return callable(getattr(StagedWriteTensor, "stage_writes", None))
 
 
-def writes_staged_batched(env: Env, cell: WriteCell) -> Case:
+def writes_staged_batched(env: Env, cell: WriteCell, kernel: str | None = None) -> Case:
     """StagedWriteTensor: one ``stage_writes(rows, starts, values[E, L])`` from numpy, then apply."""
     ws = write_sets(env, cell)
-    sw = staged_write_tensor(write_shape(cell), env.device)
+    sw = staged_write_tensor(write_shape(cell), env.device, kernel)
     rows, starts, values = ws.rows, ws.starts, ws.values
 
     def stage(k: int) -> None:
@@ -1002,6 +1015,8 @@ def micro_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         n = TIER_NAMES[t]
         out.append(Strategy(f"pool_{n}", f"stagebuf UvaBufferPool per array [{t.name}]", "stagebuf",
                             micro_pool(), tier=t))
+        out.append(Strategy(f"stager_static_{n}", f"stagebuf StepStager(static=True), CUDA-graph ready "
+                            f"[{t.name}]", "stagebuf", micro_stager(static=True), tier=t))
         out.append(Strategy(f"stager_{n}", f"stagebuf StepStager [{t.name}]", "stagebuf", micro_stager(),
                             tier=t))
     out.append(Strategy("floor", "floor: consumer only, data already on the device", "floor", micro_floor))
@@ -1060,4 +1075,12 @@ def writes_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         out.append(Strategy(f"staged_writes_{n}", f"StagedWriteTensor: stage_writes (numpy) + apply "
                             f"[{t.name}]", "stagebuf", writes_staged_batched, tier=t,
                             needs=("staged_write", "staged_writes")))
+    if Tier.UVA in tiers:  # the two apply kernels forced, to show where 'auto' switches
+        for k in ("scatter", "triton"):
+            out.append(Strategy(f"staged_write_uva.{k}", f"StagedWriteTensor, kernel={k} forced [UVA]",
+                                "stagebuf", functools.partial(writes_staged, kernel=k), tier=Tier.UVA,
+                                needs=("staged_write", "triton")))
+            out.append(Strategy(f"staged_writes_uva.{k}", f"stage_writes (numpy), kernel={k} forced [UVA]",
+                                "stagebuf", functools.partial(writes_staged_batched, kernel=k), tier=Tier.UVA,
+                                needs=("staged_write", "staged_writes", "triton")))
     return out

@@ -2,14 +2,19 @@
 
 Each slot is one byte arena (a staging buffer of the chosen tier). ``stage``
 writes an array at the next 16-byte-aligned offset and returns the device
-tensor at the matching offset of the slot's device side; leaving the ``step()``
-block publishes the used prefix: nothing on UVA and HOST, one copy on PINNED
-and PAGEABLE. Slots keep fixed device addresses (CUDA graphs may read them)
-until a step outgrows its slot.
+tensor at the matching offset of the slot's device side. Leaving the
+``step()`` block publishes the used prefix, the same moment on every tier: one
+copy on PINNED and PAGEABLE; on UVA and HOST, where the device reads the slot's
+own memory, ``stage`` writes a scratch arena that publishing copies in (a host
+memcpy). ``STAGEBUF_CHECK=1`` poisons a slot's memory when a step begins in it,
+so a tensor read before its step is published, or after its slot came round
+again, reads poison (int -1, float NaN) on every tier. ``static=True`` keeps one
+device address for every step (CUDA graphs).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -18,42 +23,65 @@ import torch
 from .buffers import StagingBuffer, make_buffer
 from .convert import _NUMPY_TO_TORCH, _TORCH_TO_NUMPY, host_array
 from .guard import SlotRing
+from .memory import alloc_device
 from .pool import empty_stats, slot_count
 from .tier import Tier
 
 ALIGN = 16
 _MAX_CACHED_VIEWS = 4096
+ENV_CHECK = "STAGEBUF_CHECK"
+POISON = 0xFF
+"""Check mode fills memory that must not be read with this byte (int -1, float NaN)."""
+
+
+def check_mode() -> bool:
+    """Whether ``STAGEBUF_CHECK=1``: poison what a step has not published and what it released."""
+    return os.environ.get(ENV_CHECK, "").strip() not in ("", "0")
 
 
 class _Slot:
-    """One arena and the views into it that steps have asked for."""
+    """One arena, where the host writes it, and the views into it that steps have asked for.
 
-    __slots__ = ("buf", "cap", "views", "retired", "layout")
+    ``host`` is what ``stage()`` writes: the staging buffer's own memory on the copy
+    tiers (the device sees it only through the copy at publish), a private scratch
+    arena on UVA and HOST (where the buffer's memory *is* what the device reads),
+    so that nothing a step stages is visible before the step is published.
+    """
 
-    def __init__(self, buf: StagingBuffer):
+    __slots__ = ("buf", "host", "cap", "views", "layout", "retired")
+
+    def __init__(self, buf: StagingBuffer, scratch: bool):
         self.buf = buf
         self.cap = buf.shape[0]
+        self.host: np.ndarray = np.zeros(self.cap, np.uint8) if scratch else buf.np
         # The last step's stage() calls in order: (np dtype, shape, host view, device view,
         # end offset, torch dtype). A step that repeats it skips all checks and lookups.
         self.layout: list[tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]] = []
         self.views: dict[tuple[int, np.dtype, tuple[int, ...]], tuple[np.ndarray, torch.Tensor]] = {}
         self.retired: list[StagingBuffer] = []
+        """Buffers a growth replaced: kept alive until the slot comes round again."""
 
-    def view(self, off: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, torch.Tensor]:
+    def view(self, off: int, dtype: np.dtype, shape: tuple[int, ...], dev_arena: torch.Tensor
+             ) -> tuple[np.ndarray, torch.Tensor]:
         key = (off, dtype, shape)
         v = self.views.get(key)
         if v is None:
             if len(self.views) >= _MAX_CACHED_VIEWS:
                 self.views.clear()
             end = off + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            host = self.buf.np[off:end].view(dtype).reshape(shape)
-            dev = self.buf.dev[off:end].view(_NUMPY_TO_TORCH[dtype]).view(shape)
+            host = self.host[off:end].view(dtype).reshape(shape)
+            dev = dev_arena[off:end].view(_NUMPY_TO_TORCH[dtype]).view(shape)
             v = self.views[key] = (host, dev)
         return v
 
 
 class Step:
-    """One step's staging. Use as a context manager; ``flush()`` ends it early."""
+    """One step's staging. Use as a context manager; ``flush()`` ends it early.
+
+    Tensors returned by ``stage()`` hold their data from the moment the step is
+    published (leaving the block, or ``flush()``) until the stager begins the step
+    that reuses the slot, ``max_concurrency`` steps later; on every tier.
+    """
 
     __slots__ = ("_stager", "_slot", "_used", "_n", "_layout", "_retired", "seq", "done")
 
@@ -63,7 +91,7 @@ class Step:
         self._used = 0
         self._n = 0
         self._layout: list | None = slot.layout
-        self._retired: list[tuple[StagingBuffer, int]] = []
+        self._retired: list[tuple[StagingBuffer, np.ndarray, int]] = []
         self.seq = seq
         self.done = False
 
@@ -80,8 +108,9 @@ class Step:
     def stage(self, x: Any, dtype: Any = None) -> torch.Tensor:
         """Write ``x`` (list, ndarray or CPU tensor; 1-D or 2-D) into this step's arena.
 
-        Returns the device tensor that will hold it once the step is flushed.
-        ``dtype`` defaults to the input's own (int64/float64 for Python lists).
+        Returns the device tensor that holds it once the step is published (on
+        leaving the ``with`` block). ``dtype`` defaults to the input's own
+        (int64/float64 for Python lists).
         """
         layout = self._layout
         i = self._n
@@ -109,7 +138,7 @@ class Step:
         if end > slot.cap:
             self._grow(arr.nbytes)
             off, end = 0, arr.nbytes
-        host, dev = slot.view(off, arr.dtype, arr.shape)
+        host, dev = slot.view(off, arr.dtype, arr.shape, self._stager._dev_arena(slot))
         host[...] = arr
         self._used = end
         layout = self._layout
@@ -122,6 +151,12 @@ class Step:
     def _grow(self, nbytes: int) -> None:
         st = self._stager
         slot = self._slot
+        if st.static:
+            raise RuntimeError(
+                f"StepStager(static=True): step {self.seq} needs more than the {slot.cap} bytes of its "
+                "static arena; growing would move the addresses a captured CUDA graph reads. "
+                f"Construct the stager with capacity >= {2 * slot.cap + nbytes}."
+            )
         if st.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"StepStager: step {self.seq} needs more than the slot's {slot.cap} bytes while a "
@@ -131,9 +166,10 @@ class Step:
         need = (self._used + ALIGN) + nbytes
         cap = max(2 * slot.cap, 1 << max(need - 1, 1).bit_length())
         new = make_buffer(cap, torch.uint8, st.device, slot.buf.tier)
-        self._retired.append((slot.buf, self._used))
-        slot.retired.append(slot.buf)
+        self._retired.append((slot.buf, slot.host, self._used))
+        slot.retired.append(slot.buf)  # alive while tensors of this step may point into it
         slot.buf, slot.cap = new, cap
+        slot.host = new.np if new.tier.copies else np.zeros(cap, np.uint8)
         slot.views.clear()
         slot.layout.clear()
         self._layout = None  # offsets restart in the new arena: record the layout next step
@@ -141,17 +177,17 @@ class Step:
         st._stats["growths"] += 1
 
     def flush(self) -> None:
-        """Complete the transfer of everything staged in this step."""
+        """Publish everything staged in this step: from now on the device sees it."""
         if self.done:
             return
         st = self._stager
         slot = self._slot
-        if slot.buf.tier.copies:
-            for buf, used in self._retired:  # a growth's extra copy: keeps earlier tensors valid
-                if used:
-                    buf.uva(used)
-            if self._used:
-                slot.buf.uva(self._used)
+        for buf, host, used in self._retired:  # a growth mid-step: earlier tensors stay valid
+            if used:
+                st._publish(buf, host, used, buf.dev)
+        if self._used:
+            st._publish(slot.buf, slot.host, self._used, st._dev_arena(slot))
+            if slot.buf.tier is not Tier.HOST:
                 st._stats["transfers"] += 1
                 st._stats["bytes"] += self._used
         self.done = True
@@ -166,6 +202,11 @@ class StepStager:
     ``"wait"``, ``"raise"`` or ``"off"``: see :mod:`stagebuf.guard`. A slot's
     consumers count as enqueued when the next step begins, or at
     ``mark_consumed()``.
+
+    ``static=True`` gives every step the same device addresses (for CUDA graphs):
+    the slots rotate on the host, and publishing copies the step into one fixed
+    device arena (one copy on every tier but HOST). Stage the same shapes in the
+    same order as when the graph was captured; the arena never grows.
     """
 
     def __init__(
@@ -174,14 +215,22 @@ class StepStager:
         capacity: int = 1 << 20,
         max_concurrency: int | None = None,
         guard: str = "auto",
+        static: bool = False,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < ALIGN:
             raise ValueError(f"capacity={capacity!r} must be an int >= {ALIGN} (bytes per slot)")
+        if not isinstance(static, bool):
+            raise TypeError(f"static={static!r}; allowed: True or False")
         self.max_concurrency = slot_count(max_concurrency)
-        self._slots = [
-            _Slot(make_buffer(capacity, torch.uint8, device)) for _ in range(self.max_concurrency)
-        ]
-        self.device = self._slots[0].buf.device
+        bufs = [make_buffer(capacity, torch.uint8, device) for _ in range(self.max_concurrency)]
+        self.static = static
+        # UVA and HOST: stage into scratch, publish at exit (per slot: a fallback may mix tiers)
+        self._slots = [_Slot(b, not b.tier.copies) for b in bufs]
+        self.device = bufs[0].device
+        self._static_dev: torch.Tensor | None = None
+        if static:
+            self._static_dev = alloc_device((capacity,), torch.uint8, self.device)
+        self._check = check_mode()
         self._ring = SlotRing(self.max_concurrency, self.device, guard, self.tier, "step slot")
         self._open: Step | None = None
         self._stats = empty_stats()
@@ -194,6 +243,33 @@ class StepStager:
     def guard(self) -> str:
         return self._ring.guard.mode
 
+    def _dev_arena(self, slot: _Slot) -> torch.Tensor:
+        """The device memory a slot's tensors point into (the static arena, or the slot's own)."""
+        return slot.buf.dev if self._static_dev is None else self._static_dev
+
+    def _publish(self, buf: StagingBuffer, host: np.ndarray, used: int, dev: torch.Tensor) -> None:
+        """Make the first ``used`` bytes staged in ``buf`` visible at ``dev``: one copy, or none."""
+        if host is not buf.np:
+            buf.np[:used] = host[:used]  # UVA and HOST: the device reads buf's memory from now on
+        if dev is buf.dev:
+            if buf.tier.copies:
+                buf.uva(used)
+        elif buf.tier is Tier.HOST:
+            dev[:used].numpy()[...] = buf.np[:used]
+        else:  # the static arena: one stream-ordered copy from the slot (read through UVA, or a copy)
+            src = buf.dev if buf.tier is Tier.UVA else buf.cpu
+            dev[:used].copy_(src[:used], non_blocking=True)
+
+    def _poison(self, slot: _Slot) -> None:
+        """Check mode: what this slot published before is released, and nothing new is published yet."""
+        slot.host.fill(POISON)
+        if self._static_dev is not None:
+            self._static_dev.fill_(POISON)
+        elif slot.buf.tier.copies:
+            slot.buf.dev.fill_(POISON)
+        else:
+            slot.buf.np.fill(POISON)
+
     def step(self) -> Step:
         """Begin a step in the next slot (after the guard's check of that slot)."""
         if self._open is not None:
@@ -202,6 +278,8 @@ class StepStager:
         cur = ring.next()
         slot = self._slots[cur]
         slot.retired.clear()
+        if self._check:
+            self._poison(slot)
         st = self._open = Step(self, slot, ring.take(cur))
         return st
 

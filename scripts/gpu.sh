@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Everything the docs quote from a GPU machine, in named stages, run from the checkout (no install).
+#
+#   OUT=dir STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu.sh STAGE [STAGE ...]
+#
+# Stages:
+#   tests     pytest -m gpu (every GPU test, fuzz machines at their default sizes, CUDA graphs)
+#   fuzz      the CUDA-tier state machines with FUZZ_EXAMPLES examples (scripts/gpu_reliability.sh fuzz)
+#   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (scripts/gpu_reliability.sh)
+#   multigpu  torchrun decode across GPUs (scripts/gpu_reliability.sh mp)
+#   bench     the full `stagebuf bench` (scripts/gpu_bench.sh): bench.json, bench.md, bench.png
+# Each stage writes its log under $OUT and a line to $OUT/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+unset STAGEBUF_TIER
+echo "commit: ${STAGEBUF_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" >> "$OUT/summary.txt"
+for stage in "$@"; do
+  t0=$SECONDS
+  case "$stage" in
+    tests)
+      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+      rc=$?; line=$(tail -n 1 "$OUT/gpu_tests.log") ;;
+    fuzz|sanitize|multigpu)
+      sub=$stage; [ "$stage" = sanitize ] && sub="memcheck racecheck"; [ "$stage" = multigpu ] && sub=mp
+      # shellcheck disable=SC2086
+      OUT="$OUT/$stage" bash scripts/gpu_reliability.sh $sub > "$OUT/$stage.log" 2>&1
+      rc=$?; line=$(tail -n 3 "$OUT/$stage.log" | tr '\n' ' ') ;;
+    bench)
+      OUT="$OUT/bench" timeout "${BENCH_TIMEOUT:-420}" bash scripts/gpu_bench.sh > "$OUT/bench_run.log" 2>&1
+      rc=$?; line=$(grep -E "total .* s" "$OUT/bench_run.log" | tail -n 1) ;;
+    *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench" >&2; exit 2 ;;
+  esac
+  echo "$stage: exit $rc in $((SECONDS - t0)) s: $line" | tee -a "$OUT/summary.txt"
+done

@@ -185,11 +185,22 @@ class Step:
         for buf, host, used in self._retired:  # a growth mid-step: earlier tensors stay valid
             if used:
                 st._publish(buf, host, used, buf.dev)
-        if self._used:
-            st._publish(slot.buf, slot.host, self._used, st._dev_arena(slot))
-            if slot.buf.tier is not Tier.HOST:
-                st._stats["transfers"] += 1
-                st._stats["bytes"] += self._used
+        used = self._used
+        if used:
+            buf = slot.buf
+            if st._static_dev is not None:
+                st._publish(buf, slot.host, used, st._static_dev)
+                copied = buf.tier is not Tier.HOST
+            elif slot.host is buf.np:  # the copy tiers: one copy of the used prefix
+                buf.uva(used)
+                copied = True
+            else:  # UVA and HOST: the device reads the slot's memory from now on
+                buf.np[:used] = slot.host[:used]
+                copied = False
+            if copied:
+                stats = st._stats
+                stats["transfers"] += 1
+                stats["bytes"] += used
         self.done = True
         st._open = None
 

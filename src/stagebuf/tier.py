@@ -17,19 +17,14 @@ class Tier(enum.IntEnum):
     HOST = 3
     """No accelerator: the CPU tensor is the device tensor."""
 
-    @property
-    def copies(self) -> bool:
-        """True where publishing host data costs an explicit host-to-device transfer."""
-        return self in (Tier.PINNED, Tier.PAGEABLE)
+    copies: bool
+    """True where publishing host data costs an explicit host-to-device transfer."""
+    async_host_reads: bool
+    """True where the device reads host memory after the host call returned.
 
-    @property
-    def async_host_reads(self) -> bool:
-        """True where the device reads host memory after the host call returned.
-
-        On these tiers a host slot must not be rewritten until the device is done
-        with it: this is what the slot-reuse guard protects.
-        """
-        return self in (Tier.UVA, Tier.PINNED)
+    On these tiers a host slot must not be rewritten until the device is done
+    with it: this is what the slot-reuse guard protects.
+    """
 
     @classmethod
     def parse(cls, value: str | Tier, name: str = "tier") -> Tier:
@@ -43,3 +38,10 @@ class Tier(enum.IntEnum):
 
     def __str__(self) -> str:
         return self.name
+
+
+# Plain member attributes, not properties: the hot paths read them per staged array.
+for _t in Tier:
+    _t.copies = _t in (Tier.PINNED, Tier.PAGEABLE)
+    _t.async_host_reads = _t in (Tier.UVA, Tier.PINNED)
+del _t

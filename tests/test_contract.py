@@ -1,0 +1,101 @@
+"""One visibility and lifetime contract on every tier, and STAGEBUF_CHECK=1 making misuse loud.
+
+The same program (including two misuses: reading a staged tensor inside its
+step, and keeping it past its lifetime) runs under every tier this machine has;
+every tier must observe exactly what an independent model of the contract says:
+
+* a tensor from ``step.stage()`` shows its data from the step's exit on;
+* until then it shows what its slot last published (zeros before the first);
+* it keeps its data until the step that reuses its slot begins
+  (``max_concurrency`` steps later), then shows that step's data once published.
+
+With ``STAGEBUF_CHECK=1`` a slot is poisoned when a step begins in it, so both
+misuses read poison (all bits set: int -1) on every tier.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import stagebuf
+from stagebuf import StepStager
+
+HAS_CUDA = torch.cuda.is_available()
+TIERS = ["host", "pageable"] + (["uva", "pinned"] if HAS_CUDA else [])
+SLOTS = 2
+STEPS = 7
+
+
+def _read(t: torch.Tensor) -> list[int]:
+    return t.detach().cpu().numpy().tolist()
+
+
+def program(tier: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, list[int]]]:
+    monkeypatch.setenv("STAGEBUF_TIER", tier)
+    stagebuf.reset_capabilities()
+    stager = StepStager(capacity=256, max_concurrency=SLOTS)
+    out: list[tuple[str, int, list[int]]] = []
+    kept = None
+    for s in range(STEPS):
+        with stager.step() as st:
+            t = st.stage(np.arange(4, dtype=np.int32) + 100 * (s + 1))
+            st.stage(np.full(3, s, np.int64))
+            out.append(("inside", s, _read(t)))  # misuse: not published yet
+            if kept is not None:
+                out.append(("kept-inside", s, _read(kept)))  # misuse once its slot came round
+        out.append(("after", s, _read(t)))
+        if s == 0:
+            kept = t
+        out.append(("kept", s, _read(kept)))
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    return out
+
+
+def model(check: bool) -> list[tuple[str, int, list[int]]]:
+    poison = [-1] * 4
+    published = [[0] * 4 for _ in range(SLOTS)]  # what each slot's device side shows
+    out: list[tuple[str, int, list[int]]] = []
+    for s in range(STEPS):
+        slot = s % SLOTS
+        if check:
+            published[slot] = poison
+        data = [100 * (s + 1) + i for i in range(4)]
+        out.append(("inside", s, list(published[slot])))
+        if s > 0:
+            out.append(("kept-inside", s, list(published[0])))
+        published[slot] = data
+        out.append(("after", s, data))
+        out.append(("kept", s, list(published[0])))
+    return out
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["plain", "STAGEBUF_CHECK=1"])
+def test_every_tier_observes_the_same_contract(monkeypatch, check):
+    if check:
+        monkeypatch.setenv("STAGEBUF_CHECK", "1")
+    want = model(check)
+    for tier in TIERS:
+        got = program(tier, monkeypatch)
+        assert got == want, f"tier {tier} differs from the contract"
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_static_stager_keeps_one_address_and_publishes_at_exit(monkeypatch, tier):
+    monkeypatch.setenv("STAGEBUF_TIER", tier)
+    stagebuf.reset_capabilities()
+    stager = StepStager(capacity=256, static=True)
+    ptrs, seen = set(), []
+    for s in range(5):
+        a = np.arange(6, dtype=np.int64) * (s + 2)
+        with stager.step() as st:
+            t = st.stage(a)
+        ptrs.add(t.data_ptr())
+        seen.append((_read(t), a.tolist()))
+    assert len(ptrs) == 1
+    for got, want in seen:
+        assert got == want
+    with stager.step() as st, pytest.raises(RuntimeError, match="static arena"):
+        st.stage(np.zeros(1024, np.int64))

@@ -40,7 +40,11 @@ def copies(table: DeviceParamTable) -> int:
 
 def test_fields_and_views(cpu_tier):
     t = DeviceParamTable(7, FIELDS, "cpu")
-    assert t.fields == FIELDS and list(t) == list(FIELDS) and len(t) == 5 and "seed" in t
+    assert {n: f.dtype for n, f in t.fields.items()} == FIELDS
+    assert list(t) == list(FIELDS) and len(t) == 5 and "seed" in t
+    for name in FIELDS:
+        f = t.fields[name]
+        assert f is t[name] and isinstance(f, stagebuf.ParamField) and f.name == name
     for name, dt in FIELDS.items():
         f = t[name]
         assert f.np.shape == (7,) and f.gpu.shape == (7,) and f.gpu.dtype == dt and f.cpu.dtype == dt
@@ -138,7 +142,132 @@ def test_bad_max_concurrency(max_concurrency):
 
 def test_dtype_names_accepted():
     t = DeviceParamTable(2, {"a": "int32", "b": np.float64}, "cpu")
-    assert t.fields == {"a": torch.int32, "b": torch.float64}
+    assert {n: f.dtype for n, f in t.fields.items()} == {"a": torch.int32, "b": torch.float64}
+
+
+def test_fields_mapping_is_read_only():
+    t = DeviceParamTable(2, {"a": torch.int32}, "cpu")
+    with pytest.raises(TypeError):
+        t.fields["b"] = t["a"]  # type: ignore[index]
+    assert list(t.fields) == ["a"]
+    with pytest.raises(TypeError):
+        t["a"] = [1, 2]  # type: ignore[index]
+
+
+def test_device_is_optional(cpu_tier):
+    t = DeviceParamTable(3, {"a": torch.int32})
+    assert t.device == stagebuf.capabilities().device and t.tier is cpu_tier
+    t["a"].np = [1, 2, 3]
+    assert t.sync() is True
+    np.testing.assert_array_equal(t["a"].gpu.cpu().numpy(), [1, 2, 3])
+    t2 = DeviceParamTable(3, {"a": torch.int32}, None, 2)
+    assert t2.device == t.device and t2.max_concurrency == 2
+
+
+# --- assignment: .np/.cpu copy the values in; everything else raises ---------------------
+
+def test_assigning_np_copies_and_sync_uploads(cpu_tier):
+    t = DeviceParamTable(4, FIELDS, "cpu")
+    model = {n: np.zeros(4, t[n].np.dtype) for n in t}
+    views = {n: t[n].np for n in t}
+    t["temperature"].np = np.array([0.5, 1.0, 0.0, 2.0])  # float64 values that fit float32
+    model["temperature"][:] = [0.5, 1.0, 0.0, 2.0]
+    t["top_k"].np = [1, 2, 3, 40]
+    model["top_k"][:] = [1, 2, 3, 40]
+    t["seed"].cpu = torch.tensor([2**62, -1, 0, 7])
+    model["seed"][:] = [2**62, -1, 0, 7]
+    t["greedy"].np = True  # a scalar: every row
+    model["greedy"][:] = True
+    t["penalty"].np = np.float16(1.5)
+    model["penalty"][:] = 1.5
+    assert all(t[n].np is views[n] for n in t)  # nothing rebinds: the same host views
+    assert_same(host_values(t), model)
+    assert t.sync() is True
+    assert_same(dev_values(t), model)
+    t["top_k"].np += 1  # in place, then assigned to itself: a copy onto itself
+    model["top_k"] += 1
+    assert t.sync() is True
+    assert_same(dev_values(t), model)
+
+
+@pytest.mark.parametrize(("field", "value", "exc", "text"), [
+    ("top_k", [1, 2, 3], ValueError,
+     r"table\['top_k'\]\.np: a value of shape \(3,\) was given; expected shape \(4,\)"),
+    ("top_k", np.zeros((4, 1), np.int32), ValueError, r"table\['top_k'\]\.np has rank 2"),
+    ("top_k", [1.5, 0, 0, 0], ValueError, r"table\['top_k'\]\.np holds fractional values"),
+    ("top_k", [2**31, 0, 0, 0], ValueError, r"table\['top_k'\]\.np holds values in .* outside int32"),
+    ("top_k", np.nan, ValueError, r"table\['top_k'\]\.np holds NaN or inf"),
+    ("top_k", [True, False, True, False], TypeError, "bools and numbers are not converted"),
+    ("temperature", [1e39, 0, 0, 0], ValueError, r"table\['temperature'\]\.np holds finite values beyond"),
+    ("temperature", "fast", TypeError, r"table\['temperature'\]\.np must be a list"),
+    ("seed", torch.zeros(3, dtype=torch.int64), ValueError, r"table\['seed'\]\.np: a value of shape"),
+])
+def test_bad_np_assignment_raises_and_writes_nothing(cpu_tier, field, value, exc, text):
+    t = DeviceParamTable(4, FIELDS, "cpu")
+    t["top_k"].np[:] = [5, 6, 7, 8]
+    t["temperature"].np[:] = 0.25
+    before = host_values(t)
+    with pytest.raises(exc, match=text):
+        t[field].np = value
+    assert_same(host_values(t), before)
+    with pytest.raises(exc):
+        t[field].cpu = value
+    assert_same(host_values(t), before)
+    assert t.sync() is True  # what was written before the bad call still uploads
+    assert_same(dev_values(t), before)
+
+
+@pytest.mark.parametrize("attr", ["gpu", "dtype", "name", "offset", "other"])
+def test_other_field_attributes_are_read_only(cpu_tier, attr):
+    t = DeviceParamTable(4, FIELDS, "cpu")
+    f = t["top_k"]
+    before = getattr(f, attr, None)
+    with pytest.raises(AttributeError, match=rf"ParamField\.{attr} is read-only: "):
+        setattr(f, attr, torch.ones(4, dtype=torch.int32))
+    assert getattr(f, attr, None) is before
+    with pytest.raises(AttributeError, match="cannot be deleted"):
+        del f.np
+
+
+@pytest.mark.parametrize(("attr", "text"), [
+    ("num_rows", "make a new DeviceParamTable"), ("device", "make a new table"), ("nbytes", "fixed"),
+    ("max_concurrency", "max_concurrency="), ("tier", "STAGEBUF_TIER"), ("fields", r"table\[name\]\.np"),
+    ("temperature", r"fields are not attributes.*table\['temperature'\]\.np"), ("whatever", "fixed"),
+])
+def test_table_attributes_are_read_only(cpu_tier, attr, text):
+    t = DeviceParamTable(4, FIELDS, "cpu")
+    before = getattr(t, attr, None)
+    with pytest.raises(AttributeError, match=rf"DeviceParamTable\.{attr}.*{text}"):
+        setattr(t, attr, 5)
+    assert getattr(t, attr, None) is before
+    t["top_k"].np[:] = [1, 2, 3, 4]  # the table still works as made
+    assert t.sync() is True and t["top_k"].gpu.tolist() == [1, 2, 3, 4]
+    with pytest.raises(AttributeError, match="cannot be deleted"):
+        del t.num_rows
+
+
+@examples(40)
+@given(data=st.data())
+def test_random_whole_field_assignments(cpu_tier, data):
+    rows = data.draw(st.integers(0, 9))
+    t = DeviceParamTable(rows, FIELDS, "cpu", max_concurrency=2)
+    model = {n: np.zeros(rows, t[n].np.dtype) for n in t}
+    for _ in range(data.draw(st.integers(1, 6))):
+        name = data.draw(st.sampled_from(list(FIELDS)))
+        dt = model[name].dtype
+        if dt == np.bool_:
+            vals, src = data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows)), np.bool_
+        elif dt.kind == "f":
+            vals = data.draw(st.lists(st.integers(-1000, 1000), min_size=rows, max_size=rows))
+            vals, src = [v / 8 for v in vals], np.float64  # exact in float16
+        else:
+            vals = data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=rows, max_size=rows))
+            src = np.int64
+        t[name].np = np.array(vals, src) if data.draw(st.booleans()) else vals
+        model[name] = np.array(vals, dtype=dt)
+        assert_same(host_values(t), model)
+        t.sync()
+        assert_same(dev_values(t), model)
 
 
 @st.composite

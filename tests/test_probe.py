@@ -188,7 +188,7 @@ def test_forced_worse_tier_is_honoured(fake_gpu):
 
 def test_forced_host_on_accelerator_raises(fake_gpu):
     fake_gpu.setenv("STAGEBUF_TIER", "host")
-    with pytest.raises(TierUnavailableError, match="host targets the CPU"):
+    with pytest.raises(TierUnavailableError, match="host targets the CPU.*allowed: uva, pinned, pageable"):
         _probe()
 
 
@@ -201,7 +201,118 @@ def test_non_cuda_accelerator_without_uva_gets_pinned(fake_gpu):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_asking_for_cuda_without_it_is_a_clear_error(device):
-    with pytest.raises(TierUnavailableError, match=r"torch sees no CUDA device.*device=None"):
+    with pytest.raises(TierUnavailableError, match=
+                       r"device='cuda.*' cannot be used: torch is a .*device=None"):
         capabilities(device)
-    with pytest.raises(TierUnavailableError, match="torch sees no CUDA device"):
+    with pytest.raises(TierUnavailableError, match="cannot be used: torch is a"):
         stagebuf.StepStager(device=device)
+
+
+# --- naming the cause: a CPU build of torch, or a CUDA build that sees no GPU ---
+
+def _no_accelerator(monkeypatch, cuda_version):
+    """This machine as one without an accelerator, with torch built for ``cuda_version`` (None: CPU)."""
+    monkeypatch.setattr(torch.version, "cuda", cuda_version)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        monkeypatch.setattr(acc, "is_available", lambda: False)
+
+
+CAUSES = [(None, "torch is a CPU build", "install a CUDA build of torch"),
+          ("13.0", "torch is a CUDA build but sees no driver or GPU", "nvidia-smi")]
+
+
+@pytest.mark.parametrize(("cuda", "cause", "fix"), CAUSES)
+def test_device_missing_names_the_build(monkeypatch, cuda, cause, fix):
+    _no_accelerator(monkeypatch, cuda)
+    assert caps_mod.torch_build() == ("CPU build" if cuda is None else "CUDA 13.0 build")
+    with pytest.raises(TierUnavailableError) as ei:
+        capabilities("cuda")
+    e = ei.value
+    assert cause in str(e) and fix in str(e) and "allowed: cpu" in str(e)
+    assert e.setting == "device" and e.value == "cuda" and e.allowed == ("cpu",) and cause in e.cause
+    if cuda is not None:
+        assert "CUDA 13.0" in e.cause  # the build's version, for the report
+
+
+@pytest.mark.parametrize(("cuda", "cause", "fix"), CAUSES)
+def test_cpu_target_reason_names_the_build(monkeypatch, cuda, cause, fix):
+    _no_accelerator(monkeypatch, cuda)
+    caps = capabilities()
+    assert caps.device == torch.device("cpu") and caps.tier is Tier.HOST
+    assert cause in caps.cpu_cause and fix in caps.cpu_fix
+    assert cause in caps.reasons[0] and fix in caps.reasons[0]
+    d = caps.as_dict()
+    assert d["torch_build"] == ("CPU build" if cuda is None else "CUDA 13.0 build")
+    assert cause in d["cpu_cause"]
+
+
+def test_explicit_cpu_is_named_as_the_reason():
+    caps = capabilities("cpu")
+    assert caps.cpu_cause == "device='cpu' was asked for" and caps.cpu_fix is None
+    assert "device='cpu' was asked for" in caps.reasons[0]
+
+
+@pytest.mark.parametrize(("cuda", "cause", "fix"), CAUSES)
+@pytest.mark.parametrize("tier", ["uva", "pinned"])
+def test_forced_accelerator_tier_without_one_names_cause_and_fix(monkeypatch, cuda, cause, fix, tier):
+    _no_accelerator(monkeypatch, cuda)
+    monkeypatch.setenv("STAGEBUF_TIER", tier)
+    with pytest.raises(TierUnavailableError) as ei:
+        capabilities()
+    msg = str(ei.value)
+    assert msg.startswith(f"STAGEBUF_TIER={tier} needs an accelerator")
+    assert cause in msg and fix in msg and "allowed: host, pageable" in msg
+    assert ei.value.setting == "STAGEBUF_TIER" and ei.value.allowed == ("host", "pageable")
+
+
+def test_unknown_forced_tier_carries_the_facts(monkeypatch):
+    monkeypatch.setenv("STAGEBUF_TIER", "garbage")
+    with pytest.raises(ValueError) as ei:
+        capabilities("cpu")
+    e = ei.value
+    assert isinstance(e, caps_mod.SetupError) and e.setting == "STAGEBUF_TIER" and e.value == "garbage"
+    assert e.allowed == ("uva", "pinned", "pageable", "host") and "unset STAGEBUF_TIER" in str(e)
+
+
+@pytest.mark.parametrize("device", ["banana", "gpu9", "cuda:x", ""])  # "" is not the default device
+def test_unknown_device_is_a_value_error_naming_it(device):
+    with pytest.raises(ValueError) as ei:
+        capabilities(device)
+    e = ei.value
+    assert isinstance(e, RuntimeError)  # what torch.device raises: callers catching that still do
+    assert str(e).startswith(f"device={device!r} is not a device torch can use")
+    assert "allowed: cpu" in str(e) and "device=None" in str(e)
+
+
+@pytest.mark.parametrize("device", [1.5, True, ["cpu"]])
+def test_device_of_the_wrong_type(device):
+    with pytest.raises(TypeError, match=r"device=.* must be None, a str, an int or a torch.device"):
+        capabilities(device)
+
+
+def test_meta_device_is_refused():
+    with pytest.raises(TierUnavailableError, match="device='meta' cannot be used: a meta tensor holds"):
+        capabilities("meta")
+
+
+def test_usable_tiers_on_the_cpu(cpu_tier):
+    assert caps_mod.usable_tiers(capabilities("cpu")) == [Tier.PAGEABLE, Tier.HOST]
+
+
+def test_usable_tiers_follow_the_forced_tier(fake_gpu):
+    assert caps_mod.usable_tiers(_probe()) == [Tier.UVA, Tier.PINNED, Tier.PAGEABLE]
+    fake_gpu.setenv("STAGEBUF_TIER", "pinned")
+    stagebuf.reset_capabilities()
+    assert caps_mod.usable_tiers(_probe()) == [Tier.PINNED, Tier.PAGEABLE]
+
+
+def test_forced_better_tier_error_lists_what_works(fake_gpu):
+    fake_gpu.setattr(caps_mod, "_is_wsl", lambda: True)  # no pinned memory: PAGEABLE only
+    fake_gpu.setenv("STAGEBUF_TIER", "pinned")
+    with pytest.raises(TierUnavailableError) as ei:
+        _probe()
+    assert ei.value.allowed == ("pageable",) and "WSL" in str(ei.value)
+    assert "allowed: pageable" in str(ei.value)

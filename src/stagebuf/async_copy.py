@@ -24,24 +24,27 @@ def async_copy_to_gpu(
     copy (torch's pinned allocator keeps it alive until the copy is done);
     elsewhere it is copied from pageable memory, which CUDA stages before the
     call returns. The result never aliases ``x``. ``out``, when given, must have
-    ``x``'s shape and the target device; it is filled and returned.
+    ``x``'s shape and the target device (and ``dtype``, when both are given); it is
+    filled and returned.
     """
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
     if dtype is not None:
         want: torch.dtype | None = torch_dtype(dtype)
-    elif isinstance(out, torch.Tensor):
+        if out is not None and out.dtype != want:
+            # copy_ would convert silently (and truncate fractions): refuse the mismatch instead
+            raise ValueError(f"dtype={want} but out.dtype={out.dtype}; pass one of them, or the same")
+    elif out is not None:
         want = torch_dtype(out.dtype, "out.dtype")  # values must fit what they are copied into
     else:
         want = None
     arr = host_array(x, want, "x", ndims=_ANY_RANK)
     caps = capabilities(device)
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
-        if tuple(out.shape) != arr.shape or out.device != caps.device:
-            raise ValueError(
-                f"out has shape {tuple(out.shape)} on {out.device}; expected shape "
-                f"{arr.shape} on {caps.device}"
-            )
+    if out is not None and (tuple(out.shape) != arr.shape or out.device != caps.device):
+        raise ValueError(
+            f"out has shape {tuple(out.shape)} on {out.device}; expected shape "
+            f"{arr.shape} on {caps.device}"
+        )
     src = torch.from_numpy(np.ascontiguousarray(arr))
     if caps.tier is Tier.HOST or caps.device_type == "cpu":
         return out.copy_(src) if out is not None else src.clone()

@@ -3,8 +3,26 @@
 Every buffer has ``.cpu`` (a CPU tensor the host writes), ``.np`` (a numpy view
 of it), ``.uva(n)`` (a device tensor of the first ``n`` rows) and ``.tier``;
 ``copy_to(out, n)`` moves the first ``n`` rows into another device tensor.
-``make_buffer`` picks the class from ``capabilities()`` and falls back, one tier
-at a time, when an allocation fails at run time.
+``make_buffer`` picks the class from ``capabilities()``.
+
+The rule for a tier that cannot work (one rule, everywhere):
+
+* **An explicit request that cannot work raises** ``TierUnavailableError``, which
+  names what was asked, why it cannot work here and the allowed values. Explicit
+  requests are ``STAGEBUF_TIER`` (checked by the probe), the ``tier=`` argument of
+  ``make_buffer`` and the tier classes themselves (``UvaBuffer``,
+  ``PinnedBuffer``). "Cannot work" includes "better than the tier STAGEBUF_TIER
+  forces": a forced tier caps the process, so ``UvaBuffer()`` raises under
+  ``STAGEBUF_TIER=pinned`` even on a machine that could do UVA. A tier worse than
+  the chosen one may be asked for (``usable_tiers(caps)`` lists them).
+* **A run-time allocation failure falls back** one tier, with one warning per
+  process: the probe said yes, but a pinned allocation or a device view fails
+  later (memlock exhausted, WSL cap). Only ``make_buffer`` falls back; the tier
+  classes raise ``PinnedAllocationError`` / ``UvaError``.
+
+A buffer's attributes are fixed at construction. Assigning ``.np`` or ``.cpu``
+copies the values in (``buf.np = x`` is ``buf.np[...] = x`` with stagebuf's value
+checks); assigning any other attribute raises AttributeError.
 """
 
 from __future__ import annotations
@@ -16,11 +34,42 @@ import numpy as np
 import torch
 
 from . import uva as _uva
-from .convert import check_rows, shape_of, torch_dtype
+from .convert import check_rows, host_array, shape_of, torch_dtype
 from .log import warn_once
 from .memory import PinnedAllocationError, alloc_device, alloc_host
-from .probe import TierUnavailableError, capabilities
+from .probe import ENV_TIER, Capabilities, TierUnavailableError, capabilities, usable_tiers
 from .tier import Tier
+
+
+def fill_host(dst: np.ndarray, value: Any, dtype: torch.dtype, name: str) -> None:
+    """``dst[...] = value``, checked first: ``value`` has ``dst``'s shape, or is one scalar.
+
+    The values go through the same checks as every other host input
+    (``convert.host_array``): a fraction, NaN or an out-of-range value into an
+    integer dtype raises ValueError naming ``name``; nothing is written then.
+    """
+    if isinstance(value, (bool, int, float, np.generic)):
+        value = np.asarray(value)
+    arr = host_array(value, dtype, name, ndims=(0, dst.ndim))
+    if arr.ndim and arr.shape != dst.shape:
+        raise ValueError(
+            f"{name}: a value of shape {arr.shape} was given; expected shape {dst.shape} "
+            "(or one scalar for every element)"
+        )
+    np.copyto(dst, arr)
+
+
+def _read_only(owner: str, name: str, what: str) -> AttributeError:
+    return AttributeError(f"{owner}.{name} is read-only: {what}")
+
+
+_BUFFER_READ_ONLY = {
+    "dev": "it is the device storage uva() publishes into, at a fixed address; write .np or .cpu",
+    "device": "a buffer stays on the device it was made for; make a new buffer for another device",
+    "shape": "the host and device storage are sized at construction; make a new buffer to resize",
+    "dtype": "the storage is typed at construction; make a new buffer for another dtype",
+    "tier": "it is the class's tier; use make_buffer(..., tier=...) for another tier",
+}
 
 
 class StagingBuffer:
@@ -38,6 +87,19 @@ class StagingBuffer:
         self.dtype = torch_dtype(dtype)
         self._rows: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or "_sealed" not in self.__dict__:  # private, or constructing
+            object.__setattr__(self, name, value)
+        elif name in ("np", "cpu"):
+            fill_host(self.np, value, self.dtype, f"{type(self).__name__}.{name}")
+        else:
+            what = _BUFFER_READ_ONLY.get(name, "a buffer's attributes are fixed at construction; "
+                                               "write its values through .np or .cpu")
+            raise _read_only(type(self).__name__, name, what)
+
+    def __delattr__(self, name: str) -> None:
+        raise _read_only(type(self).__name__, name, "a buffer's attributes cannot be deleted")
+
     def rows(self, n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(device side, host side) of the first ``n`` rows, cached: slicing costs a torch call."""
         pair = self._rows.get(n)
@@ -53,8 +115,25 @@ class StagingBuffer:
         return self.rows(n)[0]
 
     def copy_to(self, out: torch.Tensor, n: int | None = None) -> torch.Tensor:
-        """Copy the first ``n`` rows into the device tensor ``out`` (stream-ordered)."""
+        """Copy the first ``n`` rows into the device tensor ``out`` (stream-ordered).
+
+        ``out`` must be on this buffer's device, of its dtype and row shape, with at
+        least ``n`` rows (checked: ``copy_`` would otherwise convert silently).
+        """
         n = check_rows(n, self.shape[0])
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor; got {type(out).__name__}")
+        shape = tuple(out.shape)
+        if (out.dtype is not self.dtype or len(shape) != len(self.shape) or shape[0] < n
+                or shape[1:] != self.shape[1:] or out.device != self.device):
+            raise ValueError(
+                f"out has shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}; expected "
+                f"at least {n} rows of shape {self.shape[1:]}, dtype {self.dtype} on {self.device}"
+            )
+        return self._copy_rows(out, n)
+
+    def _copy_rows(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        """``copy_to`` without the checks, for callers that made ``out`` to fit (saves ~1 us)."""
         dst = out[:n]
         dst.copy_(self.cpu[:n], non_blocking=True)
         return dst
@@ -67,11 +146,39 @@ class StagingBuffer:
         return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype}, device={self.device})"
 
 
-def _accelerator(device: Any, cls: str) -> torch.device:
+def _unavailable(want: Tier, caps: Capabilities, who: str) -> TierUnavailableError:
+    """The error for an explicit request of tier ``want`` that cannot work on ``caps.device``."""
+    allowed = [t.name.lower() for t in usable_tiers(caps)]
+    head = "UVA is not available" if want is Tier.UVA else f"tier {want.name} is not available"
+    hint = None
+    if caps.device_type == "cpu" and want is not Tier.PAGEABLE:
+        cause = f"{who} needs an accelerator, but the target device is the CPU because {caps.cpu_cause}"
+        fix = f"pass an accelerator device, or use stagebuf.make_buffer() (tier {caps.tier.name} here)"
+        hint = caps.cpu_fix
+        if hint:
+            fix += f"; or {hint}"
+    elif caps.forced is not None and want < caps.tier:
+        cause = (f"{who} was asked for, but {ENV_TIER}={caps.forced} forces tier {caps.tier.name} "
+                 "and nothing better is used in this process")
+        fix = f"unset {ENV_TIER} or set it to {want.name.lower()}, or ask for an allowed tier"
+    elif want is Tier.HOST:
+        cause = (f"{who} was asked for, but tier HOST means no accelerator and the target device "
+                 f"is {caps.device}")
+        fix = "pass device='cpu', or ask for an allowed tier"
+    else:
+        found = " ".join(r for r in caps.reasons if r.startswith("No ")) or " ".join(caps.reasons)
+        cause = f"{who} was asked for, but the probe found: {found}"
+        fix = f"use stagebuf.make_buffer() (tier {caps.tier.name} here) or ask for an allowed tier"
+    return TierUnavailableError(f"{head} on {caps.device}", setting="tier", value=want.name.lower(),
+                                cause=cause, allowed=allowed, fix=fix, hint=hint)
+
+
+def _checked_caps(want: Tier, device: Any, who: str) -> Capabilities:
+    """The capabilities of ``device``, if tier ``want`` may be asked for there; else raise."""
     caps = capabilities(device)
-    if caps.device_type == "cpu":
-        raise TierUnavailableError(f"{cls} needs an accelerator; device={caps.device}")
-    return caps.device
+    if want not in usable_tiers(caps):
+        raise _unavailable(want, caps, who)
+    return caps
 
 
 class HostBuffer(StagingBuffer):
@@ -87,7 +194,7 @@ class HostBuffer(StagingBuffer):
         self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
         self.np = self.cpu.numpy()
         self.dev = self.cpu
-
+        self._sealed = True
 
 
 class NonUvaBuffer(StagingBuffer):
@@ -107,6 +214,7 @@ class NonUvaBuffer(StagingBuffer):
         self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
         self.np = self.cpu.numpy()
         self.dev = alloc_device(self.shape, self.dtype, self.device)
+        self._sealed = True
 
     def uva(self, n: int | None = None) -> torch.Tensor:
         dev, host = self.rows(n)
@@ -120,15 +228,11 @@ class PinnedBuffer(NonUvaBuffer):
 
     def __init__(self, size: int | Sequence[int], dtype: Any, device: Any = None):
         StagingBuffer.__init__(self, size, dtype)
-        self.device = _accelerator(device, "PinnedBuffer")
-        if not capabilities(self.device).pin_memory:
-            raise TierUnavailableError(
-                f"PinnedBuffer: no pinned memory on {self.device}: "
-                + " ".join(capabilities(self.device).reasons)
-            )
+        self.device = _checked_caps(Tier.PINNED, device, "PinnedBuffer").device
         self.cpu = alloc_host(self.shape, self.dtype, pinned=True)
         self.np = self.cpu.numpy()
         self.dev = alloc_device(self.shape, self.dtype, self.device)
+        self._sealed = True
 
 
 class UvaBuffer(StagingBuffer):
@@ -138,17 +242,11 @@ class UvaBuffer(StagingBuffer):
 
     def __init__(self, size: int | Sequence[int], dtype: Any, device: Any = None):
         super().__init__(size, dtype)
-        self.device = _accelerator(device, "UvaBuffer")
-        caps = capabilities(self.device)
-        if not caps.uva:
-            raise TierUnavailableError(
-                f"UVA is not available on {self.device}: " + " ".join(caps.reasons)
-                + " Use stagebuf.make_buffer() to fall back automatically."
-            )
+        self.device = _checked_caps(Tier.UVA, device, "UvaBuffer").device
         self.cpu = alloc_host(self.shape, self.dtype, pinned=True)
         self.np = self.cpu.numpy()
         self.dev = _uva.device_view(self.cpu, self.device)
-
+        self._sealed = True
 
 
 BUFFER_CLASSES: dict[Tier, type[StagingBuffer]] = {
@@ -162,23 +260,20 @@ BUFFER_CLASSES: dict[Tier, type[StagingBuffer]] = {
 def make_buffer(
     size: int | Sequence[int], dtype: Any, device: Any = None, tier: Tier | str | None = None
 ) -> StagingBuffer:
-    """A buffer of the best tier that works for ``device`` (or of ``tier``, if it can).
+    """A buffer of the tier chosen for ``device`` (``tier=None``) or of ``tier``.
 
-    Never raises for a missing platform feature: a tier that cannot work here, or
-    an allocation that fails at run time (memlock exhausted, WSL cap), falls back
-    to the next tier with one warning per process.
+    An explicit ``tier`` that cannot work here raises TierUnavailableError (the
+    allowed values are ``usable_tiers(capabilities(device))``). An allocation that
+    fails at run time (memlock exhausted, WSL cap, a device view refused) falls
+    back to the next tier with one warning per process.
     """
-    caps = capabilities(device)
-    want = caps.tier if tier is None else Tier.parse(tier)
-    if caps.device_type == "cpu":
-        best, last = (want, want) if want >= Tier.PAGEABLE else (caps.tier, caps.tier)
+    if tier is None:
+        caps = capabilities(device)
+        want = caps.tier
     else:
-        best = Tier.UVA if caps.uva else Tier.PINNED if caps.pin_memory else Tier.PAGEABLE
-        last = Tier.PAGEABLE
-    if want < best or want > last:
-        warn_once(("make_buffer", str(caps.device), want),
-                  f"stagebuf: tier {want.name} cannot work on {caps.device}; using {best.name}")
-        want = best
+        want = Tier.parse(tier)
+        caps = _checked_caps(want, device, f"make_buffer(tier={want.name.lower()!r})")
+    last = want if caps.device_type == "cpu" else Tier.PAGEABLE  # CPU tiers never fail to pin
     t = want
     while True:
         try:
@@ -192,4 +287,3 @@ def make_buffer(
                       f"stagebuf: a {t.name} buffer could not be made on {caps.device} "
                       f"({e}); falling back to tier {nxt.name} for it")
             t = nxt
-    raise AssertionError("unreachable: the last tier never falls back")

@@ -1,26 +1,33 @@
 """``DeviceParamTable``: per-request parameters written on the host, uploaded only when changed.
 
 All fields (``name -> dtype``, ``num_rows`` values each) live in one packed host
-arena, each at a 16-byte-aligned offset; users write ``table[name].np`` directly.
-``table[name].gpu`` is a typed view of one fixed device arena (its address never
-changes, so CUDA graphs may read it). ``sync()`` compares the host arena with a
-shadow of what was last uploaded and, only if a byte differs, snapshots the
-host arena into the next of ``max_concurrency`` round-robin staging slots and
-issues one stream-ordered copy of the whole arena from that slot. The copy
+arena, each at a 16-byte-aligned offset; users write ``table[name].np`` (or
+``table.fields[name].np``) directly. ``table[name].gpu`` is a typed view of one
+fixed device arena (its address never changes, so CUDA graphs may read it).
+``sync()`` compares the host arena with a shadow of what was last uploaded and,
+only if a byte differs, snapshots the host arena into the next of
+``max_concurrency`` round-robin staging slots and issues one stream-ordered
+copy of the whole arena from that slot. The copy
 reads the snapshot, not the arena, so host writes after ``sync()`` never race
 the copy in flight; the slot-reuse guard (see :mod:`stagebuf.guard`) makes
 sure a slot's previous copy is done before the slot is written again.
+
+Nothing is silently ignored: ``field.np = values`` (or ``.cpu``) copies the
+values into the field's host view, checked like every stagebuf input (the
+field's shape, or one scalar for every row); every other public attribute of a
+field or a table is read-only and raises AttributeError saying what to do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
 
-from .buffers import StagingBuffer, make_buffer
+from .buffers import StagingBuffer, fill_host, make_buffer
 from .convert import torch_dtype
 from .guard import SlotRing
 from .memory import alloc_device, alloc_host
@@ -31,21 +38,65 @@ from .tier import Tier
 _ALIGN = 16
 
 
+_FIELD_READ_ONLY = {
+    "gpu": "it is a view of the device arena at a fixed address, written by sync(); "
+           "write .np (or .cpu) and call table.sync()",
+    "name": "fields are named at construction; make a new DeviceParamTable to rename one",
+    "dtype": "fields are typed at construction; make a new DeviceParamTable for another dtype",
+    "offset": "it is the field's place in the packed arena, fixed at construction",
+}
+
+
 class ParamField:
-    """One field of a DeviceParamTable: ``.np``/``.cpu`` on the host, ``.gpu`` on the device."""
+    """One field of a DeviceParamTable: ``.np``/``.cpu`` on the host, ``.gpu`` on the device.
+
+    ``field.np = values`` copies ``values`` into the host view (like
+    ``field.np[:] = values``, with stagebuf's value checks); the other attributes
+    are read-only.
+    """
 
     __slots__ = ("name", "dtype", "offset", "cpu", "np", "gpu")
 
+    name: str
+    dtype: torch.dtype
+    offset: int
+    cpu: torch.Tensor
+    np: np.ndarray
+    gpu: torch.Tensor
+
     def __init__(self, name: str, dtype: torch.dtype, offset: int, cpu: torch.Tensor, gpu: torch.Tensor):
-        self.name = name
-        self.dtype = dtype
-        self.offset = offset
-        self.cpu = cpu
-        self.np: np.ndarray = cpu.numpy()
-        self.gpu = gpu
+        init = object.__setattr__
+        init(self, "name", name)
+        init(self, "dtype", dtype)
+        init(self, "offset", offset)
+        init(self, "cpu", cpu)
+        init(self, "np", cpu.numpy())
+        init(self, "gpu", gpu)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        if attr in ("np", "cpu"):
+            fill_host(self.np, value, self.dtype, f"table[{self.name!r}].{attr}")
+            return
+        what = _FIELD_READ_ONLY.get(attr, "a field has no other attributes; write its values "
+                                          "through .np or .cpu")
+        raise AttributeError(f"ParamField.{attr} is read-only: {what}")
+
+    def __delattr__(self, attr: str) -> None:
+        raise AttributeError(f"ParamField.{attr} cannot be deleted: a field's attributes are fixed")
 
     def __repr__(self) -> str:
         return f"ParamField({self.name!r}, dtype={self.dtype}, rows={self.cpu.shape[0]})"
+
+
+_TABLE_READ_ONLY = {
+    "num_rows": "the arenas are sized at construction; make a new DeviceParamTable(num_rows, ...)",
+    "device": "the device arena lives on the device the table was made for; make a new table",
+    "nbytes": "it is the packed arena's size, fixed at construction",
+    "max_concurrency": "the staging slots are made at construction; make a new table with "
+                       "max_concurrency=...",
+    "tier": "it is the staging slots' tier; set STAGEBUF_TIER before making the table",
+    "fields": "fields are fixed at construction; write values with table[name].np[...] = values",
+}
 
 
 class DeviceParamTable:
@@ -55,9 +106,13 @@ class DeviceParamTable:
         self,
         num_rows: int,
         fields: Mapping[str, Any],
-        device: Any,
+        device: Any = None,
         max_concurrency: int | None = None,
     ):
+        """``num_rows`` rows of each field in ``fields`` (name -> dtype) on ``device``.
+
+        ``device=None`` is the current accelerator, else the CPU (as ``capabilities(None)``).
+        """
         if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or num_rows < 0:
             raise ValueError(f"num_rows={num_rows!r} must be an int >= 0")
         if not isinstance(fields, Mapping) or not fields:
@@ -90,6 +145,8 @@ class DeviceParamTable:
             n = self.num_rows * torch.empty((), dtype=dtype).element_size()
             self._fields[name] = ParamField(name, dtype, o, self._host[o: o + n].view(dtype),
                                             self._dev[o: o + n].view(dtype))
+        self._fields_view = MappingProxyType(self._fields)
+        self._sealed = True
 
     @property
     def tier(self) -> Tier:
@@ -97,8 +154,23 @@ class DeviceParamTable:
         return max(s.tier for s in self._slots)
 
     @property
-    def fields(self) -> dict[str, torch.dtype]:
-        return {name: f.dtype for name, f in self._fields.items()}
+    def fields(self) -> Mapping[str, ParamField]:
+        """name -> ParamField, read-only (``table.fields[name]`` is ``table[name]``)."""
+        return self._fields_view
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or "_sealed" not in self.__dict__:  # private, or constructing
+            object.__setattr__(self, name, value)
+            return
+        if name in self._fields:
+            raise AttributeError(f"DeviceParamTable.{name}: fields are not attributes; write the "
+                                 f"values with table[{name!r}].np[...] = values")
+        what = _TABLE_READ_ONLY.get(name, "a table's attributes are fixed at construction; write "
+                                          "field values with table[name].np[...] = values")
+        raise AttributeError(f"DeviceParamTable.{name} is read-only: {what}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"DeviceParamTable.{name} cannot be deleted: a table's attributes are fixed")
 
     def __getitem__(self, name: str) -> ParamField:
         try:
@@ -134,7 +206,7 @@ class DeviceParamTable:
         slot = self._slots[cur]
         np.copyto(slot.np, self._host_np)
         np.copyto(self._shadow, self._host_np)
-        slot.copy_to(self._dev, self.nbytes)
+        slot._copy_rows(self._dev, self.nbytes)  # the device arena was made to fit the slots
         ring.take(cur)
         ring.mark()  # the slot's one reader, the copy, is enqueued
         if slot.tier is not Tier.HOST:

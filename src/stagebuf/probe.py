@@ -12,6 +12,7 @@ import os
 import platform
 import resource
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +28,88 @@ ENV_WSL_PIN = "STAGEBUF_WSL_PIN_MEMORY"
 _SMALL_MEMLOCK = 64 << 20
 
 
-class TierUnavailableError(RuntimeError):
-    """A tier was asked for (by STAGEBUF_TIER or a constructor) that cannot work here."""
+class SetupError(Exception):
+    """A setting that cannot work here, explained.
+
+    The message says what was asked (``problem``), why it cannot work on this
+    machine (``cause``), the values that would work (``allowed``) and what to do
+    (``fix``); the same facts are attributes, for ``stagebuf doctor`` and for
+    callers that want them. ``setting`` names what was set: ``"STAGEBUF_TIER"``,
+    ``"device"`` or ``"tier"``.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        setting: str | None = None,
+        value: Any = None,
+        cause: str | None = None,
+        allowed: Sequence[str] = (),
+        fix: str | None = None,
+        hint: str | None = None,
+    ):
+        self.problem = problem
+        self.setting = setting
+        self.value = value
+        self.cause = cause
+        self.allowed = tuple(allowed)
+        self.fix = fix
+        self.hint = hint
+        """The part of the fix that does not depend on how the setting was given."""
+        text = problem + (f": {cause}" if cause else "")
+        if self.allowed:
+            text += f"; allowed: {', '.join(self.allowed)}"
+        if fix:
+            text += f". Fix: {fix}"
+        super().__init__(text)
+
+
+class TierUnavailableError(SetupError, RuntimeError):
+    """A tier or device was asked for (by STAGEBUF_TIER or an argument) that cannot work here."""
+
+
+class SettingValueError(SetupError, ValueError):
+    """STAGEBUF_TIER holds a value that is not a tier."""
+
+
+class UnknownDeviceError(SetupError, ValueError, RuntimeError):
+    """A device that torch does not know (a RuntimeError too, as torch.device raises)."""
+
+
+def torch_build() -> str:
+    """What torch was built for: "CPU build", "CUDA 13.0 build", "ROCm 6.4 build"."""
+    if torch.version.cuda:
+        return f"CUDA {torch.version.cuda} build"
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        return f"ROCm {hip} build"
+    return "CPU build"
+
+
+def _cuda_missing_cause() -> tuple[str, str]:
+    """(cause, fix) for ``torch.cuda.is_available()`` being False."""
+    if torch_build() == "CPU build":
+        return (f"torch is a CPU build (torch {torch.__version__}) without CUDA support",
+                "install a CUDA build of torch to use a GPU")
+    kind, ver = ("CUDA", torch.version.cuda) if torch.version.cuda else ("ROCm", torch.version.hip)
+    return (f"torch is a {kind} build but sees no driver or GPU (torch {torch.__version__}, "
+            f"{kind} {ver}; torch.cuda.is_available() is False)",
+            "check that the GPU driver is loaded (nvidia-smi) and that CUDA_VISIBLE_DEVICES "
+            "does not hide the GPU")
+
+
+def usable_devices() -> list[str]:
+    """The devices this machine can stage to, CPU first (for error messages)."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    else:
+        acc = getattr(torch, "accelerator", None)
+        cur = acc.current_accelerator() if acc is not None and acc.is_available() else None
+        if cur is not None:
+            out.append(str(cur))
+    return out
 
 
 @dataclass
@@ -46,6 +127,12 @@ class Capabilities:
     memlock_limit: int | None = None
     """RLIMIT_MEMLOCK soft limit in bytes; None means unlimited."""
     versions: dict[str, str] = field(default_factory=dict)
+    torch_build: str = ""
+    """What torch was built for: "CPU build", "CUDA 13.0 build" (see ``torch_build()``)."""
+    cpu_cause: str | None = None
+    """Why the target device is the CPU (None when it is an accelerator)."""
+    cpu_fix: str | None = None
+    """What to do to target an accelerator instead, where there is something to do."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -59,6 +146,9 @@ class Capabilities:
             "wsl": self.wsl,
             "memlock_limit": self.memlock_limit,
             "versions": dict(self.versions),
+            "torch_build": self.torch_build,
+            "cpu_cause": self.cpu_cause,
+            "cpu_fix": self.cpu_fix,
         }
 
 
@@ -84,12 +174,21 @@ def _device_missing(dev: torch.device) -> str | None:
     """Why torch cannot use accelerator ``dev`` here, or None when it can."""
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            return "torch sees no CUDA device (a CPU-only torch build, or no driver)"
+            return _cuda_missing_cause()[0]
         n = torch.cuda.device_count()
         return None if dev.index is None or dev.index < n else f"torch sees only {n} CUDA device(s)"
+    if dev.type == "meta":
+        return "a meta tensor holds no data, so nothing staged there could be read"
     available = getattr(getattr(torch, dev.type, None), "is_available", None)
     if callable(available) and not available():
-        return f"torch.{dev.type}.is_available() is False"
+        return f"torch.{dev.type}.is_available() is False (torch is a {torch_build()})"
+    return None
+
+
+def _device_hint(dev: torch.device) -> str | None:
+    """What to do about a missing ``dev``, beyond choosing another device."""
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return _cuda_missing_cause()[1]
     return None
 
 
@@ -152,6 +251,9 @@ def _versions(device: torch.device) -> dict[str, str]:
 
 # --- the decision ---
 
+_DEVICE_FIX = "pass device=None (the current accelerator, else the CPU) or one of the allowed devices"
+
+
 def _resolve_device(device: Any, forced: Tier | None) -> torch.device:
     if device is None:
         if forced is Tier.HOST:
@@ -161,22 +263,67 @@ def _resolve_device(device: Any, forced: Tier | None) -> torch.device:
         acc = getattr(torch, "accelerator", None)
         cur = acc.current_accelerator() if acc is not None and acc.is_available() else None
         return torch.device(cur) if cur is not None else torch.device("cpu")
-    dev = torch.device(device)
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device={device!r} must be None, a str, an int or a torch.device; "
+                        f"allowed here: {', '.join(usable_devices())}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise UnknownDeviceError(
+            f"device={device!r} is not a device torch can use", setting="device", value=device,
+            cause=_short(e), allowed=usable_devices(), fix=_DEVICE_FIX,
+        ) from None
     if dev.type != "cpu":
         why = _device_missing(dev)
         if why:
+            hint = _device_hint(dev)
             raise TierUnavailableError(
-                f"device={device!r} cannot be used: {why}; pass device=None to use the best "
-                "device this machine has"
+                f"device={device!r} cannot be used", setting="device", value=device, cause=why,
+                allowed=usable_devices(), fix=_DEVICE_FIX + (f"; or {hint}" if hint else ""), hint=hint,
             )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
+_TIER_NAMES = tuple(t.name.lower() for t in Tier)
+
+
 def _forced_tier() -> Tier | None:
     raw = os.environ.get(ENV_TIER, "").strip()
-    return Tier.parse(raw, ENV_TIER) if raw else None
+    if not raw:
+        return None
+    try:
+        return Tier.parse(raw, ENV_TIER)
+    except ValueError:
+        raise SettingValueError(
+            f"{ENV_TIER}={raw!r} is not a tier", setting=ENV_TIER, value=raw, allowed=_TIER_NAMES,
+            fix=f"unset {ENV_TIER} (stagebuf then picks the best tier that works) or set it to "
+                "one of the allowed values",
+        ) from None
+
+
+def usable_tiers(caps: Capabilities) -> list[Tier]:
+    """The tiers an explicit request may ask for on ``caps.device``, best first.
+
+    On the CPU: PAGEABLE (a CPU tensor stands in for device memory) and HOST. On
+    an accelerator: the chosen tier and every worse copy tier (a forced tier caps
+    the process; nothing better than it is used).
+    """
+    if caps.device_type == "cpu":
+        return [Tier.PAGEABLE, Tier.HOST]
+    return [t for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= caps.tier]
+
+
+def _cpu_cause(device: Any, forced: Tier | None) -> tuple[str, str | None]:
+    """(why the target is the CPU, what to do to target an accelerator)."""
+    if forced is Tier.HOST and device is None:
+        return f"{ENV_TIER}=host targets the CPU", f"unset {ENV_TIER} to use an accelerator"
+    if device is not None:
+        return f"device={device!r} was asked for", None
+    if not torch.cuda.is_available():
+        return _cuda_missing_cause()
+    return "no accelerator is available", None
 
 
 def probe(device: Any = None) -> Capabilities:
@@ -187,14 +334,22 @@ def probe(device: Any = None) -> Capabilities:
     memlock = _memlock_limit()
     wsl = _is_wsl()
     caps = Capabilities(dev, dev.type, False, False, Tier.HOST, reasons,
-                        forced.name.lower() if forced else None, wsl, memlock)
+                        forced.name.lower() if forced else None, wsl, memlock,
+                        torch_build=torch_build())
     if dev.type == "cpu":
-        reasons.append("The target device is the CPU, so there is nothing to transfer to: "
-                       "pinned memory and UVA are not used.")
+        cause, hint = _cpu_cause(device, forced)
+        caps.cpu_cause, caps.cpu_fix = cause, hint
+        reasons.append(f"The target device is the CPU because {cause}, so there is nothing to "
+                       "transfer to: pinned memory and UVA are not used."
+                       + (f" Fix: {hint}." if hint else ""))
         if forced in (Tier.UVA, Tier.PINNED):
+            name = forced.name.lower()
             raise TierUnavailableError(
-                f"{ENV_TIER}={forced.name.lower()} needs an accelerator, but the target device is "
-                "the CPU; allowed on a CPU-only machine: host, pageable"
+                f"{ENV_TIER}={name} needs an accelerator, but the target device is the CPU",
+                setting=ENV_TIER, value=name, cause=cause, allowed=("host", "pageable"),
+                fix=f"unset {ENV_TIER} (stagebuf then picks the best tier) or set {ENV_TIER}=host "
+                    "or pageable" + (f"; or {hint}" if hint else ""),
+                hint=hint,
             )
         if forced is Tier.PAGEABLE:
             caps.tier = Tier.PAGEABLE
@@ -206,17 +361,23 @@ def probe(device: Any = None) -> Capabilities:
         caps.versions = _versions(dev)
         return caps
 
-    if forced is Tier.HOST:
-        raise TierUnavailableError(
-            f"{ENV_TIER}=host targets the CPU, but device {dev} was asked for; "
-            "allowed for an accelerator: uva, pinned, pageable"
-        )
     caps.pin_memory = _decide_pinned(caps)
     caps.uva = caps.pin_memory and _decide_uva(caps)
     best = Tier.UVA if caps.uva else Tier.PINNED if caps.pin_memory else Tier.PAGEABLE
+    works = [t.name.lower() for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= best]
+    if forced is Tier.HOST:
+        raise TierUnavailableError(
+            f"{ENV_TIER}=host targets the CPU, but device {dev} was asked for", setting=ENV_TIER,
+            value="host", cause="tier HOST means no accelerator", allowed=works,
+            fix=f"unset {ENV_TIER}, set it to one of the allowed tiers, or pass device='cpu'",
+        )
     if forced is not None and forced < best:
         raise TierUnavailableError(
-            f"{ENV_TIER}={forced.name.lower()} cannot work on {dev}: " + " ".join(reasons)
+            f"{ENV_TIER}={forced.name.lower()} cannot work on {dev}", setting=ENV_TIER,
+            value=forced.name.lower(), cause=" ".join(r for r in reasons if r.startswith("No "))
+            or " ".join(reasons), allowed=works,
+            fix=f"unset {ENV_TIER} (stagebuf then picks the best tier, {best.name}) or set it to "
+                "one of the allowed tiers",
         )
     caps.tier = forced if forced is not None else best
     if forced is not None:
@@ -289,7 +450,7 @@ def _short(e: BaseException) -> str:
     return text[:200]
 
 
-_cache: dict[str, Capabilities] = {}
+_cache: dict[str | None, Capabilities] = {}
 _lock = threading.Lock()
 
 
@@ -298,7 +459,7 @@ def capabilities(device: Any = None) -> Capabilities:
 
     Probed on first use and cached per device; ``reset_capabilities()`` clears it.
     """
-    key = "" if device is None else str(device)
+    key = None if device is None else str(device)
     caps = _cache.get(key)
     if caps is not None:
         return caps

@@ -1,0 +1,222 @@
+"""``stagebuf doctor``: a setting that cannot work here is explained, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from stagebuf import Tier, capabilities
+from stagebuf import doctor as doctor_mod
+from stagebuf.cli import main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+HAS_CUDA = torch.cuda.is_available()
+TIERS = "uva, pinned, pageable, host"
+
+
+def _no_accelerator(monkeypatch: pytest.MonkeyPatch, cuda_version: str | None) -> None:
+    """This machine as one without an accelerator, torch built for ``cuda_version`` (None: CPU)."""
+    monkeypatch.setattr(torch.version, "cuda", cuda_version)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        monkeypatch.setattr(acc, "is_available", lambda: False)
+
+
+BUILDS = [
+    pytest.param(None, "torch is a CPU build", "install a CUDA build of torch", id="cpu-build"),
+    pytest.param("13.0", "torch is a CUDA build but sees no driver or GPU", "nvidia-smi", id="cuda-build"),
+]
+
+
+def doctor(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(main, ["doctor", *args], env=env)
+
+
+def assert_explained(result, *texts: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(
+        result.exception, SystemExit)
+    for t in texts:
+        assert t in result.output, f"{t!r} not in:\n{result.output}"
+
+
+def doctor_json(*args: str, env: dict[str, str] | None = None) -> dict:
+    r = doctor("--json", *args, env=env)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    return json.loads(r.stdout)
+
+
+# --- through click's CliRunner ---------------------------------------------------------------
+
+@pytest.mark.parametrize(("cuda", "cause", "fix"), BUILDS)
+@pytest.mark.parametrize("tier", ["uva", "pinned"])
+def test_forced_accelerator_tier_without_one(monkeypatch, cuda, cause, fix, tier):
+    _no_accelerator(monkeypatch, cuda)
+    r = doctor(env={"STAGEBUF_TIER": tier})
+    assert_explained(r, f"STAGEBUF_TIER={tier} cannot work on this machine", cause,
+                     "allowed      host, pageable", "unset STAGEBUF_TIER", fix)
+    j = doctor_json(env={"STAGEBUF_TIER": tier})
+    assert j["setting"] == "STAGEBUF_TIER" and j["value"] == tier and cause in j["error"]
+    assert j["allowed"] == ["host", "pageable"] and "unset STAGEBUF_TIER" in j["fix"] and fix in j["fix"]
+    assert j["torch_build"] == ("CPU build" if cuda is None else "CUDA 13.0 build")
+    assert j["cuda_available"] is False
+
+
+@pytest.mark.parametrize("value", ["garbage", "UVA!", "1"])
+def test_unknown_tier(value):
+    r = doctor(env={"STAGEBUF_TIER": value})
+    assert_explained(r, f"STAGEBUF_TIER={value} cannot work", f"STAGEBUF_TIER={value!r} is not a tier",
+                     f"allowed      {TIERS}", "unset STAGEBUF_TIER")
+    j = doctor_json(env={"STAGEBUF_TIER": value})
+    assert j["error"] == f"STAGEBUF_TIER={value!r} is not a tier" and j["allowed"] == TIERS.split(", ")
+    assert "unset STAGEBUF_TIER" in j["fix"]
+
+
+@pytest.mark.parametrize(("cuda", "cause", "fix"), BUILDS)
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_cuda_device_without_a_gpu(monkeypatch, cuda, cause, fix, device):
+    _no_accelerator(monkeypatch, cuda)
+    r = doctor("--device", device)
+    assert_explained(r, f"--device {device} cannot work", f"--device {device} cannot be used: {cause}",
+                     "allowed      (omit --device), cpu", "omit --device", fix)
+    build = "CPU build" if cuda is None else "CUDA 13.0 build (sees no driver or GPU)"
+    assert f"torch build  {build}" in r.output
+    j = doctor_json("--device", device)
+    assert j["setting"] == "--device" and j["value"] == device and cause in j["error"]
+    assert j["allowed"] == ["(omit --device)", "cpu"] and "omit --device" in j["fix"] and fix in j["fix"]
+
+
+@pytest.mark.parametrize("device", ["banana", "gpu9", "cuda:x", "meta"])
+def test_unknown_device(device):
+    r = doctor("--device", device)
+    assert_explained(r, f"--device {device} cannot work", "omit --device",
+                     "allowed      (omit --device), cpu")
+    j = doctor_json("--device", device)
+    assert j["setting"] == "--device" and j["value"] == device and device in j["error"]
+    assert "cpu" in j["allowed"] and "omit --device" in j["fix"]
+
+
+def test_tier_error_comes_first_when_both_are_wrong():
+    r = doctor("--device", "banana", env={"STAGEBUF_TIER": "garbage"})
+    assert_explained(r, "STAGEBUF_TIER='garbage' is not a tier")
+
+
+@pytest.mark.parametrize(("cuda", "cause", "fix"), BUILDS)
+def test_report_names_the_torch_build(monkeypatch, cuda, cause, fix):
+    _no_accelerator(monkeypatch, cuda)
+    r = doctor()
+    assert r.exit_code == 0, r.output
+    build = "CPU build" if cuda is None else "CUDA 13.0 build (sees no driver or GPU)"
+    flat = " ".join(r.output.translate(str.maketrans("", "", "│┃")).split())  # rich wraps long cells
+    assert "torch build" in flat and build in flat and cause in flat and fix in flat
+    caps = capabilities()
+    j = json.loads(doctor("--json").stdout)
+    assert j == json.loads(json.dumps(caps.as_dict()))
+    assert j["torch_build"] == ("CPU build" if cuda is None else "CUDA 13.0 build")
+    assert cause in j["cpu_cause"] and j["tier"] == "HOST"
+
+
+def test_demo_explains_too():
+    r = CliRunner().invoke(main, ["demo"], env={"STAGEBUF_TIER": "garbage"})
+    assert_explained(r, "stagebuf demo: STAGEBUF_TIER=garbage cannot work", f"allowed      {TIERS}")
+
+
+# --- the plain-text report, and doctor without rich -------------------------------------------
+
+def test_render_text_holds_every_fact(cpu_tier):
+    caps = capabilities("cpu")
+    text = doctor_mod.render_text(caps)
+    lines = text.splitlines()
+    assert lines[0] == "stagebuf doctor"
+
+    def value(item: str) -> str:
+        (line,) = [ln for ln in lines if ln.strip().startswith(item + "  ")]
+        return line.strip()[len(item):].strip()
+
+    assert value("chosen tier") == caps.tier.name == cpu_tier.name
+    assert value("torch") == torch.__version__
+    assert value("device") == str(caps.device)
+    assert value("pinned memory") == "no" and value("UVA probe") == "not available"
+    assert value("forced by STAGEBUF_TIER") == cpu_tier.name.lower()
+    for reason in caps.reasons:
+        assert f"  - {reason}" in lines
+    assert not set(text) & set("┏┃━│")
+
+
+def test_doctor_without_rich_prints_plain_text(monkeypatch):
+    for name in [m for m in sys.modules if m == "rich" or m.startswith("rich.")] + ["rich"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import rich...` now raises ImportError
+    r = doctor()
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == doctor_mod.render_text(capabilities()).strip()
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("STAGEBUF_TIER", None)
+    return {**env, **extra}
+
+
+def _run(args: list[str], env_extra: dict[str, str], code: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(env_extra), timeout=120)
+
+
+def _run_both(args: list[str], env_extra: dict[str, str]) -> list[tuple[int, str, str]]:
+    """``python3 args`` and ``python3 args --json``, side by side: (status, stdout, stderr) each."""
+    procs = [subprocess.Popen([sys.executable, *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=_env(env_extra)) for a in (args, [*args, "--json"])]
+    out = []
+    for p in procs:
+        so, se = p.communicate(timeout=120)
+        out.append((p.returncode, so, se))
+    return out
+
+
+def test_subprocess_without_rich():
+    code = ("import sys; sys.modules['rich'] = None\n"
+            "from stagebuf.cli import main\nmain(['doctor'], prog_name='stagebuf')")
+    p = _run([], {}, code)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "torch build" in p.stdout and "chosen tier" in p.stdout and not set(p.stdout) & set("┏┃━│")
+    (tier_line,) = [ln for ln in p.stdout.splitlines() if ln.strip().startswith("chosen tier")]
+    assert tier_line.split()[-1] in {t.name for t in Tier}
+
+
+# --- through a real process: python3 -m stagebuf doctor --------------------------------------
+
+@pytest.mark.parametrize(("args", "env", "texts"), [
+    (["doctor"], {"STAGEBUF_TIER": "garbage"}, ["STAGEBUF_TIER='garbage' is not a tier", TIERS, "fix"]),
+    (["doctor", "--device", "banana"], {},
+     ["--device banana is not a device torch can use", "omit --device"]),
+    pytest.param(["doctor"], {"STAGEBUF_TIER": "uva"}, ["STAGEBUF_TIER=uva needs an accelerator",
+                                                         "host, pageable", "unset STAGEBUF_TIER"],
+                 marks=pytest.mark.skipif(HAS_CUDA, reason="UVA may work here")),
+    pytest.param(["doctor", "--device", "cuda"], {}, ["--device cuda cannot be used: torch is a",
+                                                      "omit --device"],
+                 marks=pytest.mark.skipif(HAS_CUDA, reason="CUDA works here")),
+])
+def test_real_process(args, env, texts):
+    (rc, so, se), (rcj, soj, sej) = _run_both(["-m", "stagebuf", *args], env)
+    assert rc == 2, so + se
+    assert "Traceback" not in so + se
+    for t in texts:
+        assert t in so
+    assert rcj == 2 and "Traceback" not in soj + sej
+    j = json.loads(soj)
+    assert texts[0] in j["error"] and j["fix"] and j["allowed"]
+
+
+def test_real_process_without_click():
+    p = _run(["-m", "stagebuf.doctor", "--device", "banana"], {})
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
+    assert "--device banana is not a device torch can use" in p.stdout

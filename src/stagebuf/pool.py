@@ -110,7 +110,7 @@ class UvaBufferPool:
             out = torch.empty((n, *self.shape[1:]), dtype=self.dtype, device=self.device)
         if buf.tier is not Tier.HOST:
             self._count(n, buf)
-        return buf.copy_to(out, n)
+        return buf._copy_rows(out, n)
 
     def _check_out(self, out: torch.Tensor, n: int) -> None:
         want = (n, *self.shape[1:])

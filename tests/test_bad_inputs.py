@@ -9,6 +9,11 @@ the bad call was lost or written: a pool result still holds after the pool's nex
 call, an open step still publishes what it staged, staged edits still apply,
 and a param table still uploads its pending values.
 
+Staged writes check list values when they are applied: for those rows the bad
+call stages, and the row's ``apply`` call raises ``StagedWriteError`` naming the
+edit; the test then checks that nothing was written and every edit (the earlier
+one and the bad one) is still staged, and drops the bad one.
+
 docs/RELIABILITY.md holds this matrix as a table; regenerate it with
 
     PYTHONPATH=src python3 tests/test_bad_inputs.py > /tmp/matrix.md
@@ -45,7 +50,7 @@ from stagebuf import (
     set_default_max_concurrency,
 )
 from stagebuf.param_table import DeviceParamTable
-from stagebuf.staged_write import FusedStagedWriter, StagedWriteTensor
+from stagebuf.staged_write import FusedStagedWriter, StagedWriteError, StagedWriteTensor
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "RELIABILITY.md"
 BEGIN, END = "<!-- bad-input-matrix:begin -->", "<!-- bad-input-matrix:end -->"
@@ -90,11 +95,25 @@ class Ctx:
         self.swf.stage_write(0, 1, [1.5, -2.5])
         self.swf_model = np.zeros((3, 4), np.float32)
         self.swf_model[0, 1:3] = [1.5, -2.5]
+        self.swf2 = StagedWriteTensor(2, torch.float32, self.device)
+        self.swf2.stage_write_elem(1, 4.5)
         self.writer = FusedStagedWriter(self.device, 4)
         # a param table with host values not uploaded yet
         self.table = DeviceParamTable(4, {"temperature": torch.float32, "top_k": torch.int32}, self.device)
         self.table["top_k"].np[:] = [1, 2, 3, 4]
         self.table["temperature"].np[:] = [0.5, 1.0, 0.0, 2.0]
+
+    def after_apply_error(self) -> None:
+        """An apply refused a bad staged value: nothing written, every edit still staged; drop the bad one."""
+        for t, first in ((self.swt, (1, 2, [7, 8, 9])), (self.swf, (0, 1, [1.5, -2.5]))):
+            np.testing.assert_array_equal(read(t.gpu), 0)
+            pending = t.pending_writes()
+            assert pending[0] == first and t.num_staged == len(pending)
+            if len(pending) > 1:  # the bad edit: still staged, after the earlier one
+                t.clear_staged_writes()
+                t.stage_write(*first)
+        np.testing.assert_array_equal(read(self.swf2.gpu), 0)
+        assert self.swf2.pending_writes() == [(1, 0, [4.5])]
 
     def intact(self) -> None:
         """Nothing staged before the bad call was lost, and nothing of it was written."""
@@ -119,6 +138,8 @@ class Ctx:
         np.testing.assert_array_equal(read(self.swt.gpu), self.sw_model)
         self.writer.apply([self.swf])
         np.testing.assert_array_equal(read(self.swf.gpu), self.swf_model)
+        self.writer.apply([self.swf2])
+        np.testing.assert_array_equal(read(self.swf2.gpu), [0, 4.5])
         assert self.table.sync()
         np.testing.assert_array_equal(read(self.table["top_k"].gpu), [1, 2, 3, 4])
         np.testing.assert_array_equal(read(self.table["temperature"].gpu), [0.5, 1.0, 0.0, 2.0])
@@ -134,6 +155,8 @@ class Case:
     text: str
     """A substring of the message (naming the argument); for an accepted input, what happens."""
     check: Callable[[Ctx, Any], None] | None = None
+    apply: Callable[[Ctx], Any] | None = None
+    """For a value only checked when applied: the call (after ``call`` staged it) that raises."""
 
     @property
     def id(self) -> str:
@@ -213,6 +236,24 @@ def _sw_accepted(row: int, start: int, values: list[int]) -> Callable[[Ctx, Any]
     return check
 
 
+def _sw_batch(c: Ctx, _: Any) -> None:
+    c.sw_model[3, 0:2] = [1, 2]
+    c.sw_model[0, 4:6] = [3, 4]
+
+
+def _sw_error(position: int, index: int, start: int, n: int, dtype: str, why: str) -> str:
+    return (f"staged edit {position} (stage_write(index={index}, start={start}, {n} values)) "
+            f"cannot be applied to torch.{dtype}: {why}")
+
+
+def _apply_swt(c: Ctx) -> Any:
+    return c.swt.apply_write()
+
+
+def _apply_swf(c: Ctx) -> Any:
+    return c.swf.apply_write()
+
+
 def _fused_twice(c: Ctx, _: Any) -> None:
     np.testing.assert_array_equal(read(c.swf.gpu), c.swf_model)
     assert c.swf.num_staged == 0
@@ -261,6 +302,7 @@ CAPS = "capabilities(device) / STAGEBUF_TIER"
 SWT = "StagedWriteTensor(size, dtype, device, ...)"
 SW = "StagedWriteTensor.stage_write(index, start, values)"
 SWE = "StagedWriteTensor.stage_write_elem(index, value)"
+SWS = "StagedWriteTensor.stage_writes(rows, starts, values, lengths)"
 FW = "FusedStagedWriter(device, max_writes, ...)"
 FWA = "FusedStagedWriter.apply(tensors)"
 PT = "DeviceParamTable(num_rows, fields, device, ...)"
@@ -476,16 +518,27 @@ CASES: list[Case] = [
          "values (edit index=0, start=0) has dtype <U1"),
     Case(SW, "values of rank 2", lambda c: c.swt.stage_write(0, 0, np.zeros((1, 2), np.int32)), ValueError,
          "values (edit index=0, start=0) has rank 2"),
-    Case(SW, "NaN into int", lambda c: c.swt.stage_write(0, 0, [np.nan]), ValueError, "holds NaN or inf"),
+    Case(SW, "NaN into int (a list: checked at apply)", lambda c: c.swt.stage_write(0, 0, [np.nan]),
+         StagedWriteError, _sw_error(1, 0, 0, 1, "int32", "values holds NaN or inf"), apply=_apply_swt),
+    Case(SW, "NaN into int (an array: checked now)", lambda c: c.swt.stage_write(0, 0, np.array([np.nan])),
+         ValueError, "holds NaN or inf"),
     Case(SW, "inf into int", lambda c: c.swt.stage_write(0, 0, np.array([-np.inf])), ValueError,
          "holds NaN or inf"),
-    Case(SW, "out of range (2**40 into int32)", lambda c: c.swt.stage_write(0, 0, [2**40]), ValueError,
-         "holds values in"),
-    Case(SW, "out of range float (1e39 into float32)", lambda c: c.swf.stage_write(1, 0, [1e39]), ValueError,
-         "holds finite values beyond"),
+    Case(SW, "out of range (2**40 into int32)", lambda c: c.swt.stage_write(0, 0, [2**40]), StagedWriteError,
+         _sw_error(1, 0, 0, 1, "int32", "values holds values in [1099511627776, 1099511627776], outside"),
+         apply=_apply_swt),
+    Case(SW, "fractional into int (a tuple: checked now)", lambda c: c.swt.stage_write(0, 0, (1, 2.5)),
+         ValueError, "holds fractional values"),
+    Case(SW, "out of range float (1e39 into float32)", lambda c: c.swf.stage_write(1, 0, [1e39]),
+         StagedWriteError, _sw_error(1, 1, 0, 1, "float32", "values holds finite values beyond"),
+         apply=_apply_swf),
     Case(SW, "float16 whole numbers into int", _sw_f16_into_int, None,
          "accepted: applied exactly, with no warning", _sw_accepted(2, 0, [1, -3])),
-    Case(SW, "bool values into int", lambda c: c.swt.stage_write(0, 0, [True]), TypeError,
+    Case(SW, "bool values into int", lambda c: c.swt.stage_write(0, 0, [True, False]), StagedWriteError,
+         _sw_error(1, 0, 0, 2, "int32", "values are bools; allowed: int or float values"), apply=_apply_swt),
+    Case(SW, "bools mixed with ints", lambda c: c.swt.stage_write(3, 0, [True, 2]), None,
+         "accepted: bools read as ints (as numpy and torch read them)", _sw_accepted(3, 0, [1, 2])),
+    Case(SW, "bool array into int", lambda c: c.swt.stage_write(0, 0, np.array([True])), TypeError,
          "bools and numbers are not converted"),
     Case(SW, "values None", lambda c: c.swt.stage_write(0, 0, None), TypeError,
          "values (edit index=0, start=0) must be a list"),
@@ -495,23 +548,55 @@ CASES: list[Case] = [
          "accepted: applied correctly", _sw_accepted(3, 0, [5, 6])),
     Case(SW, "tensor on another device (meta)", lambda c: c.swt.stage_write(0, 0, _meta()), ValueError,
          "is a tensor on meta"),
-    Case(SW, "list of mixed types", lambda c: c.swt.stage_write(0, 0, [1, "a"]), TypeError,
-         "holds elements numpy reads as"),
+    Case(SW, "list of mixed types", lambda c: c.swt.stage_write(0, 0, [1, "a"]), StagedWriteError,
+         _sw_error(1, 0, 0, 2, "int32", "values holds elements numpy reads as"), apply=_apply_swt),
+    Case(SW, "nested list", lambda c: c.swt.stage_write(2, 3, [[1, 2]]), StagedWriteError,
+         _sw_error(1, 2, 3, 1, "int32", "values has rank 2"), apply=_apply_swt),
     Case(SWE, "index past the rows", lambda c: c.swt.stage_write_elem(4, 1), ValueError, "index=4"),
     Case(SWE, "index negative", lambda c: c.swt.stage_write_elem(-1, 1), ValueError, "index=-1"),
-    Case(SWE, "NaN into int", lambda c: c.swt.stage_write_elem(0, float("nan")), ValueError,
-         "holds NaN or inf"),
+    Case(SWE, "NaN into int", lambda c: c.swt.stage_write_elem(0, float("nan")), StagedWriteError,
+         _sw_error(1, 0, 0, 1, "int32", "values holds NaN or inf"), apply=_apply_swt),
+    Case(SWE, "a numpy NaN into int (checked now)", lambda c: c.swt.stage_write_elem(0, np.float64("nan")),
+         ValueError, "holds NaN or inf"),
     Case(SWE, "bool into int", lambda c: c.swt.stage_write_elem(0, True), TypeError,
-         "bools and numbers are not converted"),
-    Case(SWE, "None", lambda c: c.swt.stage_write_elem(0, None), TypeError, "values (edit index=0, start=0)"),
+         "value=True is a bool; allowed: an int or float"),
+    Case(SWE, "None", lambda c: c.swt.stage_write_elem(0, None), TypeError,
+         "value=None is a NoneType; allowed: an int or float"),
     Case(SWE, "str", lambda c: c.swt.stage_write_elem(0, "3"), TypeError,
-         "holds elements numpy reads as <U1"),
-    Case(SWE, "out of range (2**31 into int32)", lambda c: c.swt.stage_write_elem(0, 2**31), ValueError,
-         "holds values in"),
-    Case(SWE, "out of range float (1e39 into float32)", lambda c: c.swf.stage_write_elem(2, 1e39), ValueError,
-         "holds finite values beyond"),
+         "value='3' is a str; allowed: an int or float"),
+    Case(SWE, "a list", lambda c: c.swt.stage_write_elem(0, [1]), ValueError,
+         "value is a list; stage_write_elem takes one scalar"),
+    Case(SWE, "out of range (2**31 into int32)", lambda c: c.swt.stage_write_elem(0, 2**31), StagedWriteError,
+         _sw_error(1, 0, 0, 1, "int32", "values holds values in [2147483648, 2147483648], outside"),
+         apply=_apply_swt),
+    Case(SWE, "out of range float (1e39 into float32)", lambda c: c.swf.stage_write_elem(2, 1e39),
+         StagedWriteError, _sw_error(1, 2, 0, 1, "float32", "values holds finite values beyond"),
+         apply=_apply_swf),
     Case(SWE, "a 0-d tensor", lambda c: c.swt.stage_write_elem(3, torch.tensor(42)), None,
          "accepted: applied correctly", _sw_accepted(3, 0, [42])),
+    Case(SWS, "a row past the rows", lambda c: c.swt.stage_writes([0, 4], [0, 0], [[1], [2]]), ValueError,
+         "rows[1]=4 is out of range; allowed: [0, 3]"),
+    Case(SWS, "a start negative", lambda c: c.swt.stage_writes([0, 1], [0, -1], [5, 6]), ValueError,
+         "starts[1]=-1 is negative"),
+    Case(SWS, "an edit past the end of its row", lambda c: c.swt.stage_writes([2], [5], [[1, 2]]), ValueError,
+         "edit 0 (rows[0]=2, starts[0]=5, 2 values) ends at column 7, past the end of the row (6 columns)"),
+    Case(SWS, "lengths not adding up to the values", lambda c: c.swt.stage_writes([0, 1], [0, 0], [1, 2, 3],
+                                                                                 lengths=[1, 1]),
+         ValueError, "values has 3 elements but lengths add up to 2"),
+    Case(SWS, "fractional values into int", lambda c: c.swt.stage_writes([0, 1], [0, 0], [[1.0], [2.5]]),
+         ValueError, "edit 1 (rows[1]=1, starts[1]=0): values holds fractional values"),
+    Case(SWS, "NaN into int", lambda c: c.swt.stage_writes([3], [1], np.array([np.nan])), ValueError,
+         "edit 0 (rows[0]=3, starts[0]=1): values holds NaN or inf"),
+    Case(SWS, "values of the wrong dtype (str)", lambda c: c.swt.stage_writes([0], [0], np.array(["1"])),
+         TypeError, "values has dtype <U1"),
+    Case(SWS, "bool values into int", lambda c: c.swt.stage_writes([0], [0], np.array([True])), TypeError,
+         "bools and numbers are not converted"),
+    Case(SWS, "rows of the wrong dtype (float)", lambda c: c.swt.stage_writes([0.5], [0], [1]), TypeError,
+         "rows has dtype float64; allowed: an integer array"),
+    Case(SWS, "values of rank 3", lambda c: c.swt.stage_writes([0], [0], np.zeros((1, 1, 1), np.int32)),
+         ValueError, "values has rank 3"),
+    Case(SWS, "a batch", lambda c: c.swt.stage_writes([3, 0], [0, 4], [[1, 2], [3, 4]]), None,
+         "accepted: applied in staging order", _sw_batch),
     Case(FW, "max_writes 0", lambda c: FusedStagedWriter(c.device, 0), ValueError, "max_writes=0"),
     Case(FW, "max_writes None", lambda c: FusedStagedWriter(c.device, None), ValueError, "max_writes=None"),
     Case(FWA, "an item not a StagedWriteTensor", lambda c: c.writer.apply([c.swf, "x"]), TypeError,
@@ -521,6 +606,13 @@ CASES: list[Case] = [
          "tensors[1] has dtype torch.int32"),
     Case(FWA, "None", lambda c: c.writer.apply(None), TypeError, "tensors"),
     Case(FWA, "a bare StagedWriteTensor (no list)", lambda c: c.writer.apply(c.swf), TypeError, "tensors"),
+    Case(FWA, "a bad list value in one of two tensors", lambda c: c.swf.stage_write(2, 0, [1.0, "x"]),
+         StagedWriteError, _sw_error(1, 2, 0, 2, "float32", "values holds elements numpy reads as"),
+         apply=lambda c: c.writer.apply([c.swf2, c.swf])),
+    Case(FWA, "output_ptrs not the tensors'", lambda c: c.writer.apply([c.swf], output_ptrs=[0]), ValueError,
+         "output_ptrs=[0] does not match the tensors passed"),
+    Case(FWA, "output_strides not ints", lambda c: c.writer.apply([c.swf], output_strides=["a"]), TypeError,
+         "output_strides must be None or a sequence (or tensor) of ints"),
     Case(FWA, "the same tensor twice", lambda c: c.writer.apply([c.swf, c.swf]), None,
          "accepted: its edits are applied once", _fused_twice),
     # --- param table
@@ -572,10 +664,16 @@ def test_bad_input(tier: str, monkeypatch: pytest.MonkeyPatch, case: Case) -> No
         assert case.check is not None
         case.check(ctx, result)
     else:
+        staged = case.apply is not None
+        if staged:
+            case.call(ctx)  # accepted when staged: the value is checked at apply
         with pytest.raises(case.raises) as ei:
-            case.call(ctx)
+            (case.apply or case.call)(ctx)
         msg = str(ei.value.args[0]) if isinstance(ei.value, KeyError) else str(ei.value)
         assert case.text in msg, f"message {msg!r} lacks {case.text!r}"
+        if staged:
+            assert isinstance(ei.value, StagedWriteError) and ei.value.position == 1
+            ctx.after_apply_error()
     ctx.intact()
 
 
@@ -593,7 +691,8 @@ def test_rows_are_unique_and_cover_every_bad_input_kind() -> None:
 def _outcome(c: Case) -> str:
     if c.raises is None:
         return c.text
-    return f"`{c.raises.__name__}`: “{c.text}”".replace("|", "\\|")
+    when = " at apply (staged, nothing written, every edit kept)" if c.apply is not None else ""
+    return f"`{c.raises.__name__}`{when}: “{c.text}”".replace("|", "\\|")
 
 
 def markdown() -> str:

@@ -128,6 +128,16 @@ _REAL_LOAD_CUDART = uva_mod.load_cudart
 _REAL_DEVICE_VIEW = uva_mod.device_view
 
 
+def _fake_copy_to(self: Any, out: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """StagingBuffer.copy_to under the fake: ``out`` lives in CPU memory standing in for cuda:0's."""
+    assert out.device.type == "cpu" and out.dtype == self.dtype and tuple(out.shape[1:]) == self.shape[1:]
+    k = self.shape[0] if n is None else n
+    assert 0 <= k <= min(self.shape[0], out.shape[0])
+    dst = out[:k]
+    dst.copy_(self.cpu[:k])
+    return dst
+
+
 @pytest.fixture(params=["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
 def drv(request, monkeypatch) -> Iterator[Driver]:
     """A Driver installed for device cuda:0, on the fake or the real GPU."""
@@ -151,7 +161,9 @@ def drv(request, monkeypatch) -> Iterator[Driver]:
         monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
         monkeypatch.setattr(guard_mod, "make_event", lambda device: None)  # no events without a GPU
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-        monkeypatch.setattr(sw_mod, "select_kernel", lambda device: "torch")  # no Triton without a GPU
+        monkeypatch.setattr(sw_mod, "triton_usable", lambda device: False)  # no Triton without a GPU
+        # copy_to checks that `out` is on the buffer's device; the fake's device memory is CPU memory
+        monkeypatch.setattr(buffers_mod.StagingBuffer, "copy_to", _fake_copy_to)
     yield d
     if not fake:
         torch.cuda.synchronize()

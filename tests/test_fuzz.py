@@ -26,6 +26,7 @@ marker. Knobs (environment):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections import Counter
@@ -48,11 +49,13 @@ from hypothesis.stateful import (
 
 import stagebuf
 from stagebuf import StepStager, Tier, UvaBackedTensor, UvaBufferPool
+from stagebuf import guard as guard_mod
+from stagebuf import staged_write as sw_mod
 
 try:
-    from stagebuf.staged_write import FusedStagedWriter, StagedWriteTensor
+    from stagebuf.staged_write import FusedStagedWriter, StagedWriteError, StagedWriteTensor
 except ImportError:  # pragma: no cover - the module is part of the package
-    StagedWriteTensor = FusedStagedWriter = None  # type: ignore[assignment,misc]
+    StagedWriteTensor = FusedStagedWriter = StagedWriteError = None  # type: ignore[assignment,misc]
 try:
     from stagebuf.param_table import DeviceParamTable
 except ImportError:  # pragma: no cover
@@ -518,24 +521,108 @@ class StagerMachine(TierMachine):
 
 
 SW_DTYPES = [torch.int32, torch.int64, torch.float32]
+SW_NP = {d: np.dtype(torch.empty(0, dtype=d).numpy().dtype) for d in SW_DTYPES}
+BAD_LISTS = ["nan", "fraction", "range", "bools", "string", "nested", "none"]
+
+
+def bad_list(kind: str, target: np.dtype) -> list[Any]:
+    """A list value ``target`` cannot hold (checked when applied), first element bad; 1 or 2 elements."""
+    if target.kind == "f":
+        return {"nan": [1e300], "fraction": [-1e300, 1.0], "range": [1e39], "bools": [True, False],
+                "string": ["a", 1.0], "nested": [[1.0]], "none": [None, 1.0]}[kind]
+    past = 2**63 if target.itemsize == 8 else 2**31
+    return {"nan": [float("nan")], "fraction": [0.5, 1], "range": [past, 1],
+            "bools": [True], "string": ["1"], "nested": [[1, 2]], "none": [None]}[kind]
+
+
+class StagedEdits:
+    """The model of one StagedWriteTensor: its contents and its staged edits (a bad one: refused at apply)."""
+
+    def __init__(self, t: StagedWriteTensor, np_dtype: np.dtype):
+        self.t = t
+        self.model = np.zeros((t.rows, t.cols), np_dtype)
+        self.staged: list[tuple[int, int, Any, bool]] = []  # (row, start, values, bad)
+
+    def add(self, row: int, start: int, values: Any, bad: bool = False) -> None:
+        if bad or len(values):
+            self.staged.append((row, start, values, bad))
+
+    def first_bad(self) -> int | None:
+        return next((k for k, e in enumerate(self.staged) if e[3]), None)
+
+    def apply(self) -> None:
+        assert self.first_bad() is None
+        for row, start, a, _ in self.staged:  # staging order: later edits win
+            self.model[row, start:start + len(a)] = a
+        self.staged = []
+
+    def want(self) -> np.ndarray:
+        return self.model if self.t.gpu.dim() == 2 else self.model[:, 0]
+
+    def refused(self, err: BaseException) -> None:
+        """``err`` names the first bad edit; the staged edits are all still there, in order."""
+        k = self.first_bad()
+        assert isinstance(err, StagedWriteError) and k is not None
+        row, start = self.staged[k][:2]
+        assert (err.position, err.index, err.start) == (k, row, start), (err, k, row, start)
+        self.check_pending()
+
+    def check_pending(self) -> None:
+        got = self.t.pending_writes()
+        assert self.t.num_staged == len(got) == len(self.staged)
+        for (r, s, vals), (mr, ms, mv, bad) in zip(got, self.staged, strict=True):
+            assert (r, s, len(vals)) == (mr, ms, len(mv))
+            if not bad:
+                assert same(np.array(vals, dtype=self.model.dtype), np.asarray(mv))
+
+    def restage_good(self) -> None:
+        """The caller's recovery from a refused apply: clear, then stage the good edits again."""
+        good = [e for e in self.staged if not e[3]]
+        self.t.clear_staged_writes()
+        self.staged = []
+        for row, start, a, _ in good:
+            self.t.stage_write(row, start, a)
+            self.add(row, start, a)
+
+
+Batch = tuple[np.ndarray, np.ndarray, np.ndarray, "np.ndarray | None", list[tuple[int, int, np.ndarray]]]
+
+
+def draw_batch(data: st.DataObject, rng: np.random.Generator, rows: int, cols: int, dtype: np.dtype) -> Batch:
+    """A valid stage_writes batch (2-D values, 1-D values, or runs with lengths) and its edits."""
+    e = data.draw(st.integers(0, 5))
+    form = data.draw(st.sampled_from(["2d", "1d", "runs"]))
+    r = rng.integers(0, rows, e)
+    if form == "runs":
+        s = rng.integers(0, cols + 1, e)
+        lens = (rng.integers(0, cols + 1, e) % (cols - s + 1)).astype(np.int64)
+        v = rand_array(rng, dtype, (int(lens.sum()),))
+        ends = np.cumsum(lens)
+        edits = [(int(r[i]), int(s[i]), v[ends[i] - lens[i]: ends[i]]) for i in range(e)]
+        return r, s, v, lens, edits
+    width = 1 if form == "1d" else int(rng.integers(0, cols + 1))
+    s = rng.integers(0, cols - width + 1, e)
+    v = rand_array(rng, dtype, (e,) if form == "1d" else (e, width))
+    edits = [(int(r[i]), int(s[i]), v[i].reshape(-1)) for i in range(e)]
+    return r, s, v, None, edits
 
 
 class StagedWriteMachine(TierMachine):
-    """StagedWriteTensor: random edits (overlapping, empty, whole-row), applies and clears."""
+    """StagedWriteTensor: random edits (lists, arrays, batches; overlapping, empty, whole-row), bad list
+    values refused at apply (nothing written, everything kept; then cleared or re-staged), applies, clears."""
 
     label = "staged_write"
 
     @initialize(dtype=st.sampled_from(SW_DTYPES), rows=st.integers(1, 9),
                 cols=st.sampled_from([None, 1, 5, 40]), uva=st.booleans(), depth=st.integers(1, 3))
     def build(self, dtype: torch.dtype, rows: int, cols: int | None, uva: bool, depth: int) -> None:
-        self.np_dtype = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
-                         torch.float32: np.dtype(np.float32)}[dtype]
+        self.np_dtype = SW_NP[dtype]
         size = rows if cols is None else (rows, cols)
         self.swt = StagedWriteTensor(size, dtype, self.device, max_concurrency=depth, uva_instead_of_gpu=uva)
+        self.m = StagedEdits(self.swt, self.np_dtype)
         self.rows, self.cols = rows, 1 if cols is None else cols
-        self.model = np.zeros((rows, self.cols), self.np_dtype)
-        self.staged: list[tuple[int, int, np.ndarray]] = []
         assert self.swt.gpu.shape == ((rows,) if cols is None else (rows, cols))
+        assert self.swt.num_rows == rows and self.swt.max_concurrency == max(2, depth)
 
     @rule(data=st.data(), seed=seeds, kind=st.sampled_from(KINDS + ["iterable"]))
     def stage_write(self, data: st.DataObject, seed: int, kind: str) -> None:
@@ -546,8 +633,7 @@ class StagedWriteMachine(TierMachine):
         a = rand_array(self.rng(seed), self.np_dtype, (n,))
         x = iter(a.tolist()) if kind == "iterable" else as_input(a, kind)
         self.swt.stage_write(row, start, x)
-        if n:
-            self.staged.append((row, start, a))
+        self.m.add(row, start, a)
 
     @rule(data=st.data(), src=st.sampled_from(NP_DTYPES), seed=seeds)
     def stage_write_converted(self, data: st.DataObject, src: np.dtype, seed: int) -> None:
@@ -562,7 +648,7 @@ class StagedWriteMachine(TierMachine):
                 self.swt.stage_write(row, 0, a)
             return
         self.swt.stage_write(row, 0, a)
-        self.staged.append((row, 0, want))
+        self.m.add(row, 0, want)
 
     @rule(data=st.data(), seed=seeds)
     def stage_write_elem(self, data: st.DataObject, seed: int) -> None:
@@ -572,20 +658,66 @@ class StagedWriteMachine(TierMachine):
         v = data.draw(st.sampled_from(["python", "numpy", "tensor0d"]))
         value: Any = {"python": a[0].item(), "numpy": a[0], "tensor0d": torch.from_numpy(a.copy())[0]}[v]
         self.swt.stage_write_elem(row, value)
-        self.staged.append((row, 0, a))
+        self.m.add(row, 0, a)
 
-    @rule(bad=st.sampled_from(["row", "neg-row", "start", "too-long", "nan", "bool", "none", "rank2"]))
-    def refused(self, bad: str) -> None:
+    @rule(data=st.data(), seed=seeds)
+    def stage_writes(self, data: st.DataObject, seed: int) -> None:
+        """A batch from arrays, checked when staged, in staging order with the other edits."""
         self.count()
-        nan_ok = self.np_dtype.kind == "f"
+        r, s, v, lens, edits = draw_batch(data, self.rng(seed), self.rows, self.cols, self.np_dtype)
+        self.swt.stage_writes(r, s, v, lens)
+        for row, start, a in edits:
+            self.m.add(row, start, a)
+
+    @rule(bad=st.sampled_from(["row", "start", "past", "lengths", "values", "bools", "rows-dtype"]))
+    def stage_writes_refused(self, bad: str) -> None:
+        """A bad batch raises naming what is wrong, and stages none of its edits."""
+        self.count()
+        z = np.zeros((2, 1), self.np_dtype)
+        worse = 0.5 if self.np_dtype.kind in "iu" else 1e300
+        call, exc, match = {
+            "row": (lambda: self.swt.stage_writes([0, self.rows], [0, 0], z), ValueError, r"rows\[1\]="),
+            "start": (lambda: self.swt.stage_writes([0, 0], [0, -1], z), ValueError, r"starts\[1\]=-1"),
+            "past": (lambda: self.swt.stage_writes([0, 0], [0, self.cols], z), ValueError, "edit 1 "),
+            "lengths": (lambda: self.swt.stage_writes([0], [0], z.reshape(-1), lengths=[1]), ValueError,
+                        "lengths add up to 1"),
+            "values": (lambda: self.swt.stage_writes([0, 0], [0, 0], np.array([[0.0], [worse]])), ValueError,
+                       r"edit 1 \(rows\[1\]=0, starts\[1\]=0\)"),
+            "bools": (lambda: self.swt.stage_writes([0], [0], np.array([True])), TypeError, "bools"),
+            "rows-dtype": (lambda: self.swt.stage_writes([0.5], [0], z[:1]), TypeError, "rows has dtype"),
+        }[bad]
+        with pytest.raises(exc, match=match):
+            call()
+
+    @rule(data=st.data(), kind=st.sampled_from(BAD_LISTS), elem=st.booleans())
+    def stage_bad_list(self, data: st.DataObject, kind: str, elem: bool) -> None:
+        """A value only apply refuses: a list, or a Python number for stage_write_elem."""
+        self.count()
+        raw = bad_list(kind, self.np_dtype)[: self.cols]
+        row = data.draw(st.integers(0, self.rows - 1))
+        if elem and isinstance(raw[0], (int, float)) and not isinstance(raw[0], bool):
+            self.swt.stage_write_elem(row, raw[0])
+            self.m.add(row, 0, raw[:1], bad=True)
+            return
+        start = data.draw(st.integers(0, self.cols - len(raw)))
+        self.swt.stage_write(row, start, raw)
+        self.m.add(row, start, raw, bad=True)
+
+    @rule(bad=st.sampled_from(["row", "neg-row", "start", "too-long", "nan-array", "bool-array", "none",
+                               "elem-bool", "rank2"]))
+    def refused(self, bad: str) -> None:
+        """Refused when staged: the row, the columns, and values that are not a list."""
+        self.count()
+        not_fit = np.array([1e300]) if self.np_dtype.kind == "f" else np.array([np.nan])
         call = {
             "row": lambda: self.swt.stage_write(self.rows, 0, [1]),
             "neg-row": lambda: self.swt.stage_write(-1, 0, [1]),
             "start": lambda: self.swt.stage_write(0, -1, [1]),
-            "too-long": lambda: self.swt.stage_write(0, 0, [1] * (self.cols + 1)),
-            "nan": lambda: self.swt.stage_write(0, 0, [1e300] if nan_ok else [np.nan]),
-            "bool": lambda: self.swt.stage_write(0, 0, [True]),
+            "too-long": lambda: self.swt.stage_write(0, 0, [1.5] * (self.cols + 1)),
+            "nan-array": lambda: self.swt.stage_write(0, 0, not_fit),
+            "bool-array": lambda: self.swt.stage_write(0, 0, np.array([True])),
             "none": lambda: self.swt.stage_write_elem(0, None),
+            "elem-bool": lambda: self.swt.stage_write_elem(0, True),
             "rank2": lambda: self.swt.stage_write(0, 0, np.zeros((1, 1), self.np_dtype)),
         }[bad]
         with pytest.raises((TypeError, ValueError)):
@@ -594,32 +726,43 @@ class StagedWriteMachine(TierMachine):
     @rule()
     def apply(self) -> None:
         self.count()
+        if self.m.first_bad() is not None:
+            with pytest.raises(StagedWriteError) as ei:
+                self.swt.apply_write()
+            self.m.refused(ei.value)
+            return
         self.swt.apply_write()
-        for row, start, a in self.staged:  # staging order: later edits win
-            self.model[row, start:start + a.shape[0]] = a
-        self.staged = []
-        self.consume(self.swt.gpu, self._want(), "after apply")
+        self.m.apply()
+        self.consume(self.swt.gpu, self.m.want(), "after apply")
+
+    @precondition(lambda self: hasattr(self, "m") and self.m.first_bad() is not None)
+    @rule(clear=st.booleans())
+    def recover(self, clear: bool) -> None:
+        """After a refused apply: drop everything, or re-stage the good edits."""
+        self.count()
+        if clear:
+            self.clear()
+        else:
+            self.m.restage_good()
 
     @rule()
     def clear(self) -> None:
         self.count()
         self.swt.clear_staged_writes()
-        self.staged = []
-
-    def _want(self) -> np.ndarray:
-        return self.model if self.swt.gpu.dim() == 2 else self.model[:, 0]
+        self.m.staged = []
 
     @invariant()
     def device_matches_model(self) -> None:
         if not hasattr(self, "swt"):
             return
         if not self.lazy:  # staged, unapplied edits are invisible
-            assert_same(self.swt.gpu, self._want(), "staged-write target")
-        assert self.swt.num_staged == len(self.staged)
+            assert_same(self.swt.gpu, self.m.want(), "staged-write target")
+        self.m.check_pending()
 
 
 class FusedWriterMachine(TierMachine):
-    """FusedStagedWriter over several tensors of one dtype, mixed with single applies."""
+    """FusedStagedWriter over several tensors of one dtype, mixed with single applies; a bad list value
+    in any tensor makes the whole apply refuse (nothing written anywhere, everything kept)."""
 
     label = "fused_writer"
 
@@ -627,50 +770,105 @@ class FusedWriterMachine(TierMachine):
         st.tuples(st.integers(1, 6), st.sampled_from([1, 3, 17])), min_size=1, max_size=3),
         max_writes=st.integers(1, 4), depth=st.integers(1, 3))
     def build(self, dtype: torch.dtype, shapes: list[tuple[int, int]], max_writes: int, depth: int) -> None:
-        self.np_dtype = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
-                         torch.float32: np.dtype(np.float32)}[dtype]
+        self.np_dtype = SW_NP[dtype]
         self.ts = [StagedWriteTensor(s, dtype, self.device, max_concurrency=depth) for s in shapes]
         self.writer = FusedStagedWriter(self.device, max_writes, max_concurrency=depth)
-        self.models = [np.zeros(s, self.np_dtype) for s in shapes]
-        self.staged: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in shapes]
+        self.ms = [StagedEdits(t, self.np_dtype) for t in self.ts]
 
-    @rule(data=st.data(), seed=seeds)
-    def stage(self, data: st.DataObject, seed: int) -> None:
+    @rule(data=st.data(), seed=seeds, as_list=st.booleans())
+    def stage(self, data: st.DataObject, seed: int, as_list: bool) -> None:
         self.count()
         i = data.draw(st.integers(0, len(self.ts) - 1))
-        rows, cols = self.models[i].shape
+        rows, cols = self.ms[i].model.shape
         row = data.draw(st.integers(0, rows - 1))
         start = data.draw(st.integers(0, cols - 1))
         n = data.draw(st.integers(1, cols - start))
         a = rand_array(self.rng(seed), self.np_dtype, (n,))
-        self.ts[i].stage_write(row, start, a)
-        self.staged[i].append((row, start, a))
+        self.ts[i].stage_write(row, start, a.tolist() if as_list else a)
+        self.ms[i].add(row, start, a)
 
-    def _apply_model(self, i: int) -> None:
-        for row, start, a in self.staged[i]:
-            self.models[i][row, start:start + a.shape[0]] = a
-        self.staged[i] = []
-        self.consume(self.ts[i].gpu, self.models[i], f"tensor {i} after apply")
+    @rule(data=st.data(), seed=seeds)
+    def stage_batch(self, data: st.DataObject, seed: int) -> None:
+        self.count()
+        i = data.draw(st.integers(0, len(self.ts) - 1))
+        rows, cols = self.ms[i].model.shape
+        r, s, v, lens, edits = draw_batch(data, self.rng(seed), rows, cols, self.np_dtype)
+        self.ts[i].stage_writes(r, s, v, lens)
+        for row, start, a in edits:
+            self.ms[i].add(row, start, a)
+
+    @rule(data=st.data(), kind=st.sampled_from(BAD_LISTS))
+    def stage_bad_list(self, data: st.DataObject, kind: str) -> None:
+        self.count()
+        i = data.draw(st.integers(0, len(self.ts) - 1))
+        rows, cols = self.ms[i].model.shape
+        raw = bad_list(kind, self.np_dtype)[:cols]
+        row = data.draw(st.integers(0, rows - 1))
+        start = data.draw(st.integers(0, cols - len(raw)))
+        self.ts[i].stage_write(row, start, raw)
+        self.ms[i].add(row, start, raw, bad=True)
+
+    def _refusing(self, idx: list[int]) -> int | None:
+        """Applying ``idx`` (in order, repeats once) writes all, or none: the first tensor with a bad edit."""
+        order = list(dict.fromkeys(idx))
+        bad = [i for i in order if self.ms[i].first_bad() is not None]
+        return bad[0] if bad else None
 
     @rule(data=st.data())
     def fused_apply(self, data: st.DataObject) -> None:
         self.count()
         idx = data.draw(st.lists(st.integers(0, len(self.ts) - 1), max_size=4))  # repeats allowed
-        self.writer.apply([self.ts[i] for i in idx])
+        tensors = [self.ts[i] for i in idx]
+        kw: dict[str, Any] = {}
+        if data.draw(st.booleans()):  # vLLM's call shape: the pointers and row strides, checked
+            kw = {"output_ptrs": [t.gpu.data_ptr() for t in tensors],
+                  "output_strides": torch.tensor([t.row_stride for t in tensors], dtype=torch.int64)}
+        first_bad = self._refusing(idx)
+        if first_bad is not None:
+            with pytest.raises(StagedWriteError) as ei:
+                self.writer.apply(tensors, **kw)
+            self.ms[first_bad].refused(ei.value)
+            return
+        self.writer.apply(tensors, **kw)
         for i in set(idx):
-            self._apply_model(i)
+            self.ms[i].apply()
+            self.consume(self.ts[i].gpu, self.ms[i].want(), f"tensor {i} after apply")
 
     @rule(data=st.data())
     def single_apply(self, data: st.DataObject) -> None:
         self.count()
         i = data.draw(st.integers(0, len(self.ts) - 1))
+        if self.ms[i].first_bad() is not None:
+            with pytest.raises(StagedWriteError) as ei:
+                self.ts[i].apply_write()
+            self.ms[i].refused(ei.value)
+            return
         self.ts[i].apply_write()
-        self._apply_model(i)
+        self.ms[i].apply()
+        self.consume(self.ts[i].gpu, self.ms[i].want(), f"tensor {i} after apply")
 
-    @rule(bad=st.sampled_from(["not-a-tensor", "none-item"]))
-    def refused(self, bad: str) -> None:
-        """A bad list is refused before anything is applied: every staged edit stays staged."""
+    @precondition(lambda self: hasattr(self, "ms") and any(m.first_bad() is not None for m in self.ms))
+    @rule(clear=st.booleans())
+    def recover(self, clear: bool) -> None:
         self.count()
+        for t, m in zip(self.ts, self.ms, strict=True):
+            if m.first_bad() is None:
+                continue
+            if clear:
+                t.clear_staged_writes()
+                m.staged = []
+            else:
+                m.restage_good()
+
+    @rule(bad=st.sampled_from(["not-a-tensor", "none-item", "ptrs", "strides"]))
+    def refused(self, bad: str) -> None:
+        """A bad call is refused before anything is applied: every staged edit stays staged."""
+        self.count()
+        if bad in ("ptrs", "strides"):
+            wrong = {"output_ptrs": [0] * len(self.ts)} if bad == "ptrs" else {"output_strides": [-1]}
+            with pytest.raises(ValueError, match="does not match"):
+                self.writer.apply(self.ts, **wrong)
+            return
         items: list[Any] = [*self.ts, "x"] if bad == "not-a-tensor" else [self.ts[0], None]
         with pytest.raises(TypeError, match=r"tensors\[\d\]"):
             self.writer.apply(items)
@@ -679,10 +877,142 @@ class FusedWriterMachine(TierMachine):
     def device_matches_model(self) -> None:
         if not hasattr(self, "ts"):
             return
-        for i, (t, m) in enumerate(zip(self.ts, self.models, strict=True)):
+        for i, (t, m) in enumerate(zip(self.ts, self.ms, strict=True)):
             if not self.lazy:
-                assert_same(t.gpu, m, f"tensor {i}")
-            assert t.num_staged == len(self.staged[i])
+                assert_same(t.gpu, m.want(), f"tensor {i}")
+            m.check_pending()
+
+
+class FakeStream:
+    """CPU stand-in for a device stream: events complete in order, when synchronized or caught up."""
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.done_upto = -1
+        self.syncs = 0
+
+    def event(self, device: torch.device) -> Any:
+        return _FakeEvent(self)
+
+
+class _FakeEvent:
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.serial: int | None = None
+
+    def record(self) -> None:
+        self.serial = self.stream.records
+        self.stream.records += 1
+
+    def query(self) -> bool:
+        return self.serial is None or self.serial <= self.stream.done_upto
+
+    def synchronize(self) -> None:
+        self.stream.syncs += 1
+        if self.serial is not None:
+            self.stream.done_upto = max(self.stream.done_upto, self.serial)
+
+
+class SharedGuardMachine(TierMachine):
+    """Two pools, a step stager and a staged-write tensor on one device, all guarded by its one step clock.
+
+    Every ring's guard is on (``wait``; on the CPU through fake events that complete when waited for
+    or when the device "catches up"). Results must hold for their whole reuse window; on the CPU the
+    guard's waits are exactly the fake stream's synchronisations and it never records more events
+    than there were uses.
+    """
+
+    label = "shared_guard"
+
+    @initialize(depth=st.integers(1, 3), dtype=st.sampled_from(SW_DTYPES))
+    def build(self, depth: int, dtype: torch.dtype) -> None:
+        self.fake: FakeStream | None = None
+        if self.device == "cpu":  # fake events: a fresh step clock per example (test_fuzz undoes it)
+            self.fake = FakeStream()
+            guard_mod.make_event = self.fake.event
+        self.np_dtype = SW_NP[dtype]
+        self.slots = max(2, depth)
+        self.pools = [UvaBufferPool(8, torch.int32, max_concurrency=depth, device=self.device, guard="wait")
+                      for _ in range(2)]
+        self.stager = StepStager(device=self.device, capacity=128, max_concurrency=depth, guard="wait")
+        self.swt = StagedWriteTensor((4, 8), dtype, self.device, max_concurrency=depth)
+        self.m = StagedEdits(self.swt, self.np_dtype)
+        self.windows: list[list[tuple[torch.Tensor, np.ndarray]]] = [[], []]
+        self.steps: list[list[tuple[torch.Tensor, np.ndarray]]] = []
+        self.uses = 0
+        assert all(p._ring.active for p in self.pools) and self.stager._ring.active
+
+    @rule(i=st.integers(0, 1), n=st.integers(0, 12), seed=seeds)
+    def pool_copy(self, i: int, n: int, seed: int) -> None:
+        self.count()
+        a = rand_array(self.rng(seed), np.dtype(np.int32), (n,))
+        t = self.pools[i].copy_to_uva(a)
+        self.uses += 1
+        self.windows[i] = (self.windows[i] + [(t, a)])[-self.slots:]
+        self.consume(t, a, f"pool {i}")
+
+    @rule(sizes=st.lists(st.integers(0, 40), max_size=3), seed=seeds)
+    def stager_step(self, sizes: list[int], seed: int) -> None:
+        self.count()
+        rng = self.rng(seed)
+        arrays = [rand_array(rng, np.dtype(np.int64), (n,)) for n in sizes]
+        with self.stager.step() as s:
+            out = [(s.stage(a), a) for a in arrays]
+        self.uses += 1
+        self.steps = (self.steps + [out])[-self.slots:]
+        for t, a in out:
+            self.consume(t, a, "stager step")
+
+    @rule(data=st.data(), seed=seeds, bad=st.booleans())
+    def write(self, data: st.DataObject, seed: int, bad: bool) -> None:
+        """Stage a batch and a list edit, maybe a bad one, and apply: refused, or written."""
+        self.count()
+        rng = self.rng(seed)
+        r, s, v, lens, edits = draw_batch(data, rng, 4, 8, self.np_dtype)
+        self.swt.stage_writes(r, s, v, lens)
+        for row, start, a in edits:
+            self.m.add(row, start, a)
+        a = rand_array(rng, self.np_dtype, (3,))
+        row = int(rng.integers(0, 4))
+        self.swt.stage_write(row, 5, a.tolist())
+        self.m.add(row, 5, a)
+        if bad:
+            self.swt.stage_write(1, 7, bad_list("fraction", self.np_dtype)[:1])
+            self.m.add(1, 7, bad_list("fraction", self.np_dtype)[:1], bad=True)
+            with pytest.raises(StagedWriteError) as ei:
+                self.swt.apply_write()
+            self.m.refused(ei.value)
+            self.m.restage_good()
+        self.swt.apply_write()
+        self.uses += 1
+        self.m.apply()
+        self.consume(self.swt.gpu, self.m.want(), "staged-write target")
+
+    @precondition(lambda self: getattr(self, "fake", None) is not None)
+    @rule(behind=st.integers(0, 3))
+    def device_catches_up(self, behind: int) -> None:
+        """The device finishes every event but the last ``behind``."""
+        self.count()
+        f = self.fake
+        f.done_upto = max(f.done_upto, f.records - 1 - behind)
+
+    @invariant()
+    def results_hold(self) -> None:
+        if not hasattr(self, "pools"):
+            return
+        if not self.lazy:
+            for i, window in enumerate(self.windows):
+                for t, a in window:  # the pool's last `slots` results
+                    assert_same(t, a, f"pool {i} result")
+            for out in self.steps:
+                for t, a in out:
+                    assert_same(t, a, "stager step")
+            assert_same(self.swt.gpu, self.m.want(), "staged-write target")
+        waits = sum(p.stats()["guard_waits"] for p in self.pools) + self.stager.stats()["guard_waits"]
+        waits += self.swt.stats()["guard_waits"]
+        if self.fake is not None:
+            assert waits == self.fake.syncs
+            assert self.fake.records <= self.uses
 
 
 PT_FIELDS = {"temperature": np.float32, "top_k": np.int32, "seed": np.int64, "greedy": np.bool_,
@@ -751,7 +1081,7 @@ def _lazy(cls: type[TierMachine]) -> type[TierMachine]:
 
 MACHINES: list[type[TierMachine]] = [PoolMachine, BackedMachine, StagerMachine]
 if StagedWriteTensor is not None:
-    MACHINES += [StagedWriteMachine, FusedWriterMachine]
+    MACHINES += [StagedWriteMachine, FusedWriterMachine, SharedGuardMachine]
 if DeviceParamTable is not None:
     MACHINES.append(ParamTableMachine)
 MACHINES += [_lazy(m) for m in MACHINES]
@@ -781,6 +1111,10 @@ def test_fuzz(machine: type[TierMachine], tier: str, device: str | None,
               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STAGEBUF_TIER", tier)
     stagebuf.reset_capabilities()
+    if machine.label.startswith("shared_guard") and device == "cpu":
+        # guards on the CPU: the machine installs fake events (undone here); staged writes wait too
+        monkeypatch.setattr(guard_mod, "make_event", guard_mod.make_event)
+        monkeypatch.setattr(sw_mod, "StepStager", functools.partial(StepStager, guard="wait"))
     cls = type(f"{machine.__name__}_{tier}_{device or 'cuda'}", (machine,),
                {"tier_name": tier, "device": device})
     conf = FUZZ_SETTINGS

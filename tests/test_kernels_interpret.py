@@ -1,9 +1,12 @@
-"""The Triton staged-write kernel, run by Triton's CPU interpreter, equals the torch twin and the model.
+"""The staged-write kernels on the CPU: Triton (through its interpreter) against its torch twin and numpy.
 
-``TRITON_INTERPRET=1`` makes an apply on CPU tensors run the Triton kernel through
-the interpreter; without it the torch twin runs. Each check applies the same
-edits to two identical targets, one per kernel, and compares both with the
-numpy model. The interpreter is slow: sizes stay small.
+``_staged_write_kernel`` (one program per edit) runs under Triton's CPU
+interpreter on the packed layout ``_edit_meta`` builds; ``_torch_twin`` (the same
+kernel in plain torch ops) runs on the same layout. Both must equal a numpy
+model that applies the edits by slicing. Then the whole apply path with a forced
+kernel (``STAGEBUF_WRITE_KERNEL=triton`` under ``TRITON_INTERPRET=1``, and
+``scatter``) is compared with the numpy model. The interpreter is slow: sizes
+stay small.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import stagebuf
 from stagebuf import staged_write
-from stagebuf.staged_write import FusedStagedWriter, StagedWriteTensor
+from stagebuf.staged_write import ENV_KERNEL, FusedStagedWriter, StagedWriteTensor
 
 pytest.importorskip("triton")
 
 NP = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 DTYPES = [torch.int32, torch.int64, torch.float32]
+CPU = torch.device("cpu")
 
 
 def examples(n: int) -> settings:
@@ -29,16 +34,13 @@ def examples(n: int) -> settings:
 
 
 @pytest.fixture
-def kernel_mode(monkeypatch):
-    """``kernel_mode(True)`` makes the next applies on CPU run the Triton kernel under the interpreter."""
-
-    def set_mode(interpret: bool) -> None:
-        if interpret:
-            monkeypatch.setenv("TRITON_INTERPRET", "1")
-        else:
-            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-    return set_mode
+def interpret(monkeypatch):
+    """Triton's CPU interpreter for the applies of this test."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    if not staged_write._triton_available():
+        pytest.skip(f"triton.language does not import: {staged_write._triton_error}")
+    assert staged_write.triton_usable(CPU)
 
 
 def values(dtype: torch.dtype, n: int, seed: int) -> np.ndarray:
@@ -49,111 +51,220 @@ def values(dtype: torch.dtype, n: int, seed: int) -> np.ndarray:
     return rng.integers(info.min, info.max, n, dtype=NP[dtype], endpoint=True)
 
 
-class Twin:
-    """One target per kernel, and the model; every edit goes to all three."""
+# --- the kernel and its twin on one packed layout ------------------------------------
 
-    def __init__(self, shape, dtype):
-        self.tri = StagedWriteTensor(shape, dtype, "cpu")
-        self.ref = StagedWriteTensor(shape, dtype, "cpu")
-        rows, cols = (shape, 1) if isinstance(shape, int) else shape
-        self.model = np.zeros((rows, cols), NP[dtype])
-        self.pending: list[tuple[int, int, np.ndarray]] = []
-
-    def stage(self, row: int, start: int, v: np.ndarray) -> None:
-        self.tri.stage_write(row, start, v)
-        self.ref.stage_write(row, start, v)
-        self.pending.append((row, start, np.array(v, dtype=self.model.dtype)))
-
-    def model_apply(self) -> None:
-        for r, s, v in self.pending:
-            self.model[r, s: s + len(v)] = v
-        self.pending.clear()
-
-    def check(self) -> None:
-        tri = self.tri.gpu.numpy().reshape(self.model.shape)
-        ref = self.ref.gpu.numpy().reshape(self.model.shape)
-        np.testing.assert_array_equal(tri, ref)
-        np.testing.assert_array_equal(tri, self.model)
+Edit = tuple[int, int, np.ndarray]
 
 
-def apply_single(tw: Twin, kernel_mode) -> None:
-    kernel_mode(True)
-    tw.tri.apply_write()
-    kernel_mode(False)
-    tw.ref.apply_write()
-    assert (tw.tri.kernel, tw.ref.kernel) == ("triton", "torch")
-    tw.model_apply()
-    tw.check()
+def model_apply(a: np.ndarray, edits: list[Edit]) -> None:
+    for r, s, v in edits:
+        a[r, s: s + len(v)] = v
 
 
-def test_interpreter_basic(cpu_tier, kernel_mode):
-    tw = Twin((4, 20), torch.int32)
-    tw.stage(1, 2, np.arange(5, dtype=np.int32))
-    tw.stage(3, 0, np.arange(20, dtype=np.int32) * 3)
-    tw.stage(1, 4, np.array([-1, -2, -3], np.int32))  # overlaps the first edit: later wins
-    tw.stage(0, 19, np.array([7], np.int32))
-    apply_single(tw, kernel_mode)
-    tw.stage(1, 0, np.array([9], np.int32))
-    apply_single(tw, kernel_mode)
+def gathered(t: StagedWriteTensor, edits: list[Edit]) -> staged_write._Gathered:
+    """One target's edits as the apply path gathers them (rows distinct: the Triton kernel's contract)."""
+    assert len({r for r, _, _ in edits}) == len(edits)
+    rows = np.array([r for r, _, _ in edits], np.int64)
+    starts = np.array([s for _, s, _ in edits], np.int64)
+    lens = np.array([len(v) for _, _, v in edits], np.int64)
+    vals = np.concatenate([v for _, _, v in edits]).astype(NP[t.dtype])
+    return staged_write._Gathered(t, rows, starts, lens, vals, False)
 
 
-def test_interpreter_multi_tile_overlaps(cpu_tier, kernel_mode, monkeypatch):
-    """Rows longer than a tile: several programs per row, each owning its columns."""
+def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) -> None:
+    """Run the Triton kernel (interpreted) and the twin on one layout; both equal the numpy model."""
+    parts = [gathered(t, e) for t, e in zip(targets, edits) if e]
+    meta, vals, longest = staged_write._edit_meta(parts)
+    assert meta.shape == (sum(len(e) for e in edits), 4) and vals.shape[0] == meta[:, 2].sum()
+    models = [t.gpu.numpy().reshape(t.rows, t.cols).copy() for t in targets]
+    for m, e in zip(models, edits):
+        model_apply(m, e)
+    twins = [t.gpu.clone() for t in targets]
+    staged_write._torch_twin([twins[targets.index(p.target)].view(-1) for p in parts],
+                             torch.from_numpy(meta), torch.from_numpy(vals))
+    table = torch.tensor([p.target.gpu.data_ptr() for p in parts], dtype=torch.int64)
+    block = staged_write._block_for(longest)
+    staged_write._launch_triton(CPU, torch.from_numpy(meta), torch.from_numpy(vals), table,
+                                meta.shape[0], block)
+    for t, twin, m in zip(targets, twins, models):
+        np.testing.assert_array_equal(twin.numpy().reshape(m.shape), m)  # the twin is the model
+        np.testing.assert_array_equal(t.gpu.numpy().reshape(m.shape), m)  # so is the kernel
+
+
+def target(shape, dtype) -> StagedWriteTensor:
+    return StagedWriteTensor(shape, dtype, "cpu")
+
+
+def test_kernel_basic(interpret):
+    t = target((4, 20), torch.int32)
+    kernel_vs_twin([t], [[(1, 2, np.arange(5, dtype=np.int32)), (3, 0, np.arange(20, dtype=np.int32) * 3),
+                          (0, 19, np.array([7], np.int32))]])
+    kernel_vs_twin([t], [[(1, 0, np.array([9], np.int32))]])  # a second launch keeps the first's values
+
+
+def test_kernel_edits_longer_than_a_block(interpret, monkeypatch):
+    """Edits longer than BLOCK: each program loops over its edit, BLOCK columns at a time."""
     monkeypatch.setattr(staged_write, "MAX_BLOCK", 16)
-    tw = Twin((3, 70), torch.int64)
+    assert staged_write._block_for(70) == 16
+    t = target((5, 70), torch.int64)
     rng = np.random.default_rng(4)
-    for k in range(12):
-        start = int(rng.integers(0, 70))
-        n = int(rng.integers(1, 70 - start + 1))
-        tw.stage(int(rng.integers(0, 3)), start, np.full(n, (k + 1) * 2**40, np.int64))
-    apply_single(tw, kernel_mode)
+    edits = []
+    for r in range(5):
+        start = int(rng.integers(0, 30))
+        n = int(rng.integers(17, 70 - start + 1))  # always more than one block
+        edits.append((r, start, np.full(n, (r + 1) * 2**40 + n, np.int64)))
+    kernel_vs_twin([t], [edits])
 
 
-def test_interpreter_one_d_and_float(cpu_tier, kernel_mode):
-    tw = Twin(9, torch.float32)
-    for i, v in [(0, 1.5), (8, -2.0), (4, 3e38), (0, 7.25)]:
-        tw.stage(i, 0, np.array([v], np.float32))
-    apply_single(tw, kernel_mode)
+def test_kernel_one_d_and_float(interpret):
+    t = target(9, torch.float32)
+    kernel_vs_twin([t], [[(i, 0, np.array([v], np.float32)) for i, v in [(0, 1.5), (8, -2.0), (4, 3e38)]]])
+    special = np.array([np.nan, -0.0, np.inf], np.float32)
+    u = target((2, 3), torch.float32)
+    kernel_vs_twin([u], [[(1, 0, special)]])
+    np.testing.assert_array_equal(np.signbit(u.gpu.numpy()[1]), [False, True, False])
 
 
-def test_interpreter_fused_tables(cpu_tier, kernel_mode):
-    """Different row lengths (strides), 1-D included; the pointer table follows the tensor set."""
-    shapes = [(3, 5), (2, 33), 6]
-    tws = [Twin(s, torch.int64) for s in shapes]
-    w_tri = FusedStagedWriter("cpu", max_writes=2)
-    w_ref = FusedStagedWriter("cpu", max_writes=2)
+def test_kernel_several_targets_one_launch(interpret):
+    """Different row lengths (strides), 1-D included, through one pointer table."""
+    ts = [target(s, torch.int64) for s in [(3, 5), (2, 33), 6]]
     rng = np.random.default_rng(8)
-    for sel in ([0, 1, 2], [0, 1, 2], [2, 0], [1], [0, 1, 2]):
+    for sel in ([0, 1, 2], [2, 0], [1]):
+        edits: list[list[Edit]] = [[] for _ in ts]
         for i in sel:
-            t = tws[i].tri
-            for _ in range(3):
-                row = int(rng.integers(0, t.rows))
+            t = ts[i]
+            for r in rng.permutation(t.rows)[:2]:
                 start = int(rng.integers(0, t.cols))
-                tws[i].stage(row, start, values(torch.int64, int(rng.integers(1, t.cols - start + 1)),
-                                                int(rng.integers(0, 1000))))
-        kernel_mode(True)
-        w_tri.apply([tws[i].tri for i in sel])
-        kernel_mode(False)
-        w_ref.apply([tws[i].ref for i in sel])
-        assert (w_tri.kernel, w_ref.kernel) == ("triton", "torch")
-        for i in sel:
-            tws[i].model_apply()
-        for tw in tws:
-            tw.check()
+                n = int(rng.integers(1, t.cols - start + 1))
+                edits[i].append((int(r), start, values(torch.int64, n, int(rng.integers(0, 1000)))))
+        kernel_vs_twin(ts, edits)
+
+
+def test_block_sizes(monkeypatch):
+    assert staged_write._block_for(1) == staged_write.MIN_BLOCK
+    assert staged_write._block_for(staged_write.MIN_BLOCK + 1) == 2 * staged_write.MIN_BLOCK
+    assert staged_write._block_for(10**9) == staged_write.MAX_BLOCK
+    monkeypatch.setattr(staged_write, "MAX_BLOCK", 64)
+    for n in range(1, 200):
+        b = staged_write._block_for(n)
+        assert b & (b - 1) == 0 and staged_write.MIN_BLOCK <= b <= 64 and (b >= n or b == 64)
 
 
 @examples(30)
 @given(data=st.data())
-def test_interpreter_random_streams(cpu_tier, kernel_mode, monkeypatch, data):
+def test_kernel_random_layouts(interpret, monkeypatch, data):
+    monkeypatch.setattr(staged_write, "MAX_BLOCK", data.draw(st.sampled_from([16, 64, 1024])))
+    dtype = data.draw(st.sampled_from(DTYPES))
+    shape = st.one_of(st.integers(1, 6), st.tuples(st.integers(1, 4), st.integers(1, 48)))
+    shapes = data.draw(st.lists(shape, min_size=1, max_size=3))
+    ts = [target(s, dtype) for s in shapes]
+    edits: list[list[Edit]] = []
+    for t in ts:
+        rows = data.draw(st.lists(st.integers(0, t.rows - 1), unique=True, max_size=t.rows))
+        es = []
+        for r in rows:
+            start = data.draw(st.integers(0, t.cols - 1))
+            n = data.draw(st.integers(1, t.cols - start))
+            es.append((r, start, values(dtype, n, data.draw(st.integers(0, 999)))))
+        edits.append(es)
+    if not any(edits):
+        edits[0].append((0, 0, values(dtype, 1, 0)))
+    kernel_vs_twin(ts, edits)
+
+
+# --- the apply path with a forced kernel, against the numpy model ---------------------
+
+@pytest.fixture
+def pageable(monkeypatch) -> None:
+    """The PAGEABLE tier on the CPU: applies go through the stager and a kernel (HOST needs neither)."""
+    monkeypatch.setenv("STAGEBUF_TIER", "pageable")
+    stagebuf.reset_capabilities()
+
+
+class Twin:
+    """One target per forced kernel (Triton, scatter), and the numpy model; every edit goes to all three."""
+
+    def __init__(self, shape, dtype, monkeypatch):
+        monkeypatch.setenv(ENV_KERNEL, "triton")  # read when a tensor is constructed
+        self.tri = StagedWriteTensor(shape, dtype, "cpu")
+        monkeypatch.setenv(ENV_KERNEL, "scatter")
+        self.ref = StagedWriteTensor(shape, dtype, "cpu")
+        monkeypatch.delenv(ENV_KERNEL)
+        rows, cols = (shape, 1) if isinstance(shape, int) else shape
+        self.model = np.zeros((rows, cols), NP[dtype])
+        self.pending: list[Edit] = []
+
+    def stage(self, row: int, start: int, v: np.ndarray, as_list: bool = False) -> None:
+        x = v.tolist() if as_list else v
+        self.tri.stage_write(row, start, x)
+        self.ref.stage_write(row, start, x)
+        if len(v):
+            self.pending.append((row, start, np.array(v, dtype=self.model.dtype)))
+
+    def apply(self) -> None:
+        rows = [r for r, _, _ in self.pending]
+        overlap = len(set(rows)) < len(rows)
+        self.tri.apply_write()
+        self.ref.apply_write()
+        if rows:
+            assert (self.tri.kernel, self.ref.kernel) == ("scatter" if overlap else "triton", "scatter")
+        model_apply(self.model, self.pending)
+        self.pending.clear()
+        np.testing.assert_array_equal(self.ref.gpu.numpy().reshape(self.model.shape), self.model)
+        np.testing.assert_array_equal(self.tri.gpu.numpy().reshape(self.model.shape), self.model)
+
+
+def test_forced_kernels_basic(interpret, pageable, monkeypatch):
+    tw = Twin((4, 20), torch.int32, monkeypatch)
+    assert tw.tri.tier is stagebuf.Tier.PAGEABLE
+    tw.stage(1, 2, np.arange(5, dtype=np.int32))
+    tw.stage(3, 0, np.arange(20, dtype=np.int32) * 3, as_list=True)
+    tw.stage(0, 19, np.array([7], np.int32))
+    tw.apply()
+    tw.stage(1, 4, np.array([-1, -2, -3], np.int32))
+    tw.stage(1, 0, np.array([9], np.int32), as_list=True)  # the same row: overlaps go to scatter
+    tw.apply()
+
+
+def test_forced_kernels_fused(interpret, pageable, monkeypatch):
+    shapes = [(3, 5), (2, 40), 6]
+    tws = [Twin(s, torch.int64, monkeypatch) for s in shapes]
+    monkeypatch.setattr(staged_write, "MAX_BLOCK", 16)
+    monkeypatch.setenv(ENV_KERNEL, "triton")
+    w_tri = FusedStagedWriter("cpu", max_writes=2)
+    monkeypatch.setenv(ENV_KERNEL, "scatter")
+    w_ref = FusedStagedWriter("cpu", max_writes=2)
+    rng = np.random.default_rng(8)
+    for sel in ([0, 1, 2], [0, 1, 2], [2, 0], [1]):
+        for i in sel:
+            t = tws[i].tri
+            for r in rng.permutation(t.rows)[:2]:
+                start = int(rng.integers(0, t.cols))
+                n = int(rng.integers(1, t.cols - start + 1))
+                tws[i].stage(int(r), start, values(torch.int64, n, int(rng.integers(0, 1000))), bool(r % 2))
+        w_tri.apply([tws[i].tri for i in sel])
+        w_ref.apply([tws[i].ref for i in sel])
+        assert (w_tri.kernel, w_ref.kernel) == ("triton", "scatter")
+        for i in sel:
+            model_apply(tws[i].model, tws[i].pending)
+            tws[i].pending.clear()
+        for tw in tws:
+            np.testing.assert_array_equal(tw.tri.gpu.numpy().reshape(tw.model.shape), tw.model)
+            np.testing.assert_array_equal(tw.ref.gpu.numpy().reshape(tw.model.shape), tw.model)
+
+
+@examples(25)
+@given(data=st.data())
+def test_forced_kernels_random_streams(interpret, pageable, monkeypatch, data):
     monkeypatch.setattr(staged_write, "MAX_BLOCK", data.draw(st.sampled_from([16, 64, 1024])))
     dtype = data.draw(st.sampled_from(DTYPES))
     shape = data.draw(st.one_of(st.integers(1, 6), st.tuples(st.integers(1, 4), st.integers(1, 48))))
-    tw = Twin(shape, dtype)
+    tw = Twin(shape, dtype, monkeypatch)
     rows, cols = tw.model.shape
     for _ in range(data.draw(st.integers(1, 3))):
         edits = data.draw(st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99), st.integers(0, 48),
-                                             st.integers(0, 999)), max_size=8))
-        for a, b, n, seed in edits:
+                                             st.integers(0, 999), st.booleans()), max_size=8))
+        for a, b, n, seed, as_list in edits:
             row, start = a % rows, b % (cols + 1)
-            tw.stage(row, start, values(dtype, min(n, cols - start), seed))
-        apply_single(tw, kernel_mode)
+            tw.stage(row, start, values(dtype, min(n, cols - start), seed), as_list)
+        tw.apply()

@@ -541,7 +541,14 @@ class StagedWriteTensor:
             total = int(lens.sum()) if e else 0
             if v.shape[0] != total:
                 raise ValueError(f"values has {v.shape[0]} elements but lengths add up to {total}")
-        flat = self._checked(v.reshape(-1), "values")
+        try:
+            flat = self._checked(v.reshape(-1), "values")
+        except ValueError as err:  # name the first edit whose values do not fit
+            bad = self._unfit(v.reshape(-1)) if v.dtype.kind in "iuf" else None
+            if bad is None:
+                raise
+            i = int(np.searchsorted(np.cumsum(lens), int(np.flatnonzero(bad)[0]), side="right"))
+            raise ValueError(f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}): {err}") from None
         if e:
             bad = (r < 0) | (r >= self.rows)
             if bad.any():
@@ -646,59 +653,111 @@ class StagedWriteTensor:
         return _Gathered(self, r, s, n, v, dup)
 
     def _list_values(self, b: _Batch, lens: np.ndarray, pos: int) -> np.ndarray:
-        """The values of list-staged edits as the target dtype, checked in bulk."""
-        target = self._np_dtype
+        """The values of list-staged edits as the target dtype, checked in bulk.
+
+        The batch is read as one array; where that cannot be trusted per edit (it
+        is not numeric, a value does not fit, an edit may be all bools, or int64
+        values may have gone through float64), each edit is read on its own and
+        the first bad one raises.
+        """
         try:
             a = np.array(b.vals)
         except (ValueError, TypeError, OverflowError):
             a = None
-        if a is not None and a.ndim == 1 and a.dtype.kind in "iuf":
-            bad = None
-            if target.kind == "f":
-                if a.dtype.kind == "f":
-                    bad = np.isfinite(a) & (np.abs(a) > np.finfo(target).max)
-                elif a.size and (np.abs(a.astype(np.float64)) > np.finfo(target).max).any():
-                    bad = np.abs(a.astype(np.float64)) > np.finfo(target).max
-            elif a.dtype.kind == "f":
-                lim = self._float_limit
-                assert lim is not None
-                bad = ~np.isfinite(a) | (a != np.trunc(a)) | (a < -lim) | (a >= lim)
-            elif a.size:
-                info = np.iinfo(target)
-                narrows = a.dtype.itemsize > target.itemsize or a.dtype.kind != target.kind
-                if narrows and (int(a.min()) < info.min or int(a.max()) > info.max):
-                    bad = (a < info.min) | (a > info.max)
-            if bad is None or not bad.any():
-                return a.astype(target, copy=False)
-            j = int(np.flatnonzero(bad)[0])
-            k = int(np.searchsorted(np.cumsum(lens), j, side="right"))
+        if (a is not None and a.ndim == 1 and a.dtype.kind in "iuf" and not self._inexact(a)
+                and not self._maybe_bool_edit(b.vals, a, lens)):
+            got = self._cast_list(a)
+            if got is not None:
+                return got
+        out = []
+        a0 = 0
+        for k, n in enumerate(lens.tolist()):
+            got, why = self._edit_values(b.vals[a0: a0 + n])
+            if got is None:
+                row, start = int(b.rows[k]), int(b.starts[k])
+                raise StagedWriteError(
+                    f"staged edit {pos + k} (stage_write(index={row}, start={start}, {n} values)) "
+                    f"cannot be applied to {self.dtype}: {why}. Nothing was written and every staged edit "
+                    "is still staged: clear_staged_writes() drops them", pos + k, row, start)
+            out.append(got)
+            a0 += n
+        return np.concatenate(out)
+
+    def _inexact(self, a: np.ndarray) -> bool:
+        """Whether ints may have been rounded reading a list into ``a`` (ints mixed with floats)."""
+        return self._np_dtype.kind in "iu" and a.dtype.kind == "f" and bool((np.abs(a) >= 2.0 ** 53).any())
+
+    @staticmethod
+    def _maybe_bool_edit(vals: list[Any], a: np.ndarray, lens: np.ndarray) -> bool:
+        """Whether an edit may hold only bools (numpy reads bools mixed with numbers as numbers)."""
+        if not a.size:
+            return False
+        first = np.cumsum(lens) - lens
+        if not ((np.minimum.reduceat(a, first) >= 0) & (np.maximum.reduceat(a, first) <= 1)).any():
+            return False
+        types = set(map(type, vals))
+        return bool in types or np.bool_ in types
+
+    def _cast_list(self, a: np.ndarray) -> np.ndarray | None:
+        """``a`` (read from a list, 1-D, numeric) as the target dtype; None if a value does not fit."""
+        if self._unfit(a) is not None:
+            return None
+        return a.astype(self._np_dtype, copy=False)
+
+    def _unfit(self, a: np.ndarray) -> np.ndarray | None:
+        """Per value of the 1-D numeric ``a``: whether the target dtype cannot hold it (None: all fit)."""
+        target = self._np_dtype
+        if not a.size:
+            return None
+        if target.kind == "f":
+            a64 = a.astype(np.float64, copy=False)  # an integer minimum's abs overflows in its own dtype
+            bad = np.isfinite(a64) & (np.abs(a64) > np.finfo(target).max)
+        elif a.dtype.kind == "f":
+            lim = self._float_limit
+            assert lim is not None
+            a64 = a.astype(np.float64, copy=False)  # float16 cannot hold lim: compare in float64
+            bad = ~np.isfinite(a64) | (a64 != np.trunc(a64)) | (a64 < -lim) | (a64 >= lim)
         else:
-            k = self._first_bad_edit(b)
-        row, start = int(b.rows[k]), int(b.starts[k])
-        a0 = int(lens[:k].sum())
-        try:  # the strict per-edit check says what is wrong with this edit
-            self._checked(list(b.vals[a0: a0 + int(lens[k])]), "values")
+            info = np.iinfo(target)
+            if int(a.min()) >= info.min and int(a.max()) <= info.max:
+                return None
+            bad = (a > info.max) if a.dtype.kind == "u" else (a < info.min) | (a > info.max)
+        return bad if bad.any() else None
+
+    def _edit_values(self, vals: list[Any]) -> tuple[np.ndarray | None, str]:
+        """One list edit's values as the target dtype, or None and why not."""
+        try:
+            a = np.array(vals)
+        except (ValueError, TypeError, OverflowError):
+            a = None
+        if a is not None and a.ndim == 1 and a.dtype.kind in "iuf":
+            got = self._exact_ints(vals) if self._inexact(a) else self._cast_list(a)
+            if got is not None:
+                return got, ""
+        elif a is not None and a.ndim == 1 and a.dtype.kind == "b":
+            return None, "values are bools; allowed: int or float values"
+        try:  # the strict check says what is wrong with this edit
+            self._checked(list(vals), "values")
             why = "values do not fit the target dtype"
         except (ValueError, TypeError) as e:
             why = str(e)
-        if a is not None and a.dtype.kind == "b":
-            why = "values are bools; allowed: int or float values"
-        raise StagedWriteError(
-            f"staged edit {pos + k} (stage_write(index={row}, start={start}, {int(lens[k])} values)) "
-            f"cannot be applied to {self.dtype}: {why}. Nothing was written and every staged edit is "
-            "still staged: clear_staged_writes() drops them", pos + k, row, start)
+        return None, why
 
-    def _first_bad_edit(self, b: _Batch) -> int:
-        a = 0
-        for k, n in enumerate(b.lens):
-            try:
-                arr = self._checked(list(b.vals[a: a + n]), "values")
-                if arr.ndim != 1 or arr.shape[0] != n:
-                    return k
-            except (ValueError, TypeError):
-                return k
-            a += n
-        return 0
+    def _exact_ints(self, vals: list[Any]) -> np.ndarray | None:
+        """Ints and whole floats as the integer target dtype, exactly; None if one does not fit."""
+        info = np.iinfo(self._np_dtype)
+        out = []
+        for v in vals:
+            if isinstance(v, (float, np.floating)):
+                if v != v or v in (float("inf"), float("-inf")) or v != int(v):
+                    return None
+            elif not isinstance(v, (int, np.integer)):
+                return None
+            v = int(v)
+            if not info.min <= v <= info.max:
+                return None
+            out.append(v)
+        return np.array(out, self._np_dtype)
 
     def apply_write(self) -> None:
         """Apply every staged edit (one transfer, one launch), then clear them.

@@ -26,7 +26,6 @@ marker. Knobs (environment):
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections import Counter
@@ -1114,7 +1113,7 @@ def test_fuzz(machine: type[TierMachine], tier: str, device: str | None,
     if machine.label.startswith("shared_guard") and device == "cpu":
         # guards on the CPU: the machine installs fake events (undone here); staged writes wait too
         monkeypatch.setattr(guard_mod, "make_event", guard_mod.make_event)
-        monkeypatch.setattr(sw_mod, "StepStager", functools.partial(StepStager, guard="wait"))
+        monkeypatch.setattr(sw_mod, "_GUARD_MODE", "wait")
     cls = type(f"{machine.__name__}_{tier}_{device or 'cuda'}", (machine,),
                {"tier_name": tier, "device": device})
     conf = FUZZ_SETTINGS

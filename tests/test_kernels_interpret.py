@@ -68,7 +68,7 @@ def gathered(t: StagedWriteTensor, edits: list[Edit]) -> staged_write._Gathered:
     starts = np.array([s for _, s, _ in edits], np.int64)
     lens = np.array([len(v) for _, _, v in edits], np.int64)
     vals = np.concatenate([v for _, _, v in edits]).astype(NP[t.dtype])
-    return staged_write._Gathered(t, rows, starts, lens, vals, False)
+    return staged_write._Gathered(t, rows * t.row_stride + starts, lens, vals, False)
 
 
 def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) -> None:

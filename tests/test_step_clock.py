@@ -17,7 +17,6 @@ guard as it would on a GPU. Two models say what must happen:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,7 +205,7 @@ def test_real_staged_write_applies_with_the_guard(monkeypatch, stream):
     """PAGEABLE on the CPU with its stager's guard forced on: applies are marked uses of the clock."""
     monkeypatch.setenv("STAGEBUF_TIER", "pageable")
     stagebuf.reset_capabilities()
-    monkeypatch.setattr(sw_mod, "StepStager", functools.partial(StepStager, guard="wait"))
+    monkeypatch.setattr(sw_mod, "_GUARD_MODE", "wait")
     stager = StepStager(device="cpu", capacity=256, max_concurrency=2, guard="wait")
     t = StagedWriteTensor((4, 8), torch.int64, "cpu", max_concurrency=2)
     want = np.zeros((4, 8), np.int64)

@@ -43,13 +43,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .buffers import UvaBuffer
-from .convert import cast_checked, host_array, numpy_dtype, shape_of, torch_dtype
+from .buffers import StagingBuffer, UvaBuffer, make_buffer
+from .convert import _NUMPY_TO_TORCH, cast_checked, host_array, numpy_dtype, shape_of, torch_dtype
+from .guard import SlotRing
 from .log import warn_once
 from .memory import PinnedAllocationError, alloc_device
 from .pool import empty_stats, slot_count
 from .probe import TierUnavailableError, capabilities
-from .stager import ALIGN, StepStager
+from .stager import ALIGN
 from .tier import Tier
 from .uva import UvaError
 
@@ -63,6 +64,8 @@ MIN_BLOCK = 16
 MAX_BLOCK = 1024
 """Columns one Triton program writes per iteration (a power of two in [MIN_BLOCK, MAX_BLOCK])."""
 _CAPACITY = 1 << 14
+_GUARD_MODE = "auto"
+"""The staging slots' guard (tests force ``wait`` to exercise it on the CPU tiers)."""
 
 tl: Any = None  # triton.language, imported on first use (importing stagebuf stays cheap)
 _triton_error: list[str] = []
@@ -177,28 +180,29 @@ def _torch_twin(flats: Sequence[torch.Tensor], meta: torch.Tensor, content: torc
 # --- gathering and checking the staged edits ------------------------------------------
 
 class _Batch:
-    """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked)."""
+    """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked).
 
-    __slots__ = ("rows", "starts", "lens", "vals", "checked")
+    ``dst`` is each edit's flat offset in the target (``row * row_stride + start``).
+    """
 
-    def __init__(self, rows: Any, starts: Any, lens: Any, vals: Any, checked: bool):
-        self.rows, self.starts, self.lens, self.vals, self.checked = rows, starts, lens, vals, checked
+    __slots__ = ("dst", "lens", "vals", "checked")
+
+    def __init__(self, dst: Any, lens: Any, vals: Any, checked: bool):
+        self.dst, self.lens, self.vals, self.checked = dst, lens, vals, checked
 
 
 class _Gathered:
-    """One target's staged edits as arrays: destination, values and (for Triton) per-edit metadata."""
+    """One target's staged edits as arrays: first-element offsets, lengths, values."""
 
-    __slots__ = ("target", "rows", "starts", "lens", "vals", "dup")
+    __slots__ = ("target", "dst", "lens", "vals", "dup")
 
-    def __init__(self, target: StagedWriteTensor, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-                 vals: np.ndarray, dup: bool):
-        self.target, self.rows, self.starts, self.lens, self.vals, self.dup = (
-            target, rows, starts, lens, vals, dup)
+    def __init__(self, target: StagedWriteTensor, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray,
+                 dup: bool):
+        self.target, self.dst, self.lens, self.vals, self.dup = target, dst, lens, vals, dup
 
     def dest(self) -> tuple[np.ndarray, np.ndarray]:
         """Flat destination of every element, and the values, de-duplicated (later wins) if needed."""
-        t = self.target
-        first = self.rows * t.row_stride + self.starts
+        first = self.dst
         n = self.vals.shape[0]
         if n == first.shape[0]:  # one element per edit
             dest = first
@@ -212,6 +216,22 @@ class _Gathered:
             keep = (n - 1) - last
             dest, vals = dest[keep], vals[keep]
         return dest, vals
+
+
+_ARANGE = np.arange(1024, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
+    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
+
+
+_ARANGE = np.arange(1024, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
+    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
 
 
 def _ints(x: Any, name: str) -> np.ndarray:
@@ -232,13 +252,26 @@ def _ints(x: Any, name: str) -> np.ndarray:
 # --- the launcher: one packed transfer, one launch --------------------------------------
 
 class _Launcher:
-    """The stager and cached pointer table behind one writer."""
+    """The staging slots behind one writer: one packed transfer and one launch per apply.
 
-    def __init__(self, device: torch.device, max_concurrency: int | None, capacity: int):
+    A ring of ``max_concurrency`` byte arenas of the writer's tier (guarded like
+    every ring: see :mod:`stagebuf.guard`). An apply writes its index (or per-edit
+    metadata) array at offset 0 and the values after it, directly in the slot's
+    host memory (private to the writer, so no scratch copy is needed), publishes
+    the used prefix with one copy on the copy tiers (none on UVA) and launches.
+    Device views of each layout are cached per slot.
+    """
+
+    def __init__(self, device: torch.device, max_concurrency: int, capacity: int):
         self.device = device
-        self.max_concurrency = max_concurrency
-        self.capacity = capacity
-        self.stager: StepStager | None = None
+        self.n = max_concurrency
+        self.capacity = max(capacity, ALIGN)
+        self.bufs: list[StagingBuffer] = []
+        self.views: list[dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor,
+                                                      int]]] = []
+        self.retired: list[list[StagingBuffer]] = []
+        self.ring: SlotRing | None = None
+        self.stats_ = {**empty_stats(), "steps": 0}
         self.table_key: tuple[int, ...] | None = None
         self.table: torch.Tensor | None = None
         forced = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
@@ -247,15 +280,61 @@ class _Launcher:
         self.forced = forced
 
     def stats(self) -> dict[str, int]:
-        if self.stager is None:
-            return {**empty_stats(), "steps": 0}
-        return self.stager.stats()
+        ring = self.ring
+        return {**self.stats_, "guard_waits": ring.waits if ring is not None else 0,
+                "steps": ring.seq if ring is not None else 0}
 
-    def _stager(self) -> StepStager:
-        if self.stager is None:
-            self.stager = StepStager(self.device, capacity=max(self.capacity, ALIGN),
-                                     max_concurrency=self.max_concurrency)
-        return self.stager
+    def _start(self) -> SlotRing:
+        self.bufs = [make_buffer(self.capacity, torch.uint8, self.device) for _ in range(self.n)]
+        self.views = [{} for _ in range(self.n)]
+        self.retired = [[] for _ in range(self.n)]
+        tier = max(b.tier for b in self.bufs)
+        self.ring = SlotRing(self.n, self.device, _GUARD_MODE, tier, "staged-write slot")
+        return self.ring
+
+    def _slot(self, cur: int, idx: np.ndarray, vals: np.ndarray
+              ) -> tuple[StagingBuffer, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]:
+        """Slot ``cur``'s buffer and its views for this layout (made, and the slot grown, if needed)."""
+        buf = self.bufs[cur]
+        key = (idx.shape, vals.dtype, vals.shape[0])
+        v = self.views[cur].get(key)
+        if v is not None:
+            return buf, v
+        a_bytes = idx.nbytes
+        off = (a_bytes + ALIGN - 1) & -ALIGN
+        used = off + vals.nbytes
+        if used > buf.shape[0]:
+            if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("staged writes: a slot must grow while a CUDA graph is being captured; "
+                                   "apply once with the largest batch before capturing")
+            cap = 1 << max(used - 1, 1).bit_length()
+            self.retired[cur].append(buf)  # read by this slot's last launch, until it comes round
+            buf = self.bufs[cur] = make_buffer(cap, torch.uint8, self.device, buf.tier)
+            self.views[cur].clear()
+            self.stats_["growths"] += 1
+        elif len(self.views[cur]) >= 1024:
+            self.views[cur].clear()
+        h_idx = buf.np[:a_bytes].view(np.int64).reshape(idx.shape)
+        h_val = buf.np[off:used].view(vals.dtype)
+        d_idx = buf.dev[:a_bytes].view(torch.int64).view(idx.shape)
+        d_val = buf.dev[off:used].view(_NUMPY_TO_TORCH[vals.dtype])
+        v = self.views[cur][key] = (h_idx, h_val, d_idx, d_val, used)
+        return buf, v
+
+    def _pack(self, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``idx`` and ``vals`` into the next slot and publish them; their device views."""
+        ring = self.ring if self.ring is not None else self._start()
+        cur = ring.next()
+        self.retired[cur].clear()  # the guard says this slot's last launch is done
+        buf, (h_idx, h_val, d_idx, d_val, used) = self._slot(cur, idx, vals)
+        h_idx[...] = idx
+        h_val[...] = vals
+        ring.take(cur)
+        if buf.tier.copies:
+            buf.uva(used)
+            self.stats_["transfers"] += 1
+            self.stats_["bytes"] += used
+        return d_idx, d_val
 
     def kernel_for(self, parts: Sequence[_Gathered], n_elems: int) -> str:
         if parts[0].target.tier is Tier.HOST:
@@ -282,7 +361,6 @@ class _Launcher:
                 dest, vals = p.dest()
                 p.target._flat_np[dest] = vals
             return kernel
-        stager = self._stager()
         if kernel == "scatter":
             pieces = [p.dest() for p in parts]
             if len(pieces) == 1:
@@ -290,9 +368,7 @@ class _Launcher:
             else:
                 dest = np.concatenate([d for d, _ in pieces])
                 vals = np.concatenate([v for _, v in pieces])
-            with stager.step() as st:
-                d_dest = st.stage(dest)
-                d_vals = st.stage(vals)
+            d_dest, d_vals = self._pack(dest, vals)
             if len(parts) == 1:
                 parts[0].target._flat.index_copy_(0, d_dest, d_vals)
             else:
@@ -308,11 +384,10 @@ class _Launcher:
                 self.table = torch.tensor(key, dtype=torch.int64).to(self.device)
                 self.table_key = key
             assert self.table is not None
-            with stager.step() as st:
-                d_meta = st.stage(meta)
-                d_vals = st.stage(vals)
+            d_meta, d_vals = self._pack(meta, vals)
             _launch_triton(self.device, d_meta, d_vals, self.table, meta.shape[0], _block_for(longest))
-        stager.mark_consumed()
+        assert self.ring is not None
+        self.ring.mark()
         return kernel
 
 
@@ -322,11 +397,10 @@ def _edit_meta(parts: Sequence[_Gathered]) -> tuple[np.ndarray, np.ndarray, int]
     src = 0
     longest = 1
     for k, p in enumerate(parts):
-        e = p.rows.shape[0]
+        e = p.dst.shape[0]
         m = np.empty((e, 4), np.int64)
         m[:, 0] = k
-        np.multiply(p.rows, p.target.row_stride, out=m[:, 1])
-        m[:, 1] += p.starts
+        m[:, 1] = p.dst
         m[:, 2] = p.lens
         np.cumsum(p.lens, out=m[:, 3])
         m[:, 3] += src - p.lens
@@ -403,10 +477,17 @@ class StagedWriteTensor:
         self._flat_np = self._flat.numpy() if self.tier is Tier.HOST else None
         self._np_dtype = numpy_dtype(self.dtype)
         self._float_limit = None if self.dtype.is_floating_point else 2.0 ** (8 * self._np_dtype.itemsize - 1)
-        self._rows: list[int] = []
-        self._starts: list[int] = []
+        if self._float_limit is not None:
+            self._int_lo, self._int_hi = int(np.iinfo(self._np_dtype).min), int(np.iinfo(self._np_dtype).max)
+        # list-staged edits: flat offset of the first element, length, and the values (appended as
+        # given); bound methods, so a stage_write costs three list operations and no lookups
+        self._dst: list[int] = []
         self._lens: list[int] = []
         self._vals: list[Any] = []
+        self._dst_append = self._dst.append
+        self._lens_append = self._lens.append
+        self._vals_extend = self._vals.extend
+        self._vals_append = self._vals.append
         self._batches: list[_Batch] = []
         self._mark: np.ndarray | None = None
         self._launcher = _Launcher(self.device, self.max_concurrency, _CAPACITY)
@@ -437,7 +518,7 @@ class StagedWriteTensor:
     @property
     def num_staged(self) -> int:
         """Edits staged and not yet applied (empty ones are not kept)."""
-        return len(self._rows) + sum(len(b.rows) for b in self._batches)
+        return len(self._dst) + sum(len(b.dst) for b in self._batches)
 
     # --- staging ---
 
@@ -447,14 +528,12 @@ class StagedWriteTensor:
         The row and the column range are checked now; values given as a list are
         checked at apply (with the whole batch), other inputs now.
         """
-        if type(values) is list and type(index) is int and type(start) is int \
-                and 0 <= index < self.rows and start >= 0:
+        if type(values) is list and type(index) is int and type(start) is int:
             n = len(values)
-            if n and start + n <= self.cols:
-                self._rows.append(index)
-                self._starts.append(start)
-                self._lens.append(n)
-                self._vals.extend(values)
+            if 0 <= index < self.rows and start >= 0 and start + n <= self.cols and n:
+                self._dst_append(index * self.row_stride + start)
+                self._lens_append(n)
+                self._vals_extend(values)
                 return
         self._stage_checked(index, start, values)
 
@@ -477,22 +556,20 @@ class StagedWriteTensor:
             return
         if arr is None:
             assert type(values) is list
-            self._rows.append(row)
-            self._starts.append(col)
-            self._lens.append(arr_len)
-            self._vals.extend(values)
+            self._dst_append(row * self.row_stride + col)
+            self._lens_append(arr_len)
+            self._vals_extend(values)
             return
         self._seal()
-        self._batches.append(_Batch(np.array([row], np.int64), np.array([col], np.int64),
+        self._batches.append(_Batch(np.array([row * self.row_stride + col], np.int64),
                                     np.array([arr_len], np.int64), arr.copy(), True))
 
     def stage_write_elem(self, index: int, value: Any) -> None:
         """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target)."""
         if type(index) is int and 0 <= index < self.rows and (type(value) is int or type(value) is float):
-            self._rows.append(index)
-            self._starts.append(0)
-            self._lens.append(1)
-            self._vals.append(value)
+            self._dst_append(index * self.row_stride)
+            self._lens_append(1)
+            self._vals_append(value)
             return
         if isinstance(value, (list, tuple)):
             raise ValueError(f"value is a {type(value).__name__}; stage_write_elem takes one scalar")
@@ -569,13 +646,22 @@ class StagedWriteTensor:
         if not r.shape[0]:
             return
         self._seal()
-        self._batches.append(_Batch(r.copy(), s.copy(), lens.copy(), np.array(flat, copy=True), True))
+        self._batches.append(_Batch(r * self.row_stride + s, lens.copy(), np.array(flat, copy=True), True))
 
     def _seal(self) -> None:
         """Move the list-staged edits into a batch, so later batches keep staging order."""
-        if self._rows:
-            self._batches.append(_Batch(self._rows, self._starts, self._lens, self._vals, False))
-            self._rows, self._starts, self._lens, self._vals = [], [], [], []
+        if self._dst:
+            self._batches.append(_Batch(self._dst[:], self._lens[:], self._vals[:], False))
+            self._clear_lists()
+
+    def _clear_lists(self) -> None:
+        self._dst.clear()
+        self._lens.clear()
+        self._vals.clear()
+
+    def _where(self, dst: int) -> tuple[int, int]:
+        """(index, start) of a flat offset."""
+        return divmod(int(dst), self.row_stride)
 
     def _checked(self, values: Any, name: str) -> np.ndarray:
         """``values`` as a 1-D array of the target dtype; raises if a value would change."""
@@ -603,11 +689,11 @@ class StagedWriteTensor:
     def pending_writes(self) -> list[tuple[int, int, list[Any]]]:
         """The staged edits, in staging order: ``(index, start, values)``."""
         out: list[tuple[int, int, list[Any]]] = []
-        for b in [*self._batches, _Batch(self._rows, self._starts, self._lens, self._vals, False)]:
+        for b in [*self._batches, _Batch(self._dst, self._lens, self._vals, False)]:
             vals = b.vals.tolist() if isinstance(b.vals, np.ndarray) else b.vals
             a = 0
-            for r, s, n in zip(b.rows, b.starts, b.lens):
-                out.append((int(r), int(s), list(vals[a: a + int(n)])))
+            for d, n in zip(b.dst, b.lens):
+                out.append((*self._where(d), list(vals[a: a + int(n)])))
                 a += int(n)
         return out
 
@@ -615,42 +701,41 @@ class StagedWriteTensor:
         """Every staged edit as checked arrays (raises StagedWriteError; nothing is changed then)."""
         if self._batches:
             batches = [*self._batches]
-            if self._rows:
-                batches.append(_Batch(self._rows, self._starts, self._lens, self._vals, False))
-        elif self._rows:
-            batches = [_Batch(self._rows, self._starts, self._lens, self._vals, False)]
+            if self._dst:
+                batches.append(_Batch(self._dst, self._lens, self._vals, False))
+        elif self._dst:
+            batches = [_Batch(self._dst, self._lens, self._vals, False)]
         else:
             return None
-        rows, starts, lens, vals = [], [], [], []
+        dsts, lens, vals = [], [], []
         pos = 0
         for b in batches:
             if b.checked:
-                rows.append(b.rows)
-                starts.append(b.starts)
+                dsts.append(b.dst)
                 lens.append(b.lens)
                 vals.append(b.vals)
-                pos += b.rows.shape[0]
+                pos += b.dst.shape[0]
                 continue
             lens_b = np.array(b.lens, np.int64)
             vals.append(self._list_values(b, lens_b, pos))
-            rows.append(np.array(b.rows, np.int64))
-            starts.append(np.array(b.starts, np.int64))
+            dsts.append(np.array(b.dst, np.int64))
             lens.append(lens_b)
-            pos += len(b.rows)
+            pos += len(b.dst)
         if len(batches) == 1:
-            r, s, n, v = rows[0], starts[0], lens[0], vals[0]
+            d, n, v = dsts[0], lens[0], vals[0]
         else:
-            r, s, n, v = (np.concatenate(x) for x in (rows, starts, lens, vals))
-        e = r.shape[0]
+            d, n, v = (np.concatenate(x) for x in (dsts, lens, vals))
+        e = d.shape[0]
         dup = False
-        if e > 1:
+        if e > 1:  # two edits on one row may overlap: then apply them in order, on the host
             mark = self._mark
             if mark is None:
                 mark = self._mark = np.empty(self.rows, np.int64)
-            ar = np.arange(e, dtype=np.int64)
+            r = d // self.row_stride if self.row_stride != 1 else d
+            ar = _arange(e)
             mark[r] = ar
             dup = not np.array_equal(mark[r], ar)  # exact whichever duplicate numpy wrote last
-        return _Gathered(self, r, s, n, v, dup)
+        return _Gathered(self, d, n, v, dup)
 
     def _list_values(self, b: _Batch, lens: np.ndarray, pos: int) -> np.ndarray:
         """The values of list-staged edits as the target dtype, checked in bulk.
@@ -664,7 +749,16 @@ class StagedWriteTensor:
             a = np.array(b.vals)
         except (ValueError, TypeError, OverflowError):
             a = None
-        if (a is not None and a.ndim == 1 and a.dtype.kind in "iuf" and not self._inexact(a)
+        if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and a.size:
+            # ints (or bools among them): one range check, and a bool scan only where an edit
+            # could be all bools (every value 0 or 1); Python's min/max beat numpy's on short lists
+            vals = b.vals
+            lo, hi = (min(vals), max(vals)) if len(vals) <= 32 else (a.min(), a.max())
+            target = self._np_dtype
+            if (target.kind == "f" or self._int_lo <= lo and hi <= self._int_hi) \
+                    and (lo > 1 or hi < 0 or not self._maybe_bool_edit(vals, a, lens)):
+                return a.astype(target, copy=False)
+        elif (a is not None and a.ndim == 1 and a.dtype.kind == "f" and not self._inexact(a)
                 and not self._maybe_bool_edit(b.vals, a, lens)):
             got = self._cast_list(a)
             if got is not None:
@@ -674,7 +768,7 @@ class StagedWriteTensor:
         for k, n in enumerate(lens.tolist()):
             got, why = self._edit_values(b.vals[a0: a0 + n])
             if got is None:
-                row, start = int(b.rows[k]), int(b.starts[k])
+                row, start = self._where(b.dst[k])
                 raise StagedWriteError(
                     f"staged edit {pos + k} (stage_write(index={row}, start={start}, {n} values)) "
                     f"cannot be applied to {self.dtype}: {why}. Nothing was written and every staged edit "
@@ -773,7 +867,7 @@ class StagedWriteTensor:
 
     def clear_staged_writes(self) -> None:
         """Drop the staged edits without applying them."""
-        self._rows, self._starts, self._lens, self._vals = [], [], [], []
+        self._clear_lists()
         self._batches = []
 
     def stats(self) -> dict[str, int]:
@@ -833,7 +927,7 @@ class FusedStagedWriter:
         parts = [g for g in (t._gather() for t in targets) if g is not None]
         if not parts:
             return
-        n = sum(p.rows.shape[0] for p in parts)
+        n = sum(p.dst.shape[0] for p in parts)
         if n > self.max_writes:
             self.max_writes = 1 << (n - 1).bit_length()
             self._edit_growths += 1

@@ -30,7 +30,7 @@ import stagebuf
 from stagebuf import SlotInFlightError, StepStager, Tier, UvaBufferPool
 from stagebuf import guard as guard_mod
 from stagebuf import staged_write as sw_mod
-from stagebuf.guard import SlotRing
+from stagebuf.guard import SlotRing, StepRuleError
 from stagebuf.staged_write import StagedWriteTensor
 
 CPU = torch.device("cpu")
@@ -373,32 +373,42 @@ def test_random_rings_match_the_models(cpu_tier, monkeypatch, data):
     assert stream.records <= value  # never more than one event per use
 
 
-# --- where the step clock is not enough (documented, not fixed) ---------------------------
+# --- a ring that skips a step: begin_step() protects it, STAGEBUF_CHECK=1 catches the misuse --------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "design: a ring that skipped a step and stages first in the next one is counted in the step "
-    "before, whose event is recorded when another ring stages again, before this use's consumers "
-    "are enqueued; its slot can come round while they still read it (guard.py: StepClock)"))
-def test_a_ring_that_skips_a_step_is_still_protected(cpu_tier, stream):
+def _skipping_ring_program(stream, begin: bool) -> tuple[UvaBufferPool, list[int]]:
+    """Steps 0-3 of a pool ``a`` used every step and a pool ``x`` that skips step 1.
+
+    Without ``begin_step()``, x's first staging in step 2 is counted in step 1, whose event is
+    recorded when ``a`` stages again, before step 2's kernels are enqueued.
+    """
     a = UvaBufferPool(4, torch.int32, max_concurrency=2, device="cpu", guard="wait")  # every step
     x = UvaBufferPool(4, torch.int32, max_concurrency=2, device="cpu", guard="raise")  # not in step 1
     launches: list[int] = []  # per step: the serial when its kernels were enqueued
 
-    def launch() -> None:
-        launches.append(stream.records)
+    def step(k: int, pools: list[UvaBufferPool]) -> None:
+        if begin:
+            stagebuf.begin_step("cpu")
+        for p in pools:
+            p.copy_to_uva([k])
+        launches.append(stream.records)  # the step's kernels
 
-    a.copy_to_uva([0])
-    x.copy_to_uva([0])
-    launch()  # step 0
-    a.copy_to_uva([1])
-    launch()  # step 1: x stages nothing
-    x.copy_to_uva([2])  # step 2: x first (its slot 1), then a, which ends "the step" before the launch
-    a.copy_to_uva([2])
-    launch()
+    step(0, [a, x])
+    step(1, [a])
+    step(2, [x, a])
     stream.catch_up()  # the device is done with every event so far, not with step 2's kernels
     assert launches[2] == stream.records  # step 2's kernels come after every recorded event
-    a.copy_to_uva([3])  # step 3
-    x.copy_to_uva([3])  # x's slot 0: step 0's use, long done
-    launch()
+    step(3, [a, x])  # x's slot 0: step 0's use, long done
+    return x, launches
+
+
+def test_begin_step_protects_a_ring_that_skips_a_step(cpu_tier, stream):
+    x, _ = _skipping_ring_program(stream, begin=True)
     with pytest.raises(SlotInFlightError):  # x's slot 1 still feeds step 2's kernels
         x.copy_to_uva([4])  # step 4
+
+
+def test_check_mode_catches_a_skipping_ring_without_begin_step(cpu_tier, stream, monkeypatch):
+    monkeypatch.setenv("STAGEBUF_CHECK", "1")
+    x, _ = _skipping_ring_program(stream, begin=False)
+    with pytest.raises(StepRuleError, match="begin_step"):
+        x.copy_to_uva([4])  # the clock would release x's slot 1, which step 2's kernels still read

@@ -13,7 +13,7 @@ from typing import Any
 
 from .async_copy import async_copy_to_gpu
 from .buffers import HostBuffer, NonUvaBuffer, PinnedBuffer, StagingBuffer, UvaBuffer, make_buffer
-from .guard import SlotInFlightError
+from .guard import SlotInFlightError, StepRuleError, begin_step
 from .memory import DeviceAllocationError, PinnedAllocationError
 from .param_table import DeviceParamTable, ParamField
 from .pool import UvaBackedTensor, UvaBufferPool, set_default_max_concurrency
@@ -25,7 +25,7 @@ from .probe import (
     is_uva_available,
     reset_capabilities,
 )
-from .staged_write import FusedStagedWriter, StagedWriteTensor
+from .staged_write import FusedStagedWriter, StagedWriteError, StagedWriteTensor
 from .stager import Step, StepStager
 from .tier import Tier
 from .uva import UvaError
@@ -44,6 +44,8 @@ __all__ = [
     "PinnedAllocationError",
     "PinnedBuffer",
     "SlotInFlightError",
+    "StagedWriteError",
+    "StepRuleError",
     "StagingBuffer",
     "Step",
     "StepStager",
@@ -54,6 +56,7 @@ __all__ = [
     "UvaBufferPool",
     "UvaError",
     "async_copy_to_gpu",
+    "begin_step",
     "capabilities",
     "is_pin_memory_available",
     "is_uva_available",

@@ -17,6 +17,7 @@ object on the hot path), else ``torch.cuda.Event``.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Protocol
 
 import torch
@@ -28,6 +29,14 @@ GUARD_MODES = ("auto", "wait", "raise", "off")
 
 class SlotInFlightError(RuntimeError):
     """A slot came round again while the device may still read it (guard='raise')."""
+
+
+class StepRuleError(RuntimeError):
+    """STAGEBUF_CHECK=1: the step clock would have released a slot the device may still read."""
+
+
+def _check_mode() -> bool:
+    return os.environ.get("STAGEBUF_CHECK", "").strip() not in ("", "0")
 
 
 class Event(Protocol):
@@ -137,7 +146,7 @@ class StepClock:
     where a guard per ring records and queries one per call.
     """
 
-    __slots__ = ("device", "factory", "active", "tick", "serial", "_events", "_done", "_tick_end")
+    __slots__ = ("device", "factory", "active", "tick", "serial", "_events", "_done", "_tick_end", "held")
 
     def __init__(self, device: torch.device, factory: Any):
         self.device = device
@@ -148,6 +157,8 @@ class StepClock:
         """Events recorded so far (the next event's serial)."""
         self._events: list[Event | None] = [None] * _CLOCK_EVENTS
         self._done = [-1] * _CLOCK_EVENTS
+        self.held = [-1] * _CLOCK_EVENTS
+        """Per event object: the serial it was last recorded as."""
         """Per event object: the latest serial known to be complete."""
         self._tick_end = [-1] * _CLOCK_EVENTS
         """Per step (mod _CLOCK_EVENTS): the serial of the event that ended it."""
@@ -162,6 +173,7 @@ class StepClock:
             ev = self._events[i] = self.factory(self.device)
         assert ev is not None
         ev.record()
+        self.held[i] = k
         self.serial = k + 1
         return k
 
@@ -209,6 +221,21 @@ def step_clock(device: torch.device) -> StepClock:
     return clock
 
 
+def begin_step(device: Any = None) -> None:
+    """Begin a step on ``device``'s step clock (``None``: the default device).
+
+    The clock finds step boundaries by itself when every ring stages once per
+    step. An engine with a ring that skips steps (or stages twice in one) calls
+    this at the start of each step; it records the event that ends the last step.
+    """
+    from .probe import capabilities
+
+    dev = capabilities(device).device
+    clock = step_clock(dev)
+    if clock.active:
+        clock.end_step()
+
+
 class SlotRing:
     """A ring of ``n`` slots taken in turn, guarded by the device's step clock.
 
@@ -223,7 +250,7 @@ class SlotRing:
     """
 
     __slots__ = ("mode", "active", "waits", "n", "cur", "seq", "clock", "_what", "_tick", "_serial",
-                 "_owner", "_last_tick", "_last_marked")
+                 "_owner", "_last_tick", "_last_marked", "_exact")
 
     def __init__(self, n: int, device: torch.device, mode: str, tier: Tier, what: str = "slot"):
         if mode not in GUARD_MODES:
@@ -243,6 +270,9 @@ class SlotRing:
         self._owner = [-1] * n  # per slot: the number of its last use
         self._last_tick = -1  # the step of the current use
         self._last_marked = False
+        # STAGEBUF_CHECK=1: also an event of this ring's own per use (recorded when its consumers are
+        # known to be enqueued), to catch the step clock releasing a slot whose readers still run
+        self._exact: list[int] | None = [-1] * n if self.active and _check_mode() else None
 
     @property
     def guard(self) -> SlotRing:
@@ -264,8 +294,11 @@ class SlotRing:
             if self._last_marked:
                 if self._serial[self.cur] >= clock.serial:
                     clock.record()
-            elif self._last_tick == clock.tick:
-                clock.end_step()  # this ring stages again: the step it staged in is over
+            else:
+                if self._last_tick == clock.tick:
+                    clock.end_step()  # this ring stages again: the step it staged in is over
+                if self._exact is not None:  # its consumers are enqueued by now (the ring's contract)
+                    self._exact[self.cur] = clock.record()
         owner = self._owner[slot]
         if owner < 0:
             return slot
@@ -275,6 +308,8 @@ class SlotRing:
         if k < 0 or k >= clock.serial:  # not covered yet (cannot happen in order): cover it now
             k = clock.record()
         if clock.done(k):
+            if self._exact is not None:
+                self._verify(slot, owner)
             return slot
         if self.mode == "raise":
             raise SlotInFlightError(
@@ -285,6 +320,20 @@ class SlotRing:
         clock.wait(k)
         self.waits += 1
         return slot
+
+    def _verify(self, slot: int, owner: int) -> None:
+        """Check mode: the step clock released ``slot``; its own event must agree."""
+        assert self._exact is not None
+        k = self._exact[slot]
+        clock = self.clock
+        if k < 0 or self._serial[slot] >= 0 or clock.held[k % _CLOCK_EVENTS] != k or clock.done(k):
+            return  # (an event object recorded again since cannot say: no verdict)
+        raise StepRuleError(
+            f"{self._what} {slot}: the step clock released it for use {self.seq}, but the device may "
+            f"still read use {owner}. A ring staged in a step the clock did not see begin (one that "
+            "skips steps and stages first in a later one, or stages twice in one step). Fix: call "
+            "stagebuf.begin_step() at the start of every step."
+        )
 
     def take(self, slot: int) -> int:
         """Take ``slot`` (from ``next()``) for the next use; returns that use's number."""
@@ -298,4 +347,6 @@ class SlotRing:
             self._owner[slot] = use
             self._last_tick = t
             self._last_marked = False
+            if self._exact is not None:
+                self._exact[slot] = -1
         return use

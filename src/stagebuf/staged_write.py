@@ -489,6 +489,7 @@ class StagedWriteTensor:
         self._vals_extend = self._vals.extend
         self._vals_append = self._vals.append
         self._batches: list[_Batch] = []
+        self._lens_cache: dict[tuple[int, int], np.ndarray] = {}
         self._mark: np.ndarray | None = None
         self._launcher = _Launcher(self.device, self.max_concurrency, _CAPACITY)
         self.kernel = "host" if self.tier is Tier.HOST else "scatter"
@@ -593,6 +594,21 @@ class StagedWriteTensor:
         ``lengths[i]`` values are the edits. Everything is checked now, with
         numpy; a bad edit raises naming its position and stages nothing.
         """
+        if (lengths is None and type(rows) is np.ndarray and type(starts) is np.ndarray
+                and type(values) is np.ndarray and values.dtype == self._np_dtype and rows.ndim == 1
+                and rows.dtype.kind in "iu" and starts.dtype.kind in "iu" and values.ndim in (1, 2)
+                and rows.shape[0] == starts.shape[0] == values.shape[0] > 0):
+            # the common case, checked with four reductions: typed arrays, every edit of one length
+            e = rows.shape[0]
+            width = 1 if values.ndim == 1 else values.shape[1]
+            if width and rows.min() >= 0 and rows.max() < self.rows and starts.min() >= 0 \
+                    and starts.max() + width <= self.cols:
+                dst = rows.astype(np.int64)
+                dst *= self.row_stride
+                dst += starts
+                self._seal()
+                self._batches.append(_Batch(dst, self._full_lens(e, width), values.reshape(-1).copy(), True))
+                return
         r = _ints(rows, "rows")
         s = _ints(starts, "starts")
         e = r.shape[0]
@@ -647,6 +663,16 @@ class StagedWriteTensor:
             return
         self._seal()
         self._batches.append(_Batch(r * self.row_stride + s, lens.copy(), np.array(flat, copy=True), True))
+
+    def _full_lens(self, e: int, width: int) -> np.ndarray:
+        """``np.full(e, width)`` (int64), cached: read-only downstream."""
+        key = (e, width)
+        a = self._lens_cache.get(key)
+        if a is None:
+            if len(self._lens_cache) >= 64:
+                self._lens_cache.clear()
+            a = self._lens_cache[key] = np.full(e, width, np.int64)
+        return a
 
     def _seal(self) -> None:
         """Move the list-staged edits into a batch, so later batches keep staging order."""
@@ -734,7 +760,7 @@ class StagedWriteTensor:
             r = d // self.row_stride if self.row_stride != 1 else d
             ar = _arange(e)
             mark[r] = ar
-            dup = not np.array_equal(mark[r], ar)  # exact whichever duplicate numpy wrote last
+            dup = bool((mark[r] != ar).any())  # exact whichever duplicate numpy wrote last
         return _Gathered(self, d, n, v, dup)
 
     def _list_values(self, b: _Batch, lens: np.ndarray, pos: int) -> np.ndarray:

@@ -339,7 +339,7 @@ class _Launcher:
     def kernel_for(self, parts: Sequence[_Gathered], n_elems: int) -> str:
         if parts[0].target.tier is Tier.HOST:
             return "host"
-        if any(p.dup for p in parts):
+        if parts[0].dup if len(parts) == 1 else any(p.dup for p in parts):
             return "scatter"  # overlaps: de-duplicated on the host, then one scatter
         want = self.forced
         if want == "auto":
@@ -354,7 +354,7 @@ class _Launcher:
 
     def apply(self, parts: Sequence[_Gathered]) -> str:
         """Write the gathered edits of ``parts``; the kernel's name."""
-        n_elems = sum(p.vals.shape[0] for p in parts)
+        n_elems = parts[0].vals.shape[0] if len(parts) == 1 else sum(p.vals.shape[0] for p in parts)
         kernel = self.kernel_for(parts, n_elems)
         if kernel == "host":
             for p in parts:
@@ -725,6 +725,12 @@ class StagedWriteTensor:
 
     def _gather(self) -> _Gathered | None:
         """Every staged edit as checked arrays (raises StagedWriteError; nothing is changed then)."""
+        if not self._batches:  # the common case: list edits only
+            if not self._dst:
+                return None
+            n = np.array(self._lens, np.int64)
+            v = self._list_values(_Batch(self._dst, self._lens, self._vals, False), n, 0)
+            return self._with_overlaps(np.array(self._dst, np.int64), n, v)
         if self._batches:
             batches = [*self._batches]
             if self._dst:
@@ -751,6 +757,10 @@ class StagedWriteTensor:
             d, n, v = dsts[0], lens[0], vals[0]
         else:
             d, n, v = (np.concatenate(x) for x in (dsts, lens, vals))
+        return self._with_overlaps(d, n, v)
+
+    def _with_overlaps(self, d: np.ndarray, n: np.ndarray, v: np.ndarray) -> _Gathered:
+        """The gathered edits, noting whether two share a row (then they may overlap)."""
         e = d.shape[0]
         dup = False
         if e > 1:  # two edits on one row may overlap: then apply them in order, on the host

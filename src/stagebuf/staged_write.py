@@ -58,7 +58,7 @@ ALLOWED_DTYPES = (torch.int32, torch.int64, torch.float32)
 KERNELS = ("auto", "scatter", "triton")
 ENV_KERNEL = "STAGEBUF_WRITE_KERNEL"
 """Forces the apply kernel (``scatter`` or ``triton``); ``auto`` (default) picks per batch."""
-TRITON_MIN_ELEMS = 1 << 15
+TRITON_MIN_ELEMS = 1 << 13
 """``auto`` uses the Triton kernel from this many staged elements on (measured: docs/DESIGN.md)."""
 MIN_BLOCK = 16
 MAX_BLOCK = 1024

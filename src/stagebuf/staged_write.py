@@ -194,11 +194,13 @@ class _Batch:
 class _Gathered:
     """One target's staged edits as arrays: first-element offsets, lengths, values."""
 
-    __slots__ = ("target", "dst", "lens", "vals", "dup")
+    __slots__ = ("target", "dst", "lens", "vals", "dup", "width")
 
     def __init__(self, target: StagedWriteTensor, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray,
-                 dup: bool):
+                 dup: bool, width: int = 0):
         self.target, self.dst, self.lens, self.vals, self.dup = target, dst, lens, vals, dup
+        self.width = width
+        """The length of every edit where they are all one length (0: unknown or mixed)."""
 
     def dest(self) -> tuple[np.ndarray, np.ndarray]:
         """Flat destination of every element, and the values, de-duplicated (later wins) if needed."""
@@ -206,6 +208,8 @@ class _Gathered:
         n = self.vals.shape[0]
         if n == first.shape[0]:  # one element per edit
             dest = first
+        elif self.width:  # every edit of one length: one broadcast add
+            dest = (first[:, None] + _arange(self.width)).reshape(-1)
         else:
             lens = self.lens
             dest = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
@@ -269,6 +273,8 @@ class _Launcher:
         self.bufs: list[StagingBuffer] = []
         self.views: list[dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor,
                                                       int]]] = []
+        self.bases: list[dict[Any, torch.Tensor]] = []
+        """Per slot: its whole device arena viewed as each dtype (views are slices of these)."""
         self.retired: list[list[StagingBuffer]] = []
         self.ring: SlotRing | None = None
         self.stats_ = {**empty_stats(), "steps": 0}
@@ -287,6 +293,7 @@ class _Launcher:
     def _start(self) -> SlotRing:
         self.bufs = [make_buffer(self.capacity, torch.uint8, self.device) for _ in range(self.n)]
         self.views = [{} for _ in range(self.n)]
+        self.bases = [{} for _ in range(self.n)]
         self.retired = [[] for _ in range(self.n)]
         tier = max(b.tier for b in self.bufs)
         self.ring = SlotRing(self.n, self.device, _GUARD_MODE, tier, "staged-write slot")
@@ -311,13 +318,24 @@ class _Launcher:
             self.retired[cur].append(buf)  # read by this slot's last launch, until it comes round
             buf = self.bufs[cur] = make_buffer(cap, torch.uint8, self.device, buf.tier)
             self.views[cur].clear()
+            self.bases[cur].clear()
             self.stats_["growths"] += 1
         elif len(self.views[cur]) >= 1024:
             self.views[cur].clear()
+        # one slice per view, from whole-arena views of each dtype (a layout seen before is a lookup)
+        bases = self.bases[cur]
+        i64 = bases.get(np.int64)
+        if i64 is None:
+            i64 = bases[np.int64] = buf.dev.view(torch.int64)
+        vt = bases.get(vals.dtype)
+        if vt is None:
+            vt = bases[vals.dtype] = buf.dev.view(_NUMPY_TO_TORCH[vals.dtype])
+        n_idx = idx.size
+        d_idx = i64[:n_idx] if idx.ndim == 1 else i64[:n_idx].view(idx.shape)
+        first = off // vals.dtype.itemsize
+        d_val = vt[first: first + vals.shape[0]]
         h_idx = buf.np[:a_bytes].view(np.int64).reshape(idx.shape)
         h_val = buf.np[off:used].view(vals.dtype)
-        d_idx = buf.dev[:a_bytes].view(torch.int64).view(idx.shape)
-        d_val = buf.dev[off:used].view(_NUMPY_TO_TORCH[vals.dtype])
         v = self.views[cur][key] = (h_idx, h_val, d_idx, d_val, used)
         return buf, v
 
@@ -728,9 +746,18 @@ class StagedWriteTensor:
         if not self._batches:  # the common case: list edits only
             if not self._dst:
                 return None
-            n = np.array(self._lens, np.int64)
-            v = self._list_values(_Batch(self._dst, self._lens, self._vals, False), n, 0)
-            return self._with_overlaps(np.array(self._dst, np.int64), n, v)
+            dl, ll = self._dst, self._lens
+            e = len(dl)
+            if e <= 32:  # a few edits: the overlap and length checks are cheaper in Python
+                w = ll[0] if ll.count(ll[0]) == e else 0
+                n = self._full_lens(e, w) if w else np.array(ll, np.int64)
+                v = self._list_values(_Batch(dl, ll, self._vals, False), n, 0)
+                stride = self.row_stride
+                dup = e > 1 and len({d // stride for d in dl} if stride != 1 else set(dl)) != e
+                return _Gathered(self, np.array(dl, np.int64), n, v, dup, w)
+            n = np.array(ll, np.int64)
+            v = self._list_values(_Batch(dl, ll, self._vals, False), n, 0)
+            return self._with_overlaps(np.array(dl, np.int64), n, v)
         if self._batches:
             batches = [*self._batches]
             if self._dst:
@@ -789,7 +816,7 @@ class StagedWriteTensor:
             # ints (or bools among them): one range check, and a bool scan only where an edit
             # could be all bools (every value 0 or 1); Python's min/max beat numpy's on short lists
             vals = b.vals
-            lo, hi = (min(vals), max(vals)) if len(vals) <= 32 else (a.min(), a.max())
+            lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
             target = self._np_dtype
             if (target.kind == "f" or self._int_lo <= lo and hi <= self._int_hi) \
                     and (lo > 1 or hi < 0 or not self._maybe_bool_edit(vals, a, lens)):

@@ -57,7 +57,8 @@ class _Slot:
         # The last step's stage() calls in order: (np dtype, shape, host view, device view,
         # end offset, torch dtype). A step that repeats it skips all checks and lookups.
         self.layout: list[tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]] = []
-        self.views: dict[tuple[int, np.dtype, tuple[int, ...]], tuple[np.ndarray, torch.Tensor]] = {}
+        self.views: dict[tuple[Any, ...], Any] = {}
+        """(offset, dtype, shape) -> (host view, device view); (arena address, dtype) -> typed arena."""
         self.retired: list[StagingBuffer] = []
         """Buffers a growth replaced: kept alive until the slot comes round again."""
 
@@ -68,9 +69,16 @@ class _Slot:
         if v is None:
             if len(self.views) >= _MAX_CACHED_VIEWS:
                 self.views.clear()
-            end = off + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            n = int(np.prod(shape, dtype=np.int64))
+            end = off + n * dtype.itemsize
             host = self.host[off:end].view(dtype).reshape(shape)
-            dev = dev_arena[off:end].view(_NUMPY_TO_TORCH[dtype]).view(shape)
+            base = self.views.get((dev_arena.data_ptr(), dtype))  # the whole arena as this dtype
+            if base is None:
+                base = self.views[(dev_arena.data_ptr(), dtype)] = dev_arena.view(_NUMPY_TO_TORCH[dtype])
+            first = off // dtype.itemsize
+            dev = base[first: first + n]
+            if len(shape) != 1:
+                dev = dev.view(shape)
             v = self.views[key] = (host, dev)
         return v
 

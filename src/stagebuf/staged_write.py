@@ -458,6 +458,42 @@ def _int_in(x: Any, name: str, lo: int, hi: int | None, what: str) -> int:
     raise ValueError(f"{name}={x!r} is not a valid {name}; allowed: {allowed}")
 
 
+def _stage_write_fn(t: StagedWriteTensor) -> Any:
+    rows, cols, stride = t.rows, t.cols, t.row_stride
+    dst_append, lens_append, vals_extend = t._dst.append, t._lens.append, t._vals.extend
+    checked = t._stage_checked
+
+    def stage_write(index: int, start: int, values: Any) -> None:
+        if type(values) is list and type(index) is int and type(start) is int:
+            n = len(values)
+            if 0 <= index < rows and start >= 0 and start + n <= cols and n:
+                dst_append(index * stride + start)
+                lens_append(n)
+                vals_extend(values)
+                return
+        checked(index, start, values)
+
+    stage_write.__doc__ = StagedWriteTensor.stage_write.__doc__
+    return stage_write
+
+
+def _stage_write_elem_fn(t: StagedWriteTensor) -> Any:
+    rows, stride = t.rows, t.row_stride
+    dst_append, lens_append, vals_append = t._dst.append, t._lens.append, t._vals.append
+    method = StagedWriteTensor.stage_write_elem
+
+    def stage_write_elem(index: int, value: Any) -> None:
+        if type(index) is int and 0 <= index < rows and (type(value) is int or type(value) is float):
+            dst_append(index * stride)
+            lens_append(1)
+            vals_append(value)
+            return
+        method(t, index, value)
+
+    stage_write_elem.__doc__ = StagedWriteTensor.stage_write_elem.__doc__
+    return stage_write_elem
+
+
 class StagedWriteTensor:
     """A zero-filled device tensor edited by staged ``(row, start, values)`` writes.
 
@@ -510,6 +546,10 @@ class StagedWriteTensor:
         self._lens_cache: dict[tuple[int, int], np.ndarray] = {}
         self._mark: np.ndarray | None = None
         self._launcher = _Launcher(self.device, self.max_concurrency, _CAPACITY)
+        # The staging calls as closures over this tensor's bounds and lists: the same code as the
+        # methods below, about a third cheaper per call (no bound-method object, no attribute loads).
+        self.stage_write = _stage_write_fn(self)  # type: ignore[method-assign]
+        self.stage_write_elem = _stage_write_elem_fn(self)  # type: ignore[method-assign]
         self.kernel = "host" if self.tier is Tier.HOST else "scatter"
         """The kernel the last apply ran: ``host``, ``scatter`` or ``triton``."""
 

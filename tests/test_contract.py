@@ -23,7 +23,9 @@ import stagebuf
 from stagebuf import StepStager
 
 HAS_CUDA = torch.cuda.is_available()
-TIERS = ["host", "pageable"] + (["uva", "pinned"] if HAS_CUDA else [])
+CPU_TIERS = ["host", "pageable"]  # PAGEABLE here copies into a CPU tensor standing in for the device
+CUDA_TIERS = ["uva", "pinned", "pageable"]
+TIERS = CPU_TIERS + (["uva", "pinned"] if HAS_CUDA else [])
 SLOTS = 2
 STEPS = 7
 
@@ -32,10 +34,11 @@ def _read(t: torch.Tensor) -> list[int]:
     return t.detach().cpu().numpy().tolist()
 
 
-def program(tier: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, list[int]]]:
+def program(tier: str, monkeypatch: pytest.MonkeyPatch, device: str | None = None
+            ) -> list[tuple[str, int, list[int]]]:
     monkeypatch.setenv("STAGEBUF_TIER", tier)
     stagebuf.reset_capabilities()
-    stager = StepStager(capacity=256, max_concurrency=SLOTS)
+    stager = StepStager(device=device, capacity=256, max_concurrency=SLOTS)
     out: list[tuple[str, int, list[int]]] = []
     kept = None
     for s in range(STEPS):
@@ -73,12 +76,25 @@ def model(check: bool) -> list[tuple[str, int, list[int]]]:
 
 
 @pytest.mark.parametrize("check", [False, True], ids=["plain", "STAGEBUF_CHECK=1"])
-def test_every_tier_observes_the_same_contract(monkeypatch, check):
+def test_every_cpu_tier_observes_the_same_contract(monkeypatch, check):
     if check:
         monkeypatch.setenv("STAGEBUF_CHECK", "1")
     want = model(check)
-    for tier in TIERS:
-        got = program(tier, monkeypatch)
+    for tier in CPU_TIERS:
+        got = program(tier, monkeypatch, "cpu")
+        assert got == want, f"tier {tier} differs from the contract"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check", [False, True], ids=["plain", "STAGEBUF_CHECK=1"])
+def test_every_cuda_tier_observes_the_same_contract(monkeypatch, check):
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    if check:
+        monkeypatch.setenv("STAGEBUF_CHECK", "1")
+    want = model(check)
+    for tier in CUDA_TIERS:
+        got = program(tier, monkeypatch, "cuda")
         assert got == want, f"tier {tier} differs from the contract"
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from .buffers import StagingBuffer, make_buffer
+from ._sealed import Sealed
+from .buffers import StagingBuffer, fill_host, make_buffer
 from .convert import check_rows, host_array, numpy_dtype, shape_of, torch_dtype
 from .guard import SlotRing
 from .tier import Tier
@@ -36,7 +37,7 @@ def empty_stats() -> dict[str, int]:
     return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0}
 
 
-class UvaBufferPool:
+class UvaBufferPool(Sealed):
     """``max_concurrency`` staging buffers used round-robin.
 
     Reuse contract: each ``copy_to_uva``/``copy_to_gpu`` takes the next slot, so
@@ -68,6 +69,7 @@ class UvaBufferPool:
         self.device = self._bufs[0].device
         self._ring = SlotRing(self.max_concurrency, self.device, guard, self.tier, "pool slot")
         self._stats = empty_stats()
+        self._freeze()
 
     @property
     def tier(self) -> Tier:
@@ -130,7 +132,7 @@ class UvaBufferPool:
         return {**self._stats, "guard_waits": self._ring.guard.waits}
 
 
-class UvaBackedTensor:
+class UvaBackedTensor(Sealed):
     """A host tensor that is the source of truth, published to the device on request.
 
     ``.cpu``/``.np`` are written by the host; ``copy_to_uva(n)`` publishes the
@@ -148,7 +150,24 @@ class UvaBackedTensor:
         self.cpu = torch.zeros(shape_of(size), dtype=self.dtype)
         self.np = self.cpu.numpy()
         self.pool = UvaBufferPool(size, self.dtype, max_concurrency, device)
-        self.gpu = self.pool.copy_to_uva(self.np)
+        self.device = self.pool.device
+        self._gpu = self.pool.copy_to_uva(self.np)
+        self._freeze()
+
+    _READ_ONLY: ClassVar[dict[str, str]] = {
+        "gpu": "copy_to_uva() sets it; write the host values through .np or .cpu",
+    }
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("np", "cpu") and "_sealed" in self.__dict__:
+            fill_host(self.np, value, self.dtype, f"UvaBackedTensor.{name}")  # copy in, checked
+            return
+        super().__setattr__(name, value)
+
+    @property
+    def gpu(self) -> torch.Tensor:
+        """The device tensor of the last ``copy_to_uva()``."""
+        return self._gpu
 
     @property
     def tier(self) -> Tier:
@@ -156,8 +175,8 @@ class UvaBackedTensor:
 
     def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
         n = check_rows(n, self.np.shape[0])
-        self.gpu = self.pool.copy_to_uva(self.np[:n])
-        return self.gpu
+        self._gpu = self.pool.copy_to_uva(self.np[:n])
+        return self._gpu
 
     def stats(self) -> dict[str, int]:
         return self.pool.stats()

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from ._sealed import Sealed
 from .buffers import StagingBuffer, UvaBuffer, make_buffer
 from .convert import _NUMPY_TO_TORCH, cast_checked, host_array, numpy_dtype, shape_of, torch_dtype
 from .guard import SlotRing
@@ -494,7 +495,7 @@ def _stage_write_elem_fn(t: StagedWriteTensor) -> Any:
     return stage_write_elem
 
 
-class StagedWriteTensor:
+class StagedWriteTensor(Sealed):
     """A zero-filled device tensor edited by staged ``(row, start, values)`` writes.
 
     ``size`` is ``(rows, cols)`` or ``n`` (n rows of one column: ``stage_write_elem(i, v)``
@@ -550,8 +551,19 @@ class StagedWriteTensor:
         # methods below, about a third cheaper per call (no bound-method object, no attribute loads).
         self.stage_write = _stage_write_fn(self)  # type: ignore[method-assign]
         self.stage_write_elem = _stage_write_elem_fn(self)  # type: ignore[method-assign]
-        self.kernel = "host" if self.tier is Tier.HOST else "scatter"
+        self._kernel = "host" if self.tier is Tier.HOST else "scatter"
+        self._freeze()
+
+    _READ_ONLY: ClassVar[dict[str, str]] = {
+        "gpu": "applies write the tensor made at construction; edit it with stage_write() + apply_write()",
+        "stage_write": "it is this tensor's staging call",
+        "stage_write_elem": "it is this tensor's staging call",
+    }
+
+    @property
+    def kernel(self) -> str:
         """The kernel the last apply ran: ``host``, ``scatter`` or ``triton``."""
+        return self._kernel
 
     def _alloc(self, uva: bool) -> torch.Tensor:
         if uva:
@@ -965,13 +977,13 @@ class StagedWriteTensor:
         g = self._gather()
         if g is None:
             return
-        self.kernel = self._launcher.apply([g])
+        self._kernel = self._launcher.apply([g])
         self.clear_staged_writes()
 
     def clear_staged_writes(self) -> None:
         """Drop the staged edits without applying them."""
         self._clear_lists()
-        self._batches = []
+        self._batches.clear()
 
     def stats(self) -> dict[str, int]:
         """This tensor's stager counters: transfers, bytes, growths, guard_waits, steps."""
@@ -982,7 +994,7 @@ class StagedWriteTensor:
                 f"tier={self.tier.name}, staged={self.num_staged})")
 
 
-class FusedStagedWriter:
+class FusedStagedWriter(Sealed):
     """Applies the staged edits of several StagedWriteTensors of one dtype: one transfer, one launch.
 
     ``max_writes`` is the expected number of edits per apply (it sizes the staging
@@ -990,12 +1002,23 @@ class FusedStagedWriter:
     """
 
     def __init__(self, device: Any = None, max_writes: int = 1024, max_concurrency: int | None = None):
-        self.max_writes = _int_in(max_writes, "max_writes", 1, None, "")
+        self._max_writes = _int_in(max_writes, "max_writes", 1, None, "")
         self.max_concurrency = slot_count(max_concurrency)
         self.device = capabilities(device).device
-        self._launcher = _Launcher(self.device, self.max_concurrency, self._capacity(self.max_writes))
+        self._launcher = _Launcher(self.device, self.max_concurrency, self._capacity(self._max_writes))
         self._edit_growths = 0
-        self.kernel = "scatter"
+        self._kernel = "scatter"
+        self._freeze()
+
+    @property
+    def kernel(self) -> str:
+        """The kernel the last apply ran: ``scatter`` or ``triton`` (``host`` on the CPU)."""
+        return self._kernel
+
+    @property
+    def max_writes(self) -> int:
+        """Edits per apply the slots are sized for (grows to the next power of two when exceeded)."""
+        return self._max_writes
 
     @staticmethod
     def _capacity(max_writes: int) -> int:
@@ -1031,10 +1054,10 @@ class FusedStagedWriter:
         if not parts:
             return
         n = sum(p.dst.shape[0] for p in parts)
-        if n > self.max_writes:
-            self.max_writes = 1 << (n - 1).bit_length()
+        if n > self._max_writes:
+            self._max_writes = 1 << (n - 1).bit_length()
             self._edit_growths += 1
-        self.kernel = self._launcher.apply(parts)
+        self._kernel = self._launcher.apply(parts)
         for p in parts:
             p.target.clear_staged_writes()
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._sealed import Sealed
 from .buffers import StagingBuffer, make_buffer
 from .convert import _NUMPY_TO_TORCH, _TORCH_TO_NUMPY, host_array
 from .guard import SlotRing
@@ -213,7 +214,7 @@ class Step:
         st._open = None
 
 
-class StepStager:
+class StepStager(Sealed):
     """Coalesced per-step staging with a slot-reuse guard.
 
     ``capacity`` is in bytes per slot. ``guard`` is ``"auto"`` (wait where the
@@ -253,6 +254,7 @@ class StepStager:
         self._ring = SlotRing(self.max_concurrency, self.device, guard, self.tier, "step slot")
         self._open: Step | None = None
         self._stats = empty_stats()
+        self._freeze()
 
     @property
     def tier(self) -> Tier:

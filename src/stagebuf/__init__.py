@@ -19,6 +19,7 @@ from .param_table import DeviceParamTable, ParamField
 from .pool import UvaBackedTensor, UvaBufferPool, set_default_max_concurrency
 from .probe import (
     Capabilities,
+    SetupError,
     TierUnavailableError,
     capabilities,
     is_pin_memory_available,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Capabilities",
+    "SetupError",
     "DeviceAllocationError",
     "DeviceParamTable",
     "FusedStagedWriter",

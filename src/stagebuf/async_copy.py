@@ -53,7 +53,7 @@ def async_copy_to_gpu(
             src = src.pin_memory()
         except Exception as e:  # memlock exhausted at run time
             warn_once(("async-copy-pin", str(caps.device)),
-                      f"stagebuf: pinning for async_copy_to_gpu failed on {caps.device} ({e}); "
+                      f"pinning for async_copy_to_gpu failed on {caps.device} ({e}); "
                       "copying from pageable memory")
     if out is not None:
         return out.copy_(src, non_blocking=True)

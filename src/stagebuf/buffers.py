@@ -284,6 +284,6 @@ def make_buffer(
             if t >= last:
                 raise
             warn_once(("runtime-fallback", str(caps.device), nxt),
-                      f"stagebuf: a {t.name} buffer could not be made on {caps.device} "
+                      f"a {t.name} buffer could not be made on {caps.device} "
                       f"({e}); falling back to tier {nxt.name} for it")
             t = nxt

@@ -388,7 +388,7 @@ def probe(device: Any = None) -> Capabilities:
     if best is not Tier.UVA:
         why = " ".join(r for r in reasons if r.startswith("No "))
         warn_once(("fallback", str(dev), best),
-                  f"stagebuf: tier {best.name} on {dev} instead of UVA: {why}")
+                  f"tier {best.name} on {dev} instead of UVA: {why}")
     caps.versions = _versions(dev)
     return caps
 
@@ -469,7 +469,7 @@ def capabilities(device: Any = None) -> Capabilities:
             caps = probe(device)
             _cache[key] = caps
             _cache[str(caps.device)] = caps
-            logger.debug("stagebuf: %s -> tier %s", caps.device, caps.tier.name)
+            logger.debug("%s -> tier %s", caps.device, caps.tier.name)
     return caps
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import stagebuf
+from helpers import force_tier
 from stagebuf.log import reset_warnings
 
 HAS_CUDA = torch.cuda.is_available()
@@ -36,16 +37,10 @@ def _fresh_probe(monkeypatch):
     reset_warnings()
 
 
-def _force(monkeypatch, tier: str) -> stagebuf.Tier:
-    monkeypatch.setenv("STAGEBUF_TIER", tier)
-    stagebuf.reset_capabilities()
-    return stagebuf.Tier.parse(tier)
-
-
 @pytest.fixture(params=CPU_TIERS)
 def cpu_tier(request, monkeypatch) -> stagebuf.Tier:
     """Every tier that runs on a CPU-only machine: HOST, and PAGEABLE targeting the CPU."""
-    return _force(monkeypatch, request.param)
+    return force_tier(monkeypatch, request.param)
 
 
 @pytest.fixture(params=GPU_TIERS)
@@ -53,7 +48,7 @@ def gpu_tier(request, monkeypatch) -> stagebuf.Tier:
     """UVA, PINNED and PAGEABLE on the CUDA device (skipped without one)."""
     if not HAS_CUDA:
         pytest.skip("needs a CUDA device")
-    return _force(monkeypatch, request.param)
+    return force_tier(monkeypatch, request.param)
 
 
 @pytest.fixture(params=["host", "pageable", "uva", "pinned"])
@@ -61,4 +56,4 @@ def any_tier(request, monkeypatch) -> stagebuf.Tier:
     """Every tier this machine can run: the CPU tiers, plus the CUDA tiers where CUDA exists."""
     if request.param in ("uva", "pinned") and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
-    return _force(monkeypatch, request.param)
+    return force_tier(monkeypatch, request.param)

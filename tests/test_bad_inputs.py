@@ -36,6 +36,7 @@ import pytest
 import torch
 
 import stagebuf
+from helpers import force_tier, read_back
 from stagebuf import (
     HostBuffer,
     PinnedBuffer,
@@ -54,13 +55,6 @@ from stagebuf.staged_write import FusedStagedWriter, StagedWriteError, StagedWri
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "RELIABILITY.md"
 BEGIN, END = "<!-- bad-input-matrix:begin -->", "<!-- bad-input-matrix:end -->"
-
-
-def read(t: torch.Tensor) -> np.ndarray:
-    if t.device.type == "cuda":
-        t = t.clone()
-        torch.cuda.synchronize(t.device)
-    return t.cpu().numpy()
 
 
 class Ctx:
@@ -106,13 +100,13 @@ class Ctx:
     def after_apply_error(self) -> None:
         """An apply refused a bad staged value: nothing written, every edit still staged; drop the bad one."""
         for t, first in ((self.swt, (1, 2, [7, 8, 9])), (self.swf, (0, 1, [1.5, -2.5]))):
-            np.testing.assert_array_equal(read(t.gpu), 0)
+            np.testing.assert_array_equal(read_back(t.gpu), 0)
             pending = t.pending_writes()
             assert pending[0] == first and t.num_staged == len(pending)
             if len(pending) > 1:  # the bad edit: still staged, after the earlier one
                 t.clear_staged_writes()
                 t.stage_write(*first)
-        np.testing.assert_array_equal(read(self.swf2.gpu), 0)
+        np.testing.assert_array_equal(read_back(self.swf2.gpu), 0)
         assert self.swf2.pending_writes() == [(1, 0, [4.5])]
 
     def intact(self) -> None:
@@ -120,29 +114,29 @@ class Ctx:
         if not self.advanced:  # one more good call: the bad one took no slot, so ta still holds
             b = np.array([9], np.int32)
             tb = self.pool.copy_to_uva(b)
-            np.testing.assert_array_equal(read(self.ta), self.a)
-            np.testing.assert_array_equal(read(tb), b)
+            np.testing.assert_array_equal(read_back(self.ta), self.a)
+            np.testing.assert_array_equal(read_back(tb), b)
             b2 = np.ones((1, 3), np.float32)
             tb2 = self.pool2.copy_to_uva(b2)
-            np.testing.assert_array_equal(read(self.ta2), self.a2)
-            np.testing.assert_array_equal(read(tb2), b2)
-        np.testing.assert_array_equal(read(self.bt.gpu), [10, 20, 30, 40])
+            np.testing.assert_array_equal(read_back(self.ta2), self.a2)
+            np.testing.assert_array_equal(read_back(tb2), b2)
+        np.testing.assert_array_equal(read_back(self.bt.gpu), [10, 20, 30, 40])
         np.testing.assert_array_equal(self.bt.np, [10, 20, 30, 40, 50])
         if not self.step.done:
             extra = np.array([3.5, 4.5])
             te = self.step.stage(extra)
             self.step.flush()
-            np.testing.assert_array_equal(read(te), extra)
-        np.testing.assert_array_equal(read(self.ts), self.s)
+            np.testing.assert_array_equal(read_back(te), extra)
+        np.testing.assert_array_equal(read_back(self.ts), self.s)
         self.swt.apply_write()
-        np.testing.assert_array_equal(read(self.swt.gpu), self.sw_model)
+        np.testing.assert_array_equal(read_back(self.swt.gpu), self.sw_model)
         self.writer.apply([self.swf])
-        np.testing.assert_array_equal(read(self.swf.gpu), self.swf_model)
+        np.testing.assert_array_equal(read_back(self.swf.gpu), self.swf_model)
         self.writer.apply([self.swf2])
-        np.testing.assert_array_equal(read(self.swf2.gpu), [0, 4.5])
+        np.testing.assert_array_equal(read_back(self.swf2.gpu), [0, 4.5])
         assert self.table.sync()
-        np.testing.assert_array_equal(read(self.table["top_k"].gpu), [1, 2, 3, 4])
-        np.testing.assert_array_equal(read(self.table["temperature"].gpu), [0.5, 1.0, 0.0, 2.0])
+        np.testing.assert_array_equal(read_back(self.table["top_k"].gpu), [1, 2, 3, 4])
+        np.testing.assert_array_equal(read_back(self.table["temperature"].gpu), [0.5, 1.0, 0.0, 2.0])
 
 
 @dataclass(frozen=True)
@@ -173,17 +167,17 @@ def _meta(dtype: torch.dtype = torch.int32, shape: tuple[int, ...] = (3,)) -> to
 
 def _pool_grew(c: Ctx, t: torch.Tensor) -> None:
     c.advanced = True
-    np.testing.assert_array_equal(read(t), np.arange(10, dtype=np.int32))
+    np.testing.assert_array_equal(read_back(t), np.arange(10, dtype=np.int32))
 
 
 def _pool_strided(c: Ctx, t: torch.Tensor) -> None:
     c.advanced = True
-    np.testing.assert_array_equal(read(t), [0, 2, 4, 6])
+    np.testing.assert_array_equal(read_back(t), [0, 2, 4, 6])
 
 
 def _out_strided(c: Ctx, _: Any) -> None:
     c.advanced = True
-    np.testing.assert_array_equal(read(c.out), [0, 2, 4, 6])
+    np.testing.assert_array_equal(read_back(c.out), [0, 2, 4, 6])
     assert c.out_base.cpu().tolist() == [0, -1, 2, -1, 4, -1, 6, -1]  # the gaps were not written
 
 
@@ -207,26 +201,26 @@ def _sw_f16_into_int(c: Ctx) -> None:
 
 def _f16_converted(c: Ctx, t: torch.Tensor) -> None:
     c.advanced = True
-    np.testing.assert_array_equal(read(t), [1, -3, 65504])
+    np.testing.assert_array_equal(read_back(t), [1, -3, 65504])
 
 
 def _bt_n(c: Ctx, t: torch.Tensor) -> None:
-    np.testing.assert_array_equal(read(t), [10, 20, 30])
+    np.testing.assert_array_equal(read_back(t), [10, 20, 30])
     c.bt.copy_to_uva(4)  # back to what intact() expects
 
 
 def _stage_grew(c: Ctx, t: torch.Tensor) -> None:
     c.step.flush()
-    np.testing.assert_array_equal(read(t), np.arange(1000))
+    np.testing.assert_array_equal(read_back(t), np.arange(1000))
 
 
 def _stage_strided(c: Ctx, t: torch.Tensor) -> None:
     c.step.flush()
-    np.testing.assert_array_equal(read(t), [0, 2, 4, 6])
+    np.testing.assert_array_equal(read_back(t), [0, 2, 4, 6])
 
 
 def _async_strided(c: Ctx, t: torch.Tensor) -> None:
-    np.testing.assert_array_equal(read(t), [0, 2, 4, 6])
+    np.testing.assert_array_equal(read_back(t), [0, 2, 4, 6])
 
 
 def _sw_accepted(row: int, start: int, values: list[int]) -> Callable[[Ctx, Any], None]:
@@ -255,7 +249,7 @@ def _apply_swf(c: Ctx) -> Any:
 
 
 def _fused_twice(c: Ctx, _: Any) -> None:
-    np.testing.assert_array_equal(read(c.swf.gpu), c.swf_model)
+    np.testing.assert_array_equal(read_back(c.swf.gpu), c.swf_model)
     assert c.swf.num_staged == 0
 
 
@@ -650,8 +644,7 @@ TIERS = [
 def tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.node.get_closest_marker("gpu") and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    monkeypatch.setenv("STAGEBUF_TIER", request.param)
-    stagebuf.reset_capabilities()
+    force_tier(monkeypatch, request.param)
     return request.param
 
 

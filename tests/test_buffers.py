@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import fake_accelerator
 from stagebuf import (
     HostBuffer,
     NonUvaBuffer,
@@ -21,7 +22,6 @@ from stagebuf import (
     make_buffer,
 )
 from stagebuf import buffers as buffers_mod
-from stagebuf import probe as caps_mod
 from stagebuf import uva as uva_mod
 
 
@@ -140,18 +140,7 @@ def test_make_buffer_cpu_tiers_work_on_cpu(cpu_tier, tier):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A 'cuda:0' on a CPU-only machine where the probe finds UVA; allocations are CPU tensors."""
-    if torch.cuda.is_available():
-        pytest.skip("fakes an accelerator on a CPU-only machine")
-    monkeypatch.setattr(caps_mod, "_is_wsl", lambda: False)
-    monkeypatch.setattr(caps_mod, "_device_missing", lambda dev: None)
-    monkeypatch.setattr(caps_mod, "_memlock_limit", lambda: None)
-    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
-    monkeypatch.setattr(caps_mod, "_alloc_pinned", lambda n: torch.zeros(n, dtype=torch.uint8))
-    monkeypatch.setattr(uva_mod, "load_cudart", lambda: object())
-    monkeypatch.setattr(uva_mod, "device_view", lambda host, dev: host)
-    monkeypatch.setattr(buffers_mod, "alloc_host", lambda shape, dt, pinned: torch.zeros(shape, dtype=dt))
-    monkeypatch.setattr(buffers_mod, "alloc_device", lambda shape, dt, d: torch.zeros(shape, dtype=dt))
-    return monkeypatch
+    return fake_accelerator(monkeypatch, allocations=True)
 
 
 def test_fake_gpu_makes_every_explicit_tier_it_has(fake_gpu):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-import stagebuf
+from helpers import force_tier
 from stagebuf import StepStager
 
 HAS_CUDA = torch.cuda.is_available()
@@ -36,8 +36,7 @@ def _read(t: torch.Tensor) -> list[int]:
 
 def program(tier: str, monkeypatch: pytest.MonkeyPatch, device: str | None = None
             ) -> list[tuple[str, int, list[int]]]:
-    monkeypatch.setenv("STAGEBUF_TIER", tier)
-    stagebuf.reset_capabilities()
+    force_tier(monkeypatch, tier)
     stager = StepStager(device=device, capacity=256, max_concurrency=SLOTS)
     out: list[tuple[str, int, list[int]]] = []
     kept = None
@@ -76,32 +75,24 @@ def model(check: bool) -> list[tuple[str, int, list[int]]]:
 
 
 @pytest.mark.parametrize("check", [False, True], ids=["plain", "STAGEBUF_CHECK=1"])
-def test_every_cpu_tier_observes_the_same_contract(monkeypatch, check):
-    if check:
-        monkeypatch.setenv("STAGEBUF_CHECK", "1")
-    want = model(check)
-    for tier in CPU_TIERS:
-        got = program(tier, monkeypatch, "cpu")
-        assert got == want, f"tier {tier} differs from the contract"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("check", [False, True], ids=["plain", "STAGEBUF_CHECK=1"])
-def test_every_cuda_tier_observes_the_same_contract(monkeypatch, check):
-    if not HAS_CUDA:
+@pytest.mark.parametrize(("tiers", "device"), [
+    pytest.param(CPU_TIERS, "cpu", id="cpu"),
+    pytest.param(CUDA_TIERS, "cuda", id="cuda", marks=pytest.mark.gpu),
+])
+def test_every_tier_observes_the_same_contract(monkeypatch, tiers, device, check):
+    if device == "cuda" and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
     if check:
         monkeypatch.setenv("STAGEBUF_CHECK", "1")
     want = model(check)
-    for tier in CUDA_TIERS:
-        got = program(tier, monkeypatch, "cuda")
+    for tier in tiers:
+        got = program(tier, monkeypatch, device)
         assert got == want, f"tier {tier} differs from the contract"
 
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_static_stager_keeps_one_address_and_publishes_at_exit(monkeypatch, tier):
-    monkeypatch.setenv("STAGEBUF_TIER", tier)
-    stagebuf.reset_capabilities()
+    force_tier(monkeypatch, tier)
     stager = StepStager(capacity=256, static=True)
     ptrs, seen = set(), []
     for s in range(5):

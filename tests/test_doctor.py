@@ -12,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from helpers import no_accelerator
 from stagebuf import Tier, capabilities
 from stagebuf import doctor as doctor_mod
 from stagebuf.cli import main
@@ -19,16 +20,6 @@ from stagebuf.cli import main
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 HAS_CUDA = torch.cuda.is_available()
 TIERS = "uva, pinned, pageable, host"
-
-
-def _no_accelerator(monkeypatch: pytest.MonkeyPatch, cuda_version: str | None) -> None:
-    """This machine as one without an accelerator, torch built for ``cuda_version`` (None: CPU)."""
-    monkeypatch.setattr(torch.version, "cuda", cuda_version)
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None:
-        monkeypatch.setattr(acc, "is_available", lambda: False)
 
 
 BUILDS = [
@@ -60,7 +51,7 @@ def doctor_json(*args: str, env: dict[str, str] | None = None) -> dict:
 @pytest.mark.parametrize(("cuda", "cause", "fix"), BUILDS)
 @pytest.mark.parametrize("tier", ["uva", "pinned"])
 def test_forced_accelerator_tier_without_one(monkeypatch, cuda, cause, fix, tier):
-    _no_accelerator(monkeypatch, cuda)
+    no_accelerator(monkeypatch, cuda)
     r = doctor(env={"STAGEBUF_TIER": tier})
     assert_explained(r, f"STAGEBUF_TIER={tier} cannot work on this machine", cause,
                      "allowed      host, pageable", "unset STAGEBUF_TIER", fix)
@@ -84,7 +75,7 @@ def test_unknown_tier(value):
 @pytest.mark.parametrize(("cuda", "cause", "fix"), BUILDS)
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_cuda_device_without_a_gpu(monkeypatch, cuda, cause, fix, device):
-    _no_accelerator(monkeypatch, cuda)
+    no_accelerator(monkeypatch, cuda)
     r = doctor("--device", device)
     assert_explained(r, f"--device {device} cannot work", f"--device {device} cannot be used: {cause}",
                      "allowed      (omit --device), cpu", "omit --device", fix)
@@ -112,7 +103,7 @@ def test_tier_error_comes_first_when_both_are_wrong():
 
 @pytest.mark.parametrize(("cuda", "cause", "fix"), BUILDS)
 def test_report_names_the_torch_build(monkeypatch, cuda, cause, fix):
-    _no_accelerator(monkeypatch, cuda)
+    no_accelerator(monkeypatch, cuda)
     r = doctor()
     assert r.exit_code == 0, r.output
     build = "CPU build" if cuda is None else "CUDA 13.0 build (sees no driver or GPU)"

@@ -36,6 +36,7 @@ import pytest
 import torch
 
 import stagebuf
+from helpers import force_tier, read_back
 from stagebuf import (
     DeviceAllocationError,
     PinnedAllocationError,
@@ -180,13 +181,6 @@ def warnings_seen(caplog) -> Any:
     return seen
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
-    if t.device.type == "cuda":
-        t = t.clone()  # a device kernel reads it (through the view on UVA)
-        torch.cuda.synchronize(t.device)
-    return t.cpu().numpy()
-
-
 def _check_pool(pool: UvaBufferPool, rng: np.random.Generator, calls: int = 6, longest: int = 40) -> None:
     """Push ``calls`` inputs through ``pool``; the last max_concurrency results must all be intact."""
     live: list[tuple[torch.Tensor, np.ndarray]] = []
@@ -194,7 +188,7 @@ def _check_pool(pool: UvaBufferPool, rng: np.random.Generator, calls: int = 6, l
         a = rng.integers(-(2**31), 2**31 - 1, int(rng.integers(0, longest + 1))).astype(np.int32)
         live = (live + [(pool.copy_to_uva(a), a)])[-pool.max_concurrency:]
         for t, want in live:
-            np.testing.assert_array_equal(_host(t), want)
+            np.testing.assert_array_equal(read_back(t), want)
 
 
 def _check_stager(stager: StepStager, rng: np.random.Generator, steps: int = 4) -> None:
@@ -204,7 +198,7 @@ def _check_stager(stager: StepStager, rng: np.random.Generator, steps: int = 4) 
         with stager.step() as s:
             outs = [s.stage(a) for a in arrays]
         for t, a in zip(outs, arrays, strict=True):
-            np.testing.assert_array_equal(_host(t), a)
+            np.testing.assert_array_equal(read_back(t), a)
 
 
 # --------------------------------------------------------------------------- probe-time faults
@@ -296,8 +290,8 @@ def test_pinned_allocation_failing_at_pool_growth(drv, warnings_seen):
     b = rng.integers(-1000, 1000, 100).astype(np.int32)
     tb = pool.copy_to_uva(b)  # the second slot grows 4 -> 128 while pinned memory is refused
     assert pool.tier is Tier.PAGEABLE and pool.stats()["growths"] == 1
-    np.testing.assert_array_equal(_host(ta), a)  # the other slot is untouched
-    np.testing.assert_array_equal(_host(tb), b)
+    np.testing.assert_array_equal(read_back(ta), a)  # the other slot is untouched
+    np.testing.assert_array_equal(read_back(tb), b)
     _check_pool(pool, rng, calls=8, longest=300)  # the other slot grows too, and falls back
     assert drv.injected >= 2
     assert len(warnings_seen()) == 1, warnings_seen()
@@ -318,7 +312,7 @@ def test_pinned_allocation_failing_at_stager_growth(drv, warnings_seen):
         t_big = s.stage(big)  # grows the slot: pinned refused, falls back for this slot
     assert stager.tier is Tier.PAGEABLE and stager.stats()["growths"] == 1
     for t, want in ((t_first, first), (t_small, small), (t_big, big)):
-        np.testing.assert_array_equal(_host(t), want)
+        np.testing.assert_array_equal(read_back(t), want)
     _check_stager(stager, rng)
     assert drv.injected >= 1
     assert len(warnings_seen()) == 1, warnings_seen()
@@ -331,11 +325,11 @@ def test_device_view_failing_at_construction_falls_back_to_pinned(drv, warnings_
     pool = UvaBufferPool(8, torch.float32, max_concurrency=2, device=DEV)
     assert pool.tier is Tier.PINNED
     a = rng.standard_normal(8).astype(np.float32)
-    np.testing.assert_array_equal(_host(pool.copy_to_uva(a)), a)
+    np.testing.assert_array_equal(read_back(pool.copy_to_uva(a)), a)
     bt = UvaBackedTensor(5, torch.int64, device=DEV)
     assert bt.tier is Tier.PINNED
     bt.np[:] = [5, 4, 3, 2, 1]
-    np.testing.assert_array_equal(_host(bt.copy_to_uva(3)), [5, 4, 3])
+    np.testing.assert_array_equal(read_back(bt.copy_to_uva(3)), [5, 4, 3])
     w = warnings_seen()
     assert len(w) == 1 and "UVA" in w[0] and "cudaHostGetDevicePointer" in w[0]
 
@@ -374,14 +368,14 @@ def test_pinned_allocation_failing_at_staged_write_growth(drv, warnings_seen):
     for e in big:
         swt.stage_write(*e)
     swt.apply_write()
-    np.testing.assert_array_equal(_host(swt.gpu), _sw_model(model, big))
+    np.testing.assert_array_equal(read_back(swt.gpu), _sw_model(model, big))
     assert swt.stats()["growths"] >= 1 and drv.injected >= 1
     assert len(warnings_seen()) == 1, warnings_seen()
 
 
 @pytest.mark.parametrize("tier", ["pinned", "pageable"])
 def test_device_oom_at_staged_write_growth_keeps_every_edit(drv, monkeypatch, warnings_seen, tier):
-    _force(monkeypatch, tier)
+    force_tier(monkeypatch, tier)
     rng = np.random.default_rng(13)
     swt = StagedWriteTensor((64, 256), torch.int32, DEV)
     model = np.zeros((64, 256), np.int32)
@@ -398,15 +392,15 @@ def test_device_oom_at_staged_write_growth_keeps_every_edit(drv, monkeypatch, wa
     with pytest.raises(DeviceAllocationError, match="out of device memory"):
         swt.apply_write()
     assert swt.num_staged == staged  # nothing staged was lost...
-    np.testing.assert_array_equal(_host(swt.gpu), model)  # ...and nothing half-applied
+    np.testing.assert_array_equal(read_back(swt.gpu), model)  # ...and nothing half-applied
     drv.oom_above = None
     swt.apply_write()
-    np.testing.assert_array_equal(_host(swt.gpu), _sw_model(model, big))
+    np.testing.assert_array_equal(read_back(swt.gpu), _sw_model(model, big))
     assert swt.num_staged == 0 and drv.injected == 1 and warnings_seen() == []
 
 
 def test_device_oom_at_fused_apply_keeps_every_edit(drv, monkeypatch, warnings_seen):
-    _force(monkeypatch, "pinned")
+    force_tier(monkeypatch, "pinned")
     rng = np.random.default_rng(14)
     ts = [StagedWriteTensor((32, 128), torch.int32, DEV) for _ in range(3)]
     models = [np.zeros((32, 128), np.int32) for _ in ts]
@@ -422,7 +416,7 @@ def test_device_oom_at_fused_apply_keeps_every_edit(drv, monkeypatch, warnings_s
     drv.oom_above = None
     writer.apply(ts)
     for t, m, es in zip(ts, models, edits, strict=True):
-        np.testing.assert_array_equal(_host(t.gpu), _sw_model(m, es))
+        np.testing.assert_array_equal(read_back(t.gpu), _sw_model(m, es))
     assert warnings_seen() == []
 
 
@@ -437,7 +431,7 @@ def test_pinned_allocation_failing_for_a_uva_staged_write_target(drv, warnings_s
     want = np.zeros((4, 8), np.int64)
     want[2, 3:6] = [1, 2, 3]
     want[0, 0] = -5
-    np.testing.assert_array_equal(_host(swt.gpu), want)
+    np.testing.assert_array_equal(read_back(swt.gpu), want)
     StagedWriteTensor((4, 8), torch.int64, DEV, uva_instead_of_gpu=True).apply_write()
     w = warnings_seen()
     # the target's storage and the apply's staging slots each fall back, each said once
@@ -454,13 +448,13 @@ def test_pinned_allocation_failing_for_param_table_slots(drv, warnings_seen):
         table["temperature"].np[:] = np.linspace(0, 1, 6, dtype=np.float32) * i
         table["top_k"].np[i] = i + 1
         assert table.sync()
-        np.testing.assert_array_equal(_host(table["temperature"].gpu), table["temperature"].np)
-        np.testing.assert_array_equal(_host(table["top_k"].gpu), table["top_k"].np)
+        np.testing.assert_array_equal(read_back(table["temperature"].gpu), table["temperature"].np)
+        np.testing.assert_array_equal(read_back(table["top_k"].gpu), table["top_k"].np)
     assert len(warnings_seen()) == 1, warnings_seen()
 
 
 def test_device_oom_at_param_table_construction(drv, monkeypatch):
-    _force(monkeypatch, "pinned")
+    force_tier(monkeypatch, "pinned")
     drv.oom_above = 1 << 20
     with pytest.raises(DeviceAllocationError, match=r"out of device memory allocating \d+ bytes"):
         DeviceParamTable(1 << 20, {"temperature": torch.float32, "seed": torch.int64}, DEV)
@@ -468,17 +462,12 @@ def test_device_oom_at_param_table_construction(drv, monkeypatch):
     table = DeviceParamTable(8, {"temperature": torch.float32}, DEV)  # smaller: works
     table["temperature"].np[:] = 0.5
     assert table.sync()
-    np.testing.assert_array_equal(_host(table["temperature"].gpu), np.full(8, 0.5, np.float32))
-
-
-def _force(monkeypatch: pytest.MonkeyPatch, tier: str) -> None:
-    monkeypatch.setenv("STAGEBUF_TIER", tier)
-    stagebuf.reset_capabilities()
+    np.testing.assert_array_equal(read_back(table["temperature"].gpu), np.full(8, 0.5, np.float32))
 
 
 @pytest.mark.parametrize("tier", ["pinned", "pageable"])
 def test_device_oom_at_pool_growth_raises_and_keeps_slots(drv, monkeypatch, warnings_seen, tier):
-    _force(monkeypatch, tier)
+    force_tier(monkeypatch, tier)
     pool = UvaBufferPool(4, torch.int32, max_concurrency=2, device=DEV)
     a = np.array([1, 2, 3, 4], np.int32)
     ta = pool.copy_to_uva(a)
@@ -487,8 +476,8 @@ def test_device_oom_at_pool_growth_raises_and_keeps_slots(drv, monkeypatch, warn
         pool.copy_to_uva(np.arange(1000, dtype=np.int32))
     b = np.array([9, 8], np.int32)
     tb = pool.copy_to_uva(b)  # the failed call took no slot: a is still within the window
-    np.testing.assert_array_equal(_host(ta), a)
-    np.testing.assert_array_equal(_host(tb), b)
+    np.testing.assert_array_equal(read_back(ta), a)
+    np.testing.assert_array_equal(read_back(tb), b)
     assert pool.stats()["growths"] == 0
     drv.oom_above = None
     _check_pool(pool, np.random.default_rng(9))  # and the pool still grows once memory is back
@@ -497,7 +486,7 @@ def test_device_oom_at_pool_growth_raises_and_keeps_slots(drv, monkeypatch, warn
 
 
 def test_device_oom_at_stager_growth_raises_and_keeps_steps(drv, monkeypatch, warnings_seen):
-    _force(monkeypatch, "pinned")
+    force_tier(monkeypatch, "pinned")
     stager = StepStager(device=DEV, capacity=64, max_concurrency=2)
     with stager.step() as s:
         a = np.arange(10, dtype=np.int32)
@@ -507,7 +496,7 @@ def test_device_oom_at_stager_growth_raises_and_keeps_steps(drv, monkeypatch, wa
         s.stage(np.arange(3, dtype=np.int32))
         s.stage(np.arange(1000, dtype=np.int64))
     drv.oom_above = None
-    np.testing.assert_array_equal(_host(ta), a)  # the abandoned step used the other slot
+    np.testing.assert_array_equal(read_back(ta), a)  # the abandoned step used the other slot
     _check_stager(stager, np.random.default_rng(10))
     assert drv.injected == 1 and warnings_seen() == []
 
@@ -574,8 +563,8 @@ def test_guard_refusal_takes_no_pool_slot(cpu_tier, stuck_events):
         pool.copy_to_uva(c)
     stuck_events.released = True  # the device caught up
     tc = pool.copy_to_uva(c)  # must take slot 0, the one refused, not overwrite b's slot
-    np.testing.assert_array_equal(_host(tb), b)
-    np.testing.assert_array_equal(_host(tc), c)
+    np.testing.assert_array_equal(read_back(tb), b)
+    np.testing.assert_array_equal(read_back(tc), c)
 
 
 def test_guard_refusal_takes_no_stager_slot(cpu_tier, stuck_events):
@@ -591,8 +580,8 @@ def test_guard_refusal_takes_no_stager_slot(cpu_tier, stuck_events):
     with stager.step() as s:
         c = np.full(3, 3, np.int32)
         tc = s.stage(c)
-    np.testing.assert_array_equal(_host(tb), b)
-    np.testing.assert_array_equal(_host(tc), c)
+    np.testing.assert_array_equal(read_back(tb), b)
+    np.testing.assert_array_equal(read_back(tc), c)
 
 
 # --------------------------------------------------------------------------- a tiny memlock limit, for real
@@ -686,7 +675,7 @@ def test_async_copy_pinning_failing_at_run_time(monkeypatch, warnings_seen):
     monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
     for i in range(3):
         a = np.arange(1000, dtype=np.int64) * (i + 1)
-        np.testing.assert_array_equal(_host(stagebuf.async_copy_to_gpu(a)), a)
+        np.testing.assert_array_equal(read_back(stagebuf.async_copy_to_gpu(a)), a)
     w = warnings_seen()
     assert len(w) == 1 and "pageable" in w[0]
 
@@ -711,7 +700,7 @@ def device_memory_cap() -> Iterator[int]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["pinned", "pageable"])
 def test_real_device_oom_at_pool_growth(monkeypatch, device_memory_cap, tier):
-    _force(monkeypatch, tier)
+    force_tier(monkeypatch, tier)
     pool = UvaBufferPool(4, torch.int32, max_concurrency=2)
     a = np.array([1, 2, 3, 4], np.int32)
     ta = pool.copy_to_uva(a)
@@ -720,19 +709,19 @@ def test_real_device_oom_at_pool_growth(monkeypatch, device_memory_cap, tier):
         pool.copy_to_uva(big)
     b = np.array([5, 6], np.int32)
     tb = pool.copy_to_uva(b)
-    np.testing.assert_array_equal(_host(ta), a)
-    np.testing.assert_array_equal(_host(tb), b)
+    np.testing.assert_array_equal(read_back(ta), a)
+    np.testing.assert_array_equal(read_back(tb), b)
 
 
 @pytest.mark.gpu
 def test_real_device_oom_at_stager_growth(monkeypatch, device_memory_cap):
-    _force(monkeypatch, "pinned")
+    force_tier(monkeypatch, "pinned")
     stager = StepStager(capacity=1 << 12, max_concurrency=2)
     with stager.step() as s:
         a = np.arange(100, dtype=np.int64)
         ta = s.stage(a)
     with pytest.raises(DeviceAllocationError, match="out of device memory"), stager.step() as s:
         s.stage(np.zeros(64 << 20, np.int32))
-    np.testing.assert_array_equal(_host(ta), a)
+    np.testing.assert_array_equal(read_back(ta), a)
     _check_stager(stager, np.random.default_rng(11))
 

@@ -46,7 +46,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import stagebuf
+from helpers import FakeStream, force_tier, read_back
 from stagebuf import StepStager, Tier, UvaBackedTensor, UvaBufferPool
 from stagebuf import guard as guard_mod
 from stagebuf import staged_write as sw_mod
@@ -134,14 +134,6 @@ def as_input(a: np.ndarray, kind: str) -> Any:
     return a.copy()
 
 
-def read(t: torch.Tensor) -> np.ndarray:
-    """What the device holds: on CUDA a kernel reads it (through the view on UVA) first."""
-    if t.device.type == "cuda":
-        t = t.clone()
-        torch.cuda.synchronize(t.device)
-    return t.cpu().numpy()
-
-
 def same(got: np.ndarray, want: np.ndarray) -> bool:
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
@@ -152,7 +144,7 @@ def same(got: np.ndarray, want: np.ndarray) -> bool:
 
 
 def assert_same(t: torch.Tensor, want: np.ndarray, what: str) -> None:
-    got = read(t)
+    got = read_back(t)
     assert same(got, want), f"{what}: device holds\n{got!r}\nmodel says\n{want!r}"
 
 
@@ -882,36 +874,6 @@ class FusedWriterMachine(TierMachine):
             m.check_pending()
 
 
-class FakeStream:
-    """CPU stand-in for a device stream: events complete in order, when synchronized or caught up."""
-
-    def __init__(self) -> None:
-        self.records = 0
-        self.done_upto = -1
-        self.syncs = 0
-
-    def event(self, device: torch.device) -> Any:
-        return _FakeEvent(self)
-
-
-class _FakeEvent:
-    def __init__(self, stream: FakeStream) -> None:
-        self.stream = stream
-        self.serial: int | None = None
-
-    def record(self) -> None:
-        self.serial = self.stream.records
-        self.stream.records += 1
-
-    def query(self) -> bool:
-        return self.serial is None or self.serial <= self.stream.done_upto
-
-    def synchronize(self) -> None:
-        self.stream.syncs += 1
-        if self.serial is not None:
-            self.stream.done_upto = max(self.stream.done_upto, self.serial)
-
-
 class SharedGuardMachine(TierMachine):
     """Two pools, a step stager and a staged-write tensor on one device, all guarded by its one step clock.
 
@@ -992,8 +954,7 @@ class SharedGuardMachine(TierMachine):
     def device_catches_up(self, behind: int) -> None:
         """The device finishes every event but the last ``behind``."""
         self.count()
-        f = self.fake
-        f.done_upto = max(f.done_upto, f.records - 1 - behind)
+        self.fake.catch_up(behind)
 
     @invariant()
     def results_hold(self) -> None:
@@ -1108,8 +1069,7 @@ def _record(counts: Counter[tuple[str, str, str]]) -> None:
 @pytest.mark.parametrize("tier, device", TIER_PARAMS)
 def test_fuzz(machine: type[TierMachine], tier: str, device: str | None,
               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STAGEBUF_TIER", tier)
-    stagebuf.reset_capabilities()
+    force_tier(monkeypatch, tier)
     if machine.label.startswith("shared_guard") and device == "cpu":
         # guards on the CPU: the machine installs fake events (undone here); staged writes wait too
         monkeypatch.setattr(guard_mod, "make_event", guard_mod.make_event)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import stagebuf
+from helpers import force_tier, read_back
 from stagebuf import StepStager, Tier, UvaBackedTensor, UvaBuffer, UvaBufferPool, capabilities
 from stagebuf import uva as uva_mod
 from stagebuf.param_table import DeviceParamTable
@@ -87,18 +88,11 @@ def test_torchrun_two_processes_sharing_one_gpu(tmp_path):
         _checked_tiers(r)
 
 
-def _read(t: torch.Tensor) -> np.ndarray:
-    out = t.clone()  # a kernel on t's device reads it
-    torch.cuda.synchronize(t.device)
-    return out.cpu().numpy()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(NGPU < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
 def test_every_object_on_a_non_zero_device(monkeypatch, tier):
-    monkeypatch.setenv("STAGEBUF_TIER", tier)
-    stagebuf.reset_capabilities()
+    force_tier(monkeypatch, tier)
     dev1 = torch.device("cuda", 1)
     torch.cuda.set_device(0)
     try:
@@ -111,29 +105,29 @@ def test_every_object_on_a_non_zero_device(monkeypatch, tier):
     a = rng.integers(-100, 100, 37).astype(np.int32)
     t = pool.copy_to_uva(a)  # grows too
     assert t.device == dev1
-    np.testing.assert_array_equal(_read(t), a)
+    np.testing.assert_array_equal(read_back(t), a)
     stager = StepStager(device=dev1, capacity=64)
     with stager.step() as s:
         b = rng.standard_normal(100)
         tb = s.stage(b)
     assert tb.device == dev1
-    np.testing.assert_array_equal(_read(tb), b)
+    np.testing.assert_array_equal(read_back(tb), b)
     bt = UvaBackedTensor(6, torch.int64, device=dev1)
     bt.np[:] = np.arange(6) * 7
     assert bt.copy_to_uva().device == dev1
-    np.testing.assert_array_equal(_read(bt.gpu), np.arange(6) * 7)
+    np.testing.assert_array_equal(read_back(bt.gpu), np.arange(6) * 7)
     swt = StagedWriteTensor((4, 8), torch.int32, dev1, uva_instead_of_gpu=True)
     swt.stage_write(2, 1, [5, 6, 7])
     FusedStagedWriter(dev1, 4).apply([swt])
     assert swt.gpu.device == dev1 and swt.in_host_memory == (caps.tier is Tier.UVA)
     want = np.zeros((4, 8), np.int32)
     want[2, 1:4] = [5, 6, 7]
-    np.testing.assert_array_equal(_read(swt.gpu), want)
+    np.testing.assert_array_equal(read_back(swt.gpu), want)
     table = DeviceParamTable(3, {"temperature": torch.float32}, dev1)
     table["temperature"].np[:] = [0.25, 0.5, 1.0]
     table.sync()
     assert table["temperature"].gpu.device == dev1
-    np.testing.assert_array_equal(_read(table["temperature"].gpu), [0.25, 0.5, 1.0])
+    np.testing.assert_array_equal(read_back(table["temperature"].gpu), [0.25, 0.5, 1.0])
     assert torch.cuda.current_device() == 0  # nothing switched the caller's device
 
 
@@ -150,7 +144,7 @@ def test_uva_view_device_index_on_a_non_zero_device():
     for seed in (1, 2):
         vals = np.arange(16, dtype=np.int32) * seed
         buf.np[:] = vals  # written on the host after the view exists, read by a kernel on cuda:1
-        np.testing.assert_array_equal(_read(buf.dev), vals)
+        np.testing.assert_array_equal(read_back(buf.dev), vals)
     with torch.cuda.device(1):
         summed = int(buf.dev.sum())
     assert summed == int((np.arange(16) * 2).sum())
@@ -159,5 +153,5 @@ def test_uva_view_device_index_on_a_non_zero_device():
     if capabilities("cuda:0").tier is Tier.UVA:
         v0 = uva_mod.device_view(buf.cpu, torch.device("cuda", 0))
         assert v0.device == torch.device("cuda", 0)
-        np.testing.assert_array_equal(_read(v0), np.arange(16) * 2)
+        np.testing.assert_array_equal(read_back(v0), np.arange(16) * 2)
     assert torch.cuda.current_device() == 0

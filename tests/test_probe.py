@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import stagebuf
+from helpers import fake_accelerator, no_accelerator
 from stagebuf import Tier, TierUnavailableError, capabilities
 from stagebuf import probe as caps_mod
 from stagebuf import uva as uva_mod
@@ -74,16 +75,7 @@ def fake_gpu(monkeypatch):
     By default everything works (pinned memory, cuda-bindings, a live device view);
     each test breaks one answer.
     """
-    if torch.cuda.is_available():
-        pytest.skip("fakes an accelerator on a CPU-only machine")
-    monkeypatch.setattr(caps_mod, "_is_wsl", lambda: False)
-    monkeypatch.setattr(caps_mod, "_device_missing", lambda dev: None)
-    monkeypatch.setattr(caps_mod, "_memlock_limit", lambda: None)
-    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
-    monkeypatch.setattr(caps_mod, "_alloc_pinned", lambda n: torch.zeros(n, dtype=torch.uint8))
-    monkeypatch.setattr(uva_mod, "load_cudart", lambda: object())
-    monkeypatch.setattr(uva_mod, "device_view", lambda host, dev: host)  # a live alias
-    return monkeypatch
+    return fake_accelerator(monkeypatch)
 
 
 def _probe():
@@ -210,23 +202,13 @@ def test_asking_for_cuda_without_it_is_a_clear_error(device):
 
 # --- naming the cause: a CPU build of torch, or a CUDA build that sees no GPU ---
 
-def _no_accelerator(monkeypatch, cuda_version):
-    """This machine as one without an accelerator, with torch built for ``cuda_version`` (None: CPU)."""
-    monkeypatch.setattr(torch.version, "cuda", cuda_version)
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None:
-        monkeypatch.setattr(acc, "is_available", lambda: False)
-
-
 CAUSES = [(None, "torch is a CPU build", "install a CUDA build of torch"),
           ("13.0", "torch is a CUDA build but sees no driver or GPU", "nvidia-smi")]
 
 
 @pytest.mark.parametrize(("cuda", "cause", "fix"), CAUSES)
 def test_device_missing_names_the_build(monkeypatch, cuda, cause, fix):
-    _no_accelerator(monkeypatch, cuda)
+    no_accelerator(monkeypatch, cuda)
     assert caps_mod.torch_build() == ("CPU build" if cuda is None else "CUDA 13.0 build")
     with pytest.raises(TierUnavailableError) as ei:
         capabilities("cuda")
@@ -239,7 +221,7 @@ def test_device_missing_names_the_build(monkeypatch, cuda, cause, fix):
 
 @pytest.mark.parametrize(("cuda", "cause", "fix"), CAUSES)
 def test_cpu_target_reason_names_the_build(monkeypatch, cuda, cause, fix):
-    _no_accelerator(monkeypatch, cuda)
+    no_accelerator(monkeypatch, cuda)
     caps = capabilities()
     assert caps.device == torch.device("cpu") and caps.tier is Tier.HOST
     assert cause in caps.cpu_cause and fix in caps.cpu_fix
@@ -258,7 +240,7 @@ def test_explicit_cpu_is_named_as_the_reason():
 @pytest.mark.parametrize(("cuda", "cause", "fix"), CAUSES)
 @pytest.mark.parametrize("tier", ["uva", "pinned"])
 def test_forced_accelerator_tier_without_one_names_cause_and_fix(monkeypatch, cuda, cause, fix, tier):
-    _no_accelerator(monkeypatch, cuda)
+    no_accelerator(monkeypatch, cuda)
     monkeypatch.setenv("STAGEBUF_TIER", tier)
     with pytest.raises(TierUnavailableError) as ei:
         capabilities()

@@ -1,6 +1,6 @@
 """The step clock: one event per step for every ring of a device, checked against a model.
 
-Events are faked (``guard.make_event`` is replaced): a ``Stream`` hands out events
+Events are faked (``guard.make_event`` is replaced): a ``FakeStream`` (helpers.py) hands out events
 that complete in record order, only when one is synchronized (a guard wait) or
 when the test says the device caught up. Every ring on the CPU then runs its
 guard as it would on a GPU. Two models say what must happen:
@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagebuf
+from helpers import FakeStream
 from stagebuf import SlotInFlightError, StepStager, Tier, UvaBufferPool
 from stagebuf import guard as guard_mod
 from stagebuf import staged_write as sw_mod
@@ -36,48 +37,10 @@ from stagebuf.staged_write import StagedWriteTensor
 CPU = torch.device("cpu")
 
 
-class Stream:
-    """A device stream of fake events: recorded in order, complete in order."""
-
-    def __init__(self) -> None:
-        self.records = 0
-        self.done_upto = -1  # every event up to this serial has completed
-        self.syncs = 0
-
-    def event(self, device: torch.device) -> FakeEvent:
-        return FakeEvent(self)
-
-    def catch_up(self, behind: int = 0) -> None:
-        """The device finishes every event recorded so far but the last ``behind``."""
-        self.done_upto = max(self.done_upto, self.records - 1 - behind)
-
-
-class FakeEvent:
-    """Pending from ``record()`` until synchronized (or the stream caught up); counts records."""
-
-    def __init__(self, stream: Stream):
-        self.stream = stream
-        self.serial: int | None = None
-        self.recorded = 0
-
-    def record(self) -> None:
-        self.serial = self.stream.records
-        self.stream.records += 1
-        self.recorded += 1
-
-    def query(self) -> bool:
-        return self.serial is None or self.serial <= self.stream.done_upto
-
-    def synchronize(self) -> None:
-        self.stream.syncs += 1
-        if self.serial is not None:
-            self.stream.done_upto = max(self.stream.done_upto, self.serial)
-
-
 @pytest.fixture
-def stream(monkeypatch) -> Stream:
+def stream(monkeypatch) -> FakeStream:
     """Fake events for every ring made in this test (a new factory: a new step clock)."""
-    s = Stream()
+    s = FakeStream()
     monkeypatch.setattr(guard_mod, "make_event", s.event)
     return s
 
@@ -310,7 +273,7 @@ def _use(r: RingModel, value: int) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_rings_match_the_models(cpu_tier, monkeypatch, data):
-    stream = Stream()
+    stream = FakeStream()
     monkeypatch.setattr(guard_mod, "make_event", stream.event)  # a fresh clock for each example
     rings: list[RingModel] = []
     kinds = data.draw(st.lists(st.sampled_from(["pool", "stager"]), min_size=1, max_size=3))

@@ -210,7 +210,6 @@ def mrv2_uva_pool(size: int, dtype: torch.dtype, device: torch.device) -> SeedPo
 
 tl: Any = None  # triton.language, set on the first use of the MRV2 kernel (CPU-only installs lack it)
 _triton_import_error: list[str] = []
-_mrv2_kernels: dict[bool, Any] = {}
 
 
 def triton_error() -> str | None:
@@ -244,21 +243,12 @@ def _mrv2_write_kernel(out, out_stride, rows, starts, contents, cu_lens, BLOCK: 
 
 def _mrv2_kernel(interpret: bool) -> Any:
     """The MRV2 staged-write kernel, compiled by Triton (``interpret``: Triton's CPU interpreter)."""
-    k = _mrv2_kernels.get(interpret)
-    if k is None:
-        err = triton_error()
-        if err is not None:
-            raise RuntimeError(f"mrv2_staged_write needs Triton: {err}")
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction  # type: ignore[import-not-found]
+    from .staged_write import triton_function
 
-            k = InterpretedFunction(_mrv2_write_kernel)
-        else:
-            from triton.runtime.jit import JITFunction  # type: ignore[import-not-found]
-
-            k = JITFunction(_mrv2_write_kernel)
-        _mrv2_kernels[interpret] = k
-    return k
+    err = triton_error()
+    if err is not None:
+        raise RuntimeError(f"mrv2_staged_write needs Triton: {err}")
+    return triton_function(_mrv2_write_kernel, interpret)
 
 
 def _mrv2_torch_apply(out: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, contents: torch.Tensor,

@@ -37,7 +37,7 @@ ops over the same packed layout: the oracle the kernel is tested against.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -127,22 +127,28 @@ def _staged_write_kernel(meta, content, table, BLOCK: tl.constexpr):
         c0 += BLOCK
 
 
-_kernels: dict[bool, Any] = {}
+_triton_functions: dict[tuple[Callable[..., None], bool], Any] = {}
 
 
-def _triton_kernel(interpret: bool) -> Any:
-    k = _kernels.get(interpret)
+def triton_function(fn: Callable[..., None], interpret: bool) -> Any:
+    """The Triton kernel ``fn``: a ``JITFunction``, or with ``interpret`` an ``InterpretedFunction``
+    (Triton's CPU interpreter); made once per (``fn``, ``interpret``)."""
+    k = _triton_functions.get((fn, interpret))
     if k is None:
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction  # type: ignore[import-not-found]
 
-            k = InterpretedFunction(_staged_write_kernel)
+            k = InterpretedFunction(fn)
         else:
             from triton.runtime.jit import JITFunction  # type: ignore[import-not-found]
 
-            k = JITFunction(_staged_write_kernel)
-        _kernels[interpret] = k
+            k = JITFunction(fn)
+        _triton_functions[(fn, interpret)] = k
     return k
+
+
+def _triton_kernel(interpret: bool) -> Any:
+    return triton_function(_staged_write_kernel, interpret)
 
 
 def _block_for(longest: int) -> int:

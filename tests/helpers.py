@@ -1,0 +1,106 @@
+"""Helpers shared by the tests: forcing a tier, reading a device tensor back, faked machines and events.
+
+Fixtures live in ``conftest.py``; plain functions and classes here (``import helpers``: pytest puts
+``tests/`` on ``sys.path`` for test modules without an ``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import stagebuf
+from stagebuf import buffers as buffers_mod
+from stagebuf import probe as caps_mod
+from stagebuf import uva as uva_mod
+
+
+def force_tier(monkeypatch: pytest.MonkeyPatch, tier: str) -> stagebuf.Tier:
+    """Force ``tier`` through STAGEBUF_TIER and drop the cached probe."""
+    monkeypatch.setenv("STAGEBUF_TIER", tier)
+    stagebuf.reset_capabilities()
+    return stagebuf.Tier.parse(tier)
+
+
+def read_back(t: torch.Tensor) -> np.ndarray:
+    """What the device holds: on CUDA a kernel reads it (through the view on UVA) first."""
+    if t.device.type == "cuda":
+        t = t.clone()
+        torch.cuda.synchronize(t.device)
+    return t.cpu().numpy()
+
+
+# --- faked machines ----------------------------------------------------------------------
+
+
+def fake_accelerator(monkeypatch: pytest.MonkeyPatch, allocations: bool = False) -> pytest.MonkeyPatch:
+    """Probe 'cuda:0' on a CPU-only machine with the OS/driver answers faked (skips where CUDA exists).
+
+    Everything works: pinned memory, cuda-bindings, a live device view. With ``allocations``
+    buffers' host and device allocations are plain CPU tensors too.
+    """
+    if torch.cuda.is_available():
+        pytest.skip("fakes an accelerator on a CPU-only machine")
+    monkeypatch.setattr(caps_mod, "_is_wsl", lambda: False)
+    monkeypatch.setattr(caps_mod, "_device_missing", lambda dev: None)
+    monkeypatch.setattr(caps_mod, "_memlock_limit", lambda: None)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
+    monkeypatch.setattr(caps_mod, "_alloc_pinned", lambda n: torch.zeros(n, dtype=torch.uint8))
+    monkeypatch.setattr(uva_mod, "load_cudart", lambda: object())
+    monkeypatch.setattr(uva_mod, "device_view", lambda host, dev: host)  # a live alias
+    if allocations:
+        monkeypatch.setattr(buffers_mod, "alloc_host", lambda shape, dt, pinned: torch.zeros(shape, dtype=dt))
+        monkeypatch.setattr(buffers_mod, "alloc_device", lambda shape, dt, d: torch.zeros(shape, dtype=dt))
+    return monkeypatch
+
+
+def no_accelerator(monkeypatch: pytest.MonkeyPatch, cuda_version: str | None) -> None:
+    """This machine as one without an accelerator, torch built for ``cuda_version`` (None: CPU)."""
+    monkeypatch.setattr(torch.version, "cuda", cuda_version)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        monkeypatch.setattr(acc, "is_available", lambda: False)
+
+
+# --- fake device events (replace ``guard.make_event`` with ``FakeStream().event``) ---------
+
+
+class FakeStream:
+    """A device stream of fake events: recorded in order, complete in order."""
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.done_upto = -1  # every event up to this serial has completed
+        self.syncs = 0
+
+    def event(self, device: torch.device) -> FakeEvent:
+        return FakeEvent(self)
+
+    def catch_up(self, behind: int = 0) -> None:
+        """The device finishes every event recorded so far but the last ``behind``."""
+        self.done_upto = max(self.done_upto, self.records - 1 - behind)
+
+
+class FakeEvent:
+    """Pending from ``record()`` until synchronized (or the stream caught up); counts records."""
+
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.serial: int | None = None
+        self.recorded = 0
+
+    def record(self) -> None:
+        self.serial = self.stream.records
+        self.stream.records += 1
+        self.recorded += 1
+
+    def query(self) -> bool:
+        return self.serial is None or self.serial <= self.stream.done_upto
+
+    def synchronize(self) -> None:
+        self.stream.syncs += 1
+        if self.serial is not None:
+            self.stream.done_upto = max(self.stream.done_upto, self.serial)

@@ -26,29 +26,66 @@ HAS_CUDA = torch.cuda.is_available()
 
 HAS_BATCHED = W.has_stage_writes()
 CPU_STRATEGIES = {
-    "micro": {"list_tensor", "seed_pageable_per_array", "pool_host", "stager_host", "pool_pageable",
-              "stager_pageable", "floor"},
+    "micro": {
+        "list_tensor",
+        "seed_pageable_per_array",
+        "pool_host",
+        "stager_host",
+        "pool_pageable",
+        "stager_pageable",
+        "floor",
+    },
     "decode": {"list_tensor", "seed_pageable_per_array", "stager_host", "stager_pageable", "floor"},
     "writes": {"row_copy_per_edit", "staged_write_host", "staged_write_pageable"}
     | ({"staged_writes_host", "staged_writes_pageable"} if HAS_BATCHED else set()),
 }
 CUDA_ONLY = {
-    "micro": {"pinned_tensor_per_array", "pinned_buffer_per_array", "seed_uva_pool_per_array",
-              "mrv2_uva_pool"},
-    "decode": {"pinned_tensor_per_array", "pinned_buffer_per_array", "seed_uva_pool_per_array",
-               "mrv2_decode"},
+    "micro": {
+        "pinned_tensor_per_array",
+        "pinned_buffer_per_array",
+        "seed_uva_pool_per_array",
+        "mrv2_uva_pool",
+    },
+    "decode": {
+        "pinned_tensor_per_array",
+        "pinned_buffer_per_array",
+        "seed_uva_pool_per_array",
+        "mrv2_decode",
+    },
     "writes": {"mrv2_staged_write"},
 }
-RATIOS = {"uva_stager_vs_pinned_per_array", "pinned_stager_vs_pinned_per_array",
-          "pageable_stager_vs_seed_nonuva", "staged_write_256_speedup", "decode_pageable_vs_uva",
-          "no_tier_slower_than_seed_uva", "staged_write_uva_vs_mrv2_e_le_16",
-          "staged_write_uva_vs_mrv2_e_ge_256", "staged_writes_uva_vs_mrv2_e_ge_256",
-          "staged_write_pinned_vs_mrv2", "staged_write_pageable_vs_mrv2", "stage_write_8_ints_us",
-          "pool_vs_mrv2_pool", "decode_stager_uva_vs_mrv2", "decode_stager_pinned_vs_mrv2",
-          "decode_stager_pageable_vs_mrv2", "host_decode_vs_naive_cpu", "host_one_edit_vs_row_copy"}
-GPU_RATIOS = {name for name in RATIOS if name not in (
-    "pageable_stager_vs_seed_nonuva", "staged_write_256_speedup", "stage_write_8_ints_us",
-    "host_decode_vs_naive_cpu", "host_one_edit_vs_row_copy")}
+RATIOS = {
+    "uva_stager_vs_pinned_per_array",
+    "pinned_stager_vs_pinned_per_array",
+    "pageable_stager_vs_seed_nonuva",
+    "staged_write_256_speedup",
+    "decode_pageable_vs_uva",
+    "no_tier_slower_than_seed_uva",
+    "staged_write_uva_vs_mrv2_e_le_16",
+    "staged_write_uva_vs_mrv2_e_ge_256",
+    "staged_writes_uva_vs_mrv2_e_ge_256",
+    "staged_write_pinned_vs_mrv2",
+    "staged_write_pageable_vs_mrv2",
+    "stage_write_8_ints_us",
+    "pool_vs_mrv2_pool",
+    "decode_stager_uva_vs_mrv2",
+    "decode_stager_pinned_vs_mrv2",
+    "decode_stager_pageable_vs_mrv2",
+    "host_decode_vs_naive_cpu",
+    "host_one_edit_vs_row_copy",
+}
+GPU_RATIOS = {
+    name
+    for name in RATIOS
+    if name
+    not in (
+        "pageable_stager_vs_seed_nonuva",
+        "staged_write_256_speedup",
+        "stage_write_8_ints_us",
+        "host_decode_vs_naive_cpu",
+        "host_one_edit_vs_row_copy",
+    )
+}
 HOST_RATIOS = {"host_decode_vs_naive_cpu", "host_one_edit_vs_row_copy"}
 
 
@@ -59,8 +96,9 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     js, png = out / "bench.json", out / "bench.png"
     old = os.environ.pop("STAGEBUF_TIER", None)
     try:
-        res = CliRunner().invoke(main, ["bench", "--quick", "--no-progress", "--json", str(js),
-                                        "--plot", str(png)])
+        res = CliRunner().invoke(
+            main, ["bench", "--quick", "--no-progress", "--json", str(js), "--plot", str(png)]
+        )
     finally:
         if old is not None:
             os.environ["STAGEBUF_TIER"] = old
@@ -96,12 +134,20 @@ def test_quick_records_each_strategy_tier(quick: dict[str, Any]) -> None:
 
 def test_markdown_and_plot_from_an_earlier_json(quick: dict[str, Any], tmp_path: Path) -> None:
     md, png = tmp_path / "b.md", tmp_path / "b.png"
-    res = CliRunner().invoke(main, ["bench", "--from-json", str(quick["json"]), "--markdown", str(md),
-                                    "--plot", str(png)])
+    res = CliRunner().invoke(
+        main, ["bench", "--from-json", str(quick["json"]), "--markdown", str(md), "--plot", str(png)]
+    )
     assert res.exit_code == 0, res.output
     text = md.read_text()
-    for part in ("#### micro", "#### decode", "#### writes", "#### targets", "`stager_pageable`",
-                 "staged_write_256_speedup", quick["report"]["command"]):
+    for part in (
+        "#### micro",
+        "#### decode",
+        "#### writes",
+        "#### targets",
+        "`stager_pageable`",
+        "staged_write_256_speedup",
+        quick["report"]["command"],
+    ):
         assert part in text, part
     assert png.stat().st_size > 0
 
@@ -212,7 +258,7 @@ def test_decode_sim_model_is_consistent() -> None:
     for _ in range(400):
         st = sim.advance()
         for row, start, values in st.edits:
-            replay[row, start:start + len(values)] = values
+            replay[row, start : start + len(values)] = values
         arrivals += int(np.count_nonzero(st.qsl[1:] - st.qsl[:-1] > 1))
         assert st.qsl[0] == 0 and st.qsl[-1] == st.pos.shape[0]
         assert np.all(np.diff(st.qsl) >= 1)
@@ -249,8 +295,13 @@ def test_decode_check_fails_loudly_on_a_wrong_table() -> None:
             if self.n % 3:
                 super().write(row, start, values)
 
-    case = W._decode_case(env, 32, "broken", W._per_array(torch.from_numpy),
-                          lambda sim: DropEveryThirdEdit(W._table_shape(sim), env.device, False).ops())
+    case = W._decode_case(
+        env,
+        32,
+        "broken",
+        W._per_array(torch.from_numpy),
+        lambda sim: DropEveryThirdEdit(W._table_shape(sim), env.device, False).ops(),
+    )
     with pytest.raises(W.BenchCheckError, match="broken"):
         for _ in range(20):
             case.step()
@@ -263,8 +314,20 @@ def test_cli_fails_on_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(*args) + 1
 
     monkeypatch.setattr(W, "slot_mapping", off_by_one)
-    res = CliRunner().invoke(main, ["bench", "--quick", "--no-progress", "--workload", "decode",
-                                    "--decode-steps", "5", "--check-every", "5"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--quick",
+            "--no-progress",
+            "--workload",
+            "decode",
+            "--decode-steps",
+            "5",
+            "--check-every",
+            "5",
+        ],
+    )
     assert res.exit_code == 1
     assert "WRONG ANSWER: decode loop [" in res.output and "host model" in res.output
 
@@ -316,8 +379,19 @@ def test_writes_cases_catch_a_wrong_table() -> None:
 
 def test_tier_restriction_and_unavailable_tier(tmp_path: Path) -> None:
     js = tmp_path / "r.json"
-    args = ["bench", "--quick", "--no-progress", "--workload", "micro", "--sizes", "64", "--tier", "pageable",
-            "--json", str(js)]
+    args = [
+        "bench",
+        "--quick",
+        "--no-progress",
+        "--workload",
+        "micro",
+        "--sizes",
+        "64",
+        "--tier",
+        "pageable",
+        "--json",
+        str(js),
+    ]
     if not HAS_CUDA:
         args += ["--tier", "uva"]
     res = CliRunner().invoke(main, args)
@@ -348,15 +422,23 @@ def _synthetic(values: dict[tuple[str, str, int | str], float]) -> dict[str, Any
 
 def test_ratios_from_synthetic_results() -> None:
     T = W.Tier
-    res = _synthetic({
-        ("micro", "floor", 64): 20.0, ("micro", "stager_uva", 64): 25.0,
-        ("micro", "pinned_buffer_per_array", 64): 70.0, ("micro", "stager_pinned", 64): 40.0,
-        ("micro", "stager_pageable", 64): 30.0, ("micro", "seed_pageable_per_array", 64): 100.0,
-        ("micro", "seed_uva_pool_per_array", 64): 30.0,
-        ("decode", "stager_uva", 256): 100.0, ("decode", "stager_pinned", 256): 105.0,
-        ("decode", "stager_pageable", 256): 120.0, ("decode", "seed_uva_pool_per_array", 256): 100.0,
-        ("writes", "row_copy_per_edit", "256x1"): 2000.0, ("writes", "staged_write_uva", "256x1"): 50.0,
-    })
+    res = _synthetic(
+        {
+            ("micro", "floor", 64): 20.0,
+            ("micro", "stager_uva", 64): 25.0,
+            ("micro", "pinned_buffer_per_array", 64): 70.0,
+            ("micro", "stager_pinned", 64): 40.0,
+            ("micro", "stager_pageable", 64): 30.0,
+            ("micro", "seed_pageable_per_array", 64): 100.0,
+            ("micro", "seed_uva_pool_per_array", 64): 30.0,
+            ("decode", "stager_uva", 256): 100.0,
+            ("decode", "stager_pinned", 256): 105.0,
+            ("decode", "stager_pageable", 256): 120.0,
+            ("decode", "seed_uva_pool_per_array", 256): 100.0,
+            ("writes", "row_copy_per_edit", "256x1"): 2000.0,
+            ("writes", "staged_write_uva", "256x1"): 50.0,
+        }
+    )
     cfg = B.BenchConfig()
     r = B.compute_ratios(res, {}, [T.UVA, T.PINNED, T.PAGEABLE], cfg, "cuda:0")
     assert r["uva_stager_vs_pinned_per_array"]["measured"] == pytest.approx(5 / 50, rel=1e-3)
@@ -408,8 +490,9 @@ def test_mrv2_uva_pool_refuses_a_machine_without_uva() -> None:
 
 def test_mrv2_pool_is_a_ring_without_a_guard() -> None:
     # the ring itself (the seed's SeedPool); the pageable stand-in has a device tensor per slot
-    pool = W.SeedPool(8, torch.int32, lambda shape: W.SeedNonUvaBuffer(shape, torch.int32, CPU),
-                      slots=W.MRV2_SLOTS)
+    pool = W.SeedPool(
+        8, torch.int32, lambda shape: W.SeedNonUvaBuffer(shape, torch.int32, CPU), slots=W.MRV2_SLOTS
+    )
     outs = [pool.copy_to_uva(np.full(4, i, np.int32)) for i in range(3)]
     assert outs[0].data_ptr() != outs[1].data_ptr() and outs[2].data_ptr() == outs[0].data_ptr()
     # no guard: the third write rewrote the first slot, which the first result still views
@@ -432,7 +515,7 @@ def test_mrv2_staged_write_matches_a_model(kernel: str) -> None:
             st = int(rng.integers(0, cols - ln + 1))
             vals = rng.integers(-(1 << 30), 1 << 30, ln).tolist()
             sw.stage_write(int(r), st, vals)
-            model[r, st:st + ln] = vals
+            model[r, st : st + ln] = vals
         sw.stage_write(0, 3, [])  # an empty edit stages nothing
         assert len(sw._cu_lens) == n and sw._cu_lens[-1] == len(sw._contents)
         sw.apply_write()
@@ -441,7 +524,7 @@ def test_mrv2_staged_write_matches_a_model(kernel: str) -> None:
     # an edit longer than the kernel's tile: the program loops over it
     long = list(range(1, W.MRV2_BLOCK + 300))
     sw.stage_write(5, 10, long)
-    model[5, 10:10 + len(long)] = long
+    model[5, 10 : 10 + len(long)] = long
     sw.apply_write()
     assert np.array_equal(sw.gpu.numpy(), model)
     sw.apply_write()  # nothing staged: nothing happens
@@ -463,11 +546,16 @@ def test_mrv2_decode_loop_checks_its_answers_on_cpu() -> None:
 def test_mrv2_decode_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     real = W._mrv2_torch_apply
 
-    def drops_the_last_edit(out: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
-                            contents: torch.Tensor, cu_lens: torch.Tensor) -> None:
+    def drops_the_last_edit(
+        out: torch.Tensor,
+        rows: torch.Tensor,
+        starts: torch.Tensor,
+        contents: torch.Tensor,
+        cu_lens: torch.Tensor,
+    ) -> None:
         n = rows.shape[0] - 1
         if n:
-            real(out, rows[:n], starts[:n], contents[:int(cu_lens[n - 1])], cu_lens[:n])
+            real(out, rows[:n], starts[:n], contents[: int(cu_lens[n - 1])], cu_lens[:n])
 
     monkeypatch.setattr(W, "_mrv2_torch_apply", drops_the_last_edit)
     env = W.Env(CPU, False, False, False, check_every=5, decode_steps=10)
@@ -505,7 +593,7 @@ def test_write_sets_are_distinct_rows_inside_the_table() -> None:
         assert [len(v) for _, _, v in ws.lists[1]] == [cell.length] * cell.edits
         model = np.zeros((rows, cols), np.int32)
         for r, st, v in ws.lists[1]:
-            model[r, st:st + len(v)] = v
+            model[r, st : st + len(v)] = v
         assert np.array_equal(model, ws.want)
         assert not np.array_equal(ws.values[0], ws.values[1])
 
@@ -515,7 +603,10 @@ def test_write_cell_keys() -> None:
     assert str(c) == "256x8" and W.WriteCell.parse("256x8") == c
     assert W.WriteCell.parse("256") == W.WriteCell(256, 1)  # reports from before the sweep
     assert sorted([W.WriteCell(16, 1), W.WriteCell(1, 64), W.WriteCell(1, 8)]) == [
-        W.WriteCell(1, 8), W.WriteCell(1, 64), W.WriteCell(16, 1)]
+        W.WriteCell(1, 8),
+        W.WriteCell(1, 64),
+        W.WriteCell(16, 1),
+    ]
 
 
 def test_plan_sweeps_every_edit_count_and_length() -> None:
@@ -577,15 +668,23 @@ def test_per_cell_targets_from_synthetic_results() -> None:
     T = W.Tier
     cfg = B.BenchConfig(edits=(1, 16, 256), lengths=(1, 8))
     mrv2 = {"1x1": 100.0, "1x8": 100.0, "16x1": 200.0, "16x8": 200.0, "256x1": 1000.0, "256x8": 2000.0}
-    res = _cells({
-        "mrv2_staged_write": mrv2,
-        "staged_write_uva": {"1x1": 40.0, "1x8": 45.0, "16x1": 120.0, "16x8": 80.0, "256x1": 600.0,
-                             "256x8": 1000.0},
-        "staged_writes_uva": {"256x1": 150.0, "256x8": 300.0},
-        "staged_write_pinned": {c: 0.5 * v for c, v in mrv2.items()},
-        "row_copy_per_edit": {"1x1": 10.0},
-        "staged_write_host": {"1x1": 30.0},
-    })
+    res = _cells(
+        {
+            "mrv2_staged_write": mrv2,
+            "staged_write_uva": {
+                "1x1": 40.0,
+                "1x8": 45.0,
+                "16x1": 120.0,
+                "16x8": 80.0,
+                "256x1": 600.0,
+                "256x8": 1000.0,
+            },
+            "staged_writes_uva": {"256x1": 150.0, "256x8": 300.0},
+            "staged_write_pinned": {c: 0.5 * v for c, v in mrv2.items()},
+            "row_copy_per_edit": {"1x1": 10.0},
+            "staged_write_host": {"1x1": 30.0},
+        }
+    )
     r = B.compute_ratios(res, {}, [T.UVA, T.PINNED, T.PAGEABLE], cfg, "cuda:0")
     small = r["staged_write_uva_vs_mrv2_e_le_16"]
     assert [p["size"] for p in small["parts"]] == ["1x1", "1x8", "16x1", "16x8"]
@@ -614,21 +713,31 @@ def test_per_cell_targets_from_synthetic_results() -> None:
     # a sweep with no E >= 256: skipped with why, not a pass
     r = B.compute_ratios(res, {}, [T.UVA], B.BenchConfig(edits=(1, 16), lengths=(1,)), "cuda:0")
     assert r["staged_writes_uva_vs_mrv2_e_ge_256"]["skipped"] == (
-        "no cell of this run's writes sweep has E >= 256")
+        "no cell of this run's writes sweep has E >= 256"
+    )
 
 
 def test_stage_write_pool_decode_and_host_targets_from_synthetic_results() -> None:
     T = W.Tier
     cfg = B.BenchConfig()
-    res = _synthetic({
-        ("micro", "floor", 64): 20.0, ("micro", "pool_uva", 64): 30.0, ("micro", "mrv2_uva_pool", 64): 28.0,
-        ("decode", "floor", 256): 100.0, ("decode", "mrv2_decode", 256): 300.0,
-        ("decode", "stager_uva", 256): 180.0, ("decode", "stager_pinned", 256): 260.0,
-        ("decode", "stager_host", 256): 150.0, ("decode", "list_tensor", 256): 400.0,
-        ("decode", "seed_pageable_per_array", 256): 250.0,
-    })
-    stage_only = {"staged_write_uva.stage_only": {"256x8": {"host_us": 192.0, "e2e_us": 200.0}},
-                  "staged_write_pinned.stage_only": {"256x8": {"host_us": 320.0, "e2e_us": 330.0}}}
+    res = _synthetic(
+        {
+            ("micro", "floor", 64): 20.0,
+            ("micro", "pool_uva", 64): 30.0,
+            ("micro", "mrv2_uva_pool", 64): 28.0,
+            ("decode", "floor", 256): 100.0,
+            ("decode", "mrv2_decode", 256): 300.0,
+            ("decode", "stager_uva", 256): 180.0,
+            ("decode", "stager_pinned", 256): 260.0,
+            ("decode", "stager_host", 256): 150.0,
+            ("decode", "list_tensor", 256): 400.0,
+            ("decode", "seed_pageable_per_array", 256): 250.0,
+        }
+    )
+    stage_only = {
+        "staged_write_uva.stage_only": {"256x8": {"host_us": 192.0, "e2e_us": 200.0}},
+        "staged_write_pinned.stage_only": {"256x8": {"host_us": 320.0, "e2e_us": 330.0}},
+    }
     r = B.compute_ratios(res, stage_only, [T.UVA, T.PINNED, T.PAGEABLE], cfg, "cuda:0")
     sw = r["stage_write_8_ints_us"]
     assert sw["measured"] == pytest.approx(1.25) and sw["passed"] is False
@@ -649,13 +758,31 @@ def test_stage_write_pool_decode_and_host_targets_from_synthetic_results() -> No
 
 
 def test_plot_without_matplotlib_writes_the_rest_then_says_what_to_install(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for mod in ("matplotlib", "matplotlib.figure", "matplotlib.backends", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, mod, None)  # makes ``import matplotlib...`` raise ImportError
     js, md, png = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.png"
-    res = CliRunner().invoke(main, ["bench", "--quick", "--no-progress", "--workload", "micro",
-                                    "--sizes", "64", "--tier", "host", "--json", str(js),
-                                    "--markdown", str(md), "--plot", str(png)])
+    res = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--quick",
+            "--no-progress",
+            "--workload",
+            "micro",
+            "--sizes",
+            "64",
+            "--tier",
+            "host",
+            "--json",
+            str(js),
+            "--markdown",
+            str(md),
+            "--plot",
+            str(png),
+        ],
+    )
     assert res.exit_code == 1, res.output
     assert "pip install 'stagebuf[plot]'" in res.output
     assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)

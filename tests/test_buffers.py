@@ -119,6 +119,7 @@ def test_bad_dtype(dtype):
 
 # --- one rule: an explicit request that cannot work raises; run-time failures fall back ---
 
+
 @pytest.mark.parametrize("tier", ["uva", "pinned", Tier.UVA])
 def test_make_buffer_explicit_tier_that_cannot_work_raises_on_cpu(cpu_tier, tier):
     with pytest.raises(TierUnavailableError) as ei:
@@ -148,16 +149,24 @@ def test_fake_gpu_makes_every_explicit_tier_it_has(fake_gpu):
         assert make_buffer(4, torch.int32, "cuda:0", tier=tier).tier is tier
 
 
-@pytest.mark.parametrize(("forced", "cls", "asked"), [
-    ("pinned", UvaBuffer, "uva"), ("pageable", UvaBuffer, "uva"), ("pageable", PinnedBuffer, "pinned"),
-])
+@pytest.mark.parametrize(
+    ("forced", "cls", "asked"),
+    [
+        ("pinned", UvaBuffer, "uva"),
+        ("pageable", UvaBuffer, "uva"),
+        ("pageable", PinnedBuffer, "pinned"),
+    ],
+)
 def test_forced_lower_tier_refuses_better_buffers(fake_gpu, forced, cls, asked):
     fake_gpu.setenv("STAGEBUF_TIER", forced)
     caps = capabilities("cuda:0")
     assert caps.uva and caps.tier is Tier.parse(forced)  # UVA works here; the env var caps the tier
     head = "UVA is not available" if asked == "uva" else "tier PINNED is not available"
-    with pytest.raises(TierUnavailableError, match=rf"^{head} on cuda:0: {cls.__name__} was asked for, "
-                                                   rf"but STAGEBUF_TIER={forced} forces tier"):
+    with pytest.raises(
+        TierUnavailableError,
+        match=rf"^{head} on cuda:0: {cls.__name__} was asked for, "
+        rf"but STAGEBUF_TIER={forced} forces tier",
+    ):
         cls(4, torch.int32, "cuda:0")
     with pytest.raises(TierUnavailableError, match=rf"STAGEBUF_TIER={forced} forces.*allowed: "):
         make_buffer(4, torch.int32, "cuda:0", tier=asked)
@@ -170,8 +179,11 @@ def test_uva_buffer_refuses_when_the_probe_found_no_uva(fake_gpu):
 
     fake_gpu.setattr(uva_mod, "load_cudart", missing)
     assert capabilities("cuda:0").tier is Tier.PINNED
-    with pytest.raises(TierUnavailableError, match=r"^UVA is not available on cuda:0: .*cuda-bindings.*"
-                                                   r"allowed: pinned, pageable"):
+    with pytest.raises(
+        TierUnavailableError,
+        match=r"^UVA is not available on cuda:0: .*cuda-bindings.*"
+        r"allowed: pinned, pageable",
+    ):
         UvaBuffer(4, torch.int32, "cuda:0")
     with pytest.raises(TierUnavailableError, match="cuda-bindings"):
         make_buffer(4, torch.int32, "cuda:0", tier="uva")
@@ -194,12 +206,14 @@ def test_runtime_pinned_failure_still_falls_back_once(fake_gpu, caplog, tier):
     assert capabilities("cuda:0").tier is Tier.UVA  # the probe said yes
     bufs = [make_buffer(4, torch.int32, "cuda:0", tier=tier) for _ in range(3)]
     assert [b.tier for b in bufs] == [Tier.PAGEABLE] * 3
-    warnings = [r.getMessage() for r in caplog.records
-                if r.name == "stagebuf" and "falling back" in r.getMessage()]
+    warnings = [
+        r.getMessage() for r in caplog.records if r.name == "stagebuf" and "falling back" in r.getMessage()
+    ]
     assert len(warnings) == 1 and "memlock exhausted" in warnings[0]
 
 
 # --- attributes: .np/.cpu assignment copies, everything else is read-only ---
+
 
 def test_assigning_np_copies_into_the_buffer(any_tier):
     buf = make_buffer((3, 2), torch.int32)
@@ -216,15 +230,21 @@ def test_assigning_np_copies_into_the_buffer(any_tier):
     np.testing.assert_array_equal(buf.uva().cpu().numpy(), np.full((3, 2), 10))
 
 
-@pytest.mark.parametrize(("value", "exc", "text"), [
-    (np.zeros((2, 2), np.int32), ValueError,
-     r"\.np: a value of shape \(2, 2\) was given; expected shape \(3, 2\)"),
-    (np.zeros(6, np.int32), ValueError, r"\.np has rank 1 .*allowed ranks: 0, 2"),
-    ([[1.5, 0], [0, 0], [0, 0]], ValueError, r"\.np holds fractional values"),
-    (np.full((3, 2), 2**40), ValueError, r"\.np holds values in .* outside int32's range"),
-    (np.ones((3, 2), bool), TypeError, "bools and numbers are not converted"),
-    ("abc", TypeError, r"\.np must be a list"),
-])
+@pytest.mark.parametrize(
+    ("value", "exc", "text"),
+    [
+        (
+            np.zeros((2, 2), np.int32),
+            ValueError,
+            r"\.np: a value of shape \(2, 2\) was given; expected shape \(3, 2\)",
+        ),
+        (np.zeros(6, np.int32), ValueError, r"\.np has rank 1 .*allowed ranks: 0, 2"),
+        ([[1.5, 0], [0, 0], [0, 0]], ValueError, r"\.np holds fractional values"),
+        (np.full((3, 2), 2**40), ValueError, r"\.np holds values in .* outside int32's range"),
+        (np.ones((3, 2), bool), TypeError, "bools and numbers are not converted"),
+        ("abc", TypeError, r"\.np must be a list"),
+    ],
+)
 def test_bad_np_assignment_raises_and_writes_nothing(cpu_tier, value, exc, text):
     buf = make_buffer((3, 2), torch.int32)
     buf.np[:] = [[1, 2], [3, 4], [5, 6]]
@@ -250,9 +270,11 @@ def test_copy_to_refuses_an_out_that_would_convert(cpu_tier):
     buf = make_buffer((3, 2), torch.int32)
     buf.np[:] = 5
     dev = capabilities().device
-    for out in (torch.zeros((3, 2), dtype=torch.float32, device=dev),  # dtype
-                torch.zeros((2, 2), dtype=torch.int32, device=dev),  # too few rows for n=3
-                torch.zeros((3, 3), dtype=torch.int32, device=dev)):  # row shape
+    for out in (
+        torch.zeros((3, 2), dtype=torch.float32, device=dev),  # dtype
+        torch.zeros((2, 2), dtype=torch.int32, device=dev),  # too few rows for n=3
+        torch.zeros((3, 3), dtype=torch.int32, device=dev),
+    ):  # row shape
         with pytest.raises(ValueError, match=r"out has shape .*expected at least 3 rows of shape \(2,\)"):
             buf.copy_to(out, 3)
         assert not out.any()
@@ -268,4 +290,3 @@ def test_async_copy_refuses_dtype_that_differs_from_out(cpu_tier):
     assert async_copy_to_gpu([1, 2], out=out, dtype=torch.int32).tolist() == [1, 2]
     with pytest.raises(TypeError, match="out must be a torch.Tensor or None"):
         async_copy_to_gpu([1, 2], out=[0, 0])
-

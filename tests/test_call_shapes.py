@@ -34,8 +34,11 @@ def test_device_is_optional_everywhere_with_one_rule(cpu_tier):
     """device=None is capabilities(None).device: the current accelerator, else the CPU."""
     want = stagebuf.capabilities().device
     made = [
-        UvaBufferPool(4, torch.int32), UvaBackedTensor(4, torch.int32), StepStager(capacity=64),
-        StagedWriteTensor((2, 2), torch.int32), FusedStagedWriter(max_writes=4),
+        UvaBufferPool(4, torch.int32),
+        UvaBackedTensor(4, torch.int32),
+        StepStager(capacity=64),
+        StagedWriteTensor((2, 2), torch.int32),
+        FusedStagedWriter(max_writes=4),
         DeviceParamTable(3, {"t": torch.float32}),
     ]
     assert [m.device for m in made] == [want] * len(made)
@@ -45,8 +48,10 @@ def _sealed_cases(tier):
     return [
         (UvaBufferPool(4, torch.int32), ["size", "dtype", "max_concurrency", "device"]),
         (StepStager(capacity=64), ["max_concurrency", "device", "static"]),
-        (StagedWriteTensor((2, 3), torch.int32), ["gpu", "num_rows", "dtype", "device", "kernel",
-                                                  "stage_write", "max_concurrency"]),
+        (
+            StagedWriteTensor((2, 3), torch.int32),
+            ["gpu", "num_rows", "dtype", "device", "kernel", "stage_write", "max_concurrency"],
+        ),
         (FusedStagedWriter(max_writes=4), ["device", "max_writes", "kernel", "max_concurrency"]),
         (UvaBackedTensor(4, torch.int32), ["gpu", "dtype", "pool"]),
     ]

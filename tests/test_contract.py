@@ -34,8 +34,9 @@ def _read(t: torch.Tensor) -> list[int]:
     return t.detach().cpu().numpy().tolist()
 
 
-def program(tier: str, monkeypatch: pytest.MonkeyPatch, device: str | None = None
-            ) -> list[tuple[str, int, list[int]]]:
+def program(
+    tier: str, monkeypatch: pytest.MonkeyPatch, device: str | None = None
+) -> list[tuple[str, int, list[int]]]:
     force_tier(monkeypatch, tier)
     stager = StepStager(device=device, capacity=256, max_concurrency=SLOTS)
     out: list[tuple[str, int, list[int]]] = []
@@ -75,10 +76,13 @@ def model(check: bool) -> list[tuple[str, int, list[int]]]:
 
 
 @pytest.mark.parametrize("check", [False, True], ids=["plain", "STAGEBUF_CHECK=1"])
-@pytest.mark.parametrize(("tiers", "device"), [
-    pytest.param(CPU_TIERS, "cpu", id="cpu"),
-    pytest.param(CUDA_TIERS, "cuda", id="cuda", marks=pytest.mark.gpu),
-])
+@pytest.mark.parametrize(
+    ("tiers", "device"),
+    [
+        pytest.param(CPU_TIERS, "cpu", id="cpu"),
+        pytest.param(CUDA_TIERS, "cuda", id="cuda", marks=pytest.mark.gpu),
+    ],
+)
 def test_every_tier_observes_the_same_contract(monkeypatch, tiers, device, check):
     if device == "cuda" and not HAS_CUDA:
         pytest.skip("needs a CUDA device")

@@ -34,8 +34,11 @@ def doctor(*args: str, env: dict[str, str] | None = None):
 
 def assert_explained(result, *texts: str) -> None:
     assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output and result.exception is None or isinstance(
-        result.exception, SystemExit)
+    assert (
+        "Traceback" not in result.output
+        and result.exception is None
+        or isinstance(result.exception, SystemExit)
+    )
     for t in texts:
         assert t in result.output, f"{t!r} not in:\n{result.output}"
 
@@ -48,13 +51,20 @@ def doctor_json(*args: str, env: dict[str, str] | None = None) -> dict:
 
 # --- through click's CliRunner ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize(("cuda", "cause", "fix"), BUILDS)
 @pytest.mark.parametrize("tier", ["uva", "pinned"])
 def test_forced_accelerator_tier_without_one(monkeypatch, cuda, cause, fix, tier):
     no_accelerator(monkeypatch, cuda)
     r = doctor(env={"STAGEBUF_TIER": tier})
-    assert_explained(r, f"STAGEBUF_TIER={tier} cannot work on this machine", cause,
-                     "allowed      host, pageable", "unset STAGEBUF_TIER", fix)
+    assert_explained(
+        r,
+        f"STAGEBUF_TIER={tier} cannot work on this machine",
+        cause,
+        "allowed      host, pageable",
+        "unset STAGEBUF_TIER",
+        fix,
+    )
     j = doctor_json(env={"STAGEBUF_TIER": tier})
     assert j["setting"] == "STAGEBUF_TIER" and j["value"] == tier and cause in j["error"]
     assert j["allowed"] == ["host", "pageable"] and "unset STAGEBUF_TIER" in j["fix"] and fix in j["fix"]
@@ -65,8 +75,13 @@ def test_forced_accelerator_tier_without_one(monkeypatch, cuda, cause, fix, tier
 @pytest.mark.parametrize("value", ["garbage", "UVA!", "1"])
 def test_unknown_tier(value):
     r = doctor(env={"STAGEBUF_TIER": value})
-    assert_explained(r, f"STAGEBUF_TIER={value} cannot work", f"STAGEBUF_TIER={value!r} is not a tier",
-                     f"allowed      {TIERS}", "unset STAGEBUF_TIER")
+    assert_explained(
+        r,
+        f"STAGEBUF_TIER={value} cannot work",
+        f"STAGEBUF_TIER={value!r} is not a tier",
+        f"allowed      {TIERS}",
+        "unset STAGEBUF_TIER",
+    )
     j = doctor_json(env={"STAGEBUF_TIER": value})
     assert j["error"] == f"STAGEBUF_TIER={value!r} is not a tier" and j["allowed"] == TIERS.split(", ")
     assert "unset STAGEBUF_TIER" in j["fix"]
@@ -77,8 +92,14 @@ def test_unknown_tier(value):
 def test_cuda_device_without_a_gpu(monkeypatch, cuda, cause, fix, device):
     no_accelerator(monkeypatch, cuda)
     r = doctor("--device", device)
-    assert_explained(r, f"--device {device} cannot work", f"--device {device} cannot be used: {cause}",
-                     "allowed      (omit --device), cpu", "omit --device", fix)
+    assert_explained(
+        r,
+        f"--device {device} cannot work",
+        f"--device {device} cannot be used: {cause}",
+        "allowed      (omit --device), cpu",
+        "omit --device",
+        fix,
+    )
     build = "CPU build" if cuda is None else "CUDA 13.0 build (sees no driver or GPU)"
     assert f"torch build  {build}" in r.output
     j = doctor_json("--device", device)
@@ -89,8 +110,9 @@ def test_cuda_device_without_a_gpu(monkeypatch, cuda, cause, fix, device):
 @pytest.mark.parametrize("device", ["banana", "gpu9", "cuda:x", "meta"])
 def test_unknown_device(device):
     r = doctor("--device", device)
-    assert_explained(r, f"--device {device} cannot work", "omit --device",
-                     "allowed      (omit --device), cpu")
+    assert_explained(
+        r, f"--device {device} cannot work", "omit --device", "allowed      (omit --device), cpu"
+    )
     j = doctor_json("--device", device)
     assert j["setting"] == "--device" and j["value"] == device and device in j["error"]
     assert "cpu" in j["allowed"] and "omit --device" in j["fix"]
@@ -123,6 +145,7 @@ def test_demo_explains_too():
 
 # --- the plain-text report, and doctor without rich -------------------------------------------
 
+
 def test_render_text_holds_every_fact(cpu_tier):
     caps = capabilities("cpu")
     text = doctor_mod.render_text(caps)
@@ -131,7 +154,7 @@ def test_render_text_holds_every_fact(cpu_tier):
 
     def value(item: str) -> str:
         (line,) = [ln for ln in lines if ln.strip().startswith(item + "  ")]
-        return line.strip()[len(item):].strip()
+        return line.strip()[len(item) :].strip()
 
     assert value("chosen tier") == caps.tier.name == cpu_tier.name
     assert value("torch") == torch.__version__
@@ -164,8 +187,16 @@ def _run(args: list[str], env_extra: dict[str, str], code: str | None = None) ->
 
 def _run_both(args: list[str], env_extra: dict[str, str]) -> list[tuple[int, str, str]]:
     """``python3 args`` and ``python3 args --json``, side by side: (status, stdout, stderr) each."""
-    procs = [subprocess.Popen([sys.executable, *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=_env(env_extra)) for a in (args, [*args, "--json"])]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *a],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(env_extra),
+        )
+        for a in (args, [*args, "--json"])
+    ]
     out = []
     for p in procs:
         so, se = p.communicate(timeout=120)
@@ -174,8 +205,10 @@ def _run_both(args: list[str], env_extra: dict[str, str]) -> list[tuple[int, str
 
 
 def test_subprocess_without_rich():
-    code = ("import sys; sys.modules['rich'] = None\n"
-            "from stagebuf.cli import main\nmain(['doctor'], prog_name='stagebuf')")
+    code = (
+        "import sys; sys.modules['rich'] = None\n"
+        "from stagebuf.cli import main\nmain(['doctor'], prog_name='stagebuf')"
+    )
     p = _run([], {}, code)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert "torch build" in p.stdout and "chosen tier" in p.stdout and not set(p.stdout) & set("┏┃━│")
@@ -185,17 +218,30 @@ def test_subprocess_without_rich():
 
 # --- through a real process: python3 -m stagebuf doctor --------------------------------------
 
-@pytest.mark.parametrize(("args", "env", "texts"), [
-    (["doctor"], {"STAGEBUF_TIER": "garbage"}, ["STAGEBUF_TIER='garbage' is not a tier", TIERS, "fix"]),
-    (["doctor", "--device", "banana"], {},
-     ["--device banana is not a device torch can use", "omit --device"]),
-    pytest.param(["doctor"], {"STAGEBUF_TIER": "uva"}, ["STAGEBUF_TIER=uva needs an accelerator",
-                                                         "host, pageable", "unset STAGEBUF_TIER"],
-                 marks=pytest.mark.skipif(HAS_CUDA, reason="UVA may work here")),
-    pytest.param(["doctor", "--device", "cuda"], {}, ["--device cuda cannot be used: torch is a",
-                                                      "omit --device"],
-                 marks=pytest.mark.skipif(HAS_CUDA, reason="CUDA works here")),
-])
+
+@pytest.mark.parametrize(
+    ("args", "env", "texts"),
+    [
+        (["doctor"], {"STAGEBUF_TIER": "garbage"}, ["STAGEBUF_TIER='garbage' is not a tier", TIERS, "fix"]),
+        (
+            ["doctor", "--device", "banana"],
+            {},
+            ["--device banana is not a device torch can use", "omit --device"],
+        ),
+        pytest.param(
+            ["doctor"],
+            {"STAGEBUF_TIER": "uva"},
+            ["STAGEBUF_TIER=uva needs an accelerator", "host, pageable", "unset STAGEBUF_TIER"],
+            marks=pytest.mark.skipif(HAS_CUDA, reason="UVA may work here"),
+        ),
+        pytest.param(
+            ["doctor", "--device", "cuda"],
+            {},
+            ["--device cuda cannot be used: torch is a", "omit --device"],
+            marks=pytest.mark.skipif(HAS_CUDA, reason="CUDA works here"),
+        ),
+    ],
+)
 def test_real_process(args, env, texts):
     (rc, so, se), (rcj, soj, sej) = _run_both(["-m", "stagebuf", *args], env)
     assert rc == 2, so + se

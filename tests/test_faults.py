@@ -175,8 +175,9 @@ def warnings_seen(caplog) -> Any:
     caplog.set_level(logging.WARNING, logger="stagebuf")
 
     def seen() -> list[str]:
-        return [r.getMessage() for r in caplog.records
-                if r.name == "stagebuf" and r.levelno >= logging.WARNING]
+        return [
+            r.getMessage() for r in caplog.records if r.name == "stagebuf" and r.levelno >= logging.WARNING
+        ]
 
     return seen
 
@@ -186,15 +187,17 @@ def _check_pool(pool: UvaBufferPool, rng: np.random.Generator, calls: int = 6, l
     live: list[tuple[torch.Tensor, np.ndarray]] = []
     for _ in range(calls):
         a = rng.integers(-(2**31), 2**31 - 1, int(rng.integers(0, longest + 1))).astype(np.int32)
-        live = (live + [(pool.copy_to_uva(a), a)])[-pool.max_concurrency:]
+        live = (live + [(pool.copy_to_uva(a), a)])[-pool.max_concurrency :]
         for t, want in live:
             np.testing.assert_array_equal(read_back(t), want)
 
 
 def _check_stager(stager: StepStager, rng: np.random.Generator, steps: int = 4) -> None:
     for _ in range(steps):
-        arrays = [rng.integers(0, 1000, int(rng.integers(1, 200))).astype(np.int64),
-                  rng.standard_normal((3, int(rng.integers(1, 50)))).astype(np.float32)]
+        arrays = [
+            rng.integers(0, 1000, int(rng.integers(1, 200))).astype(np.int64),
+            rng.standard_normal((3, int(rng.integers(1, 50)))).astype(np.float32),
+        ]
         with stager.step() as s:
             outs = [s.stage(a) for a in arrays]
         for t, a in zip(outs, arrays, strict=True):
@@ -349,7 +352,7 @@ def _sw_edits(rng: np.random.Generator, rows: int, cols: int, count: int) -> lis
 
 def _sw_model(model: np.ndarray, edits: list[Edit]) -> np.ndarray:
     for row, start, vals in edits:
-        model[row, start:start + vals.shape[0]] = vals
+        model[row, start : start + vals.shape[0]] = vals
     return model
 
 
@@ -635,8 +638,14 @@ def _run_memlock_child(tier: str | None) -> dict[str, Any]:
     env.pop("STAGEBUF_TIER", None)
     if tier:
         env["STAGEBUF_TIER"] = tier
-    proc = subprocess.run([sys.executable, "-c", _MEMLOCK_CHILD], capture_output=True, text=True,
-                          env=env, preexec_fn=_lower_memlock, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMLOCK_CHILD],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=_lower_memlock,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -724,4 +733,3 @@ def test_real_device_oom_at_stager_growth(monkeypatch, device_memory_cap):
         s.stage(np.zeros(64 << 20, np.int32))
     np.testing.assert_array_equal(read_back(ta), a)
     _check_stager(stager, np.random.default_rng(11))
-

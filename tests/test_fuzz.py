@@ -80,12 +80,21 @@ TIER_PARAMS = [
     pytest.param("pageable", None, id="cuda-pageable", marks=pytest.mark.gpu),
 ]
 
-NP_DTYPES = [np.dtype(d) for d in (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64,
-                                   np.float16, np.float32, np.float64)]
-TORCH_OF = {np.dtype(np.bool_): torch.bool, np.dtype(np.uint8): torch.uint8, np.dtype(np.int8): torch.int8,
-            np.dtype(np.int16): torch.int16, np.dtype(np.int32): torch.int32,
-            np.dtype(np.int64): torch.int64, np.dtype(np.float16): torch.float16,
-            np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+NP_DTYPES = [
+    np.dtype(d)
+    for d in (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64)
+]
+TORCH_OF = {
+    np.dtype(np.bool_): torch.bool,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+}
 KINDS = ["ndarray", "list", "tensor", "strided-tensor", "strided-ndarray"]
 
 COUNTS: Counter[tuple[str, str, str]] = Counter()
@@ -138,8 +147,9 @@ def same(got: np.ndarray, want: np.ndarray) -> bool:
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
     if want.dtype.kind == "f":
-        return bool(np.array_equal(got, want, equal_nan=True)
-                    and np.array_equal(np.signbit(got), np.signbit(want)))
+        return bool(
+            np.array_equal(got, want, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(want))
+        )
     return bool(np.array_equal(got, want))
 
 
@@ -244,12 +254,17 @@ class PoolMachine(TierMachine):
 
     label = "pool"
 
-    @initialize(dtype=st.sampled_from(NP_DTYPES), rows=st.integers(0, 8),
-                trailing=st.sampled_from([(), (1,), (3,)]), depth=st.integers(1, 4))
+    @initialize(
+        dtype=st.sampled_from(NP_DTYPES),
+        rows=st.integers(0, 8),
+        trailing=st.sampled_from([(), (1,), (3,)]),
+        depth=st.integers(1, 4),
+    )
     def build(self, dtype: np.dtype, rows: int, trailing: tuple[int, ...], depth: int) -> None:
         self.dtype, self.trailing = dtype, trailing
-        self.pool = UvaBufferPool((rows, *trailing), TORCH_OF[dtype], max_concurrency=depth,
-                                  device=self.device)
+        self.pool = UvaBufferPool(
+            (rows, *trailing), TORCH_OF[dtype], max_concurrency=depth, device=self.device
+        )
         self.slots = max(2, depth)
         self.caps = [rows] * self.slots  # the model of each slot's first dimension
         self.next_slot = 0
@@ -274,7 +289,7 @@ class PoolMachine(TierMachine):
         self._take_slot(n)
         if self.tier.copies:
             self.transfers += 1
-        self.window = (self.window + [(t, a)])[-self.slots:]
+        self.window = (self.window + [(t, a)])[-self.slots :]
         self.consume(t, a, "copy_to_uva")
 
     @rule(src=st.sampled_from(NP_DTYPES), n=st.integers(1, 12), seed=seeds, as_tensor=st.booleans())
@@ -292,7 +307,7 @@ class PoolMachine(TierMachine):
         self._take_slot(n)
         if self.tier.copies:
             self.transfers += 1
-        self.window = (self.window + [(t, fits)])[-self.slots:]
+        self.window = (self.window + [(t, fits)])[-self.slots :]
         self.consume(t, fits, "converted copy_to_uva")
 
     @rule(n=st.integers(0, 40), kind=st.sampled_from(KINDS), seed=seeds, with_out=st.booleans())
@@ -310,7 +325,7 @@ class PoolMachine(TierMachine):
             self.transfers += 1
         self.owned = (self.owned + [(t, a)])[-8:]
         self.consume(t, a, "copy_to_gpu")
-        self.window = (self.window + [None])[-self.slots:]  # took a slot: its result is not a view of it
+        self.window = (self.window + [None])[-self.slots :]  # took a slot: its result is not a view of it
 
     @rule(data=st.data())
     def refused(self, data: st.DataObject) -> None:
@@ -357,12 +372,17 @@ class BackedMachine(TierMachine):
 
     label = "backed"
 
-    @initialize(dtype=st.sampled_from(NP_DTYPES), rows=st.integers(1, 12),
-                trailing=st.sampled_from([(), (2,)]), depth=st.integers(1, 3))
+    @initialize(
+        dtype=st.sampled_from(NP_DTYPES),
+        rows=st.integers(1, 12),
+        trailing=st.sampled_from([(), (2,)]),
+        depth=st.integers(1, 3),
+    )
     def build(self, dtype: np.dtype, rows: int, trailing: tuple[int, ...], depth: int) -> None:
         self.dtype, self.rows, self.trailing = dtype, rows, trailing
-        self.bt = UvaBackedTensor((rows, *trailing), TORCH_OF[dtype], max_concurrency=depth,
-                                  device=self.device)
+        self.bt = UvaBackedTensor(
+            (rows, *trailing), TORCH_OF[dtype], max_concurrency=depth, device=self.device
+        )
         self.slots = max(2, depth)
         self.host = np.zeros((rows, *trailing), dtype)
         self.window = [(self.bt.gpu, self.host.copy())]
@@ -390,7 +410,7 @@ class BackedMachine(TierMachine):
         g = self.bt.copy_to_uva(n)
         assert g is self.bt.gpu
         k = self.rows if n is None else n
-        self.window = (self.window + [(g, self.host[:k].copy())])[-self.slots:]
+        self.window = (self.window + [(g, self.host[:k].copy())])[-self.slots :]
         self.consume(g, self.host[:k], f"publish of {k} rows")
 
     @invariant()
@@ -430,8 +450,13 @@ class StagerMachine(TierMachine):
         self.seq += 1
 
     @precondition(lambda self: self.step is not None)
-    @rule(dtype=st.sampled_from(NP_DTYPES), shape=st.sampled_from([(0,), (1,), (7,), (33,), (3, 5), (20, 4)]),
-          kind=st.sampled_from(KINDS), seed=seeds, give_dtype=st.booleans())
+    @rule(
+        dtype=st.sampled_from(NP_DTYPES),
+        shape=st.sampled_from([(0,), (1,), (7,), (33,), (3, 5), (20, 4)]),
+        kind=st.sampled_from(KINDS),
+        seed=seeds,
+        give_dtype=st.booleans(),
+    )
     def stage(self, dtype: np.dtype, shape: tuple[int, ...], kind: str, seed: int, give_dtype: bool) -> None:
         self.count()
         a = rand_array(self.rng(seed), dtype, shape)
@@ -463,8 +488,11 @@ class StagerMachine(TierMachine):
     def refused(self, bad: str) -> None:
         self.count()
         x, dt = {
-            "rank3": (np.zeros((2, 2, 2)), None), "scalar": (5, None), "none": (None, None),
-            "mixed": ([1, "a"], None), "nan-int": ([1.0, np.nan], torch.int32),
+            "rank3": (np.zeros((2, 2, 2)), None),
+            "scalar": (5, None),
+            "none": (None, None),
+            "mixed": ([1, "a"], None),
+            "nan-int": ([1.0, np.nan], torch.int32),
             "bool-int": (np.array([True]), torch.int64),
         }[bad]
         with pytest.raises((TypeError, ValueError)):
@@ -519,11 +547,25 @@ BAD_LISTS = ["nan", "fraction", "range", "bools", "string", "nested", "none"]
 def bad_list(kind: str, target: np.dtype) -> list[Any]:
     """A list value ``target`` cannot hold (checked when applied), first element bad; 1 or 2 elements."""
     if target.kind == "f":
-        return {"nan": [1e300], "fraction": [-1e300, 1.0], "range": [1e39], "bools": [True, False],
-                "string": ["a", 1.0], "nested": [[1.0]], "none": [None, 1.0]}[kind]
+        return {
+            "nan": [1e300],
+            "fraction": [-1e300, 1.0],
+            "range": [1e39],
+            "bools": [True, False],
+            "string": ["a", 1.0],
+            "nested": [[1.0]],
+            "none": [None, 1.0],
+        }[kind]
     past = 2**63 if target.itemsize == 8 else 2**31
-    return {"nan": [float("nan")], "fraction": [0.5, 1], "range": [past, 1],
-            "bools": [True], "string": ["1"], "nested": [[1, 2]], "none": [None]}[kind]
+    return {
+        "nan": [float("nan")],
+        "fraction": [0.5, 1],
+        "range": [past, 1],
+        "bools": [True],
+        "string": ["1"],
+        "nested": [[1, 2]],
+        "none": [None],
+    }[kind]
 
 
 class StagedEdits:
@@ -544,7 +586,7 @@ class StagedEdits:
     def apply(self) -> None:
         assert self.first_bad() is None
         for row, start, a, _ in self.staged:  # staging order: later edits win
-            self.model[row, start:start + len(a)] = a
+            self.model[row, start : start + len(a)] = a
         self.staged = []
 
     def want(self) -> np.ndarray:
@@ -589,7 +631,7 @@ def draw_batch(data: st.DataObject, rng: np.random.Generator, rows: int, cols: i
         lens = (rng.integers(0, cols + 1, e) % (cols - s + 1)).astype(np.int64)
         v = rand_array(rng, dtype, (int(lens.sum()),))
         ends = np.cumsum(lens)
-        edits = [(int(r[i]), int(s[i]), v[ends[i] - lens[i]: ends[i]]) for i in range(e)]
+        edits = [(int(r[i]), int(s[i]), v[ends[i] - lens[i] : ends[i]]) for i in range(e)]
         return r, s, v, lens, edits
     width = 1 if form == "1d" else int(rng.integers(0, cols + 1))
     s = rng.integers(0, cols - width + 1, e)
@@ -604,8 +646,13 @@ class StagedWriteMachine(TierMachine):
 
     label = "staged_write"
 
-    @initialize(dtype=st.sampled_from(SW_DTYPES), rows=st.integers(1, 9),
-                cols=st.sampled_from([None, 1, 5, 40]), uva=st.booleans(), depth=st.integers(1, 3))
+    @initialize(
+        dtype=st.sampled_from(SW_DTYPES),
+        rows=st.integers(1, 9),
+        cols=st.sampled_from([None, 1, 5, 40]),
+        uva=st.booleans(),
+        depth=st.integers(1, 3),
+    )
     def build(self, dtype: torch.dtype, rows: int, cols: int | None, uva: bool, depth: int) -> None:
         self.np_dtype = SW_NP[dtype]
         size = rows if cols is None else (rows, cols)
@@ -670,10 +717,16 @@ class StagedWriteMachine(TierMachine):
             "row": (lambda: self.swt.stage_writes([0, self.rows], [0, 0], z), ValueError, r"rows\[1\]="),
             "start": (lambda: self.swt.stage_writes([0, 0], [0, -1], z), ValueError, r"starts\[1\]=-1"),
             "past": (lambda: self.swt.stage_writes([0, 0], [0, self.cols], z), ValueError, "edit 1 "),
-            "lengths": (lambda: self.swt.stage_writes([0], [0], z.reshape(-1), lengths=[1]), ValueError,
-                        "lengths add up to 1"),
-            "values": (lambda: self.swt.stage_writes([0, 0], [0, 0], np.array([[0.0], [worse]])), ValueError,
-                       r"edit 1 \(rows\[1\]=0, starts\[1\]=0\)"),
+            "lengths": (
+                lambda: self.swt.stage_writes([0], [0], z.reshape(-1), lengths=[1]),
+                ValueError,
+                "lengths add up to 1",
+            ),
+            "values": (
+                lambda: self.swt.stage_writes([0, 0], [0, 0], np.array([[0.0], [worse]])),
+                ValueError,
+                r"edit 1 \(rows\[1\]=0, starts\[1\]=0\)",
+            ),
             "bools": (lambda: self.swt.stage_writes([0], [0], np.array([True])), TypeError, "bools"),
             "rows-dtype": (lambda: self.swt.stage_writes([0.5], [0], z[:1]), TypeError, "rows has dtype"),
         }[bad]
@@ -694,8 +747,11 @@ class StagedWriteMachine(TierMachine):
         self.swt.stage_write(row, start, raw)
         self.m.add(row, start, raw, bad=True)
 
-    @rule(bad=st.sampled_from(["row", "neg-row", "start", "too-long", "nan-array", "bool-array", "none",
-                               "elem-bool", "rank2"]))
+    @rule(
+        bad=st.sampled_from(
+            ["row", "neg-row", "start", "too-long", "nan-array", "bool-array", "none", "elem-bool", "rank2"]
+        )
+    )
     def refused(self, bad: str) -> None:
         """Refused when staged: the row, the columns, and values that are not a list."""
         self.count()
@@ -757,9 +813,12 @@ class FusedWriterMachine(TierMachine):
 
     label = "fused_writer"
 
-    @initialize(dtype=st.sampled_from(SW_DTYPES), shapes=st.lists(
-        st.tuples(st.integers(1, 6), st.sampled_from([1, 3, 17])), min_size=1, max_size=3),
-        max_writes=st.integers(1, 4), depth=st.integers(1, 3))
+    @initialize(
+        dtype=st.sampled_from(SW_DTYPES),
+        shapes=st.lists(st.tuples(st.integers(1, 6), st.sampled_from([1, 3, 17])), min_size=1, max_size=3),
+        max_writes=st.integers(1, 4),
+        depth=st.integers(1, 3),
+    )
     def build(self, dtype: torch.dtype, shapes: list[tuple[int, int]], max_writes: int, depth: int) -> None:
         self.np_dtype = SW_NP[dtype]
         self.ts = [StagedWriteTensor(s, dtype, self.device, max_concurrency=depth) for s in shapes]
@@ -812,8 +871,10 @@ class FusedWriterMachine(TierMachine):
         tensors = [self.ts[i] for i in idx]
         kw: dict[str, Any] = {}
         if data.draw(st.booleans()):  # vLLM's call shape: the pointers and row strides, checked
-            kw = {"output_ptrs": [t.gpu.data_ptr() for t in tensors],
-                  "output_strides": torch.tensor([t.row_stride for t in tensors], dtype=torch.int64)}
+            kw = {
+                "output_ptrs": [t.gpu.data_ptr() for t in tensors],
+                "output_strides": torch.tensor([t.row_stride for t in tensors], dtype=torch.int64),
+            }
         first_bad = self._refusing(idx)
         if first_bad is not None:
             with pytest.raises(StagedWriteError) as ei:
@@ -893,8 +954,10 @@ class SharedGuardMachine(TierMachine):
             guard_mod.make_event = self.fake.event
         self.np_dtype = SW_NP[dtype]
         self.slots = max(2, depth)
-        self.pools = [UvaBufferPool(8, torch.int32, max_concurrency=depth, device=self.device, guard="wait")
-                      for _ in range(2)]
+        self.pools = [
+            UvaBufferPool(8, torch.int32, max_concurrency=depth, device=self.device, guard="wait")
+            for _ in range(2)
+        ]
         self.stager = StepStager(device=self.device, capacity=128, max_concurrency=depth, guard="wait")
         self.swt = StagedWriteTensor((4, 8), dtype, self.device, max_concurrency=depth)
         self.m = StagedEdits(self.swt, self.np_dtype)
@@ -909,7 +972,7 @@ class SharedGuardMachine(TierMachine):
         a = rand_array(self.rng(seed), np.dtype(np.int32), (n,))
         t = self.pools[i].copy_to_uva(a)
         self.uses += 1
-        self.windows[i] = (self.windows[i] + [(t, a)])[-self.slots:]
+        self.windows[i] = (self.windows[i] + [(t, a)])[-self.slots :]
         self.consume(t, a, f"pool {i}")
 
     @rule(sizes=st.lists(st.integers(0, 40), max_size=3), seed=seeds)
@@ -920,7 +983,7 @@ class SharedGuardMachine(TierMachine):
         with self.stager.step() as s:
             out = [(s.stage(a), a) for a in arrays]
         self.uses += 1
-        self.steps = (self.steps + [out])[-self.slots:]
+        self.steps = (self.steps + [out])[-self.slots :]
         for t, a in out:
             self.consume(t, a, "stager step")
 
@@ -975,8 +1038,14 @@ class SharedGuardMachine(TierMachine):
             assert self.fake.records <= self.uses
 
 
-PT_FIELDS = {"temperature": np.float32, "top_k": np.int32, "seed": np.int64, "greedy": np.bool_,
-             "penalty": np.float16, "tok": np.uint8}
+PT_FIELDS = {
+    "temperature": np.float32,
+    "top_k": np.int32,
+    "seed": np.int64,
+    "greedy": np.bool_,
+    "penalty": np.float16,
+    "tok": np.uint8,
+}
 
 
 class ParamTableMachine(TierMachine):
@@ -984,8 +1053,11 @@ class ParamTableMachine(TierMachine):
 
     label = "param_table"
 
-    @initialize(rows=st.integers(0, 20), names=st.lists(st.sampled_from(sorted(PT_FIELDS)), min_size=1,
-                                                         max_size=6, unique=True), depth=st.integers(1, 3))
+    @initialize(
+        rows=st.integers(0, 20),
+        names=st.lists(st.sampled_from(sorted(PT_FIELDS)), min_size=1, max_size=6, unique=True),
+        depth=st.integers(1, 3),
+    )
     def build(self, rows: int, names: list[str], depth: int) -> None:
         fields = {n: TORCH_OF[np.dtype(PT_FIELDS[n])] for n in names}
         self.table = DeviceParamTable(rows, fields, self.device, max_concurrency=depth)
@@ -1067,15 +1139,17 @@ def _record(counts: Counter[tuple[str, str, str]]) -> None:
 
 @pytest.mark.parametrize("machine", MACHINES, ids=lambda m: m.label)
 @pytest.mark.parametrize("tier, device", TIER_PARAMS)
-def test_fuzz(machine: type[TierMachine], tier: str, device: str | None,
-              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fuzz(
+    machine: type[TierMachine], tier: str, device: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     force_tier(monkeypatch, tier)
     if machine.label.startswith("shared_guard") and device == "cpu":
         # guards on the CPU: the machine installs fake events (undone here); staged writes wait too
         monkeypatch.setattr(guard_mod, "make_event", guard_mod.make_event)
         monkeypatch.setattr(sw_mod, "_GUARD_MODE", "wait")
-    cls = type(f"{machine.__name__}_{tier}_{device or 'cuda'}", (machine,),
-               {"tier_name": tier, "device": device})
+    cls = type(
+        f"{machine.__name__}_{tier}_{device or 'cuda'}", (machine,), {"tier_name": tier, "device": device}
+    )
     conf = FUZZ_SETTINGS
     if machine.lazy and device == "cpu":  # no asynchrony on the CPU: a few examples check the path
         conf = settings(FUZZ_SETTINGS, max_examples=max(3, EXAMPLES // 5))

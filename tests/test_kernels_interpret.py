@@ -29,8 +29,9 @@ CPU = torch.device("cpu")
 
 
 def examples(n: int) -> settings:
-    return settings(max_examples=n, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+    return settings(
+        max_examples=n, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ Edit = tuple[int, int, np.ndarray]
 
 def model_apply(a: np.ndarray, edits: list[Edit]) -> None:
     for r, s, v in edits:
-        a[r, s: s + len(v)] = v
+        a[r, s : s + len(v)] = v
 
 
 def gathered(t: StagedWriteTensor, edits: list[Edit]) -> staged_write._Gathered:
@@ -80,12 +81,16 @@ def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) ->
     for m, e in zip(models, edits):
         model_apply(m, e)
     twins = [t.gpu.clone() for t in targets]
-    staged_write._torch_twin([twins[targets.index(p.target)].view(-1) for p in parts],
-                             torch.from_numpy(meta), torch.from_numpy(vals))
+    staged_write._torch_twin(
+        [twins[targets.index(p.target)].view(-1) for p in parts],
+        torch.from_numpy(meta),
+        torch.from_numpy(vals),
+    )
     table = torch.tensor([p.target.gpu.data_ptr() for p in parts], dtype=torch.int64)
     block = staged_write._block_for(longest)
-    staged_write._launch_triton(CPU, torch.from_numpy(meta), torch.from_numpy(vals), table,
-                                meta.shape[0], block)
+    staged_write._launch_triton(
+        CPU, torch.from_numpy(meta), torch.from_numpy(vals), table, meta.shape[0], block
+    )
     for t, twin, m in zip(targets, twins, models):
         np.testing.assert_array_equal(twin.numpy().reshape(m.shape), m)  # the twin is the model
         np.testing.assert_array_equal(t.gpu.numpy().reshape(m.shape), m)  # so is the kernel
@@ -97,8 +102,16 @@ def target(shape, dtype) -> StagedWriteTensor:
 
 def test_kernel_basic(interpret):
     t = target((4, 20), torch.int32)
-    kernel_vs_twin([t], [[(1, 2, np.arange(5, dtype=np.int32)), (3, 0, np.arange(20, dtype=np.int32) * 3),
-                          (0, 19, np.array([7], np.int32))]])
+    kernel_vs_twin(
+        [t],
+        [
+            [
+                (1, 2, np.arange(5, dtype=np.int32)),
+                (3, 0, np.arange(20, dtype=np.int32) * 3),
+                (0, 19, np.array([7], np.int32)),
+            ]
+        ],
+    )
     kernel_vs_twin([t], [[(1, 0, np.array([9], np.int32))]])  # a second launch keeps the first's values
 
 
@@ -173,6 +186,7 @@ def test_kernel_random_layouts(interpret, monkeypatch, data):
 
 
 # --- the apply path with a forced kernel, against the numpy model ---------------------
+
 
 @pytest.fixture
 def pageable(monkeypatch) -> None:
@@ -262,8 +276,18 @@ def test_forced_kernels_random_streams(interpret, pageable, monkeypatch, data):
     tw = Twin(shape, dtype, monkeypatch)
     rows, cols = tw.model.shape
     for _ in range(data.draw(st.integers(1, 3))):
-        edits = data.draw(st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99), st.integers(0, 48),
-                                             st.integers(0, 999), st.booleans()), max_size=8))
+        edits = data.draw(
+            st.lists(
+                st.tuples(
+                    st.integers(0, 99),
+                    st.integers(0, 99),
+                    st.integers(0, 48),
+                    st.integers(0, 999),
+                    st.booleans(),
+                ),
+                max_size=8,
+            )
+        )
         for a, b, n, seed, as_list in edits:
             row, start = a % rows, b % (cols + 1)
             tw.stage(row, start, values(dtype, min(n, cols - start), seed), as_list)

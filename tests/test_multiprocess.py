@@ -37,12 +37,23 @@ def _torchrun(tmp_path: Path, *args: str, timeout: int = 540) -> dict[str, Any]:
     env["PYTHONPATH"] = str(ROOT / "src")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPT), "--out", str(tmp_path), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        "--out",
+        str(tmp_path),
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     summary_file = tmp_path / "mp_decode_summary.json"
-    assert summary_file.exists(), (f"no summary; rc={proc.returncode}\n"
-                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    assert summary_file.exists(), (
+        f"no summary; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     summary = json.loads(summary_file.read_text())
     assert proc.returncode == 0 and summary["ok"], proc.stdout[-6000:] + proc.stderr[-3000:]
     assert summary["world_size"] == 2 and [r["rank"] for r in summary["ranks"]] == [0, 1]

@@ -11,13 +11,19 @@ from hypothesis import strategies as st
 import stagebuf
 from stagebuf.param_table import DeviceParamTable
 
-FIELDS = {"temperature": torch.float32, "top_k": torch.int32, "seed": torch.int64,
-          "greedy": torch.bool, "penalty": torch.float16}
+FIELDS = {
+    "temperature": torch.float32,
+    "top_k": torch.int32,
+    "seed": torch.int64,
+    "greedy": torch.bool,
+    "penalty": torch.float16,
+}
 
 
 def examples(n: int) -> settings:
-    return settings(max_examples=n, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+    return settings(
+        max_examples=n, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
 
 
 def dev_values(table: DeviceParamTable) -> dict[str, np.ndarray]:
@@ -118,17 +124,20 @@ def test_zero_rows(cpu_tier):
     assert t["a"].np.shape == (0,) and t.sync() is False
 
 
-@pytest.mark.parametrize(("args", "exc"), [
-    ((-1, {"a": torch.int32}), ValueError),
-    ((True, {"a": torch.int32}), ValueError),
-    ((2.0, {"a": torch.int32}), ValueError),
-    ((2, {}), ValueError),
-    ((2, [("a", torch.int32)]), ValueError),
-    ((2, {"": torch.int32}), ValueError),
-    ((2, {3: torch.int32}), ValueError),
-    ((2, {"a": torch.complex64}), TypeError),
-    ((2, {"a": "nope"}), TypeError),
-])
+@pytest.mark.parametrize(
+    ("args", "exc"),
+    [
+        ((-1, {"a": torch.int32}), ValueError),
+        ((True, {"a": torch.int32}), ValueError),
+        ((2.0, {"a": torch.int32}), ValueError),
+        ((2, {}), ValueError),
+        ((2, [("a", torch.int32)]), ValueError),
+        ((2, {"": torch.int32}), ValueError),
+        ((2, {3: torch.int32}), ValueError),
+        ((2, {"a": torch.complex64}), TypeError),
+        ((2, {"a": "nope"}), TypeError),
+    ],
+)
 def test_bad_construction(args, exc):
     with pytest.raises(exc):
         DeviceParamTable(*args, "cpu")
@@ -166,6 +175,7 @@ def test_device_is_optional(cpu_tier):
 
 # --- assignment: .np/.cpu copy the values in; everything else raises ---------------------
 
+
 def test_assigning_np_copies_and_sync_uploads(cpu_tier):
     t = DeviceParamTable(4, FIELDS, "cpu")
     model = {n: np.zeros(4, t[n].np.dtype) for n in t}
@@ -190,18 +200,30 @@ def test_assigning_np_copies_and_sync_uploads(cpu_tier):
     assert_same(dev_values(t), model)
 
 
-@pytest.mark.parametrize(("field", "value", "exc", "text"), [
-    ("top_k", [1, 2, 3], ValueError,
-     r"table\['top_k'\]\.np: a value of shape \(3,\) was given; expected shape \(4,\)"),
-    ("top_k", np.zeros((4, 1), np.int32), ValueError, r"table\['top_k'\]\.np has rank 2"),
-    ("top_k", [1.5, 0, 0, 0], ValueError, r"table\['top_k'\]\.np holds fractional values"),
-    ("top_k", [2**31, 0, 0, 0], ValueError, r"table\['top_k'\]\.np holds values in .* outside int32"),
-    ("top_k", np.nan, ValueError, r"table\['top_k'\]\.np holds NaN or inf"),
-    ("top_k", [True, False, True, False], TypeError, "bools and numbers are not converted"),
-    ("temperature", [1e39, 0, 0, 0], ValueError, r"table\['temperature'\]\.np holds finite values beyond"),
-    ("temperature", "fast", TypeError, r"table\['temperature'\]\.np must be a list"),
-    ("seed", torch.zeros(3, dtype=torch.int64), ValueError, r"table\['seed'\]\.np: a value of shape"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "exc", "text"),
+    [
+        (
+            "top_k",
+            [1, 2, 3],
+            ValueError,
+            r"table\['top_k'\]\.np: a value of shape \(3,\) was given; expected shape \(4,\)",
+        ),
+        ("top_k", np.zeros((4, 1), np.int32), ValueError, r"table\['top_k'\]\.np has rank 2"),
+        ("top_k", [1.5, 0, 0, 0], ValueError, r"table\['top_k'\]\.np holds fractional values"),
+        ("top_k", [2**31, 0, 0, 0], ValueError, r"table\['top_k'\]\.np holds values in .* outside int32"),
+        ("top_k", np.nan, ValueError, r"table\['top_k'\]\.np holds NaN or inf"),
+        ("top_k", [True, False, True, False], TypeError, "bools and numbers are not converted"),
+        (
+            "temperature",
+            [1e39, 0, 0, 0],
+            ValueError,
+            r"table\['temperature'\]\.np holds finite values beyond",
+        ),
+        ("temperature", "fast", TypeError, r"table\['temperature'\]\.np must be a list"),
+        ("seed", torch.zeros(3, dtype=torch.int64), ValueError, r"table\['seed'\]\.np: a value of shape"),
+    ],
+)
 def test_bad_np_assignment_raises_and_writes_nothing(cpu_tier, field, value, exc, text):
     t = DeviceParamTable(4, FIELDS, "cpu")
     t["top_k"].np[:] = [5, 6, 7, 8]
@@ -229,11 +251,19 @@ def test_other_field_attributes_are_read_only(cpu_tier, attr):
         del f.np
 
 
-@pytest.mark.parametrize(("attr", "text"), [
-    ("num_rows", "make a new DeviceParamTable"), ("device", "make a new table"), ("nbytes", "fixed"),
-    ("max_concurrency", "max_concurrency="), ("tier", "STAGEBUF_TIER"), ("fields", r"table\[name\]\.np"),
-    ("temperature", r"fields are not attributes.*table\['temperature'\]\.np"), ("whatever", "fixed"),
-])
+@pytest.mark.parametrize(
+    ("attr", "text"),
+    [
+        ("num_rows", "make a new DeviceParamTable"),
+        ("device", "make a new table"),
+        ("nbytes", "fixed"),
+        ("max_concurrency", "max_concurrency="),
+        ("tier", "STAGEBUF_TIER"),
+        ("fields", r"table\[name\]\.np"),
+        ("temperature", r"fields are not attributes.*table\['temperature'\]\.np"),
+        ("whatever", "fixed"),
+    ],
+)
 def test_table_attributes_are_read_only(cpu_tier, attr, text):
     t = DeviceParamTable(4, FIELDS, "cpu")
     before = getattr(t, attr, None)
@@ -273,10 +303,17 @@ def test_random_whole_field_assignments(cpu_tier, data):
 @st.composite
 def write_streams(draw):
     rows = draw(st.integers(1, 9))
-    ops = draw(st.lists(st.one_of(
-        st.tuples(st.just("write"), st.sampled_from(list(FIELDS)), st.integers(0, 99), st.integers(-99, 99)),
-        st.tuples(st.just("sync"), st.just(""), st.just(0), st.just(0)),
-    ), max_size=40))
+    ops = draw(
+        st.lists(
+            st.one_of(
+                st.tuples(
+                    st.just("write"), st.sampled_from(list(FIELDS)), st.integers(0, 99), st.integers(-99, 99)
+                ),
+                st.tuples(st.just("sync"), st.just(""), st.just(0), st.just(0)),
+            ),
+            max_size=40,
+        )
+    )
     return rows, ops
 
 
@@ -304,6 +341,7 @@ def test_random_write_sync_streams(cpu_tier, stream):
 
 
 # --- GPU ----------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 def test_gpu_sync_skips_and_uploads(gpu_tier):

@@ -68,6 +68,7 @@ def test_unknown_forced_tier_names_allowed_values(monkeypatch):
 
 # --- a fake accelerator: every OS/driver answer below is faked ---
 
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Probe 'cuda:0' on a CPU-only machine with the OS/driver answers faked.
@@ -193,8 +194,9 @@ def test_non_cuda_accelerator_without_uva_gets_pinned(fake_gpu):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_asking_for_cuda_without_it_is_a_clear_error(device):
-    with pytest.raises(TierUnavailableError, match=
-                       r"device='cuda.*' cannot be used: torch is a .*device=None"):
+    with pytest.raises(
+        TierUnavailableError, match=r"device='cuda.*' cannot be used: torch is a .*device=None"
+    ):
         capabilities(device)
     with pytest.raises(TierUnavailableError, match="cannot be used: torch is a"):
         stagebuf.StepStager(device=device)
@@ -202,8 +204,10 @@ def test_asking_for_cuda_without_it_is_a_clear_error(device):
 
 # --- naming the cause: a CPU build of torch, or a CUDA build that sees no GPU ---
 
-CAUSES = [(None, "torch is a CPU build", "install a CUDA build of torch"),
-          ("13.0", "torch is a CUDA build but sees no driver or GPU", "nvidia-smi")]
+CAUSES = [
+    (None, "torch is a CPU build", "install a CUDA build of torch"),
+    ("13.0", "torch is a CUDA build but sees no driver or GPU", "nvidia-smi"),
+]
 
 
 @pytest.mark.parametrize(("cuda", "cause", "fix"), CAUSES)

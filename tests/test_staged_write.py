@@ -37,8 +37,9 @@ except Exception:
 
 def examples(n: int) -> settings:
     """n examples, no deadline, and the tier fixture (constant across examples) allowed."""
-    return settings(max_examples=n, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+    return settings(
+        max_examples=n, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +76,7 @@ class Model:
             chunks = [v[i].reshape(-1) for i in range(len(rows))]
         else:
             ends = np.cumsum(lengths)
-            chunks = [v[e - n: e] for e, n in zip(ends, lengths)]
+            chunks = [v[e - n : e] for e, n in zip(ends, lengths)]
         for r, s, c in zip(rows, starts, chunks):
             self.stage(int(r), int(s), c)
 
@@ -88,7 +89,7 @@ class Model:
     def apply(self) -> None:
         assert self.first_bad() is None
         for i, s, v, _ in self.pending:
-            self.a[i, s: s + len(v)] = v
+            self.a[i, s : s + len(v)] = v
         self.pending.clear()
 
 
@@ -181,6 +182,7 @@ def _values(dtype: torch.dtype, n: int, seed: int) -> np.ndarray:
 
 
 # --- basic behaviour on the CPU tiers ------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_ragged_multi_row_writes(cpu_tier, dtype):
@@ -425,12 +427,23 @@ def test_bad_edit_refused_when_staged(cpu_tier, match, edit):
     apply_both(t, m)
 
 
-@pytest.mark.parametrize(("index", "value", "exc"), [
-    (4, 1, ValueError), (-1, 1, ValueError), (True, 1, ValueError), (0, True, TypeError),
-    (0, np.bool_(True), TypeError), (0, [1, 2], ValueError), ((0, 1), 1, ValueError), (0, "x", TypeError),
-    (0, None, TypeError), (0, np.array([1, 2]), ValueError), (0, np.float64(1.5), ValueError),
-    (0, torch.tensor(2**40), ValueError),
-])
+@pytest.mark.parametrize(
+    ("index", "value", "exc"),
+    [
+        (4, 1, ValueError),
+        (-1, 1, ValueError),
+        (True, 1, ValueError),
+        (0, True, TypeError),
+        (0, np.bool_(True), TypeError),
+        (0, [1, 2], ValueError),
+        ((0, 1), 1, ValueError),
+        (0, "x", TypeError),
+        (0, None, TypeError),
+        (0, np.array([1, 2]), ValueError),
+        (0, np.float64(1.5), ValueError),
+        (0, torch.tensor(2**40), ValueError),
+    ],
+)
 def test_bad_elem_refused_when_staged(cpu_tier, index, value, exc):
     t, m = _staged_before(cpu_tier)
     with pytest.raises(exc):
@@ -473,8 +486,9 @@ APPLY_BAD = [
     (torch.int64, "elem", 2.0**63, "outside"),
     (torch.float32, "elem", -1e39, "beyond"),
 ]
-APPLY_BAD_IDS = [f"{i}-{d}-{how}-{match}".replace("torch.", "")
-                 for i, (d, how, _, match) in enumerate(APPLY_BAD)]
+APPLY_BAD_IDS = [
+    f"{i}-{d}-{how}-{match}".replace("torch.", "") for i, (d, how, _, match) in enumerate(APPLY_BAD)
+]
 
 
 def stage_bad(t: StagedWriteTensor, m: Model, how: str, raw: Any, row: int = 3, start: int = 1) -> None:
@@ -594,6 +608,7 @@ def test_bad_size(size):
 
 # --- stage_writes: batches from arrays -----------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stage_writes_forms(cpu_tier, dtype):
     t, m = make((6, 10), dtype, cpu_tier)
@@ -624,46 +639,140 @@ def test_stage_writes_keep_staging_order_with_stage_write(cpu_tier):
 
 # (rows, starts, values, lengths, exception, what the message says)
 STAGE_WRITES_BAD = [
-    ("row past the end", [0, 1, 2, 4], [0] * 4, np.ones((4, 2), np.int32), None, ValueError,
-     r"rows\[3\]=4 is out of range"),
+    (
+        "row past the end",
+        [0, 1, 2, 4],
+        [0] * 4,
+        np.ones((4, 2), np.int32),
+        None,
+        ValueError,
+        r"rows\[3\]=4 is out of range",
+    ),
     ("row negative", [0, -1], [0, 0], np.ones((2, 2), np.int32), None, ValueError, r"rows\[1\]=-1"),
-    ("start negative", [0, 1, 2], [0, 0, -2], np.ones((3, 2), np.int32), None, ValueError,
-     r"starts\[2\]=-2 is negative"),
-    ("past the end", [0, 1], [0, 7], np.ones((2, 2), np.int32), None, ValueError,
-     r"edit 1 \(rows\[1\]=1, starts\[1\]=7, 2 values\) ends at column 9"),
-    ("past the end (runs)", [0, 1], [0, 5], np.ones(6, np.int32), [2, 4], ValueError,
-     r"edit 1 \(rows\[1\]=1, starts\[1\]=5, 4 values\) ends at column 9"),
+    (
+        "start negative",
+        [0, 1, 2],
+        [0, 0, -2],
+        np.ones((3, 2), np.int32),
+        None,
+        ValueError,
+        r"starts\[2\]=-2 is negative",
+    ),
+    (
+        "past the end",
+        [0, 1],
+        [0, 7],
+        np.ones((2, 2), np.int32),
+        None,
+        ValueError,
+        r"edit 1 \(rows\[1\]=1, starts\[1\]=7, 2 values\) ends at column 9",
+    ),
+    (
+        "past the end (runs)",
+        [0, 1],
+        [0, 5],
+        np.ones(6, np.int32),
+        [2, 4],
+        ValueError,
+        r"edit 1 \(rows\[1\]=1, starts\[1\]=5, 4 values\) ends at column 9",
+    ),
     ("lengths sum", [0, 1], [0, 0], np.ones(5, np.int32), [2, 2], ValueError, "lengths add up to 4"),
     ("lengths negative", [0, 1], [0, 0], np.ones(4, np.int32), [5, -1], ValueError, r"lengths\[1\]=-1"),
     ("lengths count", [0, 1], [0, 0], np.ones(4, np.int32), [4], ValueError, "lengths has 1 entries"),
     ("starts count", [0, 1], [0], np.ones((2, 2), np.int32), None, ValueError, "starts has 1 entries"),
     ("values count", [0, 1], [0, 0], np.ones((3, 2), np.int32), None, ValueError, "values has 3 rows"),
     ("values rank 3", [0, 1], [0, 0], np.ones((2, 2, 1), np.int32), None, ValueError, "rank 3"),
-    ("fractional into int", [0, 1, 2], [0, 0, 0], np.array([[1, 2], [3, 4], [5, 5.5]]), None, ValueError,
-     r"edit 2 \(rows\[2\]=2, starts\[2\]=0\): values holds fractional"),
-    ("NaN into int (runs)", [2, 0], [1, 0], np.array([1, 2, 3, np.nan]), [1, 3], ValueError,
-     r"edit 1 \(rows\[1\]=0, starts\[1\]=0\): values holds NaN"),
-    ("out of range into int32", [0, 1, 3], [0, 2, 0], np.array([[1, 2], [3, 4], [2**40, 0]]), None,
-     ValueError, r"edit 2 \(rows\[2\]=3, starts\[2\]=0\): values holds values in"),
-    ("float16 whole numbers into int32 (accepted)", [0, 1], [0, 0],
-     np.array([[1, 2], [-65504, 1]], np.float16), None, None, None),
-    ("string values", [0, 1], [0, 0], np.array([["a", "b"], ["c", "d"]]), None, TypeError,
-     "values has dtype <U1"),
+    (
+        "fractional into int",
+        [0, 1, 2],
+        [0, 0, 0],
+        np.array([[1, 2], [3, 4], [5, 5.5]]),
+        None,
+        ValueError,
+        r"edit 2 \(rows\[2\]=2, starts\[2\]=0\): values holds fractional",
+    ),
+    (
+        "NaN into int (runs)",
+        [2, 0],
+        [1, 0],
+        np.array([1, 2, 3, np.nan]),
+        [1, 3],
+        ValueError,
+        r"edit 1 \(rows\[1\]=0, starts\[1\]=0\): values holds NaN",
+    ),
+    (
+        "out of range into int32",
+        [0, 1, 3],
+        [0, 2, 0],
+        np.array([[1, 2], [3, 4], [2**40, 0]]),
+        None,
+        ValueError,
+        r"edit 2 \(rows\[2\]=3, starts\[2\]=0\): values holds values in",
+    ),
+    (
+        "float16 whole numbers into int32 (accepted)",
+        [0, 1],
+        [0, 0],
+        np.array([[1, 2], [-65504, 1]], np.float16),
+        None,
+        None,
+        None,
+    ),
+    (
+        "string values",
+        [0, 1],
+        [0, 0],
+        np.array([["a", "b"], ["c", "d"]]),
+        None,
+        TypeError,
+        "values has dtype <U1",
+    ),
     ("bool values into int", [0, 1], [0, 0], np.ones((2, 2), bool), None, TypeError, "bools and numbers"),
-    ("complex values", [0, 1], [0, 0], np.ones((2, 2), complex), None, TypeError,
-     "values has dtype complex128"),
-    ("fractional rows", [0, 1.5], [0, 0], np.ones((2, 2), np.int32), None, TypeError,
-     "rows has dtype float64"),
-    ("bool rows", np.array([True, False]), [0, 0], np.ones((2, 2), np.int32), None, TypeError,
-     "rows has dtype bool"),
-    ("bool starts", [0, 1], np.array([False, True]), np.ones((2, 2), np.int32), None, TypeError,
-     "starts has dtype bool"),
+    (
+        "complex values",
+        [0, 1],
+        [0, 0],
+        np.ones((2, 2), complex),
+        None,
+        TypeError,
+        "values has dtype complex128",
+    ),
+    (
+        "fractional rows",
+        [0, 1.5],
+        [0, 0],
+        np.ones((2, 2), np.int32),
+        None,
+        TypeError,
+        "rows has dtype float64",
+    ),
+    (
+        "bool rows",
+        np.array([True, False]),
+        [0, 0],
+        np.ones((2, 2), np.int32),
+        None,
+        TypeError,
+        "rows has dtype bool",
+    ),
+    (
+        "bool starts",
+        [0, 1],
+        np.array([False, True]),
+        np.ones((2, 2), np.int32),
+        None,
+        TypeError,
+        "starts has dtype bool",
+    ),
     ("rows of rank 2", [[0, 1]], [0, 0], np.ones((2, 2), np.int32), None, ValueError, "rows has rank 2"),
 ]
 
 
-@pytest.mark.parametrize(("rows", "starts", "values", "lengths", "exc", "match"),
-                         [c[1:] for c in STAGE_WRITES_BAD], ids=[c[0] for c in STAGE_WRITES_BAD])
+@pytest.mark.parametrize(
+    ("rows", "starts", "values", "lengths", "exc", "match"),
+    [c[1:] for c in STAGE_WRITES_BAD],
+    ids=[c[0] for c in STAGE_WRITES_BAD],
+)
 def test_stage_writes_bad_input(cpu_tier, rows, starts, values, lengths, exc, match):
     t, m = _staged_before(cpu_tier)
     if exc is None:
@@ -684,6 +793,7 @@ def test_stage_writes_float_target_range(cpu_tier):
 
 
 # --- forced kernels: scatter, and the Triton kernel (CPU: through the interpreter) -----
+
 
 def _kernel_round(rng, pairs, dtype, overlap: bool) -> None:
     """Random edits to every pair (long ones included); distinct rows unless ``overlap``."""
@@ -770,6 +880,7 @@ def test_kernel_names_on_cpu(cpu_tier):
 
 # --- transfers and steps on the CPU tiers ----------------------------------------------
 
+
 def expect_steps(tier, stats: dict[str, int], applies: int) -> None:
     """HOST applies with one numpy assignment (no stager step); PAGEABLE: one step, one transfer each."""
     if tier is HOST:
@@ -837,6 +948,7 @@ def test_million_element_write_cpu(cpu_tier):
 
 
 # --- fused writer ------------------------------------------------------------------
+
 
 def test_fused_writer_different_row_lengths(cpu_tier):
     dev = device_of(cpu_tier)
@@ -979,13 +1091,19 @@ def edit_streams(draw):
     one_d = draw(st.booleans())
     rows = draw(st.integers(1, 6))
     cols = 1 if one_d else draw(st.integers(1, 40))
-    ops = draw(st.lists(
-        st.tuples(
-            st.sampled_from(OPS), st.integers(0, 1000), st.integers(0, 1000), st.integers(0, 50),
-            st.integers(0, 2**32 - 1), st.sampled_from(STAGE_BAD_KINDS + APPLY_BAD_KINDS),
-        ),
-        max_size=40,
-    ))
+    ops = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(OPS),
+                st.integers(0, 1000),
+                st.integers(0, 1000),
+                st.integers(0, 50),
+                st.integers(0, 2**32 - 1),
+                st.sampled_from(STAGE_BAD_KINDS + APPLY_BAD_KINDS),
+            ),
+            max_size=40,
+        )
+    )
     return dtype, one_d, rows, cols, ops
 
 
@@ -1081,8 +1199,13 @@ def run_fused_stream(data, w, pairs, dtype, max_start: int, max_len: int) -> Non
     A round may hold one bad list edit: the fused apply raises and writes nothing in any
     tensor; the round's tensors are cleared of it (the good edits re-staged) and applied.
     """
-    edit = st.tuples(st.integers(0, 99), st.integers(0, max_start), st.integers(0, max_len),
-                     st.integers(0, 999), st.sampled_from(["list", "array", "batch"]))
+    edit = st.tuples(
+        st.integers(0, 99),
+        st.integers(0, max_start),
+        st.integers(0, max_len),
+        st.integers(0, 999),
+        st.sampled_from(["list", "array", "batch"]),
+    )
     integer = not dtype.is_floating_point
     for _ in range(data.draw(st.integers(1, 4))):
         for t, m in pairs:
@@ -1096,7 +1219,7 @@ def run_fused_stream(data, w, pairs, dtype, max_start: int, max_len: int) -> Non
         bad_in = data.draw(st.one_of(st.none(), st.integers(0, len(pairs) - 1)))
         if bad_in is not None:
             t, m = pairs[bad_in]
-            stage_bad(t, m, "list", _bad_list("fraction", integer)[:t.cols], row=0, start=0)
+            stage_bad(t, m, "list", _bad_list("fraction", integer)[: t.cols], row=0, start=0)
             before = [read(t).copy() for t, _ in pairs]
             with pytest.raises(StagedWriteError) as ei:
                 w.apply([t for t, _ in pairs])
@@ -1259,8 +1382,10 @@ def test_gpu_million_element_write(gpu_tier):
     t.apply_write()
     applied_s = time.perf_counter() - t0
     torch.cuda.synchronize()
-    print(f"\n[{gpu_tier.name}] {n}-element int32 write: staging {staged_s * 1e3:.3f} ms, "
-          f"apply (host side) {applied_s * 1e3:.3f} ms, kernel {t.kernel}")
+    print(
+        f"\n[{gpu_tier.name}] {n}-element int32 write: staging {staged_s * 1e3:.3f} ms, "
+        f"apply (host side) {applied_s * 1e3:.3f} ms, kernel {t.kernel}"
+    )
     m.stage(1, 0, vals)
     m.apply()
     check(t, m)

@@ -67,11 +67,17 @@ def test_growth_keeps_earlier_tensors_valid(any_tier):
 @given(
     steps=st.lists(
         st.lists(
-            st.tuples(st.sampled_from(DTYPES), st.integers(0, 40), st.sampled_from([0, 1, 3]),
-                      st.sampled_from(["ndarray", "list", "tensor"])),
-            min_size=0, max_size=6,
+            st.tuples(
+                st.sampled_from(DTYPES),
+                st.integers(0, 40),
+                st.sampled_from([0, 1, 3]),
+                st.sampled_from(["ndarray", "list", "tensor"]),
+            ),
+            min_size=0,
+            max_size=6,
         ),
-        min_size=1, max_size=8,
+        min_size=1,
+        max_size=8,
     ),
     depth=st.integers(2, 3),
     seed=st.integers(0, 2**32 - 1),

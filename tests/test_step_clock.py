@@ -63,6 +63,7 @@ def use_marked(ring: SlotRing) -> int:
 
 # --- one event per step ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("depth", [2, 3])
 def test_eight_pools_one_event_per_step(cpu_tier, stream, depth):
     pools = [UvaBufferPool(4, torch.int32, depth, "cpu", guard="wait") for _ in range(8)]
@@ -125,6 +126,7 @@ def test_guard_off_and_auto_record_nothing(cpu_tier, stream):
 
 
 # --- marked rings: staged-write applies ---------------------------------------------------
+
 
 def test_writes_only_loop_records_one_event_per_apply(stream):
     ring = marked_ring(2)
@@ -190,6 +192,7 @@ def test_real_staged_write_applies_with_the_guard(monkeypatch, stream):
 
 
 # --- random rings and steps against the models ---------------------------------------------
+
 
 @dataclass
 class Use:
@@ -281,8 +284,11 @@ def test_random_rings_match_the_models(cpu_tier, monkeypatch, data):
     for kind in kinds:
         depth = data.draw(st.integers(1, 3))
         mode = data.draw(st.sampled_from(["wait", "raise"]))
-        obj: Any = (UvaBufferPool(4, torch.int32, depth, "cpu", guard=mode) if kind == "pool"
-                    else StepStager("cpu", capacity=64, max_concurrency=depth, guard=mode))
+        obj: Any = (
+            UvaBufferPool(4, torch.int32, depth, "cpu", guard=mode)
+            if kind == "pool"
+            else StepStager("cpu", capacity=64, max_concurrency=depth, guard=mode)
+        )
         rings.append(RingModel(obj, kind, max(2, depth), mode))
     unmarked = [i for i, r in enumerate(rings) if not r.marked]
     marked = [i for i, r in enumerate(rings) if r.marked]
@@ -337,6 +343,7 @@ def test_random_rings_match_the_models(cpu_tier, monkeypatch, data):
 
 
 # --- a ring that skips a step: begin_step() protects it, STAGEBUF_CHECK=1 catches the misuse --------
+
 
 def _skipping_ring_program(stream, begin: bool) -> tuple[UvaBufferPool, list[int]]:
     """Steps 0-3 of a pool ``a`` used every step and a pool ``x`` that skips step 1.

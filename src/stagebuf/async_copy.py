@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
+from ._types import DeviceLike, DTypeLike, HostData
 from .convert import host_array, torch_dtype
 from .log import warn_once
 from .probe import capabilities
@@ -16,7 +15,7 @@ _ANY_RANK = tuple(range(0, 9))
 
 
 def async_copy_to_gpu(
-    x: Any, out: torch.Tensor | None = None, device: Any = None, dtype: Any = None
+    x: HostData, out: torch.Tensor | None = None, device: DeviceLike = None, dtype: DTypeLike | None = None
 ) -> torch.Tensor:
     """Copy host data ``x`` (list, ndarray or CPU tensor) to the device, asynchronously.
 
@@ -42,8 +41,7 @@ def async_copy_to_gpu(
     caps = capabilities(device)
     if out is not None and (tuple(out.shape) != arr.shape or out.device != caps.device):
         raise ValueError(
-            f"out has shape {tuple(out.shape)} on {out.device}; expected shape "
-            f"{arr.shape} on {caps.device}"
+            f"out has shape {tuple(out.shape)} on {out.device}; expected shape {arr.shape} on {caps.device}"
         )
     src = torch.from_numpy(np.ascontiguousarray(arr))
     if caps.tier is Tier.HOST or caps.device_type == "cpu":
@@ -52,9 +50,10 @@ def async_copy_to_gpu(
         try:
             src = src.pin_memory()
         except Exception as e:  # memlock exhausted at run time
-            warn_once(("async-copy-pin", str(caps.device)),
-                      f"pinning for async_copy_to_gpu failed on {caps.device} ({e}); "
-                      "copying from pageable memory")
+            warn_once(
+                ("async-copy-pin", str(caps.device)),
+                f"pinning for async_copy_to_gpu failed on {caps.device} ({e}); copying from pageable memory",
+            )
     if out is not None:
         return out.copy_(src, non_blocking=True)
     return src.to(caps.device, non_blocking=True)

@@ -78,8 +78,15 @@ class BenchConfig:
         """Defaults for a full (GPU) run or ``quick`` (CPU CI, well under 60 s); ``given`` wins."""
         base: dict[str, Any] = {"quick": quick}
         if quick:
-            base.update(sizes=(64, 4096), edits=(1, 16, 256), lengths=(1, 8), repeats=3, iters=200,
-                        target_ms=8.0, decode_steps=20)
+            base.update(
+                sizes=(64, 4096),
+                edits=(1, 16, 256),
+                lengths=(1, 8),
+                repeats=3,
+                iters=200,
+                target_ms=8.0,
+                decode_steps=20,
+            )
         base.update({k: v for k, v in given.items() if v is not None and v != ()})
         return cls(**base)
 
@@ -103,8 +110,14 @@ def make_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def prepare(step: Callable[[], object], sync: Callable[[], None], max_iters: int, target_s: float,
-            min_warmup: int = 0, fixed_iters: int | None = None) -> int:
+def prepare(
+    step: Callable[[], object],
+    sync: Callable[[], None],
+    max_iters: int,
+    target_s: float,
+    min_warmup: int = 0,
+    fixed_iters: int | None = None,
+) -> int:
     """Warm ``step`` up; the steps per repeat.
 
     Warm-up runs ``max(3, min_warmup)`` steps (compiles, first allocations, a
@@ -154,12 +167,25 @@ def time_repeat(step: Callable[[], object], sync: Callable[[], None], iters: int
 
 
 def summarise(hs: list[float], es: list[float], iters: int) -> Measurement:
-    return Measurement(round(statistics.median(hs), 3), round(statistics.median(es), 3), iters, len(hs),
-                       [round(h, 3) for h in hs], [round(e, 3) for e in es])
+    return Measurement(
+        round(statistics.median(hs), 3),
+        round(statistics.median(es), 3),
+        iters,
+        len(hs),
+        [round(h, 3) for h in hs],
+        [round(e, 3) for e in es],
+    )
 
 
-def measure(step: Callable[[], object], sync: Callable[[], None], repeats: int, max_iters: int,
-            target_s: float, min_warmup: int = 0, fixed_iters: int | None = None) -> Measurement:
+def measure(
+    step: Callable[[], object],
+    sync: Callable[[], None],
+    repeats: int,
+    max_iters: int,
+    target_s: float,
+    min_warmup: int = 0,
+    fixed_iters: int | None = None,
+) -> Measurement:
     """``prepare`` then ``repeats`` repeats of one step function (the bench interleaves instead)."""
     iters = prepare(step, sync, max_iters, target_s, min_warmup, fixed_iters)
     hs, es = [], []
@@ -223,13 +249,27 @@ def detect(cfg: BenchConfig) -> Machine:
         unavailable[Tier.HOST] = f"tier HOST targets the CPU; the device is {dev}"
     try:
         from . import staged_write  # noqa: F401
+
         sw_error = None
     except Exception as e:  # not written yet, or broken
         sw_error = f"stagebuf.staged_write is not importable ({type(e).__name__}: {e})"
-    sws_error = sw_error or (None if W.has_stage_writes() else
-                             "StagedWriteTensor.stage_writes (the batched API) is not in this build")
-    env = W.Env(dev, caps.device_type == "cuda", caps.pin_memory, caps.uva, cfg.k, cfg.batch,
-                16, cfg.check_every, cfg.decode_steps, cfg.seed)
+    sws_error = sw_error or (
+        None
+        if W.has_stage_writes()
+        else "StagedWriteTensor.stage_writes (the batched API) is not in this build"
+    )
+    env = W.Env(
+        dev,
+        caps.device_type == "cuda",
+        caps.pin_memory,
+        caps.uva,
+        cfg.k,
+        cfg.batch,
+        16,
+        cfg.check_every,
+        cfg.decode_steps,
+        cfg.seed,
+    )
     return Machine(caps, env, available, unavailable, sw_error, sws_error)
 
 
@@ -274,9 +314,13 @@ def _tiers_to_run(cfg: BenchConfig, m: Machine) -> tuple[list[Tier], list[dict[s
     for t in want:
         if t not in m.available:
             n = W.TIER_NAMES[t]
-            skipped.append({"workload": "*",
-                            "strategy": f"pool_{n}, stager_{n}, staged_write_{n}, staged_writes_{n}",
-                            "reason": m.unavailable.get(t, "not available")})
+            skipped.append(
+                {
+                    "workload": "*",
+                    "strategy": f"pool_{n}, stager_{n}, staged_write_{n}, staged_writes_{n}",
+                    "reason": m.unavailable.get(t, "not available"),
+                }
+            )
     return [t for t in m.available if t in want], skipped
 
 
@@ -293,15 +337,23 @@ def _stage_only(tier: Tier) -> W.Strategy:
 
         return W.Case(step)
 
-    return W.Strategy(f"staged_write_{W.TIER_NAMES[tier]}.stage_only", "stage_write x E, no apply",
-                      "stagebuf", build, tier=tier, needs=("staged_write",))
+    return W.Strategy(
+        f"staged_write_{W.TIER_NAMES[tier]}.stage_only",
+        "stage_write x E, no apply",
+        "stagebuf",
+        build,
+        tier=tier,
+        needs=("staged_write",),
+    )
 
 
 def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]]:
     tiers, skipped = _tiers_to_run(cfg, m)
     tasks: list[Task] = []
 
-    def add(workload: str, strategies: Sequence[W.Strategy], sizes: Sequence[int], section: str) -> None:
+    def add(
+        workload: str, strategies: Sequence[W.Strategy], sizes: Sequence[int | W.WriteCell], section: str
+    ) -> None:
         for s in strategies:
             why = _missing(s, m)
             if why is not None:
@@ -312,8 +364,9 @@ def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]
 
     if "micro" in cfg.workloads:
         add("micro", W.micro_strategies(tiers), cfg.sizes, "results")
-        guard_tiers = [t for t in tiers if t in (Tier.UVA, Tier.PINNED)] or [
-            t for t in tiers if t is Tier.PAGEABLE]
+        guard_tiers: list[Tier] = [t for t in tiers if t in (Tier.UVA, Tier.PINNED)] or [
+            t for t in tiers if t is Tier.PAGEABLE
+        ]
         add("micro", W.guard_strategies(guard_tiers), [_ratio_size(cfg.sizes, RATIO_N)], "guard")
     if "decode" in cfg.workloads:
         add("decode", W.decode_strategies(tiers), [cfg.batch], "results")
@@ -322,8 +375,14 @@ def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]
         only = [RATIO_CELL] if RATIO_CELL in write_cells(cfg) else []
         add("writes", [_stage_only(t) for t in tiers], [*only, STAGE_ONLY_CELL], "stage_only")
     # grouped by (workload, size), which run_tasks interleaves; floors first, guard variants last
-    tasks.sort(key=lambda t: (WORKLOADS.index(t.workload), _size_order(t.size), t.section != "results",
-                              t.strategy.kind != "floor"))
+    tasks.sort(
+        key=lambda t: (
+            WORKLOADS.index(t.workload),
+            _size_order(t.size),
+            t.section != "results",
+            t.strategy.kind != "floor",
+        )
+    )
     return tasks, skipped
 
 
@@ -352,8 +411,9 @@ class _Live:
     es: list[float] = field(default_factory=list)
 
 
-def run_tasks(cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console, show_progress: bool
-              ) -> dict[str, Any]:
+def run_tasks(
+    cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console, show_progress: bool
+) -> dict[str, Any]:
     """Time ``tasks``; the cases of one (workload, size) are built together and their repeats interleaved.
 
     Interleaving (in a rotating order) spreads any drift of the machine over every
@@ -367,8 +427,12 @@ def run_tasks(cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console,
     groups: dict[tuple[str, int | W.WriteCell], list[Task]] = {}
     for t in tasks:
         groups.setdefault((t.workload, t.size), []).append(t)
-    cols = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn())
+    cols = (
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*cols, console=console, transient=True, disable=not show_progress) as prog:
         bar = prog.add_task("bench", total=len(tasks) * (cfg.repeats + 2))
         for (wl, size), group in groups.items():
@@ -405,7 +469,8 @@ def run_tasks(cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console,
                 else:
                     tier = s.tier.name if s.tier is not None else None
                     entry = results[wl].setdefault(
-                        s.name, {"label": s.label, "kind": s.kind, "tier": tier, "sizes": {}})
+                        s.name, {"label": s.label, "kind": s.kind, "tier": tier, "sizes": {}}
+                    )
                     entry["sizes"][str(size)] = row
                 prog.advance(bar)
             del live
@@ -443,8 +508,10 @@ def guard_cost(raw: dict[str, Any]) -> dict[str, Any]:
             out.setdefault(base, {})[size] = {
                 "structure": {"stager": "StepStager", "pool": "UvaBufferPool per array"}.get(what, what),
                 "tier": tier.upper(),
-                "wait_host_us": w["host_us"], "off_host_us": o["host_us"],
-                "wait_e2e_us": w["e2e_us"], "off_e2e_us": o["e2e_us"],
+                "wait_host_us": w["host_us"],
+                "off_host_us": o["host_us"],
+                "wait_e2e_us": w["e2e_us"],
+                "off_e2e_us": o["e2e_us"],
                 "delta_host_us": round(w["host_us"] - o["host_us"], 3),
                 "delta_e2e_us": round(w["e2e_us"] - o["e2e_us"], 3),
                 "guard_waits": w.get("guard_waits", 0),
@@ -468,13 +535,28 @@ def _meets(r: float, op: str, target: float) -> bool:
     return bool(r <= target) if op == "<=" else bool(r >= target)
 
 
-def _ratio(description: str, results: dict[str, Any], wl: str, size: int | str, num: str, den: str,
-           metric: str, op: str, target: float) -> dict[str, Any]:
+def _ratio(
+    description: str,
+    results: dict[str, Any],
+    wl: str,
+    size: int | str,
+    num: str,
+    den: str,
+    metric: str,
+    op: str,
+    target: float,
+) -> dict[str, Any]:
     """One target: ``num/den`` of ``metric`` ('staging' or 'step') at ``size``, against ``target``."""
     key = {"staging": "staging_{}_us", "step": "{}_us"}[metric]
     entry: dict[str, Any] = {
-        "description": description, "workload": wl, "size": size, "metric": f"{metric} (e2e µs)",
-        "numerator": num, "denominator": den, "op": op, "target": target,
+        "description": description,
+        "workload": wl,
+        "size": size,
+        "metric": f"{metric} (e2e µs)",
+        "numerator": num,
+        "denominator": den,
+        "op": op,
+        "target": target,
     }
     e2e, host = key.format("e2e"), key.format("host")
     nv, dv = _value(results, wl, num, size, e2e), _value(results, wl, den, size, e2e)
@@ -482,12 +564,15 @@ def _ratio(description: str, results: dict[str, Any], wl: str, size: int | str, 
     entry.update(numerator_us=nv, denominator_us=dv)
     if nv is None or dv is None:
         missing = [f"{wl} {s} at {SIZE_NAMES[wl]}={size}" for s, v in ((num, nv), (den, dv)) if v is None]
-        entry.update(measured=None, passed=None, missing=missing,
-                     skipped=f"not measured in this run: {', '.join(missing)}")
+        entry.update(
+            measured=None,
+            passed=None,
+            missing=missing,
+            skipped=f"not measured in this run: {', '.join(missing)}",
+        )
         return entry
     if dv <= 0:
-        entry.update(measured=None, passed=None,
-                     skipped=f"{den} is not above the floor ({dv} µs): no ratio")
+        entry.update(measured=None, passed=None, skipped=f"{den} is not above the floor ({dv} µs): no ratio")
         return entry
     r = nv / dv
     entry["measured"] = round(r, 4)
@@ -496,12 +581,28 @@ def _ratio(description: str, results: dict[str, Any], wl: str, size: int | str, 
     return entry
 
 
-PART_KEYS = ("workload", "size", "numerator", "denominator", "numerator_us", "denominator_us", "measured",
-             "passed", "skipped")
+PART_KEYS = (
+    "workload",
+    "size",
+    "numerator",
+    "denominator",
+    "numerator_us",
+    "denominator_us",
+    "measured",
+    "passed",
+    "skipped",
+)
 
 
-def _worst_of(description: str, parts: list[dict[str, Any]], metric: str, op: str, target: float,
-              none_why: str, note: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+def _worst_of(
+    description: str,
+    parts: list[dict[str, Any]],
+    metric: str,
+    op: str,
+    target: float,
+    none_why: str,
+    note: Callable[[dict[str, Any]], str],
+) -> dict[str, Any]:
     """One target made of parts (each a ratio): ``measured`` is the worst part, ``passed`` if all pass.
 
     Parts that were not measured are listed with why, and do not count; none measured: skipped.
@@ -510,7 +611,10 @@ def _worst_of(description: str, parts: list[dict[str, Any]], metric: str, op: st
     got = [p for p in parts if p.get("measured") is not None]
     worst = (max if op == "<=" else min)(got, key=lambda p: p["measured"]) if got else None
     entry: dict[str, Any] = {
-        "description": description, "metric": metric, "op": op, "target": target,
+        "description": description,
+        "metric": metric,
+        "op": op,
+        "target": target,
         "measured": worst["measured"] if worst else None,
         "worst": f"{worst['workload']} {worst['numerator']}" if worst else None,
         "worst_size": worst.get("size") if worst else None,
@@ -524,13 +628,30 @@ def _worst_of(description: str, parts: list[dict[str, Any]], metric: str, op: st
     return entry
 
 
-def _cells_target(description: str, results: dict[str, Any], cells: Sequence[W.WriteCell], num: str,
-                  den: str, op: str, target: float, which: str) -> dict[str, Any]:
+def _cells_target(
+    description: str,
+    results: dict[str, Any],
+    cells: Sequence[W.WriteCell],
+    num: str,
+    den: str,
+    op: str,
+    target: float,
+    which: str,
+) -> dict[str, Any]:
     """``num / den`` (writes step time) in each of ``cells``; the worst cell is ``measured``."""
-    parts = [_ratio(f"writes {c}: {num} / {den}", results, "writes", str(c), num, den, "step", op, target)
-             for c in cells]
-    return _worst_of(description, parts, "step (e2e µs), per cell", op, target,
-                     f"no cell of this run's writes sweep has {which}", lambda p: f"E x L = {p['size']}")
+    parts = [
+        _ratio(f"writes {c}: {num} / {den}", results, "writes", str(c), num, den, "step", op, target)
+        for c in cells
+    ]
+    return _worst_of(
+        description,
+        parts,
+        "step (e2e µs), per cell",
+        op,
+        target,
+        f"no cell of this run's writes sweep has {which}",
+        lambda p: f"E x L = {p['size']}",
+    )
 
 
 def _stage_write_us(stage_only: dict[str, Any], tiers_run: Sequence[Tier], target: float) -> dict[str, Any]:
@@ -538,21 +659,33 @@ def _stage_write_us(stage_only: dict[str, Any], tiers_run: Sequence[Tier], targe
     parts = []
     for t in tiers_run:
         name = f"staged_write_{W.TIER_NAMES[t]}.stage_only"
-        part: dict[str, Any] = {"workload": "writes", "size": str(cell), "numerator": name,
-                                "denominator": None}
+        part: dict[str, Any] = {
+            "workload": "writes",
+            "size": str(cell),
+            "numerator": name,
+            "denominator": None,
+        }
         row = stage_only.get(name, {}).get(str(cell))
         if row is None:
             miss = f"writes {name} at ExL={cell}"
-            part.update(measured=None, passed=None, missing=[miss],
-                        skipped=f"not measured in this run: {miss}")
+            part.update(
+                measured=None, passed=None, missing=[miss], skipped=f"not measured in this run: {miss}"
+            )
         else:
             us = row["host_us"] / cell.edits
             part.update(numerator_us=row["host_us"], measured=round(us, 4), passed=_meets(us, "<=", target))
         parts.append(part)
-    entry = _worst_of(f"StagedWriteTensor.stage_write of a list of {cell.length} ints: host µs per call "
-                      f"({cell.edits} calls, then clear_staged_writes(); no apply); measured is the worst "
-                      "tier", parts, "host µs per call", "<=", target, "no stagebuf tier ran",
-                      lambda p: p["numerator"].split(".")[0].rsplit("_", 1)[1].upper())
+    entry = _worst_of(
+        f"StagedWriteTensor.stage_write of a list of {cell.length} ints: host µs per call "
+        f"({cell.edits} calls, then clear_staged_writes(); no apply); measured is the worst "
+        "tier",
+        parts,
+        "host µs per call",
+        "<=",
+        target,
+        "no stagebuf tier ran",
+        lambda p: p["numerator"].split(".")[0].rsplit("_", 1)[1].upper(),
+    )
     entry["unit"] = "µs"
     return entry
 
@@ -579,8 +712,20 @@ TARGET_NEEDS: dict[str, str | None] = {
 }
 """Which device each target is defined for: 'cuda' (a GPU run), 'cpu' (HOST tier) or None (any)."""
 
-_NA_DROP = ("measured_host", "numerator_us", "denominator_us", "missing", "skipped", "parts", "worst",
-            "worst_size", "worst_note", "breakdown", "vs_pinned_tensor_per_array", "naive_candidates_us")
+_NA_DROP = (
+    "measured_host",
+    "numerator_us",
+    "denominator_us",
+    "missing",
+    "skipped",
+    "parts",
+    "worst",
+    "worst_size",
+    "worst_note",
+    "breakdown",
+    "vs_pinned_tensor_per_array",
+    "naive_candidates_us",
+)
 
 
 def na_reason(needs: str | None, device: str) -> str | None:
@@ -606,8 +751,13 @@ def _settle(entry: dict[str, Any], needs: str | None, device: str) -> None:
     entry["status"] = "skipped" if entry.get("passed") is None else "pass" if entry["passed"] else "fail"
 
 
-def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequence[Tier],
-                   cfg: BenchConfig, device: str) -> dict[str, Any]:
+def compute_ratios(
+    results: dict[str, Any],
+    stage_only: dict[str, Any],
+    tiers_run: Sequence[Tier],
+    cfg: BenchConfig,
+    device: str,
+) -> dict[str, Any]:
     n = RATIO_N
     best = tiers_run[0] if tiers_run else None
     sw_name = f"staged_write_{W.TIER_NAMES[best]}" if best is not None else "staged_write_uva"
@@ -615,25 +765,67 @@ def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_ru
     out: dict[str, Any] = {
         "uva_stager_vs_pinned_per_array": _ratio(
             "UVA StepStager staging cost / per-array pinned copies' (fixed pinned buffer per array "
-            "+ async copy, vLLM V1 style)", results, "micro", n, "stager_uva", "pinned_buffer_per_array",
-            "staging", "<=", 0.2),
+            "+ async copy, vLLM V1 style)",
+            results,
+            "micro",
+            n,
+            "stager_uva",
+            "pinned_buffer_per_array",
+            "staging",
+            "<=",
+            0.2,
+        ),
         "pinned_stager_vs_pinned_per_array": _ratio(
-            "PINNED StepStager staging cost / per-array pinned copies'", results, "micro", n,
-            "stager_pinned", "pinned_buffer_per_array", "staging", "<=", 0.3),
+            "PINNED StepStager staging cost / per-array pinned copies'",
+            results,
+            "micro",
+            n,
+            "stager_pinned",
+            "pinned_buffer_per_array",
+            "staging",
+            "<=",
+            0.3,
+        ),
         "pageable_stager_vs_seed_nonuva": _ratio(
-            "PAGEABLE StepStager staging cost / the seed's NonUvaBuffer per array", results,
-            "micro", n, "stager_pageable", "seed_pageable_per_array", "staging", "<=", 0.25),
+            "PAGEABLE StepStager staging cost / the seed's NonUvaBuffer per array",
+            results,
+            "micro",
+            n,
+            "stager_pageable",
+            "seed_pageable_per_array",
+            "staging",
+            "<=",
+            0.25,
+        ),
         "staged_write_256_speedup": _ratio(
             f"per-row indexed copies / StagedWriteTensor ({best.name if best is not None else '-'}) "
-            f"for {RATIO_EDITS} one-element edits (stage_write x {RATIO_EDITS} + apply_write)", results,
-            "writes", rc, "row_copy_per_edit", sw_name, "step", ">=", 20.0),
+            f"for {RATIO_EDITS} one-element edits (stage_write x {RATIO_EDITS} + apply_write)",
+            results,
+            "writes",
+            rc,
+            "row_copy_per_edit",
+            sw_name,
+            "step",
+            ">=",
+            20.0,
+        ),
         "decode_pageable_vs_uva": _ratio(
-            "decode loop step time: PAGEABLE StepStager / UVA StepStager", results, "decode",
-            cfg.batch, "stager_pageable", "stager_uva", "step", "<=", 1.5),
+            "decode loop step time: PAGEABLE StepStager / UVA StepStager",
+            results,
+            "decode",
+            cfg.batch,
+            "stager_pageable",
+            "stager_uva",
+            "step",
+            "<=",
+            1.5,
+        ),
     }
     # the nano-vllm flavour of 'per-array pinned copies', for reference
-    for key, strat in (("uva_stager_vs_pinned_per_array", "stager_uva"),
-                       ("pinned_stager_vs_pinned_per_array", "stager_pinned")):
+    for key, strat in (
+        ("uva_stager_vs_pinned_per_array", "stager_uva"),
+        ("pinned_stager_vs_pinned_per_array", "stager_pinned"),
+    ):
         alt = _ratio("", results, "micro", n, strat, "pinned_tensor_per_array", "staging", "<=", 0)
         out[key]["vs_pinned_tensor_per_array"] = alt.get("measured")
     so = stage_only.get(f"{sw_name}.stage_only", {}).get(rc)
@@ -642,17 +834,37 @@ def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_ru
     if so is not None and full is not None and rcv is not None:
         apply_us = full - so["e2e_us"]
         out["staged_write_256_speedup"]["breakdown"] = {
-            "stage_write_x_edits_e2e_us": so["e2e_us"], "apply_e2e_us": round(apply_us, 3),
-            "row_copies_e2e_us": rcv, "ratio_apply_only": round(rcv / apply_us, 3) if apply_us > 0 else None,
+            "stage_write_x_edits_e2e_us": so["e2e_us"],
+            "apply_e2e_us": round(apply_us, 3),
+            "row_copies_e2e_us": rcv,
+            "ratio_apply_only": round(rcv / apply_us, 3) if apply_us > 0 else None,
         }
     # no tier slower than the seed's UVA-pool path by more than 10%
-    parts = [_ratio(f"{wl}: {t.name} StepStager / seed UVA pool", results, wl, size,
-                    f"stager_{W.TIER_NAMES[t]}", "seed_uva_pool_per_array", "step", "<=", 1.10)
-             for wl, size in (("micro", n), ("decode", cfg.batch)) for t in tiers_run]
+    parts = [
+        _ratio(
+            f"{wl}: {t.name} StepStager / seed UVA pool",
+            results,
+            wl,
+            size,
+            f"stager_{W.TIER_NAMES[t]}",
+            "seed_uva_pool_per_array",
+            "step",
+            "<=",
+            1.10,
+        )
+        for wl, size in (("micro", n), ("decode", cfg.batch))
+        for t in tiers_run
+    ]
     out["no_tier_slower_than_seed_uva"] = _worst_of(
         "every tier's StepStager step time / the seed's UVA-pool step time (micro K=8 N=64 and decode "
-        "loop); measured is the worst", parts, "step (e2e µs)", "<=", 1.10, "no stagebuf tier ran",
-        lambda p: f"{p['workload']} {p['numerator']}")
+        "loop); measured is the worst",
+        parts,
+        "step (e2e µs)",
+        "<=",
+        1.10,
+        "no stagebuf tier ran",
+        lambda p: f"{p['workload']} {p['numerator']}",
+    )
 
     # StagedWriteTensor against MRV2's (which runs on UVA), cell by cell of the writes sweep
     cells = write_cells(cfg)
@@ -661,32 +873,76 @@ def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_ru
     mrv2 = "mrv2_staged_write"
     out["staged_write_uva_vs_mrv2_e_le_16"] = _cells_target(
         "UVA StagedWriteTensor (stage_write per edit from lists + apply) / MRV2's StagedWriteTensor, step "
-        "time in every cell with E <= 16; measured is the worst cell", results, small, "staged_write_uva",
-        mrv2, "<=", 0.5, "E <= 16")
+        "time in every cell with E <= 16; measured is the worst cell",
+        results,
+        small,
+        "staged_write_uva",
+        mrv2,
+        "<=",
+        0.5,
+        "E <= 16",
+    )
     out["staged_write_uva_vs_mrv2_e_ge_256"] = _cells_target(
         "UVA StagedWriteTensor (stage_write per edit from lists + apply) / MRV2's, every cell with "
-        "E >= 256; measured is the worst cell", results, large, "staged_write_uva", mrv2, "<=", 0.7,
-        "E >= 256")
+        "E >= 256; measured is the worst cell",
+        results,
+        large,
+        "staged_write_uva",
+        mrv2,
+        "<=",
+        0.7,
+        "E >= 256",
+    )
     out["staged_writes_uva_vs_mrv2_e_ge_256"] = _cells_target(
         "UVA StagedWriteTensor batched (stage_writes from numpy + apply) / MRV2's (stage_write per edit), "
-        "every cell with E >= 256; measured is the worst cell", results, large, "staged_writes_uva", mrv2,
-        "<=", 0.2, "E >= 256")
+        "every cell with E >= 256; measured is the worst cell",
+        results,
+        large,
+        "staged_writes_uva",
+        mrv2,
+        "<=",
+        0.2,
+        "E >= 256",
+    )
     for t in (Tier.PINNED, Tier.PAGEABLE):
         tn = W.TIER_NAMES[t]
         out[f"staged_write_{tn}_vs_mrv2"] = _cells_target(
             f"{t.name} StagedWriteTensor (stage_write per edit + apply) / MRV2's StagedWriteTensor on UVA, "
-            "every cell; measured is the worst cell", results, cells, f"staged_write_{tn}", mrv2, "<=",
-            0.8, "any cell")
+            "every cell; measured is the worst cell",
+            results,
+            cells,
+            f"staged_write_{tn}",
+            mrv2,
+            "<=",
+            0.8,
+            "any cell",
+        )
     out["stage_write_8_ints_us"] = _stage_write_us(stage_only, tiers_run, 1.0)
     out["pool_vs_mrv2_pool"] = _ratio(
         "UVA UvaBufferPool per array (default guard) staging cost / MRV2's UvaBufferPool per array",
-        results, "micro", n, "pool_uva", "mrv2_uva_pool", "staging", "<=", 1.0)
+        results,
+        "micro",
+        n,
+        "pool_uva",
+        "mrv2_uva_pool",
+        "staging",
+        "<=",
+        1.0,
+    )
     for t, goal in ((Tier.UVA, 0.5), (Tier.PINNED, 0.7), (Tier.PAGEABLE, 0.7)):
         tn = W.TIER_NAMES[t]
         out[f"decode_stager_{tn}_vs_mrv2"] = _ratio(
             f"decode loop staging cost: {t.name} StepStager + StagedWriteTensor / MRV2's UVA pools + "
-            "StagedWriteTensor (on UVA)", results, "decode", cfg.batch, f"stager_{tn}", "mrv2_decode",
-            "staging", "<=", goal)
+            "StagedWriteTensor (on UVA)",
+            results,
+            "decode",
+            cfg.batch,
+            f"stager_{tn}",
+            "mrv2_decode",
+            "staging",
+            "<=",
+            goal,
+        )
     # the HOST tier, when the device is the CPU
     cands: dict[str, float] = {}
     for name in NAIVE_CPU:
@@ -696,13 +952,29 @@ def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_ru
     naive = min(cands, key=lambda k: cands[k]) if cands else NAIVE_CPU[0]
     out["host_decode_vs_naive_cpu"] = _ratio(
         f"decode loop step time on the CPU: HOST StepStager + StagedWriteTensor / the fastest naive "
-        f"strategy of this run ({naive}, of {', '.join(cands) or 'none measured'})", results, "decode",
-        cfg.batch, "stager_host", naive, "step", "<=", 0.8)
+        f"strategy of this run ({naive}, of {', '.join(cands) or 'none measured'})",
+        results,
+        "decode",
+        cfg.batch,
+        "stager_host",
+        naive,
+        "step",
+        "<=",
+        0.8,
+    )
     out["host_decode_vs_naive_cpu"]["naive_candidates_us"] = cands
     one = str(W.WriteCell(1, 1))
     out["host_one_edit_vs_row_copy"] = _ratio(
         "one one-element edit on the CPU: HOST StagedWriteTensor stage_write + apply_write / one row copy",
-        results, "writes", one, "staged_write_host", "row_copy_per_edit", "step", "<=", 2.0)
+        results,
+        "writes",
+        one,
+        "staged_write_host",
+        "row_copy_per_edit",
+        "step",
+        "<=",
+        2.0,
+    )
     for name, entry in out.items():
         entry["device"] = device
         if cfg.k != 8 and entry.get("workload") == "micro":
@@ -716,8 +988,9 @@ def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_ru
 
 def _git(*args: str) -> str | None:
     try:
-        r = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
-                           cwd=Path(__file__).resolve().parent)
+        r = subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent
+        )
     except Exception:
         return None
     return r.stdout.strip() if r.returncode == 0 else None
@@ -725,8 +998,12 @@ def _git(*args: str) -> str | None:
 
 def _driver_version() -> str | None:
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=10)
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except Exception:
         return None
     return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
@@ -736,8 +1013,11 @@ def command_line() -> str:
     argv = list(sys.argv)
     ctx = click.get_current_context(silent=True)
     if "bench" not in argv[1:] and ctx is not None:  # called in-process (tests): rebuild from the params
-        opts = [f"--{k.replace('_', '-')}={v}" for k, v in sorted(ctx.params.items())
-                if v not in (None, False, ()) and not isinstance(v, bool)]
+        opts = [
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in sorted(ctx.params.items())
+            if v not in (None, False, ()) and not isinstance(v, bool)
+        ]
         flags = [f"--{k.replace('_', '-')}" for k, v in sorted(ctx.params.items()) if v is True]
         return " ".join(["stagebuf", "bench", *flags, *opts])
     if argv and argv[0].endswith("__main__.py"):
@@ -793,7 +1073,7 @@ def _workload_tables(report: dict[str, Any]) -> Iterator[tuple[str, bool, list[s
         if not data:
             continue
         staging = wl in ("micro", "decode") and "floor" in data
-        rows = []
+        rows: list[list[str]] = []
         if wl == "writes":
             cells = {W.WriteCell.parse(s) for e in data.values() for s in e["sizes"]}
             es = sorted({c.edits for c in cells})
@@ -801,22 +1081,29 @@ def _workload_tables(report: dict[str, Any]) -> Iterator[tuple[str, bool, list[s
             for ln in sorted({c.length for c in cells}):
                 for name, e in data.items():
                     if any(W.WriteCell.parse(s).length == ln for s in e["sizes"]):
-                        rows.append([name, str(ln), *(_cell(e["sizes"].get(str(W.WriteCell(x, ln))), False)
-                                                       for x in es)])
+                        rows.append(
+                            [
+                                name,
+                                str(ln),
+                                *(_cell(e["sizes"].get(str(W.WriteCell(x, ln))), False) for x in es),
+                            ]
+                        )
             yield wl, staging, head, rows
             continue
         sizes = sorted({int(s) for e in data.values() for s in e["sizes"]})
         head = [f"{SIZE_NAMES[wl]}={n}" for n in sizes] + (["checks"] if wl == "decode" else [])
         for name, e in data.items():
-            cells = [name] + [_cell(e["sizes"].get(str(n)), staging and name != "floor") for n in sizes]
+            row = [name] + [_cell(e["sizes"].get(str(n)), staging and name != "floor") for n in sizes]
             if wl == "decode":
-                cells.append(str(next(iter(e["sizes"].values())).get("checks", "-")))
-            rows.append(cells)
+                row.append(str(next(iter(e["sizes"].values())).get("checks", "-")))
+            rows.append(row)
         yield wl, staging, head, rows
 
 
-TITLES = {"decode": "decode loop: per-request arrays + block table + slot mapping",
-          "writes": "staged writes: E edits of L elements (distinct rows), staged then applied once per step"}
+TITLES = {
+    "decode": "decode loop: per-request arrays + block table + slot mapping",
+    "writes": "staged writes: E edits of L elements (distinct rows), staged then applied once per step",
+}
 
 
 def _stage_only_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
@@ -863,32 +1150,50 @@ def render(report: dict[str, Any], console: Console) -> None:
         console.print(tab)
     so = _stage_only_rows(report)
     if so:
-        tab = Table(title="stage only: stage_write x E from Python lists, then clear_staged_writes() "
-                    "(no apply)", title_justify="left", caption="host µs")
+        tab = Table(
+            title="stage only: stage_write x E from Python lists, then clear_staged_writes() (no apply)",
+            title_justify="left",
+            caption="host µs",
+        )
         for c in ("strategy", "ExL", "per step", "per call"):
             tab.add_column(c, justify="left" if c == "strategy" else "right")
-        for cells in so:
-            tab.add_row(*cells)
+        for so_row in so:
+            tab.add_row(*so_row)
         console.print(tab)
     if report.get("guard_cost"):
-        tab = Table(title="guard cost: guard='wait' minus guard='off'", title_justify="left",
-                    caption="e2e µs per step")
+        tab = Table(
+            title="guard cost: guard='wait' minus guard='off'",
+            title_justify="left",
+            caption="e2e µs per step",
+        )
         for c in ("structure", "tier", "size", "wait", "off", "delta", "waits"):
             tab.add_column(c, justify="right" if c not in ("structure", "tier") else "left")
         for by_size in report["guard_cost"].values():
             for size, g in by_size.items():
-                tab.add_row(g["structure"], g["tier"], size, _fmt(g["wait_e2e_us"]), _fmt(g["off_e2e_us"]),
-                            f"{g['delta_e2e_us']:+.2f}", str(g["guard_waits"]))
+                tab.add_row(
+                    g["structure"],
+                    g["tier"],
+                    size,
+                    _fmt(g["wait_e2e_us"]),
+                    _fmt(g["off_e2e_us"]),
+                    f"{g['delta_e2e_us']:+.2f}",
+                    str(g["guard_waits"]),
+                )
         console.print(tab)
-    tab = Table(title=f"targets (device {report['device']})", title_justify="left",
-                caption="measured: a ratio of e2e µs; (…): the worst part of a target made of parts")
+    tab = Table(
+        title=f"targets (device {report['device']})",
+        title_justify="left",
+        caption="measured: a ratio of e2e µs; (…): the worst part of a target made of parts",
+    )
     for c in ("target", "measured", "goal", "result"):
         tab.add_column(c)
     for name, r in report["ratios"].items():
         status = _status(r)
-        verdict = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]",
-                   "n/a": f"[dim]n/a[/]: {escape(r.get('na', ''))}",
-                   }.get(status, f"[yellow]skipped[/]: {escape(r.get('skipped', ''))}")
+        verdict = {
+            "pass": "[green]pass[/]",
+            "fail": "[red]FAIL[/]",
+            "n/a": f"[dim]n/a[/]: {escape(r.get('na', ''))}",
+        }.get(status, f"[yellow]skipped[/]: {escape(r.get('skipped', ''))}")
         tab.add_row(name, _measured(r), _goal(r), verdict)
     console.print(tab)
     if report["skipped"]:
@@ -912,7 +1217,8 @@ def markdown(report: dict[str, Any]) -> str:
     """The report's tables as Markdown (what docs/BENCHMARKS.md shows), all from this one report."""
     v = report.get("versions", {})
     lines = [
-        "| | |", "|---|---|",
+        "| | |",
+        "|---|---|",
         f"| command | `{report.get('command', '?')}` |",
         f"| commit | `{report.get('commit') or '?'}`{' (dirty tree)' if report.get('dirty') else ''} |",
         f"| device | {report.get('device_name', '?')} ({report.get('device', '?')}) |",
@@ -924,8 +1230,10 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     for wl, staging, head, rows in _workload_tables(report):
-        lines.append(f"#### {wl}: {UNITS[wl]}, median host / device-synchronised"
-                     + (" (+ staging = synchronised minus the floor)" if staging else ""))
+        lines.append(
+            f"#### {wl}: {UNITS[wl]}, median host / device-synchronised"
+            + (" (+ staging = synchronised minus the floor)" if staging else "")
+        )
         lines.append("")
         head = ["strategy", "what", *head]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -936,30 +1244,47 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     so = _stage_only_rows(report)
     if so:
-        lines += ["#### stage only: stage_write x E from Python lists, then clear_staged_writes() (host µs)",
-                  "", "| strategy | ExL | per step | per call |", "|---|---|---|---|"]
+        lines += [
+            "#### stage only: stage_write x E from Python lists, then clear_staged_writes() (host µs)",
+            "",
+            "| strategy | ExL | per step | per call |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| `{a}` | {b} | {c} | {d} |" for a, b, c, d in so]
         lines.append("")
     if report.get("guard_cost"):
-        lines += ["#### guard cost: guard='wait' minus guard='off' (µs per step, device-synchronised)", "",
-                  "| structure | tier | N | wait | off | delta | waits |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "#### guard cost: guard='wait' minus guard='off' (µs per step, device-synchronised)",
+            "",
+            "| structure | tier | N | wait | off | delta | waits |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for by_size in report["guard_cost"].values():
             for size, g in by_size.items():
-                lines.append(f"| {g['structure']} | {g['tier']} | {size} | {_fmt(g['wait_e2e_us'])} | "
-                             f"{_fmt(g['off_e2e_us'])} | {g['delta_e2e_us']:+.2f} | {g['guard_waits']} |")
+                lines.append(
+                    f"| {g['structure']} | {g['tier']} | {size} | {_fmt(g['wait_e2e_us'])} | "
+                    f"{_fmt(g['off_e2e_us'])} | {g['delta_e2e_us']:+.2f} | {g['guard_waits']} |"
+                )
         lines.append("")
-    lines += ["#### targets", "", "| target | definition | measured | goal | result |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "#### targets",
+        "",
+        "| target | definition | measured | goal | result |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in report["ratios"].items():
         status = _status(r)
         verdict = {"pass": "pass", "fail": "**FAIL**", "n/a": f"n/a: {r.get('na', '')}"}.get(
-            status, f"skipped: {r.get('skipped', '')}")
+            status, f"skipped: {r.get('skipped', '')}"
+        )
         lines.append(f"| `{name}` | {r.get('description', '')} | {_measured(r)} | {_goal(r)} | {verdict} |")
     lines.append("")
     if report.get("skipped"):
         lines += ["Skipped:", ""]
-        lines += [f"- {'all workloads' if s['workload'] == '*' else s['workload']} `{s['strategy']}`: "
-                  f"{s['reason']}" for s in report["skipped"]]
+        lines += [
+            f"- {'all workloads' if s['workload'] == '*' else s['workload']} `{s['strategy']}`: {s['reason']}"
+            for s in report["skipped"]
+        ]
         lines.append("")
     return "\n".join(lines)
 
@@ -1000,8 +1325,9 @@ def plot(report: dict[str, Any], path: str) -> None:
             colors = {"baseline": "0.6", "floor": "0.85", "stagebuf": "C0"}
             ax.barh(names, vals, color=[colors.get(data[n]["kind"], "C0") for n in names])
             for y, v in enumerate(vals):
-                ax.annotate(_fmt(v), (v, y), xytext=(3, 0), textcoords="offset points", va="center",
-                            fontsize=7)
+                ax.annotate(
+                    _fmt(v), (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
+                )
             ax.set_xscale("log")
             ax.set_xlabel(f"{UNITS[wl]} (device-synchronised, batch {report['config']['batch']})")
             ax.invert_yaxis()
@@ -1032,8 +1358,9 @@ def plot(report: dict[str, Any], path: str) -> None:
 # --- the command --------------------------------------------------------------------------------
 
 
-def run(cfg: BenchConfig, console: Console | None = None, show_progress: bool | None = None
-        ) -> dict[str, Any]:
+def run(
+    cfg: BenchConfig, console: Console | None = None, show_progress: bool | None = None
+) -> dict[str, Any]:
     """Run the bench; the report (as written by ``--json``). Raises BenchCheckError on a wrong answer."""
     console = console or Console()
     t0 = time.perf_counter()
@@ -1079,56 +1406,136 @@ def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
 
 @click.command("bench")
 @click.option("--quick", is_flag=True, help="Small sizes and short repeats: a CPU-only CI run (< 60 s).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the full report (medians, samples, ratios, versions) to this file.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a PNG: µs per step against size, one line per strategy, log axes.")
-@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the tables as Markdown (environment, results, guard cost, targets).")
-@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Run nothing: print (and --plot/--markdown) the report of an earlier --json run.")
-@click.option("--tier", "tiers", multiple=True,
-              type=click.Choice([t.name.lower() for t in Tier], case_sensitive=False),
-              help="Only these stagebuf tiers (repeatable); baselines always run. Default: all available.")
-@click.option("--workload", "workloads", multiple=True, type=click.Choice(WORKLOADS),
-              help="Only these workloads (repeatable). Default: all.")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the full report (medians, samples, ratios, versions) to this file.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a PNG: µs per step against size, one line per strategy, log axes.",
+)
+@click.option(
+    "--markdown",
+    "md_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the tables as Markdown (environment, results, guard cost, targets).",
+)
+@click.option(
+    "--from-json",
+    "from_json",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Run nothing: print (and --plot/--markdown) the report of an earlier --json run.",
+)
+@click.option(
+    "--tier",
+    "tiers",
+    multiple=True,
+    type=click.Choice([t.name.lower() for t in Tier], case_sensitive=False),
+    help="Only these stagebuf tiers (repeatable); baselines always run. Default: all available.",
+)
+@click.option(
+    "--workload",
+    "workloads",
+    multiple=True,
+    type=click.Choice(WORKLOADS),
+    help="Only these workloads (repeatable). Default: all.",
+)
 @click.option("--sizes", default=None, help="micro: N values, comma-separated [64,512,4096,32768].")
-@click.option("--edits", default=None, help="staged writes: E, edits per apply, comma-separated "
-              "[1,16,256,4096].")
-@click.option("--lengths", default=None,
-              help="staged writes: L, elements per edit, comma-separated [1,8,64]; the sweep is every E x L.")
-@click.option("-k", "--arrays", "k", type=click.IntRange(1, 256), default=None,
-              help="micro: arrays per step [8].")
+@click.option(
+    "--edits", default=None, help="staged writes: E, edits per apply, comma-separated [1,16,256,4096]."
+)
+@click.option(
+    "--lengths",
+    default=None,
+    help="staged writes: L, elements per edit, comma-separated [1,8,64]; the sweep is every E x L.",
+)
+@click.option(
+    "-k", "--arrays", "k", type=click.IntRange(1, 256), default=None, help="micro: arrays per step [8]."
+)
 @click.option("--batch", type=click.IntRange(1, 65536), default=None, help="decode: requests per step [256].")
 @click.option("--repeats", type=click.IntRange(1, 1000), default=None, help="Timed repeats per case [5].")
-@click.option("--iters", type=click.IntRange(2, 10_000_000), default=None,
-              help="Most steps per repeat [2000]; fewer when a step is slow (see --target-ms).")
-@click.option("--target-ms", type=click.FloatRange(0.1, 60_000), default=None,
-              help="Aim for repeats of about this long [150].")
-@click.option("--decode-steps", type=click.IntRange(2, 10_000_000), default=None,
-              help="decode: timed steps per repeat, the same for every strategy [500].")
-@click.option("--check-every", type=click.IntRange(1, 1_000_000), default=None,
-              help="decode: check the device result against the host model every N steps [50].")
+@click.option(
+    "--iters",
+    type=click.IntRange(2, 10_000_000),
+    default=None,
+    help="Most steps per repeat [2000]; fewer when a step is slow (see --target-ms).",
+)
+@click.option(
+    "--target-ms",
+    type=click.FloatRange(0.1, 60_000),
+    default=None,
+    help="Aim for repeats of about this long [150].",
+)
+@click.option(
+    "--decode-steps",
+    type=click.IntRange(2, 10_000_000),
+    default=None,
+    help="decode: timed steps per repeat, the same for every strategy [500].",
+)
+@click.option(
+    "--check-every",
+    type=click.IntRange(1, 1_000_000),
+    default=None,
+    help="decode: check the device result against the host model every N steps [50].",
+)
 @click.option("--device", default=None, help="Target device (default: current accelerator, else cpu).")
-@click.option("--threads", type=click.IntRange(1, 1024), default=None,
-              help="torch intra-op threads during the run [1 on a CPU device, else torch's default].")
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 1024),
+    default=None,
+    help="torch intra-op threads during the run [1 on a CPU device, else torch's default].",
+)
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 @click.option("--strict", is_flag=True, help="Exit with status 3 when a measured target fails.")
-def bench(quick: bool, json_path: str | None, plot_path: str | None, md_path: str | None,
-          from_json: str | None, tiers: tuple[str, ...],
-          workloads: tuple[str, ...], sizes: str | None, edits: str | None, lengths: str | None,
-          k: int | None, batch: int | None,
-          repeats: int | None, iters: int | None, target_ms: float | None, decode_steps: int | None,
-          check_every: int | None, device: str | None, threads: int | None, progress: bool | None,
-          strict: bool) -> None:
+def bench(
+    quick: bool,
+    json_path: str | None,
+    plot_path: str | None,
+    md_path: str | None,
+    from_json: str | None,
+    tiers: tuple[str, ...],
+    workloads: tuple[str, ...],
+    sizes: str | None,
+    edits: str | None,
+    lengths: str | None,
+    k: int | None,
+    batch: int | None,
+    repeats: int | None,
+    iters: int | None,
+    target_ms: float | None,
+    decode_steps: int | None,
+    check_every: int | None,
+    device: str | None,
+    threads: int | None,
+    progress: bool | None,
+    strict: bool,
+) -> None:
     """Time every staging strategy (baselines, stagebuf per tier, the floor) and the targets' ratios."""
     cfg = BenchConfig.make(
-        quick, device=device, tiers=tuple(t.lower() for t in tiers),
+        quick,
+        device=device,
+        tiers=tuple(t.lower() for t in tiers),
         workloads=tuple(w for w in WORKLOADS if w in workloads) or None,
-        sizes=_ints(sizes, "--sizes"), edits=_ints(edits, "--edits"), lengths=_ints(lengths, "--lengths"),
-        k=k, batch=batch, repeats=repeats,
-        iters=iters, target_ms=target_ms, decode_steps=decode_steps, check_every=check_every,
-        threads=threads)
+        sizes=_ints(sizes, "--sizes"),
+        edits=_ints(edits, "--edits"),
+        lengths=_ints(lengths, "--lengths"),
+        k=k,
+        batch=batch,
+        repeats=repeats,
+        iters=iters,
+        target_ms=target_ms,
+        decode_steps=decode_steps,
+        check_every=check_every,
+        threads=threads,
+    )
     console = Console(width=None if sys.stdout.isatty() else 180)
     if from_json:
         report = json.loads(Path(from_json).read_text())

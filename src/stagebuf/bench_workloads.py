@@ -142,22 +142,25 @@ class _Buf(Protocol):
 class SeedPool:
     """The seed's UvaBufferPool.copy_to_uva: round robin over slots, no guard."""
 
-    def __init__(self, size: int, dtype: torch.dtype, make: Callable[[tuple[int, ...]], _Buf],
-                 slots: int = 2):
+    def __init__(
+        self, size: int, dtype: torch.dtype, make: Callable[[tuple[int, ...]], _Buf], slots: int = 2
+    ):
         self._make = make
         self._bufs = [make((size,)) for _ in range(slots)]
         self._n = slots
         self._curr = 0
 
-    def copy_to_uva(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
+    def copy_to_uva(self, x: np.ndarray | torch.Tensor | list[int]) -> torch.Tensor:
         self._curr = (self._curr + 1) % self._n
         buf = self._bufs[self._curr]
         n = len(x)
         if n > buf.cpu.shape[0]:
             buf = self._make((1 << (n - 1).bit_length(), *buf.cpu.shape[1:]))
             self._bufs[self._curr] = buf
-        dst = buf.cpu if isinstance(x, torch.Tensor) else buf.np
-        dst[:n] = x
+        if isinstance(x, torch.Tensor):
+            buf.cpu[:n] = x
+        else:
+            buf.np[:n] = x
         return buf.uva(n)
 
 
@@ -217,7 +220,7 @@ def triton_error() -> str | None:
     global tl
     if tl is None and not _triton_import_error:
         try:
-            import triton.language as _tl  # type: ignore[import-not-found]
+            import triton.language as _tl
         except Exception as e:  # not installed, or broken
             _triton_import_error.append(f"triton is not importable ({type(e).__name__}: {e})"[:200])
         else:
@@ -225,7 +228,8 @@ def triton_error() -> str | None:
     return _triton_import_error[0] if _triton_import_error else None
 
 
-def _mrv2_write_kernel(out, out_stride, rows, starts, contents, cu_lens, BLOCK: tl.constexpr):
+# Triton reads a kernel's parameter annotations (they select its specialisation): leave them off.
+def _mrv2_write_kernel(out, out_stride, rows, starts, contents, cu_lens, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     # One program per staged edit: copy its values into out[row, start:start + len] in BLOCK tiles.
     e = tl.program_id(0)
     row = tl.load(rows + e).to(tl.int64)
@@ -251,8 +255,9 @@ def _mrv2_kernel(interpret: bool) -> Any:
     return triton_function(_mrv2_write_kernel, interpret)
 
 
-def _mrv2_torch_apply(out: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, contents: torch.Tensor,
-                      cu_lens: torch.Tensor) -> None:
+def _mrv2_torch_apply(
+    out: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, contents: torch.Tensor, cu_lens: torch.Tensor
+) -> None:
     """What the kernel does, in torch ops (CPU tests: no Triton launch without a GPU)."""
     lens = torch.diff(cu_lens.long(), prepend=cu_lens.new_zeros(1, dtype=torch.int64))
     edit = torch.repeat_interleave(torch.arange(rows.shape[0], device=rows.device), lens)
@@ -269,11 +274,17 @@ def _mrv2_launcher(kernel: str, device: torch.device) -> Mrv2Launch:
     if kernel not in ("triton", "interpret"):
         raise ValueError(f"kernel={kernel!r}; allowed: 'triton', 'interpret', 'torch'")
     jit = _mrv2_kernel(interpret=kernel == "interpret")
-    other_device = device.type == "cuda" and device.index is not None and (
-        device.index != torch.cuda.current_device())
+    other_device = (
+        device.type == "cuda" and device.index is not None and (device.index != torch.cuda.current_device())
+    )
 
-    def launch(out: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, contents: torch.Tensor,
-               cu_lens: torch.Tensor) -> None:
+    def launch(
+        out: torch.Tensor,
+        rows: torch.Tensor,
+        starts: torch.Tensor,
+        contents: torch.Tensor,
+        cu_lens: torch.Tensor,
+    ) -> None:
         grid = (rows.shape[0],)
         if other_device:
             with torch.cuda.device(device):
@@ -296,8 +307,15 @@ class Mrv2StagedWrite:
     bench uses the defaults: UVA pools, compiled Triton, pinned contents.
     """
 
-    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
-                 make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton", pin_contents: bool = True):
+    def __init__(
+        self,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        make_pool: PoolMaker = mrv2_uva_pool,
+        kernel: str = "triton",
+        pin_contents: bool = True,
+    ):
         self.dtype = dtype
         self.device = device
         self.gpu = torch.zeros(shape, dtype=dtype, device=device)
@@ -329,7 +347,8 @@ class Mrv2StagedWrite:
         starts = self._start_pool.copy_to_uva(self._starts)
         cu_lens = self._cu_len_pool.copy_to_uva(self._cu_lens)
         contents = torch.tensor(self._contents, dtype=self.dtype, pin_memory=self._pin).to(
-            self.device, non_blocking=True)
+            self.device, non_blocking=True
+        )
         self._launch(self.gpu, rows, starts, contents, cu_lens)
         self.clear_staged_writes()
 
@@ -379,8 +398,9 @@ def micro_list_tensor(env: Env, n: int) -> Case:
     srcs = _sources(env, n)
     lists = [s.tolist() for s in srcs]
     dev = env.device
-    return _micro_case("list_tensor", srcs,
-                       lambda: [torch.tensor(x, dtype=torch.int32, device=dev) for x in lists])
+    return _micro_case(
+        "list_tensor", srcs, lambda: [torch.tensor(x, dtype=torch.int32, device=dev) for x in lists]
+    )
 
 
 def micro_pinned_tensor(env: Env, n: int) -> Case:
@@ -388,9 +408,11 @@ def micro_pinned_tensor(env: Env, n: int) -> Case:
     lists = [s.tolist() for s in srcs]
     dev = env.device
     return _micro_case(
-        "pinned_tensor_per_array", srcs,
-        lambda: [torch.tensor(x, dtype=torch.int32, pin_memory=True).to(dev, non_blocking=True)
-                 for x in lists],
+        "pinned_tensor_per_array",
+        srcs,
+        lambda: [
+            torch.tensor(x, dtype=torch.int32, pin_memory=True).to(dev, non_blocking=True) for x in lists
+        ],
     )
 
 
@@ -422,8 +444,10 @@ def micro_pool(guard: str = "auto") -> Callable[[Env, int], Case]:
         srcs = _sources(env, n)
         pools = [UvaBufferPool(n, torch.int32, device=env.device, guard=guard) for _ in srcs]
         case = _micro_case("pool", srcs, lambda: [p.copy_to_uva(s) for p, s in zip(pools, srcs)])
-        return _with_stats(case, lambda: {"tier": pools[0].tier.name, "guard_waits": sum(
-            p.stats()["guard_waits"] for p in pools)})
+        return _with_stats(
+            case,
+            lambda: {"tier": pools[0].tier.name, "guard_waits": sum(p.stats()["guard_waits"] for p in pools)},
+        )
 
     return build
 
@@ -435,16 +459,16 @@ def _capacity_for(nbytes: int) -> int:
 def micro_stager(guard: str = "auto", static: bool = False) -> Callable[[Env, int], Case]:
     def build(env: Env, n: int) -> Case:
         srcs = _sources(env, n)
-        stager = StepStager(device=env.device, capacity=_capacity_for(env.k * (n * 4 + 16)), guard=guard,
-                            static=static)
+        stager = StepStager(
+            device=env.device, capacity=_capacity_for(env.k * (n * 4 + 16)), guard=guard, static=static
+        )
 
         def run() -> list[torch.Tensor]:
             with stager.step() as s:
                 return [s.stage(x) for x in srcs]
 
         case = _micro_case("stager", srcs, run)
-        return _with_stats(case, lambda: {"tier": stager.tier.name, "guard": stager.guard,
-                                          **stager.stats()})
+        return _with_stats(case, lambda: {"tier": stager.tier.name, "guard": stager.guard, **stager.stats()})
 
     return build
 
@@ -493,8 +517,9 @@ class DecodeSim:
     token per step. Each step appends the blocks that the new tokens need.
     """
 
-    def __init__(self, batch: int, block_size: int = 16, max_prompt: int = 64, max_len: int = 1024,
-                 seed: int = 0):
+    def __init__(
+        self, batch: int, block_size: int = 16, max_prompt: int = 64, max_len: int = 1024, seed: int = 0
+    ):
         self.batch = batch
         self.block_size = block_size
         self.max_prompt = max_prompt
@@ -553,7 +578,7 @@ class DecodeSim:
             self.nblk[at] = need[at]
             flat = ids.tolist()
             bounds = first.tolist() + [total]
-            parts = [flat[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+            parts = [flat[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
             edits = list(zip(erow.tolist(), estart.tolist(), parts))
         qsl = np.zeros(B + 1, np.int32)
         np.cumsum(self.qlen, out=qsl[1:])
@@ -568,7 +593,8 @@ class DecodeSim:
         T = st.pos.shape[0]
         b = np.searchsorted(st.qsl[1:], self._ar[:T], side="right")
         blk = self.table[st.idx[b], st.pos // self.block_size].astype(np.int64)
-        return blk * self.block_size + st.pos % self.block_size
+        slots: np.ndarray = blk * self.block_size + st.pos % self.block_size
+        return slots
 
     def check(self, name: str, st: DecodeStep, slots: torch.Tensor, table: torch.Tensor) -> None:
         """Compare the device slot mapping and the live block-table cells with the model."""
@@ -581,19 +607,30 @@ class DecodeSim:
                 bad = np.flatnonzero(got != want)
                 i = int(bad[0])
                 detail = f"{bad.size} of {want.size} tokens differ; token {i}: got {got[i]}, want {want[i]}"
-            raise BenchCheckError(f"decode loop [{name}] step {self.step_no}: the device slot mapping "
-                                  f"differs from the host model: {detail}")
+            raise BenchCheckError(
+                f"decode loop [{name}] step {self.step_no}: the device slot mapping "
+                f"differs from the host model: {detail}"
+            )
         dev = table.cpu().numpy()[st.idx]
         live = self._cols[None, :] < self.nblk[:, None]
         host = self.table[st.idx]
         if not np.array_equal(dev[live], host[live]):
-            bad = int(np.count_nonzero(dev[live] != host[live]))
-            raise BenchCheckError(f"decode loop [{name}] step {self.step_no}: {bad} live block-table "
-                                  "cells on the device differ from the host model")
+            n_bad = int(np.count_nonzero(dev[live] != host[live]))
+            raise BenchCheckError(
+                f"decode loop [{name}] step {self.step_no}: {n_bad} live block-table "
+                "cells on the device differ from the host model"
+            )
 
 
-def slot_mapping(idx: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, qsl: torch.Tensor,
-                 table: torch.Tensor, tok: torch.Tensor, block_size: int) -> torch.Tensor:
+def slot_mapping(
+    idx: torch.Tensor,
+    pos: torch.Tensor,
+    seq: torch.Tensor,
+    qsl: torch.Tensor,
+    table: torch.Tensor,
+    tok: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
     """Each token's KV-cache slot: block_table[row, pos // bs] * bs + pos % bs (-1 past seq_len)."""
     T = pos.shape[0]
     b = torch.searchsorted(qsl[1:], tok[:T], right=True)
@@ -652,9 +689,14 @@ def staged_ops(sw: Any) -> TableOps:
 Stage4 = Callable[[DecodeStep], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _decode_case(env: Env, batch: int, name: str, make_stage: Callable[[DecodeSim], Stage4],
-                 make_table: Callable[[DecodeSim], TableOps],
-                 extra: Callable[[], dict[str, Any]] | None = None) -> Case:
+def _decode_case(
+    env: Env,
+    batch: int,
+    name: str,
+    make_stage: Callable[[DecodeSim], Stage4],
+    make_table: Callable[[DecodeSim], TableOps],
+    extra: Callable[[], dict[str, Any]] | None = None,
+) -> Case:
     sim = DecodeSim(batch, env.block_size, seed=env.seed)
     stage = make_stage(sim)
     table = make_table(sim)
@@ -685,9 +727,13 @@ def _decode_case(env: Env, batch: int, name: str, make_stage: Callable[[DecodeSi
         table.apply()
         sim.check(name, st, slot_mapping(*d, table.target(), tok, bs), table.target())
         checks[0] += 1
-        return {"checks": checks[0], "steps": sim.step_no, "check_every": every,
-                "tokens_per_step": round(sim.tokens / max(sim.step_no, 1), 1),
-                **(extra() if extra else {})}
+        return {
+            "checks": checks[0],
+            "steps": sim.step_no,
+            "check_every": every,
+            "tokens_per_step": round(sim.tokens / max(sim.step_no, 1), 1),
+            **(extra() if extra else {}),
+        }
 
     return Case(step, finish, DECODE_WARMUP, env.decode_steps)
 
@@ -700,8 +746,12 @@ def _per_array(convert: Callable[[np.ndarray], torch.Tensor]) -> Callable[[Decod
 
 
 def _decode_sizes(sim: DecodeSim) -> tuple[tuple[int, torch.dtype], ...]:
-    return ((sim.batch, torch.int32), (sim.max_tokens, torch.int64), (sim.batch, torch.int32),
-            (sim.batch + 1, torch.int32))
+    return (
+        (sim.batch, torch.int32),
+        (sim.max_tokens, torch.int64),
+        (sim.batch, torch.int32),
+        (sim.batch + 1, torch.int32),
+    )
 
 
 def _table_shape(sim: DecodeSim) -> tuple[int, int]:
@@ -710,16 +760,24 @@ def _table_shape(sim: DecodeSim) -> tuple[int, int]:
 
 def decode_list_tensor(env: Env, batch: int) -> Case:
     dev = env.device
-    return _decode_case(env, batch, "list_tensor", _per_array(lambda a: torch.tensor(a, device=dev)),
-                        lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=False).ops())
+    return _decode_case(
+        env,
+        batch,
+        "list_tensor",
+        _per_array(lambda a: torch.tensor(a, device=dev)),
+        lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=False).ops(),
+    )
 
 
 def decode_pinned_tensor(env: Env, batch: int) -> Case:
     dev = env.device
     return _decode_case(
-        env, batch, "pinned_tensor_per_array",
+        env,
+        batch,
+        "pinned_tensor_per_array",
         _per_array(lambda a: torch.from_numpy(a).pin_memory().to(dev, non_blocking=True)),
-        lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=True).ops())
+        lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=True).ops(),
+    )
 
 
 def decode_pinned_buffer(env: Env, batch: int) -> Case:
@@ -738,8 +796,13 @@ def decode_pinned_buffer(env: Env, batch: int) -> Case:
 
         return stage
 
-    return _decode_case(env, batch, "pinned_buffer_per_array", make,
-                        lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=True).ops())
+    return _decode_case(
+        env,
+        batch,
+        "pinned_buffer_per_array",
+        make,
+        lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=True).ops(),
+    )
 
 
 def _pool_stage(make_pool: PoolMaker, dev: torch.device) -> Callable[[DecodeSim], Stage4]:
@@ -747,8 +810,12 @@ def _pool_stage(make_pool: PoolMaker, dev: torch.device) -> Callable[[DecodeSim]
 
     def make(sim: DecodeSim) -> Stage4:
         p = [make_pool(n, dt, dev) for n, dt in _decode_sizes(sim)]
-        return lambda st: (p[0].copy_to_uva(st.idx), p[1].copy_to_uva(st.pos),
-                           p[2].copy_to_uva(st.seq), p[3].copy_to_uva(st.qsl))
+        return lambda st: (
+            p[0].copy_to_uva(st.idx),
+            p[1].copy_to_uva(st.pos),
+            p[2].copy_to_uva(st.seq),
+            p[3].copy_to_uva(st.qsl),
+        )
 
     return make
 
@@ -756,14 +823,20 @@ def _pool_stage(make_pool: PoolMaker, dev: torch.device) -> Callable[[DecodeSim]
 def decode_seed_pool(make_pool: PoolMaker, name: str, pinned_table: bool) -> Callable[[Env, int], Case]:
     def build(env: Env, batch: int) -> Case:
         dev = env.device
-        return _decode_case(env, batch, name, _pool_stage(make_pool, dev),
-                            lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=pinned_table).ops())
+        return _decode_case(
+            env,
+            batch,
+            name,
+            _pool_stage(make_pool, dev),
+            lambda sim: RowCopyTable(_table_shape(sim), dev, pinned=pinned_table).ops(),
+        )
 
     return build
 
 
-def decode_mrv2(make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton",
-                pin_contents: bool = True) -> Callable[[Env, int], Case]:
+def decode_mrv2(
+    make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton", pin_contents: bool = True
+) -> Callable[[Env, int], Case]:
     """MRV2's decode step: per-step arrays through UVA pools, block-table appends through its
     StagedWriteTensor (one stage_write per edit, one apply per step). The defaults are the bench's;
     the arguments let a CPU test run the same loop (see :class:`Mrv2StagedWrite`)."""
@@ -775,8 +848,14 @@ def decode_mrv2(make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton",
             sw = Mrv2StagedWrite(_table_shape(sim), torch.int32, dev, make_pool, kernel, pin_contents)
             return TableOps(sw.stage_write, sw.apply_write, lambda: sw.gpu)
 
-        return _decode_case(env, batch, "mrv2_decode", _pool_stage(make_pool, dev), make_table,
-                            lambda: {"kernel": kernel, "pool_slots": MRV2_SLOTS})
+        return _decode_case(
+            env,
+            batch,
+            "mrv2_decode",
+            _pool_stage(make_pool, dev),
+            make_table,
+            lambda: {"kernel": kernel, "pool_slots": MRV2_SLOTS},
+        )
 
     return build
 
@@ -800,8 +879,13 @@ def decode_stager(env: Env, batch: int) -> Case:
 
     def extra() -> dict[str, Any]:
         st, tb = holder["stager"], holder["table"]
-        return {"tier": st.tier.name, "guard": st.guard, "stager": st.stats(),
-                "staged_write_kernel": getattr(tb, "kernel", None), "staged_write": _stats_of(tb)}
+        return {
+            "tier": st.tier.name,
+            "guard": st.guard,
+            "stager": st.stats(),
+            "staged_write_kernel": getattr(tb, "kernel", None),
+            "staged_write": _stats_of(tb),
+        }
 
     return _decode_case(env, batch, "stager", make, make_table, extra)
 
@@ -835,8 +919,9 @@ def decode_floor(env: Env, batch: int) -> Case:
     def finish() -> dict[str, Any]:
         got = slot_mapping(fixed[0], fixed[1], fixed[2], fixed[3], table, tok, bs).cpu().numpy()
         if not np.array_equal(got, warm.reference_slots(st0)):
-            raise BenchCheckError("decode loop [floor]: the slot-mapping kernels disagree with the host "
-                                  "model")
+            raise BenchCheckError(
+                "decode loop [floor]: the slot-mapping kernels disagree with the host model"
+            )
         return {"checks": 0, "steps": sim.step_no, "check_every": every}
 
     return Case(step, finish, DECODE_WARMUP, env.decode_steps)
@@ -904,9 +989,15 @@ def write_sets(env: Env, cell: WriteCell) -> WriteSets:
     return WriteSets(rows, starts, values, lists, want)
 
 
-def _writes_case(name: str, cell: WriteCell, ws: WriteSets, stage: Callable[[int], None],
-                 apply: Callable[[], None], target: Callable[[], torch.Tensor],
-                 extra: Callable[[], dict[str, Any]] | None = None) -> Case:
+def _writes_case(
+    name: str,
+    cell: WriteCell,
+    ws: WriteSets,
+    stage: Callable[[int], None],
+    apply: Callable[[], None],
+    target: Callable[[], torch.Tensor],
+    extra: Callable[[], dict[str, Any]] | None = None,
+) -> Case:
     """Each step stages set 0 or set 1 (alternately) with ``stage(k)``, then applies once."""
     state = [0]
 
@@ -923,10 +1014,17 @@ def _writes_case(name: str, cell: WriteCell, ws: WriteSets, stage: Callable[[int
         got = target().cpu().numpy()
         if not np.array_equal(got, ws.want):
             bad = int(np.count_nonzero(got != ws.want))
-            raise BenchCheckError(f"staged writes [{name}] E={cell.edits} L={cell.length}: {bad} table "
-                                  f"cells differ from the host model after {state[0]} applies")
-        return {"edits": cell.edits, "length": cell.length, "applies": state[0], "verified": True,
-                **(extra() if extra else {})}
+            raise BenchCheckError(
+                f"staged writes [{name}] E={cell.edits} L={cell.length}: {bad} table "
+                f"cells differ from the host model after {state[0]} applies"
+            )
+        return {
+            "edits": cell.edits,
+            "length": cell.length,
+            "applies": state[0],
+            "verified": True,
+            **(extra() if extra else {}),
+        }
 
     return Case(step, finish)
 
@@ -944,16 +1042,30 @@ def _per_edit(write: Callable[[int, int, list[int]], None], ws: WriteSets) -> Ca
 def writes_row_copy(env: Env, cell: WriteCell) -> Case:
     ws = write_sets(env, cell)
     t = RowCopyTable(write_shape(cell), env.device, pinned=env.pin_memory and env.cuda)
-    return _writes_case("row_copy_per_edit", cell, ws, _per_edit(t.write, ws), lambda: None, lambda: t.dev,
-                        lambda: {"host_memory": "pinned" if t.non_blocking else "pageable"})
+    return _writes_case(
+        "row_copy_per_edit",
+        cell,
+        ws,
+        _per_edit(t.write, ws),
+        lambda: None,
+        lambda: t.dev,
+        lambda: {"host_memory": "pinned" if t.non_blocking else "pageable"},
+    )
 
 
 def writes_staged(env: Env, cell: WriteCell, kernel: str | None = None) -> Case:
     """StagedWriteTensor: one ``stage_write(row, start, list)`` per edit, then ``apply_write()``."""
     ws = write_sets(env, cell)
     sw = staged_write_tensor(write_shape(cell), env.device, kernel)
-    return _writes_case("staged_write", cell, ws, _per_edit(sw.stage_write, ws), sw.apply_write,
-                        lambda: sw.gpu, lambda: _sw_facts(sw))
+    return _writes_case(
+        "staged_write",
+        cell,
+        ws,
+        _per_edit(sw.stage_write, ws),
+        sw.apply_write,
+        lambda: sw.gpu,
+        lambda: _sw_facts(sw),
+    )
 
 
 def _sw_facts(sw: Any) -> dict[str, Any]:
@@ -978,20 +1090,29 @@ def writes_staged_batched(env: Env, cell: WriteCell, kernel: str | None = None) 
     def stage(k: int) -> None:
         sw.stage_writes(rows, starts, values[k])
 
-    return _writes_case("staged_writes", cell, ws, stage, sw.apply_write, lambda: sw.gpu,
-                        lambda: _sw_facts(sw))
+    return _writes_case(
+        "staged_writes", cell, ws, stage, sw.apply_write, lambda: sw.gpu, lambda: _sw_facts(sw)
+    )
 
 
-def writes_mrv2(make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton",
-                pin_contents: bool = True) -> Callable[[Env, WriteCell], Case]:
+def writes_mrv2(
+    make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton", pin_contents: bool = True
+) -> Callable[[Env, WriteCell], Case]:
     """MRV2's StagedWriteTensor: one stage_write per edit from Python lists, then apply_write.
     The defaults are the bench's (UVA pools, compiled Triton); see :class:`Mrv2StagedWrite`."""
 
     def build(env: Env, cell: WriteCell) -> Case:
         ws = write_sets(env, cell)
         sw = Mrv2StagedWrite(write_shape(cell), torch.int32, env.device, make_pool, kernel, pin_contents)
-        return _writes_case("mrv2_staged_write", cell, ws, _per_edit(sw.stage_write, ws), sw.apply_write,
-                            lambda: sw.gpu, lambda: {"kernel": kernel, "block": MRV2_BLOCK})
+        return _writes_case(
+            "mrv2_staged_write",
+            cell,
+            ws,
+            _per_edit(sw.stage_write, ws),
+            sw.apply_write,
+            lambda: sw.gpu,
+            lambda: {"kernel": kernel, "block": MRV2_BLOCK},
+        )
 
     return build
 
@@ -1004,25 +1125,60 @@ TIER_NAMES = {Tier.UVA: "uva", Tier.PINNED: "pinned", Tier.PAGEABLE: "pageable",
 def micro_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
     out = [
         Strategy("list_tensor", "list -> torch.tensor(device=...) per array", "baseline", micro_list_tensor),
-        Strategy("pinned_tensor_per_array", "pinned tensor per array + .cuda(non_blocking) (nano-vllm)",
-                 "baseline", micro_pinned_tensor, needs=("pinned",)),
-        Strategy("pinned_buffer_per_array", "fixed pinned buffer per array + async copy (vLLM V1)",
-                 "baseline", micro_pinned_buffer, needs=("pinned",)),
-        Strategy("seed_pageable_per_array", "seed NonUvaBuffer pool per array (pageable + sync copy)",
-                 "baseline", micro_seed_pool(seed_nonuva_pool, "seed_pageable_per_array")),
-        Strategy("seed_uva_pool_per_array", "seed UVA pool per array (2 slots, no guard)", "baseline",
-                 micro_seed_pool(seed_uva_pool, "seed_uva_pool_per_array"), needs=("uva",)),
-        Strategy("mrv2_uva_pool", "MRV2 UvaBufferPool per array (2 UVA slots, slice per call, no guard)",
-                 "baseline", micro_seed_pool(mrv2_uva_pool, "mrv2_uva_pool"), needs=("uva",)),
+        Strategy(
+            "pinned_tensor_per_array",
+            "pinned tensor per array + .cuda(non_blocking) (nano-vllm)",
+            "baseline",
+            micro_pinned_tensor,
+            needs=("pinned",),
+        ),
+        Strategy(
+            "pinned_buffer_per_array",
+            "fixed pinned buffer per array + async copy (vLLM V1)",
+            "baseline",
+            micro_pinned_buffer,
+            needs=("pinned",),
+        ),
+        Strategy(
+            "seed_pageable_per_array",
+            "seed NonUvaBuffer pool per array (pageable + sync copy)",
+            "baseline",
+            micro_seed_pool(seed_nonuva_pool, "seed_pageable_per_array"),
+        ),
+        Strategy(
+            "seed_uva_pool_per_array",
+            "seed UVA pool per array (2 slots, no guard)",
+            "baseline",
+            micro_seed_pool(seed_uva_pool, "seed_uva_pool_per_array"),
+            needs=("uva",),
+        ),
+        Strategy(
+            "mrv2_uva_pool",
+            "MRV2 UvaBufferPool per array (2 UVA slots, slice per call, no guard)",
+            "baseline",
+            micro_seed_pool(mrv2_uva_pool, "mrv2_uva_pool"),
+            needs=("uva",),
+        ),
     ]
     for t in tiers:
         n = TIER_NAMES[t]
-        out.append(Strategy(f"pool_{n}", f"stagebuf UvaBufferPool per array [{t.name}]", "stagebuf",
-                            micro_pool(), tier=t))
-        out.append(Strategy(f"stager_static_{n}", f"stagebuf StepStager(static=True), CUDA-graph ready "
-                            f"[{t.name}]", "stagebuf", micro_stager(static=True), tier=t))
-        out.append(Strategy(f"stager_{n}", f"stagebuf StepStager [{t.name}]", "stagebuf", micro_stager(),
-                            tier=t))
+        out.append(
+            Strategy(
+                f"pool_{n}", f"stagebuf UvaBufferPool per array [{t.name}]", "stagebuf", micro_pool(), tier=t
+            )
+        )
+        out.append(
+            Strategy(
+                f"stager_static_{n}",
+                f"stagebuf StepStager(static=True), CUDA-graph ready [{t.name}]",
+                "stagebuf",
+                micro_stager(static=True),
+                tier=t,
+            )
+        )
+        out.append(
+            Strategy(f"stager_{n}", f"stagebuf StepStager [{t.name}]", "stagebuf", micro_stager(), tier=t)
+        )
     out.append(Strategy("floor", "floor: consumer only, data already on the device", "floor", micro_floor))
     return out
 
@@ -1033,58 +1189,150 @@ def guard_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
     for t in tiers:
         n = TIER_NAMES[t]
         for g in ("wait", "off"):
-            out.append(Strategy(f"stager_{n}.guard_{g}", f"StepStager [{t.name}] guard={g}", "stagebuf",
-                                micro_stager(g), tier=t))
-            out.append(Strategy(f"pool_{n}.guard_{g}", f"UvaBufferPool per array [{t.name}] guard={g}",
-                                "stagebuf", micro_pool(g), tier=t))
+            out.append(
+                Strategy(
+                    f"stager_{n}.guard_{g}",
+                    f"StepStager [{t.name}] guard={g}",
+                    "stagebuf",
+                    micro_stager(g),
+                    tier=t,
+                )
+            )
+            out.append(
+                Strategy(
+                    f"pool_{n}.guard_{g}",
+                    f"UvaBufferPool per array [{t.name}] guard={g}",
+                    "stagebuf",
+                    micro_pool(g),
+                    tier=t,
+                )
+            )
     return out
 
 
 def decode_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
     out = [
-        Strategy("list_tensor", "torch.tensor(device=...) per array; row copies from pageable memory",
-                 "baseline", decode_list_tensor),
-        Strategy("pinned_tensor_per_array",
-                 "pinned tensor per array + .cuda(non_blocking); pinned row copies",
-                 "baseline", decode_pinned_tensor, needs=("pinned",)),
-        Strategy("pinned_buffer_per_array", "fixed pinned buffer per array + async copy; pinned row copies",
-                 "baseline", decode_pinned_buffer, needs=("pinned",)),
-        Strategy("seed_pageable_per_array", "seed NonUvaBuffer pool per array; sync row copies",
-                 "baseline", decode_seed_pool(seed_nonuva_pool, "seed_pageable_per_array", False)),
-        Strategy("seed_uva_pool_per_array", "seed UVA pool per array; pinned row copies", "baseline",
-                 decode_seed_pool(seed_uva_pool, "seed_uva_pool_per_array", True), needs=("uva",)),
-        Strategy("mrv2_decode", "MRV2: UvaBufferPool per array; StagedWriteTensor (lists, Triton) appends",
-                 "baseline", decode_mrv2(), needs=("uva", "triton")),
+        Strategy(
+            "list_tensor",
+            "torch.tensor(device=...) per array; row copies from pageable memory",
+            "baseline",
+            decode_list_tensor,
+        ),
+        Strategy(
+            "pinned_tensor_per_array",
+            "pinned tensor per array + .cuda(non_blocking); pinned row copies",
+            "baseline",
+            decode_pinned_tensor,
+            needs=("pinned",),
+        ),
+        Strategy(
+            "pinned_buffer_per_array",
+            "fixed pinned buffer per array + async copy; pinned row copies",
+            "baseline",
+            decode_pinned_buffer,
+            needs=("pinned",),
+        ),
+        Strategy(
+            "seed_pageable_per_array",
+            "seed NonUvaBuffer pool per array; sync row copies",
+            "baseline",
+            decode_seed_pool(seed_nonuva_pool, "seed_pageable_per_array", False),
+        ),
+        Strategy(
+            "seed_uva_pool_per_array",
+            "seed UVA pool per array; pinned row copies",
+            "baseline",
+            decode_seed_pool(seed_uva_pool, "seed_uva_pool_per_array", True),
+            needs=("uva",),
+        ),
+        Strategy(
+            "mrv2_decode",
+            "MRV2: UvaBufferPool per array; StagedWriteTensor (lists, Triton) appends",
+            "baseline",
+            decode_mrv2(),
+            needs=("uva", "triton"),
+        ),
     ]
     for t in tiers:
-        out.append(Strategy(f"stager_{TIER_NAMES[t]}", f"StepStager + StagedWriteTensor [{t.name}]",
-                            "stagebuf", decode_stager, tier=t, needs=("staged_write",)))
-    out.append(Strategy("floor", "floor: host bookkeeping + slot-mapping kernels, inputs on the device",
-                        "floor", decode_floor))
+        out.append(
+            Strategy(
+                f"stager_{TIER_NAMES[t]}",
+                f"StepStager + StagedWriteTensor [{t.name}]",
+                "stagebuf",
+                decode_stager,
+                tier=t,
+                needs=("staged_write",),
+            )
+        )
+    out.append(
+        Strategy(
+            "floor",
+            "floor: host bookkeeping + slot-mapping kernels, inputs on the device",
+            "floor",
+            decode_floor,
+        )
+    )
     return out
 
 
 def writes_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
     out = [
-        Strategy("row_copy_per_edit", "per-row indexed copy per edit (host table + copy_)", "baseline",
-                 writes_row_copy),
-        Strategy("mrv2_staged_write",
-                 "MRV2 StagedWriteTensor: lists, 3 UVA pools + pinned contents, 1 Triton program per edit",
-                 "baseline", writes_mrv2(), needs=("uva", "triton")),
+        Strategy(
+            "row_copy_per_edit",
+            "per-row indexed copy per edit (host table + copy_)",
+            "baseline",
+            writes_row_copy,
+        ),
+        Strategy(
+            "mrv2_staged_write",
+            "MRV2 StagedWriteTensor: lists, 3 UVA pools + pinned contents, 1 Triton program per edit",
+            "baseline",
+            writes_mrv2(),
+            needs=("uva", "triton"),
+        ),
     ]
     for t in tiers:
         n = TIER_NAMES[t]
-        out.append(Strategy(f"staged_write_{n}", f"StagedWriteTensor: stage_write per edit + apply "
-                            f"[{t.name}]", "stagebuf", writes_staged, tier=t, needs=("staged_write",)))
-        out.append(Strategy(f"staged_writes_{n}", f"StagedWriteTensor: stage_writes (numpy) + apply "
-                            f"[{t.name}]", "stagebuf", writes_staged_batched, tier=t,
-                            needs=("staged_write", "staged_writes")))
+        out.append(
+            Strategy(
+                f"staged_write_{n}",
+                f"StagedWriteTensor: stage_write per edit + apply [{t.name}]",
+                "stagebuf",
+                writes_staged,
+                tier=t,
+                needs=("staged_write",),
+            )
+        )
+        out.append(
+            Strategy(
+                f"staged_writes_{n}",
+                f"StagedWriteTensor: stage_writes (numpy) + apply [{t.name}]",
+                "stagebuf",
+                writes_staged_batched,
+                tier=t,
+                needs=("staged_write", "staged_writes"),
+            )
+        )
     if Tier.UVA in tiers:  # the two apply kernels forced, to show where 'auto' switches
         for k in ("scatter", "triton"):
-            out.append(Strategy(f"staged_write_uva.{k}", f"StagedWriteTensor, kernel={k} forced [UVA]",
-                                "stagebuf", functools.partial(writes_staged, kernel=k), tier=Tier.UVA,
-                                needs=("staged_write", "triton")))
-            out.append(Strategy(f"staged_writes_uva.{k}", f"stage_writes (numpy), kernel={k} forced [UVA]",
-                                "stagebuf", functools.partial(writes_staged_batched, kernel=k), tier=Tier.UVA,
-                                needs=("staged_write", "staged_writes", "triton")))
+            out.append(
+                Strategy(
+                    f"staged_write_uva.{k}",
+                    f"StagedWriteTensor, kernel={k} forced [UVA]",
+                    "stagebuf",
+                    functools.partial(writes_staged, kernel=k),
+                    tier=Tier.UVA,
+                    needs=("staged_write", "triton"),
+                )
+            )
+            out.append(
+                Strategy(
+                    f"staged_writes_uva.{k}",
+                    f"stage_writes (numpy), kernel={k} forced [UVA]",
+                    "stagebuf",
+                    functools.partial(writes_staged_batched, kernel=k),
+                    tier=Tier.UVA,
+                    needs=("staged_write", "staged_writes", "triton"),
+                )
+            )
     return out

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from . import uva as _uva
+from ._types import DeviceLike, DTypeLike
 from .convert import check_rows, host_array, shape_of, torch_dtype
 from .log import warn_once
 from .memory import PinnedAllocationError, alloc_device, alloc_host
@@ -82,7 +83,7 @@ class StagingBuffer:
     dev: torch.Tensor
     """The device-side storage ``uva()`` publishes into, at a fixed address."""
 
-    def __init__(self, size: int | Sequence[int], dtype: Any, device: Any = None):
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         self.shape = shape_of(size)
         self.dtype = torch_dtype(dtype)
         self._rows: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -93,8 +94,9 @@ class StagingBuffer:
         elif name in ("np", "cpu"):
             fill_host(self.np, value, self.dtype, f"{type(self).__name__}.{name}")
         else:
-            what = _BUFFER_READ_ONLY.get(name, "a buffer's attributes are fixed at construction; "
-                                               "write its values through .np or .cpu")
+            what = _BUFFER_READ_ONLY.get(
+                name, "a buffer's attributes are fixed at construction; write its values through .np or .cpu"
+            )
             raise _read_only(type(self).__name__, name, what)
 
     def __delattr__(self, name: str) -> None:
@@ -124,8 +126,13 @@ class StagingBuffer:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor; got {type(out).__name__}")
         shape = tuple(out.shape)
-        if (out.dtype is not self.dtype or len(shape) != len(self.shape) or shape[0] < n
-                or shape[1:] != self.shape[1:] or out.device != self.device):
+        if (
+            out.dtype is not self.dtype
+            or len(shape) != len(self.shape)
+            or shape[0] < n
+            or shape[1:] != self.shape[1:]
+            or out.device != self.device
+        ):
             raise ValueError(
                 f"out has shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}; expected "
                 f"at least {n} rows of shape {self.shape[1:]}, dtype {self.dtype} on {self.device}"
@@ -158,22 +165,32 @@ def _unavailable(want: Tier, caps: Capabilities, who: str) -> TierUnavailableErr
         if hint:
             fix += f"; or {hint}"
     elif caps.forced is not None and want < caps.tier:
-        cause = (f"{who} was asked for, but {ENV_TIER}={caps.forced} forces tier {caps.tier.name} "
-                 "and nothing better is used in this process")
+        cause = (
+            f"{who} was asked for, but {ENV_TIER}={caps.forced} forces tier {caps.tier.name} "
+            "and nothing better is used in this process"
+        )
         fix = f"unset {ENV_TIER} or set it to {want.name.lower()}, or ask for an allowed tier"
     elif want is Tier.HOST:
-        cause = (f"{who} was asked for, but tier HOST means no accelerator and the target device "
-                 f"is {caps.device}")
+        cause = (
+            f"{who} was asked for, but tier HOST means no accelerator and the target device is {caps.device}"
+        )
         fix = "pass device='cpu', or ask for an allowed tier"
     else:
         found = " ".join(r for r in caps.reasons if r.startswith("No ")) or " ".join(caps.reasons)
         cause = f"{who} was asked for, but the probe found: {found}"
         fix = f"use stagebuf.make_buffer() (tier {caps.tier.name} here) or ask for an allowed tier"
-    return TierUnavailableError(f"{head} on {caps.device}", setting="tier", value=want.name.lower(),
-                                cause=cause, allowed=allowed, fix=fix, hint=hint)
+    return TierUnavailableError(
+        f"{head} on {caps.device}",
+        setting="tier",
+        value=want.name.lower(),
+        cause=cause,
+        allowed=allowed,
+        fix=fix,
+        hint=hint,
+    )
 
 
-def _checked_caps(want: Tier, device: Any, who: str) -> Capabilities:
+def _checked_caps(want: Tier, device: DeviceLike, who: str) -> Capabilities:
     """The capabilities of ``device``, if tier ``want`` may be asked for there; else raise."""
     caps = capabilities(device)
     if want not in usable_tiers(caps):
@@ -186,7 +203,7 @@ class HostBuffer(StagingBuffer):
 
     tier = Tier.HOST
 
-    def __init__(self, size: int | Sequence[int], dtype: Any, device: Any = None):
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         super().__init__(size, dtype)
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"HostBuffer: device={device!r}; allowed: None or 'cpu'")
@@ -208,7 +225,7 @@ class NonUvaBuffer(StagingBuffer):
 
     tier = Tier.PAGEABLE
 
-    def __init__(self, size: int | Sequence[int], dtype: Any, device: Any = None):
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         super().__init__(size, dtype)
         self.device = capabilities(device).device
         self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
@@ -226,7 +243,7 @@ class PinnedBuffer(NonUvaBuffer):
 
     tier = Tier.PINNED
 
-    def __init__(self, size: int | Sequence[int], dtype: Any, device: Any = None):
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         StagingBuffer.__init__(self, size, dtype)
         self.device = _checked_caps(Tier.PINNED, device, "PinnedBuffer").device
         self.cpu = alloc_host(self.shape, self.dtype, pinned=True)
@@ -240,7 +257,7 @@ class UvaBuffer(StagingBuffer):
 
     tier = Tier.UVA
 
-    def __init__(self, size: int | Sequence[int], dtype: Any, device: Any = None):
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         super().__init__(size, dtype)
         self.device = _checked_caps(Tier.UVA, device, "UvaBuffer").device
         self.cpu = alloc_host(self.shape, self.dtype, pinned=True)
@@ -258,7 +275,7 @@ BUFFER_CLASSES: dict[Tier, type[StagingBuffer]] = {
 
 
 def make_buffer(
-    size: int | Sequence[int], dtype: Any, device: Any = None, tier: Tier | str | None = None
+    size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None, tier: Tier | str | None = None
 ) -> StagingBuffer:
     """A buffer of the tier chosen for ``device`` (``tier=None``) or of ``tier``.
 
@@ -283,7 +300,9 @@ def make_buffer(
             nxt = Tier.PAGEABLE if isinstance(e, PinnedAllocationError) else Tier(t + 1)
             if t >= last:
                 raise
-            warn_once(("runtime-fallback", str(caps.device), nxt),
-                      f"a {t.name} buffer could not be made on {caps.device} "
-                      f"({e}); falling back to tier {nxt.name} for it")
+            warn_once(
+                ("runtime-fallback", str(caps.device), nxt),
+                f"a {t.name} buffer could not be made on {caps.device} "
+                f"({e}); falling back to tier {nxt.name} for it",
+            )
             t = nxt

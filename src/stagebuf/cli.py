@@ -12,8 +12,9 @@ import click
 @click.option("-v", "--verbose", is_flag=True, help="Show stagebuf's log lines.")
 def main(verbose: bool) -> None:
     """Host-to-device staging buffers: probe, demo and benchmark."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
 
 
 @main.command()

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._types import DTypeLike
+
 _TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
     torch.bool: np.dtype(np.bool_),
     torch.uint8: np.dtype(np.uint8),
@@ -33,7 +35,7 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def torch_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
+def torch_dtype(dtype: DTypeLike, name: str = "dtype") -> torch.dtype:
     """A supported torch dtype from a torch dtype, numpy dtype or its name."""
     if isinstance(dtype, torch.dtype):
         if dtype in _TORCH_TO_NUMPY:
@@ -48,7 +50,7 @@ def torch_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
     raise TypeError(f"{name}={dtype!r} is not supported; allowed: {_names(SUPPORTED_DTYPES)}")
 
 
-def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+def numpy_dtype(dtype: DTypeLike) -> np.dtype:
     return _TORCH_TO_NUMPY[torch_dtype(dtype)]
 
 
@@ -58,9 +60,7 @@ def shape_of(size: int | Sequence[int], name: str = "size") -> tuple[int, ...]:
         dims = (size,) if isinstance(size, (int, np.integer)) else tuple(size)
     except TypeError:
         dims = ()
-    if not dims or any(
-        isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in dims
-    ):
+    if not dims or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
         raise ValueError(f"{name}={size!r}: expected an int >= 0 or a tuple of such ints")
     return tuple(int(d) for d in dims)
 
@@ -76,7 +76,7 @@ def check_rows(n: int | None, rows: int, name: str = "n") -> int:
 
 def host_array(
     x: Any,
-    dtype: torch.dtype | None = None,
+    dtype: DTypeLike | None = None,
     name: str = "x",
     *,
     ndims: tuple[int, ...] = (1, 2),
@@ -101,9 +101,7 @@ def host_array(
                 f"pass a CPU tensor, numpy array or list"
             )
         if x.dtype not in _TORCH_TO_NUMPY:
-            raise TypeError(
-                f"{name} has dtype {x.dtype}; allowed: {_names(SUPPORTED_DTYPES)}"
-            )
+            raise TypeError(f"{name} has dtype {x.dtype}; allowed: {_names(SUPPORTED_DTYPES)}")
         arr = x.detach().numpy()
     elif isinstance(x, (list, tuple)):
         arr = _from_sequence(x, dtype, name)
@@ -120,9 +118,7 @@ def host_array(
         allowed_r = ", ".join(map(str, ndims))
         raise ValueError(f"{name} has rank {arr.ndim} (shape {arr.shape}); allowed ranks: {allowed_r}")
     if trailing is not None and arr.shape[1:] != trailing and arr.shape[0] != 0:
-        raise ValueError(
-            f"{name} has rows of shape {arr.shape[1:]}; the buffer's rows have shape {trailing}"
-        )
+        raise ValueError(f"{name} has rows of shape {arr.shape[1:]}; the buffer's rows have shape {trailing}")
     if dtype is None:
         if arr.dtype not in _NUMPY_TO_TORCH:
             raise TypeError(f"{name} has dtype {arr.dtype}; allowed: {_names(SUPPORTED_DTYPES)}")
@@ -130,7 +126,7 @@ def host_array(
     return cast_checked(arr, numpy_dtype(dtype), name)
 
 
-def _from_sequence(x: Sequence[Any], dtype: torch.dtype | None, name: str) -> np.ndarray:
+def _from_sequence(x: Sequence[Any], dtype: DTypeLike | None, name: str) -> np.ndarray:
     if len(x) == 0:
         return np.empty(0, dtype=numpy_dtype(dtype) if dtype is not None else np.int64)
     try:
@@ -165,8 +161,10 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
     if src.kind not in "biuf":
         raise TypeError(f"{name} has dtype {src}; allowed: {_names(SUPPORTED_DTYPES)}")
     if (src.kind == "b") != (target.kind == "b"):
-        raise TypeError(f"{name} has dtype {src} but the target dtype is {target}; "
-                        "bools and numbers are not converted into each other")
+        raise TypeError(
+            f"{name} has dtype {src} but the target dtype is {target}; "
+            "bools and numbers are not converted into each other"
+        )
     if arr.size and not np.can_cast(src, target, "safe"):
         if target.kind in "iu":
             if src.kind == "f":
@@ -184,8 +182,7 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
                 bad = int(lo) < info.min or int(hi) > info.max
             if bad:
                 raise ValueError(
-                    f"{name} holds values in [{lo}, {hi}], outside {target}'s range "
-                    f"[{info.min}, {info.max}]"
+                    f"{name} holds values in [{lo}, {hi}], outside {target}'s range [{info.min}, {info.max}]"
                 )
         elif target.kind == "f":
             finfo = np.finfo(target)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 from rich.console import Console
 
+from ._types import DeviceLike
 from .probe import capabilities
 from .stager import StepStager
 
 
-def run(steps: int = 5, batch: int = 8, device: Any = None, console: Console | None = None) -> int:
+def run(steps: int = 5, batch: int = 8, device: DeviceLike = None, console: Console | None = None) -> int:
     """Stage ``steps`` steps of engine-like inputs; check the device copy. Returns mismatches."""
     console = console or Console()
     caps = capabilities(device)
@@ -32,10 +31,14 @@ def run(steps: int = 5, batch: int = 8, device: Any = None, console: Console | N
         want = (int(req.sum()), int(pos.sum()), int(sum(seq)))
         ok = got == want
         mismatches += not ok
-        console.print(f"step {s}: staged 3 arrays of {batch} -> {d_req.device} "
-                      f"via tier {stager.tier.name}: {'ok' if ok else f'MISMATCH {got} != {want}'}")
+        console.print(
+            f"step {s}: staged 3 arrays of {batch} -> {d_req.device} "
+            f"via tier {stager.tier.name}: {'ok' if ok else f'MISMATCH {got} != {want}'}"
+        )
     st = stager.stats()
-    console.print(f"tier {stager.tier.name}: {st['transfers']} host->device transfers for "
-                  f"{steps} steps ({st['bytes']} bytes), guard={stager.guard}, "
-                  f"guard waits {st['guard_waits']}")
+    console.print(
+        f"tier {stager.tier.name}: {st['transfers']} host->device transfers for "
+        f"{steps} steps ({st['bytes']} bytes), guard={stager.guard}, "
+        f"guard waits {st['guard_waits']}"
+    )
     return mismatches

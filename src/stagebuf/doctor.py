@@ -59,8 +59,10 @@ def _problem(e: SetupError) -> Problem:
     error = e.problem + (f": {e.cause}" if e.cause else "")
     if e.setting == "device":
         allowed = ("(omit --device)", *e.allowed)
-        fix = ("omit --device (stagebuf then uses the current accelerator, else the CPU) or pass "
-               f"one of: {', '.join(e.allowed)}") + (f"; or {e.hint}" if e.hint else "")
+        fix = (
+            "omit --device (stagebuf then uses the current accelerator, else the CPU) or pass "
+            f"one of: {', '.join(e.allowed)}"
+        ) + (f"; or {e.hint}" if e.hint else "")
         error = error.replace(f"device={e.value!r}", f"--device {e.value}", 1)
         return Problem("--device", str(e.value), error, e.cause, allowed, fix)
     setting = e.setting or ENV_TIER
@@ -76,6 +78,7 @@ def diagnose(device: str | None = None) -> Capabilities | Problem:
 
 
 # --- the report ------------------------------------------------------------------------------
+
 
 def _limit(v: int | None) -> str:
     if v is None:
@@ -191,8 +194,9 @@ def run(device: str | None = None, as_json: bool = False, out: TextIO | None = N
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m stagebuf.doctor``: the doctor without click."""
     ap = argparse.ArgumentParser(prog="stagebuf doctor", description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default=None,
-                    help="Device to probe (default: current accelerator, else cpu).")
+    ap.add_argument(
+        "--device", default=None, help="Device to probe (default: current accelerator, else cpu)."
+    )
     ap.add_argument("--json", dest="as_json", action="store_true", help="Print the report as JSON.")
     ns = ap.parse_args(argv)
     return run(ns.device, ns.as_json)

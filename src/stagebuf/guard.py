@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Protocol
+from collections.abc import Callable
+from types import ModuleType
+from typing import Protocol
 
 import torch
 
+from ._types import DeviceLike
 from .tier import Tier
 
 GUARD_MODES = ("auto", "wait", "raise", "off")
@@ -69,7 +72,7 @@ class _CudartEvent:
 
     __slots__ = ("_ev", "_rt", "_idx", "_record", "_query", "_stream", "_not_ready")
 
-    def __init__(self, device: torch.device, cudart: Any):
+    def __init__(self, device: torch.device, cudart: ModuleType):
         self._rt = cudart
         self._idx = device.index if device.index is not None else torch.cuda.current_device()
         with torch.cuda.device(self._idx):
@@ -127,6 +130,9 @@ def make_event(device: torch.device) -> Event | None:
     return _TorchEvent(device)
 
 
+EventFactory = Callable[[torch.device], Event | None]
+"""Makes an event for a device (None where work is synchronous): ``make_event``, or a test's fake."""
+
 _CLOCK_EVENTS = 64
 """Events a clock keeps; a use whose event was recycled is checked against a later one (safe)."""
 
@@ -148,7 +154,7 @@ class StepClock:
 
     __slots__ = ("device", "factory", "active", "tick", "serial", "_events", "_done", "_tick_end", "held")
 
-    def __init__(self, device: torch.device, factory: Any):
+    def __init__(self, device: torch.device, factory: EventFactory):
         self.device = device
         self.factory = factory
         self.tick = 0
@@ -209,7 +215,7 @@ class StepClock:
         self._done[i] = max(k, self._done[i])
 
 
-_clocks: dict[tuple[str, Any], StepClock] = {}
+_clocks: dict[tuple[str, EventFactory], StepClock] = {}
 
 
 def step_clock(device: torch.device) -> StepClock:
@@ -221,7 +227,7 @@ def step_clock(device: torch.device) -> StepClock:
     return clock
 
 
-def begin_step(device: Any = None) -> None:
+def begin_step(device: DeviceLike = None) -> None:
     """Begin a step on ``device``'s step clock (``None``: the default device).
 
     The clock finds step boundaries by itself when every ring stages once per
@@ -249,8 +255,22 @@ class SlotRing:
     memory the device reads asynchronously (UVA, PINNED), else ``off``.
     """
 
-    __slots__ = ("mode", "active", "waits", "n", "cur", "seq", "clock", "_what", "_tick", "_serial",
-                 "_owner", "_last_tick", "_last_marked", "_exact")
+    __slots__ = (
+        "mode",
+        "active",
+        "waits",
+        "n",
+        "cur",
+        "seq",
+        "clock",
+        "_what",
+        "_tick",
+        "_serial",
+        "_owner",
+        "_last_tick",
+        "_last_marked",
+        "_exact",
+    )
 
     def __init__(self, n: int, device: torch.device, mode: str, tier: Tier, what: str = "slot"):
         if mode not in GUARD_MODES:

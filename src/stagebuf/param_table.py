@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._types import DeviceLike
 from .buffers import StagingBuffer, fill_host, make_buffer
 from .convert import torch_dtype
 from .guard import SlotRing
@@ -40,7 +41,7 @@ _ALIGN = 16
 
 _FIELD_READ_ONLY = {
     "gpu": "it is a view of the device arena at a fixed address, written by sync(); "
-           "write .np (or .cpu) and call table.sync()",
+    "write .np (or .cpu) and call table.sync()",
     "name": "fields are named at construction; make a new DeviceParamTable to rename one",
     "dtype": "fields are typed at construction; make a new DeviceParamTable for another dtype",
     "offset": "it is the field's place in the packed arena, fixed at construction",
@@ -77,8 +78,9 @@ class ParamField:
         if attr in ("np", "cpu"):
             fill_host(self.np, value, self.dtype, f"table[{self.name!r}].{attr}")
             return
-        what = _FIELD_READ_ONLY.get(attr, "a field has no other attributes; write its values "
-                                          "through .np or .cpu")
+        what = _FIELD_READ_ONLY.get(
+            attr, "a field has no other attributes; write its values through .np or .cpu"
+        )
         raise AttributeError(f"ParamField.{attr} is read-only: {what}")
 
     def __delattr__(self, attr: str) -> None:
@@ -93,7 +95,7 @@ _TABLE_READ_ONLY = {
     "device": "the device arena lives on the device the table was made for; make a new table",
     "nbytes": "it is the packed arena's size, fixed at construction",
     "max_concurrency": "the staging slots are made at construction; make a new table with "
-                       "max_concurrency=...",
+    "max_concurrency=...",
     "tier": "it is the staging slots' tier; set STAGEBUF_TIER before making the table",
     "fields": "fields are fixed at construction; write values with table[name].np[...] = values",
 }
@@ -106,7 +108,7 @@ class DeviceParamTable:
         self,
         num_rows: int,
         fields: Mapping[str, Any],
-        device: Any = None,
+        device: DeviceLike = None,
         max_concurrency: int | None = None,
     ):
         """``num_rows`` rows of each field in ``fields`` (name -> dtype) on ``device``.
@@ -143,8 +145,9 @@ class DeviceParamTable:
         self._fields: dict[str, ParamField] = {}
         for name, dtype, o in layout:
             n = self.num_rows * torch.empty((), dtype=dtype).element_size()
-            self._fields[name] = ParamField(name, dtype, o, self._host[o: o + n].view(dtype),
-                                            self._dev[o: o + n].view(dtype))
+            self._fields[name] = ParamField(
+                name, dtype, o, self._host[o : o + n].view(dtype), self._dev[o : o + n].view(dtype)
+            )
         self._fields_view = MappingProxyType(self._fields)
         self._sealed = True
 
@@ -163,10 +166,15 @@ class DeviceParamTable:
             object.__setattr__(self, name, value)
             return
         if name in self._fields:
-            raise AttributeError(f"DeviceParamTable.{name}: fields are not attributes; write the "
-                                 f"values with table[{name!r}].np[...] = values")
-        what = _TABLE_READ_ONLY.get(name, "a table's attributes are fixed at construction; write "
-                                          "field values with table[name].np[...] = values")
+            raise AttributeError(
+                f"DeviceParamTable.{name}: fields are not attributes; write the "
+                f"values with table[{name!r}].np[...] = values"
+            )
+        what = _TABLE_READ_ONLY.get(
+            name,
+            "a table's attributes are fixed at construction; write "
+            "field values with table[name].np[...] = values",
+        )
         raise AttributeError(f"DeviceParamTable.{name} is read-only: {what}")
 
     def __delattr__(self, name: str) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ._sealed import Sealed
+from ._types import DeviceLike, DTypeLike, HostData
 from .buffers import StagingBuffer, fill_host, make_buffer
 from .convert import check_rows, host_array, numpy_dtype, shape_of, torch_dtype
 from .guard import SlotRing
@@ -52,9 +53,9 @@ class UvaBufferPool(Sealed):
     def __init__(
         self,
         size: int | Sequence[int],
-        dtype: Any,
+        dtype: DTypeLike,
         max_concurrency: int | None = None,
-        device: Any = None,
+        device: DeviceLike = None,
         guard: str = "auto",
     ):
         self.size = size
@@ -76,7 +77,7 @@ class UvaBufferPool(Sealed):
         """The tier of the slots (the lowest one, if a run-time fallback split them)."""
         return max(b.tier for b in self._bufs)
 
-    def _next(self, x: Any) -> tuple[StagingBuffer, int]:
+    def _next(self, x: HostData) -> tuple[StagingBuffer, int]:
         """Write ``x`` into the next slot. A call that raises takes no slot and writes nothing."""
         trailing = self.shape[1:]
         if type(x) is np.ndarray and x.dtype == self._np_dtype and x.shape[1:] == trailing and x.ndim:
@@ -95,14 +96,14 @@ class UvaBufferPool(Sealed):
         self._ring.take(cur)
         return buf, n
 
-    def copy_to_uva(self, x: Any) -> torch.Tensor:
+    def copy_to_uva(self, x: HostData) -> torch.Tensor:
         """Stage ``x`` in the next slot; the device tensor of its first len(x) rows."""
         buf, n = self._next(x)
         if buf.tier.copies:
             self._count(n, buf)
         return buf.uva(n)
 
-    def copy_to_gpu(self, x: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    def copy_to_gpu(self, x: HostData, out: torch.Tensor | None = None) -> torch.Tensor:
         """Stage ``x`` and copy it into device memory (``out`` or a new tensor)."""
         arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=self.shape[1:])
         if out is not None:
@@ -142,9 +143,9 @@ class UvaBackedTensor(Sealed):
     def __init__(
         self,
         size: int | Sequence[int],
-        dtype: Any,
+        dtype: DTypeLike,
         max_concurrency: int | None = None,
-        device: Any = None,
+        device: DeviceLike = None,
     ):
         self.dtype = torch_dtype(dtype)
         self.cpu = torch.zeros(shape_of(size), dtype=self.dtype)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from . import uva as _uva
+from ._types import DeviceLike
 from .log import logger, warn_once
 from .memory import alloc_host
 from .tier import Tier
@@ -90,13 +91,17 @@ def torch_build() -> str:
 def _cuda_missing_cause() -> tuple[str, str]:
     """(cause, fix) for ``torch.cuda.is_available()`` being False."""
     if torch_build() == "CPU build":
-        return (f"torch is a CPU build (torch {torch.__version__}) without CUDA support",
-                "install a CUDA build of torch to use a GPU")
+        return (
+            f"torch is a CPU build (torch {torch.__version__}) without CUDA support",
+            "install a CUDA build of torch to use a GPU",
+        )
     kind, ver = ("CUDA", torch.version.cuda) if torch.version.cuda else ("ROCm", torch.version.hip)
-    return (f"torch is a {kind} build but sees no driver or GPU (torch {torch.__version__}, "
-            f"{kind} {ver}; torch.cuda.is_available() is False)",
-            "check that the GPU driver is loaded (nvidia-smi) and that CUDA_VISIBLE_DEVICES "
-            "does not hide the GPU")
+    return (
+        f"torch is a {kind} build but sees no driver or GPU (torch {torch.__version__}, "
+        f"{kind} {ver}; torch.cuda.is_available() is False)",
+        "check that the GPU driver is loaded (nvidia-smi) and that CUDA_VISIBLE_DEVICES "
+        "does not hide the GPU",
+    )
 
 
 def usable_devices() -> list[str]:
@@ -153,6 +158,7 @@ class Capabilities:
 
 
 # --- what the OS and drivers answer (tests replace these to fake a machine) ---
+
 
 def _is_wsl() -> bool:
     release = platform.uname().release.lower()
@@ -228,14 +234,14 @@ def _versions(device: torch.device) -> dict[str, str]:
     if torch.version.cuda:
         v["cuda_runtime"] = str(torch.version.cuda)
     try:
-        import triton  # type: ignore[import-not-found]
+        import triton
 
         v["triton"] = triton.__version__
     except Exception:
         pass
     try:
         cudart = _uva.load_cudart()
-        from cuda import bindings  # type: ignore[import-not-found]
+        from cuda import bindings
 
         v["cuda_bindings"] = getattr(bindings, "__version__", "?")
         if device.type == "cuda":
@@ -254,7 +260,7 @@ def _versions(device: torch.device) -> dict[str, str]:
 _DEVICE_FIX = "pass device=None (the current accelerator, else the CPU) or one of the allowed devices"
 
 
-def _resolve_device(device: Any, forced: Tier | None) -> torch.device:
+def _resolve_device(device: DeviceLike, forced: Tier | None) -> torch.device:
     if device is None:
         if forced is Tier.HOST:
             return torch.device("cpu")
@@ -264,22 +270,33 @@ def _resolve_device(device: Any, forced: Tier | None) -> torch.device:
         cur = acc.current_accelerator() if acc is not None and acc.is_available() else None
         return torch.device(cur) if cur is not None else torch.device("cpu")
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise TypeError(f"device={device!r} must be None, a str, an int or a torch.device; "
-                        f"allowed here: {', '.join(usable_devices())}")
+        raise TypeError(
+            f"device={device!r} must be None, a str, an int or a torch.device; "
+            f"allowed here: {', '.join(usable_devices())}"
+        )
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError) as e:
         raise UnknownDeviceError(
-            f"device={device!r} is not a device torch can use", setting="device", value=device,
-            cause=_short(e), allowed=usable_devices(), fix=_DEVICE_FIX,
+            f"device={device!r} is not a device torch can use",
+            setting="device",
+            value=device,
+            cause=_short(e),
+            allowed=usable_devices(),
+            fix=_DEVICE_FIX,
         ) from None
     if dev.type != "cpu":
         why = _device_missing(dev)
         if why:
             hint = _device_hint(dev)
             raise TierUnavailableError(
-                f"device={device!r} cannot be used", setting="device", value=device, cause=why,
-                allowed=usable_devices(), fix=_DEVICE_FIX + (f"; or {hint}" if hint else ""), hint=hint,
+                f"device={device!r} cannot be used",
+                setting="device",
+                value=device,
+                cause=why,
+                allowed=usable_devices(),
+                fix=_DEVICE_FIX + (f"; or {hint}" if hint else ""),
+                hint=hint,
             )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -297,9 +314,12 @@ def _forced_tier() -> Tier | None:
         return Tier.parse(raw, ENV_TIER)
     except ValueError:
         raise SettingValueError(
-            f"{ENV_TIER}={raw!r} is not a tier", setting=ENV_TIER, value=raw, allowed=_TIER_NAMES,
+            f"{ENV_TIER}={raw!r} is not a tier",
+            setting=ENV_TIER,
+            value=raw,
+            allowed=_TIER_NAMES,
             fix=f"unset {ENV_TIER} (stagebuf then picks the best tier that works) or set it to "
-                "one of the allowed values",
+            "one of the allowed values",
         ) from None
 
 
@@ -315,7 +335,7 @@ def usable_tiers(caps: Capabilities) -> list[Tier]:
     return [t for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= caps.tier]
 
 
-def _cpu_cause(device: Any, forced: Tier | None) -> tuple[str, str | None]:
+def _cpu_cause(device: DeviceLike, forced: Tier | None) -> tuple[str, str | None]:
     """(why the target is the CPU, what to do to target an accelerator)."""
     if forced is Tier.HOST and device is None:
         return f"{ENV_TIER}=host targets the CPU", f"unset {ENV_TIER} to use an accelerator"
@@ -326,35 +346,50 @@ def _cpu_cause(device: Any, forced: Tier | None) -> tuple[str, str | None]:
     return "no accelerator is available", None
 
 
-def probe(device: Any = None) -> Capabilities:
+def probe(device: DeviceLike = None) -> Capabilities:
     """Probe ``device`` now, bypassing the cache (``capabilities`` caches this)."""
     forced = _forced_tier()
     dev = _resolve_device(device, forced)
     reasons: list[str] = []
     memlock = _memlock_limit()
     wsl = _is_wsl()
-    caps = Capabilities(dev, dev.type, False, False, Tier.HOST, reasons,
-                        forced.name.lower() if forced else None, wsl, memlock,
-                        torch_build=torch_build())
+    caps = Capabilities(
+        dev,
+        dev.type,
+        False,
+        False,
+        Tier.HOST,
+        reasons,
+        forced.name.lower() if forced else None,
+        wsl,
+        memlock,
+        torch_build=torch_build(),
+    )
     if dev.type == "cpu":
         cause, hint = _cpu_cause(device, forced)
         caps.cpu_cause, caps.cpu_fix = cause, hint
-        reasons.append(f"The target device is the CPU because {cause}, so there is nothing to "
-                       "transfer to: pinned memory and UVA are not used."
-                       + (f" Fix: {hint}." if hint else ""))
+        reasons.append(
+            f"The target device is the CPU because {cause}, so there is nothing to "
+            "transfer to: pinned memory and UVA are not used." + (f" Fix: {hint}." if hint else "")
+        )
         if forced in (Tier.UVA, Tier.PINNED):
             name = forced.name.lower()
             raise TierUnavailableError(
                 f"{ENV_TIER}={name} needs an accelerator, but the target device is the CPU",
-                setting=ENV_TIER, value=name, cause=cause, allowed=("host", "pageable"),
+                setting=ENV_TIER,
+                value=name,
+                cause=cause,
+                allowed=("host", "pageable"),
                 fix=f"unset {ENV_TIER} (stagebuf then picks the best tier) or set {ENV_TIER}=host "
-                    "or pageable" + (f"; or {hint}" if hint else ""),
+                "or pageable" + (f"; or {hint}" if hint else ""),
                 hint=hint,
             )
         if forced is Tier.PAGEABLE:
             caps.tier = Tier.PAGEABLE
-            reasons.append(f"{ENV_TIER}=pageable: copying into a separate CPU tensor that stands "
-                           "in for device memory (this exercises the copy path without a GPU).")
+            reasons.append(
+                f"{ENV_TIER}=pageable: copying into a separate CPU tensor that stands "
+                "in for device memory (this exercises the copy path without a GPU)."
+            )
         else:
             caps.tier = Tier.HOST
             reasons.append("Tier HOST: the CPU tensor is the device tensor.")
@@ -367,28 +402,33 @@ def probe(device: Any = None) -> Capabilities:
     works = [t.name.lower() for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= best]
     if forced is Tier.HOST:
         raise TierUnavailableError(
-            f"{ENV_TIER}=host targets the CPU, but device {dev} was asked for", setting=ENV_TIER,
-            value="host", cause="tier HOST means no accelerator", allowed=works,
+            f"{ENV_TIER}=host targets the CPU, but device {dev} was asked for",
+            setting=ENV_TIER,
+            value="host",
+            cause="tier HOST means no accelerator",
+            allowed=works,
             fix=f"unset {ENV_TIER}, set it to one of the allowed tiers, or pass device='cpu'",
         )
     if forced is not None and forced < best:
         raise TierUnavailableError(
-            f"{ENV_TIER}={forced.name.lower()} cannot work on {dev}", setting=ENV_TIER,
-            value=forced.name.lower(), cause=" ".join(r for r in reasons if r.startswith("No "))
-            or " ".join(reasons), allowed=works,
+            f"{ENV_TIER}={forced.name.lower()} cannot work on {dev}",
+            setting=ENV_TIER,
+            value=forced.name.lower(),
+            cause=" ".join(r for r in reasons if r.startswith("No ")) or " ".join(reasons),
+            allowed=works,
             fix=f"unset {ENV_TIER} (stagebuf then picks the best tier, {best.name}) or set it to "
-                "one of the allowed tiers",
+            "one of the allowed tiers",
         )
     caps.tier = forced if forced is not None else best
     if forced is not None:
-        reasons.append(f"{ENV_TIER}={forced.name.lower()} forces tier {forced.name} "
-                       f"(best available: {best.name}).")
+        reasons.append(
+            f"{ENV_TIER}={forced.name.lower()} forces tier {forced.name} (best available: {best.name})."
+        )
     else:
         reasons.append(f"Tier {best.name}: the best tier that works on {dev}.")
     if best is not Tier.UVA:
         why = " ".join(r for r in reasons if r.startswith("No "))
-        warn_once(("fallback", str(dev), best),
-                  f"tier {best.name} on {dev} instead of UVA: {why}")
+        warn_once(("fallback", str(dev), best), f"tier {best.name} on {dev} instead of UVA: {why}")
     caps.versions = _versions(dev)
     return caps
 
@@ -418,8 +458,10 @@ def _decide_pinned(caps: Capabilities) -> bool:
         )
         return False
     if not pinned:
-        reasons.append("No pinned memory: a pin_memory=True allocation came back unpinned. "
-                       "Fix: enable pinned memory for this platform.")
+        reasons.append(
+            "No pinned memory: a pin_memory=True allocation came back unpinned. "
+            "Fix: enable pinned memory for this platform."
+        )
         return False
     reasons.append("Pinned memory: a 4 KiB pinned allocation succeeded.")
     return True
@@ -428,18 +470,24 @@ def _decide_pinned(caps: Capabilities) -> bool:
 def _decide_uva(caps: Capabilities) -> bool:
     reasons = caps.reasons
     if caps.device_type != "cuda":
-        reasons.append(f"No UVA: device views of host memory need CUDA; {caps.device_type} "
-                       "has none here, so data is copied (tier PINNED).")
+        reasons.append(
+            f"No UVA: device views of host memory need CUDA; {caps.device_type} "
+            "has none here, so data is copied (tier PINNED)."
+        )
         return False
     try:
         _uva_probe(caps.device)
     except ImportError:
-        reasons.append("No UVA: cuda-bindings is not installed, so no device pointer can be "
-                       "taken for pinned memory. Fix: pip install 'stagebuf[cuda]'.")
+        reasons.append(
+            "No UVA: cuda-bindings is not installed, so no device pointer can be "
+            "taken for pinned memory. Fix: pip install 'stagebuf[cuda]'."
+        )
         return False
     except Exception as e:
-        reasons.append(f"No UVA: {_short(e)}. Data is copied instead (tier PINNED). "
-                       "Fix: none needed for correctness; report it if you expected UVA here.")
+        reasons.append(
+            f"No UVA: {_short(e)}. Data is copied instead (tier PINNED). "
+            "Fix: none needed for correctness; report it if you expected UVA here."
+        )
         return False
     reasons.append("UVA: a device view of pinned memory aliases it and saw a later host write.")
     return True
@@ -454,7 +502,7 @@ _cache: dict[str | None, Capabilities] = {}
 _lock = threading.Lock()
 
 
-def capabilities(device: Any = None) -> Capabilities:
+def capabilities(device: DeviceLike = None) -> Capabilities:
     """The capabilities of ``device`` (default: the current accelerator, else the CPU).
 
     Probed on first use and cached per device; ``reset_capabilities()`` clears it.
@@ -479,9 +527,9 @@ def reset_capabilities() -> None:
         _cache.clear()
 
 
-def is_pin_memory_available(device: Any = None) -> bool:
+def is_pin_memory_available(device: DeviceLike = None) -> bool:
     return capabilities(device).pin_memory
 
 
-def is_uva_available(device: Any = None) -> bool:
+def is_uva_available(device: DeviceLike = None) -> bool:
     return capabilities(device).tier is Tier.UVA

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ._sealed import Sealed
+from ._types import DeviceLike, DTypeLike, HostData
 from .buffers import StagingBuffer, UvaBuffer, make_buffer
 from .convert import _NUMPY_TO_TORCH, cast_checked, host_array, numpy_dtype, shape_of, torch_dtype
 from .guard import SlotRing
@@ -88,6 +89,7 @@ class StagedWriteError(ValueError):
 
 # --- kernels ------------------------------------------------------------------------
 
+
 def _triton_available() -> bool:
     global tl
     if tl is not None:
@@ -95,7 +97,7 @@ def _triton_available() -> bool:
     if _triton_error:
         return False
     try:
-        import triton.language as _tl  # type: ignore[import-not-found]
+        import triton.language as _tl
     except Exception as e:  # not installed, or broken
         _triton_error.append(f"{type(e).__name__}: {e}"[:200])
         return False
@@ -110,7 +112,8 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _triton_available()
 
 
-def _staged_write_kernel(meta, content, table, BLOCK: tl.constexpr):
+# Triton reads a kernel's parameter annotations (they select its specialisation): leave them off.
+def _staged_write_kernel(meta, content, table, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     # One program per edit; meta row: target, flat offset of the first element, length, source offset.
     e = tl.program_id(0)
     tid = tl.load(meta + 4 * e)
@@ -136,11 +139,11 @@ def triton_function(fn: Callable[..., None], interpret: bool) -> Any:
     k = _triton_functions.get((fn, interpret))
     if k is None:
         if interpret:
-            from triton.runtime.interpreter import InterpretedFunction  # type: ignore[import-not-found]
+            from triton.runtime.interpreter import InterpretedFunction
 
             k = InterpretedFunction(fn)
         else:
-            from triton.runtime.jit import JITFunction  # type: ignore[import-not-found]
+            from triton.runtime.jit import JITFunction
 
             k = JITFunction(fn)
         _triton_functions[(fn, interpret)] = k
@@ -158,8 +161,14 @@ def _block_for(longest: int) -> int:
     return b
 
 
-def _launch_triton(device: torch.device, meta: torch.Tensor, content: torch.Tensor, table: torch.Tensor,
-                   n_edits: int, block: int) -> None:
+def _launch_triton(
+    device: torch.device,
+    meta: torch.Tensor,
+    content: torch.Tensor,
+    table: torch.Tensor,
+    n_edits: int,
+    block: int,
+) -> None:
     if device.type == "cuda":
         launch = _triton_kernel(interpret=False)[(n_edits,)]
         warps = max(1, min(4, block // 128))
@@ -186,6 +195,7 @@ def _torch_twin(flats: Sequence[torch.Tensor], meta: torch.Tensor, content: torc
 
 # --- gathering and checking the staged edits ------------------------------------------
 
+
 class _Batch:
     """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked).
 
@@ -203,8 +213,15 @@ class _Gathered:
 
     __slots__ = ("target", "dst", "lens", "vals", "dup", "width")
 
-    def __init__(self, target: StagedWriteTensor, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray,
-                 dup: bool, width: int = 0):
+    def __init__(
+        self,
+        target: StagedWriteTensor,
+        dst: np.ndarray,
+        lens: np.ndarray,
+        vals: np.ndarray,
+        dup: bool,
+        width: int = 0,
+    ):
         self.target, self.dst, self.lens, self.vals, self.dup = target, dst, lens, vals, dup
         self.width = width
         """The length of every edit where they are all one length (0: unknown or mixed)."""
@@ -237,14 +254,6 @@ def _arange(n: int) -> np.ndarray:
     return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
 
 
-_ARANGE = np.arange(1024, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
-    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
-
-
 def _ints(x: Any, name: str) -> np.ndarray:
     """A 1-D int64 array of the integers in ``x`` (bools and fractions are refused)."""
     a = x if isinstance(x, np.ndarray) else host_array(x, None, name, ndims=(1,))
@@ -262,6 +271,7 @@ def _ints(x: Any, name: str) -> np.ndarray:
 
 # --- the launcher: one packed transfer, one launch --------------------------------------
 
+
 class _Launcher:
     """The staging slots behind one writer: one packed transfer and one launch per apply.
 
@@ -278,8 +288,9 @@ class _Launcher:
         self.n = max_concurrency
         self.capacity = max(capacity, ALIGN)
         self.bufs: list[StagingBuffer] = []
-        self.views: list[dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor,
-                                                      int]]] = []
+        self.views: list[
+            dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]
+        ] = []
         self.bases: list[dict[Any, torch.Tensor]] = []
         """Per slot: its whole device arena viewed as each dtype (views are slices of these)."""
         self.retired: list[list[StagingBuffer]] = []
@@ -294,8 +305,11 @@ class _Launcher:
 
     def stats(self) -> dict[str, int]:
         ring = self.ring
-        return {**self.stats_, "guard_waits": ring.waits if ring is not None else 0,
-                "steps": ring.seq if ring is not None else 0}
+        return {
+            **self.stats_,
+            "guard_waits": ring.waits if ring is not None else 0,
+            "steps": ring.seq if ring is not None else 0,
+        }
 
     def _start(self) -> SlotRing:
         self.bufs = [make_buffer(self.capacity, torch.uint8, self.device) for _ in range(self.n)]
@@ -306,8 +320,9 @@ class _Launcher:
         self.ring = SlotRing(self.n, self.device, _GUARD_MODE, tier, "staged-write slot")
         return self.ring
 
-    def _slot(self, cur: int, idx: np.ndarray, vals: np.ndarray
-              ) -> tuple[StagingBuffer, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]:
+    def _slot(
+        self, cur: int, idx: np.ndarray, vals: np.ndarray
+    ) -> tuple[StagingBuffer, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]:
         """Slot ``cur``'s buffer and its views for this layout (made, and the slot grown, if needed)."""
         buf = self.bufs[cur]
         key = (idx.shape, vals.dtype, vals.shape[0])
@@ -319,8 +334,10 @@ class _Launcher:
         used = off + vals.nbytes
         if used > buf.shape[0]:
             if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("staged writes: a slot must grow while a CUDA graph is being captured; "
-                                   "apply once with the largest batch before capturing")
+                raise RuntimeError(
+                    "staged writes: a slot must grow while a CUDA graph is being captured; "
+                    "apply once with the largest batch before capturing"
+                )
             cap = 1 << max(used - 1, 1).bit_length()
             self.retired[cur].append(buf)  # read by this slot's last launch, until it comes round
             buf = self.bufs[cur] = make_buffer(cap, torch.uint8, self.device, buf.tier)
@@ -340,7 +357,7 @@ class _Launcher:
         n_idx = idx.size
         d_idx = i64[:n_idx] if idx.ndim == 1 else i64[:n_idx].view(idx.shape)
         first = off // vals.dtype.itemsize
-        d_val = vt[first: first + vals.shape[0]]
+        d_val = vt[first : first + vals.shape[0]]
         h_idx = buf.np[:a_bytes].view(np.int64).reshape(idx.shape)
         h_val = buf.np[off:used].view(vals.dtype)
         v = self.views[cur][key] = (h_idx, h_val, d_idx, d_val, used)
@@ -371,9 +388,11 @@ class _Launcher:
             want = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > 1 else "scatter"
         if want == "triton" and not triton_usable(self.device):
             if self.forced == "triton":
-                warn_once(("staged-write-no-triton", str(self.device)),
-                          f"staged writes on {self.device} use the scatter kernel: Triton cannot run "
-                          f"here ({_triton_error[0] if _triton_error else 'not on this device'})")
+                warn_once(
+                    ("staged-write-no-triton", str(self.device)),
+                    f"staged writes on {self.device} use the scatter kernel: Triton cannot run "
+                    f"here ({_triton_error[0] if _triton_error else 'not on this device'})",
+                )
             return "scatter"
         return want
 
@@ -384,7 +403,9 @@ class _Launcher:
         if kernel == "host":
             for p in parts:
                 dest, vals = p.dest()
-                p.target._flat_np[dest] = vals
+                flat = p.target._flat_np
+                assert flat is not None  # set on every HOST-tier target; all parts share one device
+                flat[dest] = vals
             return kernel
         if kernel == "scatter":
             pieces = [p.dest() for p in parts]
@@ -440,7 +461,8 @@ def _edit_meta(parts: Sequence[_Gathered]) -> tuple[np.ndarray, np.ndarray, int]
 
 # --- public classes -----------------------------------------------------------------
 
-def _dtype(dtype: Any) -> torch.dtype:
+
+def _dtype(dtype: DTypeLike) -> torch.dtype:
     allowed = ", ".join(str(d).replace("torch.", "") for d in ALLOWED_DTYPES)
     try:
         dt = torch_dtype(dtype)
@@ -515,8 +537,8 @@ class StagedWriteTensor(Sealed):
     def __init__(
         self,
         size: int | Sequence[int],
-        dtype: Any,
-        device: Any = None,
+        dtype: DTypeLike,
+        device: DeviceLike = None,
         max_concurrency: int | None = None,
         uva_instead_of_gpu: bool = False,
     ):
@@ -582,9 +604,10 @@ class StagedWriteTensor(Sealed):
                     why = f"the UVA allocation failed ({e})"
             else:
                 why = f"the tier of {self.device} is {self.tier.name}, not UVA"
-            warn_once(("staged-write-uva", str(self.device), self.tier),
-                      f"StagedWriteTensor(uva_instead_of_gpu=True) on {self.device} is a "
-                      f"device tensor: {why}")
+            warn_once(
+                ("staged-write-uva", str(self.device), self.tier),
+                f"StagedWriteTensor(uva_instead_of_gpu=True) on {self.device} is a device tensor: {why}",
+            )
         return alloc_device(self.shape, self.dtype, self.device)
 
     @property
@@ -599,7 +622,7 @@ class StagedWriteTensor(Sealed):
 
     # --- staging ---
 
-    def stage_write(self, index: int, start: int, values: Any) -> None:
+    def stage_write(self, index: int, start: int, values: HostData) -> None:
         """Stage ``gpu[index, start:start + len(values)] = values``, applied by ``apply_write()``.
 
         The row and the column range are checked now; values given as a list are
@@ -638,8 +661,14 @@ class StagedWriteTensor(Sealed):
             self._vals_extend(values)
             return
         self._seal()
-        self._batches.append(_Batch(np.array([row * self.row_stride + col], np.int64),
-                                    np.array([arr_len], np.int64), arr.copy(), True))
+        self._batches.append(
+            _Batch(
+                np.array([row * self.row_stride + col], np.int64),
+                np.array([arr_len], np.int64),
+                arr.copy(),
+                True,
+            )
+        )
 
     def stage_write_elem(self, index: int, value: Any) -> None:
         """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target)."""
@@ -662,7 +691,9 @@ class StagedWriteTensor(Sealed):
             value = np.array([value])
         self._stage_checked(index, 0, value)
 
-    def stage_writes(self, rows: Any, starts: Any, values: Any, lengths: Any = None) -> None:
+    def stage_writes(
+        self, rows: HostData, starts: HostData, values: HostData, lengths: HostData | None = None
+    ) -> None:
         """Stage a batch of edits from arrays: edit i writes row ``rows[i]`` from column ``starts[i]``.
 
         ``values`` is ``(E, L)`` (each edit writes L values), ``(E,)`` (one value
@@ -670,15 +701,28 @@ class StagedWriteTensor(Sealed):
         ``lengths[i]`` values are the edits. Everything is checked now, with
         numpy; a bad edit raises naming its position and stages nothing.
         """
-        if (lengths is None and type(rows) is np.ndarray and type(starts) is np.ndarray
-                and type(values) is np.ndarray and values.dtype == self._np_dtype and rows.ndim == 1
-                and rows.dtype.kind in "iu" and starts.dtype.kind in "iu" and values.ndim in (1, 2)
-                and rows.shape[0] == starts.shape[0] == values.shape[0] > 0):
+        if (
+            lengths is None
+            and type(rows) is np.ndarray
+            and type(starts) is np.ndarray
+            and type(values) is np.ndarray
+            and values.dtype == self._np_dtype
+            and rows.ndim == 1
+            and rows.dtype.kind in "iu"
+            and starts.dtype.kind in "iu"
+            and values.ndim in (1, 2)
+            and rows.shape[0] == starts.shape[0] == values.shape[0] > 0
+        ):
             # the common case, checked with four reductions: typed arrays, every edit of one length
             e = rows.shape[0]
             width = 1 if values.ndim == 1 else values.shape[1]
-            if width and rows.min() >= 0 and rows.max() < self.rows and starts.min() >= 0 \
-                    and starts.max() + width <= self.cols:
+            if (
+                width
+                and rows.min() >= 0
+                and rows.max() < self.rows
+                and starts.min() >= 0
+                and starts.max() + width <= self.cols
+            ):
                 dst = rows.astype(np.int64)
                 dst *= self.row_stride
                 dst += starts
@@ -702,8 +746,9 @@ class StagedWriteTensor(Sealed):
         else:
             lens = _ints(lengths, "lengths")
             if lens.shape[0] != e:
-                raise ValueError(f"lengths has {lens.shape[0]} entries but rows has {e}; "
-                                 "allowed: one per edit")
+                raise ValueError(
+                    f"lengths has {lens.shape[0]} entries but rows has {e}; allowed: one per edit"
+                )
             if e and (lens < 0).any():
                 i = int(np.flatnonzero(lens < 0)[0])
                 raise ValueError(f"lengths[{i}]={lens[i]} is negative; allowed: an int >= 0")
@@ -730,8 +775,10 @@ class StagedWriteTensor(Sealed):
             bad = s + lens > self.cols
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise ValueError(f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}, {lens[i]} values) ends at "
-                                 f"column {s[i] + lens[i]}, past the end of the row ({self.cols} columns)")
+                raise ValueError(
+                    f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}, {lens[i]} values) ends at "
+                    f"column {s[i] + lens[i]}, past the end of the row ({self.cols} columns)"
+                )
             keep = lens > 0
             if not keep.all():
                 r, s, lens = r[keep], s[keep], lens[keep]
@@ -770,8 +817,9 @@ class StagedWriteTensor(Sealed):
         lim = self._float_limit
         if lim is None:  # a float target: convert's checks are exact
             return host_array(values, self.dtype, name, ndims=(1,), iterables=True)
-        if not isinstance(values, (list, tuple, np.ndarray, torch.Tensor, str, bytes, dict)) \
-                and isinstance(values, Iterable):
+        if not isinstance(values, (list, tuple, np.ndarray, torch.Tensor, str, bytes, dict)) and isinstance(
+            values, Iterable
+        ):
             values = list(values)  # read a one-shot iterable once
         try:
             arr = host_array(values, None, name, ndims=(1,), iterables=True)
@@ -782,8 +830,9 @@ class StagedWriteTensor(Sealed):
             if (np.isfinite(a64) & ((a64 < -lim) | (a64 >= lim))).any():
                 # convert.cast_checked compares with the dtype's max in float precision, where
                 # 2.0**63 (float32: 2.0**31) equals it: a value one past the range would wrap.
-                raise ValueError(f"{name} holds values outside {self._np_dtype}'s range "
-                                 f"[{-int(lim)}, {int(lim) - 1}]")
+                raise ValueError(
+                    f"{name} holds values outside {self._np_dtype}'s range [{-int(lim)}, {int(lim) - 1}]"
+                )
         return cast_checked(arr, self._np_dtype, name)
 
     # --- inspecting, applying ---
@@ -795,7 +844,7 @@ class StagedWriteTensor(Sealed):
             vals = b.vals.tolist() if isinstance(b.vals, np.ndarray) else b.vals
             a = 0
             for d, n in zip(b.dst, b.lens):
-                out.append((*self._where(d), list(vals[a: a + int(n)])))
+                out.append((*self._where(d), list(vals[a : a + int(n)])))
                 a += int(n)
         return out
 
@@ -876,31 +925,41 @@ class StagedWriteTensor(Sealed):
             vals = b.vals
             lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
             target = self._np_dtype
-            if (target.kind == "f" or self._int_lo <= lo and hi <= self._int_hi) \
-                    and (lo > 1 or hi < 0 or not self._maybe_bool_edit(vals, a, lens)):
+            if (target.kind == "f" or self._int_lo <= lo and hi <= self._int_hi) and (
+                lo > 1 or hi < 0 or not self._maybe_bool_edit(vals, a, lens)
+            ):
                 return a.astype(target, copy=False)
-        elif (a is not None and a.ndim == 1 and a.dtype.kind == "f" and not self._inexact(a)
-                and not self._maybe_bool_edit(b.vals, a, lens)):
+        elif (
+            a is not None
+            and a.ndim == 1
+            and a.dtype.kind == "f"
+            and not self._inexact(a)
+            and not self._maybe_bool_edit(b.vals, a, lens)
+        ):
             got = self._cast_list(a)
             if got is not None:
                 return got
         out = []
         a0 = 0
         for k, n in enumerate(lens.tolist()):
-            got, why = self._edit_values(b.vals[a0: a0 + n])
+            got, why = self._edit_values(b.vals[a0 : a0 + n])
             if got is None:
                 row, start = self._where(b.dst[k])
                 raise StagedWriteError(
                     f"staged edit {pos + k} (stage_write(index={row}, start={start}, {n} values)) "
                     f"cannot be applied to {self.dtype}: {why}. Nothing was written and every staged edit "
-                    "is still staged: clear_staged_writes() drops them", pos + k, row, start)
+                    "is still staged: clear_staged_writes() drops them",
+                    pos + k,
+                    row,
+                    start,
+                )
             out.append(got)
             a0 += n
         return np.concatenate(out)
 
     def _inexact(self, a: np.ndarray) -> bool:
         """Whether ints may have been rounded reading a list into ``a`` (ints mixed with floats)."""
-        return self._np_dtype.kind in "iu" and a.dtype.kind == "f" and bool((np.abs(a) >= 2.0 ** 53).any())
+        return self._np_dtype.kind in "iu" and a.dtype.kind == "f" and bool((np.abs(a) >= 2.0**53).any())
 
     @staticmethod
     def _maybe_bool_edit(vals: list[Any], a: np.ndarray, lens: np.ndarray) -> bool:
@@ -996,8 +1055,10 @@ class StagedWriteTensor(Sealed):
         return self._launcher.stats()
 
     def __repr__(self) -> str:
-        return (f"StagedWriteTensor(shape={self.shape}, dtype={self.dtype}, device={self.device}, "
-                f"tier={self.tier.name}, staged={self.num_staged})")
+        return (
+            f"StagedWriteTensor(shape={self.shape}, dtype={self.dtype}, device={self.device}, "
+            f"tier={self.tier.name}, staged={self.num_staged})"
+        )
 
 
 class FusedStagedWriter(Sealed):
@@ -1007,7 +1068,7 @@ class FusedStagedWriter(Sealed):
     slots; a larger apply grows them).
     """
 
-    def __init__(self, device: Any = None, max_writes: int = 1024, max_concurrency: int | None = None):
+    def __init__(self, device: DeviceLike = None, max_writes: int = 1024, max_concurrency: int | None = None):
         self._max_writes = _int_in(max_writes, "max_writes", 1, None, "")
         self.max_concurrency = slot_count(max_concurrency)
         self.device = capabilities(device).device
@@ -1031,8 +1092,9 @@ class FusedStagedWriter(Sealed):
         # per edit: an 8-byte destination and about 8 values of 8 bytes, or 32 bytes of Triton metadata
         return 1024 + 96 * max_writes
 
-    def apply(self, tensors: Iterable[StagedWriteTensor], output_ptrs: Any = None,
-              output_strides: Any = None) -> None:
+    def apply(
+        self, tensors: Iterable[StagedWriteTensor], output_ptrs: Any = None, output_strides: Any = None
+    ) -> None:
         """Apply and clear the staged edits of ``tensors`` (one dtype, this device) at once.
 
         ``output_ptrs`` and ``output_strides`` (vLLM's call shape: each tensor's
@@ -1040,8 +1102,10 @@ class FusedStagedWriter(Sealed):
         given they are checked against the tensors.
         """
         if isinstance(tensors, StagedWriteTensor) or not isinstance(tensors, Iterable):
-            raise TypeError(f"tensors must be a list (or other iterable) of StagedWriteTensor; "
-                            f"got {type(tensors).__name__}")
+            raise TypeError(
+                f"tensors must be a list (or other iterable) of StagedWriteTensor; "
+                f"got {type(tensors).__name__}"
+            )
         tensors = list(tensors)
         targets: list[StagedWriteTensor] = []
         for i, t in enumerate(tensors):
@@ -1050,8 +1114,10 @@ class FusedStagedWriter(Sealed):
             if t.device != self.device:
                 raise ValueError(f"tensors[{i}] is on {t.device}; this writer targets {self.device}")
             if targets and t.dtype != targets[0].dtype:
-                raise ValueError(f"tensors[{i}] has dtype {t.dtype} but tensors[0] has {targets[0].dtype}; "
-                                 "one fused apply needs one dtype")
+                raise ValueError(
+                    f"tensors[{i}] has dtype {t.dtype} but tensors[0] has {targets[0].dtype}; "
+                    "one fused apply needs one dtype"
+                )
             if not any(t is u for u in targets):
                 targets.append(t)
         self._check_outputs(tensors, output_ptrs, "output_ptrs", lambda t: t.gpu.data_ptr())
@@ -1076,12 +1142,16 @@ class FusedStagedWriter(Sealed):
         try:
             got = [int(v) for v in given]
         except (TypeError, ValueError):
-            raise TypeError(f"{name} must be None or a sequence (or tensor) of ints, one per tensor; "
-                            f"got {type(given).__name__}") from None
+            raise TypeError(
+                f"{name} must be None or a sequence (or tensor) of ints, one per tensor; "
+                f"got {type(given).__name__}"
+            ) from None
         expect = [int(want(t)) for t in tensors]
         if got != expect:
-            raise ValueError(f"{name}={got} does not match the tensors passed ({expect}); "
-                             f"allowed: None, or exactly those values in the same order")
+            raise ValueError(
+                f"{name}={got} does not match the tensors passed ({expect}); "
+                f"allowed: None, or exactly those values in the same order"
+            )
 
     def stats(self) -> dict[str, int]:
         """The stager's counters (transfers, bytes, growths, guard_waits, steps) and max_writes growths."""

@@ -15,12 +15,14 @@ device address for every step (CUDA graphs).
 from __future__ import annotations
 
 import os
+from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
 
 from ._sealed import Sealed
+from ._types import DeviceLike, DTypeLike, HostData
 from .buffers import StagingBuffer, make_buffer
 from .convert import _NUMPY_TO_TORCH, _TORCH_TO_NUMPY, host_array
 from .guard import SlotRing
@@ -40,6 +42,10 @@ def check_mode() -> bool:
     return os.environ.get(ENV_CHECK, "").strip() not in ("", "0")
 
 
+_LayoutEntry = tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]
+"""One stage() call of a step: (np dtype, shape, host view, device view, end offset, torch dtype)."""
+
+
 class _Slot:
     """One arena, where the host writes it, and the views into it that steps have asked for.
 
@@ -57,14 +63,15 @@ class _Slot:
         self.host: np.ndarray = np.zeros(self.cap, np.uint8) if scratch else buf.np
         # The last step's stage() calls in order: (np dtype, shape, host view, device view,
         # end offset, torch dtype). A step that repeats it skips all checks and lookups.
-        self.layout: list[tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]] = []
+        self.layout: list[_LayoutEntry] = []
         self.views: dict[tuple[Any, ...], Any] = {}
         """(offset, dtype, shape) -> (host view, device view); (arena address, dtype) -> typed arena."""
         self.retired: list[StagingBuffer] = []
         """Buffers a growth replaced: kept alive until the slot comes round again."""
 
-    def view(self, off: int, dtype: np.dtype, shape: tuple[int, ...], dev_arena: torch.Tensor
-             ) -> tuple[np.ndarray, torch.Tensor]:
+    def view(
+        self, off: int, dtype: np.dtype, shape: tuple[int, ...], dev_arena: torch.Tensor
+    ) -> tuple[np.ndarray, torch.Tensor]:
         key = (off, dtype, shape)
         v = self.views.get(key)
         if v is None:
@@ -77,7 +84,7 @@ class _Slot:
             if base is None:
                 base = self.views[(dev_arena.data_ptr(), dtype)] = dev_arena.view(_NUMPY_TO_TORCH[dtype])
             first = off // dtype.itemsize
-            dev = base[first: first + n]
+            dev = base[first : first + n]
             if len(shape) != 1:
                 dev = dev.view(shape)
             v = self.views[key] = (host, dev)
@@ -99,7 +106,7 @@ class Step:
         self._slot = slot
         self._used = 0
         self._n = 0
-        self._layout: list | None = slot.layout
+        self._layout: list[_LayoutEntry] | None = slot.layout
         self._retired: list[tuple[StagingBuffer, np.ndarray, int]] = []
         self.seq = seq
         self.done = False
@@ -107,14 +114,16 @@ class Step:
     def __enter__(self) -> Step:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.flush()
         else:
             self.done = True
             self._stager._open = None
 
-    def stage(self, x: Any, dtype: Any = None) -> torch.Tensor:
+    def stage(self, x: HostData, dtype: DTypeLike | None = None) -> torch.Tensor:
         """Write ``x`` (list, ndarray or CPU tensor; 1-D or 2-D) into this step's arena.
 
         Returns the device tensor that holds it once the step is published (on
@@ -132,12 +141,17 @@ class Step:
                 return e[3]
         return self._stage(x, dtype)
 
-    def _stage(self, x: Any, dtype: Any) -> torch.Tensor:
+    def _stage(self, x: HostData, dtype: DTypeLike | None) -> torch.Tensor:
         if self.done:
             raise RuntimeError(f"step {self.seq} was already flushed; begin a new step()")
-        want = None if dtype is None else _TORCH_TO_NUMPY.get(dtype)
-        if (type(x) is np.ndarray and x.ndim in (1, 2) and x.dtype in _NUMPY_TO_TORCH
-                and (dtype is None or x.dtype == want)):
+        to_numpy: dict[Any, np.dtype] = _TORCH_TO_NUMPY  # keyed by torch dtypes: other dtype-likes miss
+        want = None if dtype is None else to_numpy.get(dtype)
+        if (
+            type(x) is np.ndarray
+            and x.ndim in (1, 2)
+            and x.dtype in _NUMPY_TO_TORCH
+            and (dtype is None or x.dtype == want)
+        ):
             arr = x
         else:
             arr = host_array(x, dtype, "x")
@@ -152,7 +166,7 @@ class Step:
         self._used = end
         layout = self._layout
         if layout is not None:
-            del layout[self._n:]
+            del layout[self._n :]
             layout.append((arr.dtype, arr.shape, host, dev, end, _NUMPY_TO_TORCH[arr.dtype]))
         self._n += 1
         return dev
@@ -231,7 +245,7 @@ class StepStager(Sealed):
 
     def __init__(
         self,
-        device: Any = None,
+        device: DeviceLike = None,
         capacity: int = 1 << 20,
         max_concurrency: int | None = None,
         guard: str = "auto",

@@ -34,10 +34,11 @@ _TYPESTR = {
 def load_cudart() -> ModuleType:
     """cuda-bindings' runtime module (raises ImportError when not installed)."""
     try:
-        from cuda.bindings import runtime as cudart  # type: ignore[import-not-found]
+        from cuda.bindings import runtime as cudart
     except ImportError:
-        from cuda import cudart  # type: ignore[import-not-found,no-redef]  # cuda-python < 12.6
-    return cudart
+        from cuda import cudart  # cuda-python < 12.6
+    module: ModuleType = cudart
+    return module
 
 
 class _ArrayInterface:

@@ -1314,25 +1314,25 @@ def writes_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
             )
         )
     if Tier.UVA in tiers:  # the two apply kernels forced, to show where 'auto' switches
+        forced = (
+            ("staged_write", "StagedWriteTensor", writes_staged, ("staged_write", "triton")),
+            (
+                "staged_writes",
+                "stage_writes (numpy)",
+                writes_staged_batched,
+                ("staged_write", "staged_writes", "triton"),
+            ),
+        )
         for k in ("scatter", "triton"):
-            out.append(
-                Strategy(
-                    f"staged_write_uva.{k}",
-                    f"StagedWriteTensor, kernel={k} forced [UVA]",
-                    "stagebuf",
-                    functools.partial(writes_staged, kernel=k),
-                    tier=Tier.UVA,
-                    needs=("staged_write", "triton"),
+            for name, what, builder, needs in forced:
+                out.append(
+                    Strategy(
+                        f"{name}_uva.{k}",
+                        f"{what}, kernel={k} forced [UVA]",
+                        "stagebuf",
+                        functools.partial(builder, kernel=k),
+                        tier=Tier.UVA,
+                        needs=needs,
+                    )
                 )
-            )
-            out.append(
-                Strategy(
-                    f"staged_writes_uva.{k}",
-                    f"stage_writes (numpy), kernel={k} forced [UVA]",
-                    "stagebuf",
-                    functools.partial(writes_staged_batched, kernel=k),
-                    tier=Tier.UVA,
-                    needs=("staged_write", "staged_writes", "triton"),
-                )
-            )
     return out

@@ -55,7 +55,7 @@ class _Slot:
     so that nothing a step stages is visible before the step is published.
     """
 
-    __slots__ = ("buf", "host", "cap", "views", "layout", "layout_version", "retired")
+    __slots__ = ("buf", "host", "cap", "views", "layout", "retired")
 
     def __init__(self, buf: StagingBuffer, scratch: bool):
         self.buf = buf
@@ -64,8 +64,6 @@ class _Slot:
         # The last step's stage() calls in order: (np dtype, shape, host view, device view,
         # end offset, torch dtype). A step that repeats it skips all checks and lookups.
         self.layout: list[_LayoutEntry] = []
-        self.layout_version = 0
-        """The stager's regions version ``layout`` was recorded under."""
         self.views: dict[tuple[Any, ...], Any] = {}
         """(offset, dtype, shape) -> (host view, device view); (arena address, dtype) -> typed arena."""
         self.retired: list[StagingBuffer] = []
@@ -108,9 +106,6 @@ class Step:
         self._slot = slot
         self._used = 0
         self._n = 0
-        if slot.layout_version != stager._regions_version:  # recorded under moved regions
-            slot.layout.clear()
-            slot.layout_version = stager._regions_version
         self._layout: list[_LayoutEntry] | None = slot.layout
         self._retired: list[tuple[StagingBuffer, np.ndarray, int]] = []
         self.seq = seq
@@ -160,63 +155,21 @@ class Step:
             arr = x
         else:
             arr = host_array(x, dtype, "x")
+        off = (self._used + ALIGN - 1) & -ALIGN
+        end = off + arr.nbytes
         slot = self._slot
-        nbytes = arr.nbytes
-        kept = False
-        if self._layout is not None:  # no growth in this step: stage at this position's region
-            off, kept = self._region(self._n, arr.dtype, nbytes)
-        else:
-            off = (self._used + ALIGN - 1) & -ALIGN
-        end = off + nbytes
         if end > slot.cap:
-            self._grow(nbytes)
-            off, end = 0, nbytes
+            self._grow(arr.nbytes)
+            off, end = 0, arr.nbytes
         host, dev = slot.view(off, arr.dtype, arr.shape, self._stager._dev_arena(slot))
         host[...] = arr
         self._used = end
         layout = self._layout
         if layout is not None:
-            entry = (arr.dtype, arr.shape, host, dev, end, _NUMPY_TO_TORCH[arr.dtype])
-            i = self._n
-            if kept and i < len(layout):
-                layout[i] = entry  # later positions kept their offsets: their entries stay valid
-            else:
-                del layout[i:]
-                layout.append(entry)
-                slot.layout_version = self._stager._regions_version
+            del layout[self._n :]
+            layout.append((arr.dtype, arr.shape, host, dev, end, _NUMPY_TO_TORCH[arr.dtype]))
         self._n += 1
         return dev
-
-    def _region(self, i: int, dtype: np.dtype, nbytes: int) -> tuple[int, bool]:
-        """The offset of stage() position ``i`` for ``nbytes`` of ``dtype``, and whether its region
-        (and so every later position's) was kept.
-
-        The regions are the stager's, shared by its slots, so one position has one offset in
-        every slot (what ``static=True`` needs); replacing one moves the later ones and bumps
-        the version that invalidates every slot's recorded layout.
-        """
-        st = self._stager
-        regions = st._regions
-        if i < len(regions):
-            off, cap, dt = regions[i]
-            if dt == dtype and nbytes <= cap:
-                return off, True
-            if st.static:
-                raise RuntimeError(
-                    f"StepStager(static=True): array {i} of step {self.seq} ({nbytes} bytes of {dtype}) "
-                    f"does not fit where the captured step put it ({cap} bytes of {dt}); stage the "
-                    "captured shapes (pad to them) so every array keeps its address"
-                )
-            del regions[i:]
-            st._regions_version += 1
-        start = 0
-        if regions:
-            p_off, p_cap, _ = regions[-1]
-            start = p_off + p_cap
-        off = (max(start, self._used) + ALIGN - 1) & -ALIGN
-        cap = max(ALIGN, 1 << max(nbytes - 1, 0).bit_length())  # room to grow without moving
-        regions.append((off, cap, dtype))
-        return off, False
 
     def _grow(self, nbytes: int) -> None:
         st = self._stager
@@ -242,8 +195,6 @@ class Step:
         slot.host = new.np if new.tier.copies else np.zeros(cap, np.uint8)
         slot.views.clear()
         slot.layout.clear()
-        st._regions.clear()
-        st._regions_version += 1
         self._layout = None  # offsets restart in the new arena: record the layout next step
         self._used = 0
         st._stats["growths"] += 1
@@ -314,11 +265,6 @@ class StepStager(Sealed):
         if static:
             self._static_dev = alloc_device((capacity,), torch.uint8, self.device)
         self._check = check_mode()
-        self._regions: list[tuple[int, int, np.dtype]] = []
-        """Per stage() position: (offset, capacity in bytes, dtype), shared by the slots. A
-        position keeps its offset while its arrays fit, so an array whose length changes every
-        step (token positions) moves neither itself nor the arrays staged after it."""
-        self._regions_version = 0
         self._ring = SlotRing(self.max_concurrency, self.device, guard, self.tier, "step slot")
         self._open: Step | None = None
         self._stats = empty_stats()

@@ -191,3 +191,13 @@ def test_misuse_is_refused(cpu_tier):
     assert good.tolist() == [1, 2]
     with pytest.raises(ValueError, match="capacity=0"):
         StepStager(capacity=0)
+
+
+def test_empty_arrays_publish_nothing(cpu_tier):
+    """A step of empty arrays transfers nothing (found by the GPU fuzz: capacity 16, one slot)."""
+    stager = StepStager(capacity=16, max_concurrency=1)
+    with stager.step() as st:
+        a = st.stage(np.zeros(0, np.bool_))
+        b = st.stage(np.zeros(0, np.bool_))
+    assert a.numel() == b.numel() == 0
+    assert stager.stats()["transfers"] == 0 and stager.stats()["bytes"] == 0

@@ -2,12 +2,15 @@
 
 On UVA the device reads a slot's host memory while kernels run; on PINNED the
 asynchronous copy reads it after the host call returned. Rewriting that slot
-before the readers are done gives them torn inputs, silently. The guard records
-one event when a slot's consumers have been enqueued and, before the slot is
-reused, checks it: ``wait`` blocks (and counts the wait), ``raise`` raises
-SlotInFlightError, ``off`` skips. ``auto`` is ``wait`` on the tiers whose host
-memory the device reads asynchronously (UVA, PINNED) and ``off`` elsewhere,
-where stream order already protects single-stream consumers.
+before the readers are done gives them torn inputs, silently. Every ring of
+slots on one device shares a ``StepClock``: one event per step, recorded when a
+ring that already staged in the step stages again (or at ``begin_step()``), and
+checked before a slot comes round: ``wait`` blocks (and counts the wait),
+``raise`` raises SlotInFlightError, ``off`` skips. ``auto`` is ``wait`` on the
+tiers whose host memory the device reads asynchronously (UVA, PINNED) and
+``off`` elsewhere, where stream order already protects single-stream consumers.
+``STAGEBUF_CHECK=1`` also keeps each ring's own event per use and raises
+StepRuleError where the clock's step rule was broken.
 
 Events are cheap CUDA events recorded through cuda-bindings on torch's current
 raw stream where cuda-bindings is present (no ``torch.cuda.current_stream()``

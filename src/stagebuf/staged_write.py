@@ -15,8 +15,9 @@ Apply (one per call, whatever the number of edits):
 1. Gather and check every staged edit (numpy). A bad value raises
    ``StagedWriteError`` naming the edit (its position and its row and start);
    then nothing is written and every staged edit stays staged.
-2. Pack them into one staging slot (a ``StepStager`` step): one host-to-device
-   transfer on the copy tiers, none on UVA.
+2. Pack them into the next slot of the writer's own guarded ring (written in
+   place: the slots are private): one host-to-device transfer on the copy
+   tiers, none on UVA.
 3. Write them with one launch, the cheaper of two kernels for the batch:
 
    * ``scatter``: the flat destination index of every element, computed on the
@@ -28,7 +29,8 @@ Apply (one per call, whatever the number of edits):
    On the HOST tier the scatter is one numpy assignment into the target.
 
 Overlapping edits apply in staging order ("later wins"): when two edits share
-a row (found with one scatter into a per-row marker array), the elements are
+a row (a Python set for a few edits, else one scatter into a per-row marker
+array), the elements are
 de-duplicated on the host, keeping each destination's last staged value, and
 the scatter kernel runs. ``_torch_twin`` is the Triton kernel in plain torch
 ops over the same packed layout: the oracle the kernel is tested against.

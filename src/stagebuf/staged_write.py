@@ -511,7 +511,7 @@ def _stage_write_fn(t: StagedWriteTensor) -> Any:
 def _stage_write_elem_fn(t: StagedWriteTensor) -> Any:
     rows, stride = t.rows, t.row_stride
     dst_append, lens_append, vals_append = t._dst.append, t._lens.append, t._vals.append
-    method = StagedWriteTensor.stage_write_elem
+    checked = t._stage_elem_checked
 
     def stage_write_elem(index: int, value: Any) -> None:
         if type(index) is int and 0 <= index < rows and (type(value) is int or type(value) is float):
@@ -519,7 +519,7 @@ def _stage_write_elem_fn(t: StagedWriteTensor) -> Any:
             lens_append(1)
             vals_append(value)
             return
-        method(t, index, value)
+        checked(index, value)
 
     stage_write_elem.__doc__ = StagedWriteTensor.stage_write_elem.__doc__
     return stage_write_elem
@@ -628,16 +628,10 @@ class StagedWriteTensor(Sealed):
         """Stage ``gpu[index, start:start + len(values)] = values``, applied by ``apply_write()``.
 
         The row and the column range are checked now; values given as a list are
-        checked at apply (with the whole batch), other inputs now.
+        checked at apply (with the whole batch), other inputs now. (Each tensor
+        replaces this method with the closure ``_stage_write_fn`` makes.)
         """
-        if type(values) is list and type(index) is int and type(start) is int:
-            n = len(values)
-            if 0 <= index < self.rows and start >= 0 and start + n <= self.cols and n:
-                self._dst_append(index * self.row_stride + start)
-                self._lens_append(n)
-                self._vals_extend(values)
-                return
-        self._stage_checked(index, start, values)
+        _stage_write_fn(self)(index, start, values)
 
     def _stage_checked(self, index: Any, start: Any, values: Any) -> None:
         row = _int_in(index, "index", 0, self.rows, f"the target has {self.rows} rows")
@@ -673,12 +667,14 @@ class StagedWriteTensor(Sealed):
         )
 
     def stage_write_elem(self, index: int, value: Any) -> None:
-        """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target)."""
-        if type(index) is int and 0 <= index < self.rows and (type(value) is int or type(value) is float):
-            self._dst_append(index * self.row_stride)
-            self._lens_append(1)
-            self._vals_append(value)
-            return
+        """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target).
+
+        (Each tensor replaces this method with the closure ``_stage_write_elem_fn`` makes.)
+        """
+        _stage_write_elem_fn(self)(index, value)
+
+    def _stage_elem_checked(self, index: Any, value: Any) -> None:
+        """``stage_write_elem`` for what its fast path does not take: checked now."""
         if isinstance(value, (list, tuple)):
             raise ValueError(f"value is a {type(value).__name__}; stage_write_elem takes one scalar")
         if isinstance(value, (np.ndarray, torch.Tensor)):
@@ -867,14 +863,9 @@ class StagedWriteTensor(Sealed):
             n = np.array(ll, np.int64)
             v = self._list_values(_Batch(dl, ll, self._vals, False), n, 0)
             return self._with_overlaps(np.array(dl, np.int64), n, v)
-        if self._batches:
-            batches = [*self._batches]
-            if self._dst:
-                batches.append(_Batch(self._dst, self._lens, self._vals, False))
-        elif self._dst:
-            batches = [_Batch(self._dst, self._lens, self._vals, False)]
-        else:
-            return None
+        batches = [*self._batches]
+        if self._dst:
+            batches.append(_Batch(self._dst, self._lens, self._vals, False))
         dsts, lens, vals = [], [], []
         pos = 0
         for b in batches:

@@ -13,7 +13,7 @@ import torch
 
 import stagebuf
 from stagebuf import StepStager
-from stagebuf.runahead import run_ahead
+from runahead import run_ahead
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
 result = {"steps": steps, "sleep_cycles": 200_000, "max_concurrency": 2, "torn_reads": {}}

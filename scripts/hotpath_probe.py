@@ -15,8 +15,8 @@ import torch
 
 import stagebuf
 from stagebuf import StepStager, UvaBufferPool
-from stagebuf.guard import _CudartEvent, _TorchEvent
-from stagebuf.uva import load_cudart
+from stagebuf._guard import _CudartEvent, _TorchEvent
+from stagebuf._uva import load_cudart
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 K, N = 8, 64

@@ -41,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import stagebuf  # noqa: E402
 from stagebuf import StepStager, TierUnavailableError, UvaBackedTensor, UvaBufferPool  # noqa: E402
-from stagebuf.param_table import DeviceParamTable  # noqa: E402
-from stagebuf.staged_write import FusedStagedWriter, StagedWriteTensor  # noqa: E402
+from stagebuf._param_table import DeviceParamTable  # noqa: E402
+from stagebuf import FusedStagedWriter
+from stagebuf._staged_write import StagedWriteTensor  # noqa: E402
 
 BLOCK = 16  # tokens per KV block
 

@@ -6,14 +6,19 @@ Fixtures live in ``conftest.py``; plain functions and classes here (``import hel
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
 
 import stagebuf
-from stagebuf import buffers as buffers_mod
-from stagebuf import probe as caps_mod
-from stagebuf import uva as uva_mod
+from stagebuf import _buffers as buffers_mod
+from stagebuf import _probe as caps_mod
+from stagebuf import _uva as uva_mod
 
 
 def force_tier(monkeypatch: pytest.MonkeyPatch, tier: str) -> stagebuf.Tier:
@@ -104,3 +109,44 @@ class FakeEvent:
         self.stream.syncs += 1
         if self.serial is not None:
             self.stream.done_upto = max(self.stream.done_upto, self.serial)
+
+
+# --- the command line --------------------------------------------------------------------
+
+
+class CliResult:
+    """What one command-line run printed and returned (``output`` is stdout and stderr together)."""
+
+    def __init__(self, exit_code: int, stdout: str, stderr: str, exception: BaseException | None):
+        self.exit_code = exit_code
+        self.stdout = stdout
+        self.stderr = stderr
+        self.output = stdout + stderr
+        self.exception = exception
+
+
+def invoke(main: Callable[[list[str]], int], args: list[str], env: dict[str, str] | None = None) -> CliResult:
+    """Run ``main(args)`` in this process with ``env`` set, capturing its output and exit status."""
+    out, err = io.StringIO(), io.StringIO()
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    stagebuf.reset_capabilities()
+    exc: BaseException | None = None
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as e:
+                exc = e
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception as e:  # a traceback: the tests assert there is none
+                exc = e
+                code = -1
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        stagebuf.reset_capabilities()
+    return CliResult(code, out.getvalue(), err.getvalue(), exc)

@@ -38,8 +38,11 @@ import torch
 import stagebuf
 from helpers import force_tier, read_back
 from stagebuf import (
+    FusedStagedWriter,
     HostBuffer,
     PinnedBuffer,
+    StagedWriteError,
+    StagedWriteTensor,
     StepStager,
     TierUnavailableError,
     UvaBackedTensor,
@@ -50,8 +53,7 @@ from stagebuf import (
     make_buffer,
     set_default_max_concurrency,
 )
-from stagebuf.param_table import DeviceParamTable
-from stagebuf.staged_write import FusedStagedWriter, StagedWriteError, StagedWriteTensor
+from stagebuf._param_table import DeviceParamTable
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "RELIABILITY.md"
 BEGIN, END = "<!-- bad-input-matrix:begin -->", "<!-- bad-input-matrix:end -->"

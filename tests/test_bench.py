@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
+from benchmarks import baselines as BL
+from benchmarks import bench as B
+from benchmarks import workloads as W
 
-from stagebuf import bench as B
-from stagebuf import bench_workloads as W
-from stagebuf.cli import main
+from helpers import invoke
+from stagebuf._cli import main
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -28,14 +29,14 @@ HAS_BATCHED = W.has_stage_writes()
 CPU_STRATEGIES = {
     "micro": {
         "list_tensor",
-        "seed_pageable_per_array",
+        "mrv2_fallback_per_array",
         "pool_host",
         "stager_host",
         "pool_pageable",
         "stager_pageable",
         "floor",
     },
-    "decode": {"list_tensor", "seed_pageable_per_array", "stager_host", "stager_pageable", "floor"},
+    "decode": {"list_tensor", "mrv2_fallback_per_array", "stager_host", "stager_pageable", "floor"},
     "writes": {"row_copy_per_edit", "staged_write_host", "staged_write_pageable"}
     | ({"staged_writes_host", "staged_writes_pageable"} if HAS_BATCHED else set()),
 }
@@ -43,13 +44,13 @@ CUDA_ONLY = {
     "micro": {
         "pinned_tensor_per_array",
         "pinned_buffer_per_array",
-        "seed_uva_pool_per_array",
+        "uva_pool_per_array",
         "mrv2_uva_pool",
     },
     "decode": {
         "pinned_tensor_per_array",
         "pinned_buffer_per_array",
-        "seed_uva_pool_per_array",
+        "uva_pool_per_array",
         "mrv2_decode",
     },
     "writes": {"mrv2_staged_write"},
@@ -57,10 +58,10 @@ CUDA_ONLY = {
 RATIOS = {
     "uva_stager_vs_pinned_per_array",
     "pinned_stager_vs_pinned_per_array",
-    "pageable_stager_vs_seed_nonuva",
+    "pageable_stager_vs_mrv2_fallback",
     "staged_write_256_speedup",
     "decode_pageable_vs_uva",
-    "no_tier_slower_than_seed_uva",
+    "no_tier_slower_than_uva_pool",
     "staged_write_uva_vs_mrv2_e_le_16",
     "staged_write_uva_vs_mrv2_e_ge_256",
     "staged_writes_uva_vs_mrv2_e_ge_256",
@@ -79,7 +80,7 @@ GPU_RATIOS = {
     for name in RATIOS
     if name
     not in (
-        "pageable_stager_vs_seed_nonuva",
+        "pageable_stager_vs_mrv2_fallback",
         "staged_write_256_speedup",
         "stage_write_8_ints_us",
         "host_decode_vs_naive_cpu",
@@ -96,9 +97,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     js, png = out / "bench.json", out / "bench.png"
     old = os.environ.pop("STAGEBUF_TIER", None)
     try:
-        res = CliRunner().invoke(
-            main, ["bench", "--quick", "--no-progress", "--json", str(js), "--plot", str(png)]
-        )
+        res = invoke(main, ["bench", "--quick", "--no-progress", "--json", str(js), "--plot", str(png)])
     finally:
         if old is not None:
             os.environ["STAGEBUF_TIER"] = old
@@ -134,7 +133,7 @@ def test_quick_records_each_strategy_tier(quick: dict[str, Any]) -> None:
 
 def test_markdown_and_plot_from_an_earlier_json(quick: dict[str, Any], tmp_path: Path) -> None:
     md, png = tmp_path / "b.md", tmp_path / "b.png"
-    res = CliRunner().invoke(
+    res = invoke(
         main, ["bench", "--from-json", str(quick["json"]), "--markdown", str(md), "--plot", str(png)]
     )
     assert res.exit_code == 0, res.output
@@ -202,7 +201,7 @@ def test_quick_ratios_section(quick: dict[str, Any]) -> None:
             assert isinstance(r["passed"], bool), name
             assert r["status"] == ("pass" if r["passed"] else "fail"), name
     # these can be computed on any machine
-    for name in ("pageable_stager_vs_seed_nonuva", "staged_write_256_speedup", "stage_write_8_ints_us"):
+    for name in ("pageable_stager_vs_mrv2_fallback", "staged_write_256_speedup", "stage_write_8_ints_us"):
         assert ratios[name]["measured"] is not None, ratios[name]
     sw = ratios["staged_write_256_speedup"]
     assert sw["measured"] == pytest.approx(sw["numerator_us"] / sw["denominator_us"], rel=1e-3)
@@ -314,7 +313,7 @@ def test_cli_fails_on_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(*args) + 1
 
     monkeypatch.setattr(W, "slot_mapping", off_by_one)
-    res = CliRunner().invoke(
+    res = invoke(
         main,
         [
             "bench",
@@ -334,7 +333,7 @@ def test_cli_fails_on_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_seed_pool_and_row_copy_baselines_are_correct() -> None:
     dev = torch.device("cpu")
-    pool = W.seed_nonuva_pool(4, torch.int32, dev)
+    pool = W.mrv2_fallback_pool(4, torch.int32, dev)
     for n in (3, 4, 9, 2):  # grows on 9
         x = np.arange(n, dtype=np.int32) + n
         assert pool.copy_to_uva(x).tolist() == x.tolist()
@@ -345,7 +344,7 @@ def test_seed_pool_and_row_copy_baselines_are_correct() -> None:
 
 def test_writes_cases_verify_on_cpu() -> None:
     env = W.Env(torch.device("cpu"), False, False, False)
-    builds = [W.writes_row_copy, W.writes_staged, W.writes_mrv2(W.seed_nonuva_pool, "torch", False)]
+    builds = [W.writes_row_copy, W.writes_staged, W.writes_mrv2(W.mrv2_fallback_pool, "torch", False)]
     if HAS_BATCHED:
         builds.append(W.writes_staged_batched)
     for cell in (W.WriteCell(1, 1), W.WriteCell(16, 8), W.WriteCell(40, 64)):
@@ -394,7 +393,7 @@ def test_tier_restriction_and_unavailable_tier(tmp_path: Path) -> None:
     ]
     if not HAS_CUDA:
         args += ["--tier", "uva"]
-    res = CliRunner().invoke(main, args)
+    res = invoke(main, args)
     assert res.exit_code == 0, res.output
     rep = json.loads(js.read_text())
     assert rep["tiers"]["measured"] == ["PAGEABLE"]
@@ -407,7 +406,7 @@ def test_tier_restriction_and_unavailable_tier(tmp_path: Path) -> None:
 
 
 def test_bad_sizes_is_a_usage_error() -> None:
-    res = CliRunner().invoke(main, ["bench", "--sizes", "64,abc"])
+    res = invoke(main, ["bench", "--sizes", "64,abc"])
     assert res.exit_code == 2 and "comma-separated" in res.output
 
 
@@ -429,12 +428,12 @@ def test_ratios_from_synthetic_results() -> None:
             ("micro", "pinned_buffer_per_array", 64): 70.0,
             ("micro", "stager_pinned", 64): 40.0,
             ("micro", "stager_pageable", 64): 30.0,
-            ("micro", "seed_pageable_per_array", 64): 100.0,
-            ("micro", "seed_uva_pool_per_array", 64): 30.0,
+            ("micro", "mrv2_fallback_per_array", 64): 100.0,
+            ("micro", "uva_pool_per_array", 64): 30.0,
             ("decode", "stager_uva", 256): 100.0,
             ("decode", "stager_pinned", 256): 105.0,
             ("decode", "stager_pageable", 256): 120.0,
-            ("decode", "seed_uva_pool_per_array", 256): 100.0,
+            ("decode", "uva_pool_per_array", 256): 100.0,
             ("writes", "row_copy_per_edit", "256x1"): 2000.0,
             ("writes", "staged_write_uva", "256x1"): 50.0,
         }
@@ -445,11 +444,11 @@ def test_ratios_from_synthetic_results() -> None:
     assert r["uva_stager_vs_pinned_per_array"]["passed"] is True
     assert r["pinned_stager_vs_pinned_per_array"]["measured"] == pytest.approx(20 / 50, rel=1e-3)
     assert r["pinned_stager_vs_pinned_per_array"]["passed"] is False
-    assert r["pageable_stager_vs_seed_nonuva"]["measured"] == pytest.approx(10 / 80, rel=1e-3)
+    assert r["pageable_stager_vs_mrv2_fallback"]["measured"] == pytest.approx(10 / 80, rel=1e-3)
     assert r["staged_write_256_speedup"]["measured"] == pytest.approx(40.0)
     assert r["staged_write_256_speedup"]["passed"] is True
     assert r["decode_pageable_vs_uva"]["measured"] == pytest.approx(1.2)
-    worst = r["no_tier_slower_than_seed_uva"]
+    worst = r["no_tier_slower_than_uva_pool"]
     assert worst["measured"] == pytest.approx(40 / 30, rel=1e-3) and worst["passed"] is False
     assert worst["worst"] == "micro stager_pinned"
     # nothing measured: skipped (or n/a), never a pass or a fail
@@ -479,7 +478,7 @@ CPU = torch.device("cpu")
 
 def _mrv2_cpu(shape: tuple[int, int], kernel: str) -> W.Mrv2StagedWrite:
     """MRV2's staged write on the CPU: a pageable pool stand-in for the UVA pools, no pinned contents."""
-    return W.Mrv2StagedWrite(shape, torch.int32, CPU, W.seed_nonuva_pool, kernel, pin_contents=False)
+    return W.Mrv2StagedWrite(shape, torch.int32, CPU, W.mrv2_fallback_pool, kernel, pin_contents=False)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only behaviour")
@@ -489,9 +488,9 @@ def test_mrv2_uva_pool_refuses_a_machine_without_uva() -> None:
 
 
 def test_mrv2_pool_is_a_ring_without_a_guard() -> None:
-    # the ring itself (the seed's SeedPool); the pageable stand-in has a device tensor per slot
-    pool = W.SeedPool(
-        8, torch.int32, lambda shape: W.SeedNonUvaBuffer(shape, torch.int32, CPU), slots=W.MRV2_SLOTS
+    # the ring itself (the seed's RoundRobinPool); the pageable stand-in has a device tensor per slot
+    pool = BL.RoundRobinPool(
+        8, torch.int32, lambda shape: BL.Mrv2NonUvaBuffer(shape, torch.int32, CPU), slots=W.MRV2_SLOTS
     )
     outs = [pool.copy_to_uva(np.full(4, i, np.int32)) for i in range(3)]
     assert outs[0].data_ptr() != outs[1].data_ptr() and outs[2].data_ptr() == outs[0].data_ptr()
@@ -502,8 +501,8 @@ def test_mrv2_pool_is_a_ring_without_a_guard() -> None:
 
 @pytest.mark.parametrize("kernel", ["torch", "interpret"])
 def test_mrv2_staged_write_matches_a_model(kernel: str) -> None:
-    if kernel == "interpret" and W.triton_error():
-        pytest.skip(W.triton_error() or "")
+    if kernel == "interpret" and BL.triton_error():
+        pytest.skip(BL.triton_error() or "")
     rows, cols = 24, 1600
     sw = _mrv2_cpu((rows, cols), kernel)
     model = np.zeros((rows, cols), np.int32)
@@ -536,7 +535,7 @@ def test_mrv2_staged_write_matches_a_model(kernel: str) -> None:
 
 def test_mrv2_decode_loop_checks_its_answers_on_cpu() -> None:
     env = W.Env(CPU, False, False, False, check_every=5, decode_steps=10)
-    case = W.decode_mrv2(W.seed_nonuva_pool, "torch", pin_contents=False)(env, 32)
+    case = W.decode_mrv2(W.mrv2_fallback_pool, "torch", pin_contents=False)(env, 32)
     for _ in range(W.DECODE_WARMUP + 20):
         case.step()
     got = case.finish()
@@ -544,7 +543,7 @@ def test_mrv2_decode_loop_checks_its_answers_on_cpu() -> None:
 
 
 def test_mrv2_decode_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = W._mrv2_torch_apply
+    real = BL._mrv2_torch_apply
 
     def drops_the_last_edit(
         out: torch.Tensor,
@@ -557,9 +556,9 @@ def test_mrv2_decode_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> 
         if n:
             real(out, rows[:n], starts[:n], contents[: int(cu_lens[n - 1])], cu_lens[:n])
 
-    monkeypatch.setattr(W, "_mrv2_torch_apply", drops_the_last_edit)
+    monkeypatch.setattr(BL, "_mrv2_torch_apply", drops_the_last_edit)
     env = W.Env(CPU, False, False, False, check_every=5, decode_steps=10)
-    case = W.decode_mrv2(W.seed_nonuva_pool, "torch", pin_contents=False)(env, 32)
+    case = W.decode_mrv2(W.mrv2_fallback_pool, "torch", pin_contents=False)(env, 32)
     with pytest.raises(W.BenchCheckError, match="mrv2_decode"):
         for _ in range(W.DECODE_WARMUP + 20):
             case.step()
@@ -568,8 +567,8 @@ def test_mrv2_decode_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.gpu
 def test_mrv2_staged_write_on_the_gpu_matches_a_model() -> None:
     dev = torch.device("cuda")
-    if W.triton_error():
-        pytest.skip(W.triton_error() or "")
+    if BL.triton_error():
+        pytest.skip(BL.triton_error() or "")
     env = W.Env(dev, True, True, True)
     for cell in (W.WriteCell(1, 1), W.WriteCell(256, 8), W.WriteCell(64, 64)):
         case = W.writes_mrv2()(env, cell)
@@ -731,7 +730,7 @@ def test_stage_write_pool_decode_and_host_targets_from_synthetic_results() -> No
             ("decode", "stager_pinned", 256): 260.0,
             ("decode", "stager_host", 256): 150.0,
             ("decode", "list_tensor", 256): 400.0,
-            ("decode", "seed_pageable_per_array", 256): 250.0,
+            ("decode", "mrv2_fallback_per_array", 256): 250.0,
         }
     )
     stage_only = {
@@ -752,9 +751,9 @@ def test_stage_write_pool_decode_and_host_targets_from_synthetic_results() -> No
     assert r["decode_stager_pinned_vs_mrv2"]["passed"] is False
     assert r["decode_stager_pageable_vs_mrv2"]["status"] == "skipped"
     host = B.compute_ratios(res, stage_only, [T.HOST], cfg, "cpu")["host_decode_vs_naive_cpu"]
-    assert host["denominator"] == "seed_pageable_per_array"  # the faster naive strategy
+    assert host["denominator"] == "mrv2_fallback_per_array"  # the faster naive strategy
     assert host["measured"] == pytest.approx(150 / 250) and host["passed"] is True
-    assert host["naive_candidates_us"] == {"list_tensor": 400.0, "seed_pageable_per_array": 250.0}
+    assert host["naive_candidates_us"] == {"list_tensor": 400.0, "mrv2_fallback_per_array": 250.0}
 
 
 def test_plot_without_matplotlib_writes_the_rest_then_says_what_to_install(
@@ -763,7 +762,7 @@ def test_plot_without_matplotlib_writes_the_rest_then_says_what_to_install(
     for mod in ("matplotlib", "matplotlib.figure", "matplotlib.backends", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, mod, None)  # makes ``import matplotlib...`` raise ImportError
     js, md, png = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.png"
-    res = CliRunner().invoke(
+    res = invoke(
         main,
         [
             "bench",
@@ -784,7 +783,7 @@ def test_plot_without_matplotlib_writes_the_rest_then_says_what_to_install(
         ],
     )
     assert res.exit_code == 1, res.output
-    assert "pip install 'stagebuf[plot]'" in res.output
+    assert "pip install 'stagebuf[bench]'" in res.output
     assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
     assert json.loads(js.read_text())["results"]["micro"]["stager_host"]
     assert "#### targets" in md.read_text()

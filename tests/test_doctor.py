@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from helpers import no_accelerator
+from helpers import invoke, no_accelerator
 from stagebuf import Tier, capabilities
-from stagebuf import doctor as doctor_mod
-from stagebuf.cli import main
+from stagebuf import _doctor as doctor_mod
+from stagebuf._cli import main
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 HAS_CUDA = torch.cuda.is_available()
@@ -29,7 +28,7 @@ BUILDS = [
 
 
 def doctor(*args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(main, ["doctor", *args], env=env)
+    return invoke(main, ["doctor", *args], env=env)
 
 
 def assert_explained(result, *texts: str) -> None:
@@ -49,7 +48,7 @@ def doctor_json(*args: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(r.stdout)
 
 
-# --- through click's CliRunner ---------------------------------------------------------------
+# --- through the command line's main() ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("cuda", "cause", "fix"), BUILDS)
@@ -139,7 +138,7 @@ def test_report_names_the_torch_build(monkeypatch, cuda, cause, fix):
 
 
 def test_demo_explains_too():
-    r = CliRunner().invoke(main, ["demo"], env={"STAGEBUF_TIER": "garbage"})
+    r = invoke(main, ["demo"], env={"STAGEBUF_TIER": "garbage"})
     assert_explained(r, "stagebuf demo: STAGEBUF_TIER=garbage cannot work", f"allowed      {TIERS}")
 
 
@@ -205,10 +204,7 @@ def _run_both(args: list[str], env_extra: dict[str, str]) -> list[tuple[int, str
 
 
 def test_subprocess_without_rich():
-    code = (
-        "import sys; sys.modules['rich'] = None\n"
-        "from stagebuf.cli import main\nmain(['doctor'], prog_name='stagebuf')"
-    )
+    code = "import sys; sys.modules['rich'] = None\nfrom stagebuf._cli import main\nmain(['doctor'])"
     p = _run([], {}, code)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert "torch build" in p.stdout and "chosen tier" in p.stdout and not set(p.stdout) & set("┏┃━│")
@@ -253,7 +249,12 @@ def test_real_process(args, env, texts):
     assert texts[0] in j["error"] and j["fix"] and j["allowed"]
 
 
-def test_real_process_without_click():
-    p = _run(["-m", "stagebuf.doctor", "--device", "banana"], {})
+def test_real_process_with_torch_and_numpy_only():
+    """Neither click nor rich nor matplotlib: the command line still explains (plain text)."""
+    code = (
+        "import sys\nfor m in ('click', 'rich', 'matplotlib'): sys.modules[m] = None\n"
+        "from stagebuf._cli import main\nraise SystemExit(main(['doctor', '--device', 'banana']))"
+    )
+    p = _run([], {}, code)
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
     assert "--device banana is not a device torch can use" in p.stdout

@@ -4,7 +4,7 @@ Each fault must degrade to the next tier (or raise a clear error), give exactly
 one warning, keep the data correct and lose nothing staged before it.
 
 The faults are injected where the OS and driver answer (``memory.alloc_host`` /
-``alloc_device`` as bound in ``stagebuf.buffers``, ``probe._alloc_pinned``,
+``alloc_device`` as bound in ``stagebuf._buffers``, ``probe._alloc_pinned``,
 ``uva.load_cudart``, ``uva.device_view``), never inside stagebuf's own logic. Two
 backends run the same tests:
 
@@ -39,8 +39,10 @@ import stagebuf
 from helpers import force_tier, read_back
 from stagebuf import (
     DeviceAllocationError,
+    FusedStagedWriter,
     PinnedAllocationError,
     SlotInFlightError,
+    StagedWriteTensor,
     StepStager,
     Tier,
     UvaBackedTensor,
@@ -48,16 +50,16 @@ from stagebuf import (
     UvaError,
     capabilities,
 )
-from stagebuf import memory as memory_mod
-from stagebuf import probe as caps_mod
-from stagebuf import uva as uva_mod
-from stagebuf.param_table import DeviceParamTable
-from stagebuf.staged_write import FusedStagedWriter, StagedWriteTensor
+from stagebuf import _memory as memory_mod
+from stagebuf import _probe as caps_mod
+from stagebuf import _uva as uva_mod
+from stagebuf._param_table import DeviceParamTable
 
-buffers_mod = importlib.import_module("stagebuf.buffers")
-guard_mod = importlib.import_module("stagebuf.guard")
-sw_mod = importlib.import_module("stagebuf.staged_write")
-pt_mod = importlib.import_module("stagebuf.param_table")
+buffers_mod = importlib.import_module("stagebuf._buffers")
+guard_mod = importlib.import_module("stagebuf._guard")
+sw_api = importlib.import_module("stagebuf._staged_write.api")
+sw_plan = importlib.import_module("stagebuf._staged_write.plan")
+pt_mod = importlib.import_module("stagebuf._param_table")
 
 HAS_CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +82,7 @@ class Driver:
         """Device allocations of more bytes than this fail with out of memory."""
         self.injected = 0
 
-    # memory.alloc_host as stagebuf.buffers calls it
+    # memory.alloc_host as stagebuf._buffers calls it
     def alloc_host(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         if pinned and self.pinned_fails:
             self.injected += 1
@@ -154,7 +156,7 @@ def drv(request, monkeypatch) -> Iterator[Driver]:
     monkeypatch.setattr(caps_mod, "_alloc_pinned", d.alloc_pinned)
     monkeypatch.setattr(buffers_mod, "alloc_host", d.alloc_host)
     monkeypatch.setattr(buffers_mod, "alloc_device", d.alloc_device)
-    monkeypatch.setattr(sw_mod, "alloc_device", d.alloc_device)
+    monkeypatch.setattr(sw_api, "alloc_device", d.alloc_device)
     monkeypatch.setattr(pt_mod, "alloc_device", d.alloc_device)
     monkeypatch.setattr(uva_mod, "load_cudart", d.load_cudart)
     monkeypatch.setattr(uva_mod, "device_view", d.device_view)
@@ -162,7 +164,7 @@ def drv(request, monkeypatch) -> Iterator[Driver]:
         monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
         monkeypatch.setattr(guard_mod, "make_event", lambda device: None)  # no events without a GPU
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-        monkeypatch.setattr(sw_mod, "triton_usable", lambda device: False)  # no Triton without a GPU
+        monkeypatch.setattr(sw_plan, "triton_usable", lambda device: False)  # no Triton without a GPU
         # copy_to checks that `out` is on the buffer's device; the fake's device memory is CPU memory
         monkeypatch.setattr(buffers_mod.StagingBuffer, "copy_to", _fake_copy_to)
     yield d
@@ -618,7 +620,7 @@ _MEMLOCK_CHILD = textwrap.dedent(
         stagebuf.reset_capabilities()
         import importlib
         # only "is there a device" is faked: the memlock limit and the pinned allocation are real
-        importlib.import_module("stagebuf.probe")._device_missing = lambda dev: None
+        importlib.import_module("stagebuf._probe")._device_missing = lambda dev: None
         out["accel_reasons"] = stagebuf.capabilities("cuda:0").reasons
     else:
         out["reasons"] = caps.reasons

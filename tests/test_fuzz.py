@@ -48,15 +48,15 @@ from hypothesis.stateful import (
 
 from helpers import FakeStream, force_tier, read_back
 from stagebuf import StepStager, Tier, UvaBackedTensor, UvaBufferPool
-from stagebuf import guard as guard_mod
-from stagebuf import staged_write as sw_mod
+from stagebuf import _guard as guard_mod
+from stagebuf._staged_write import plan as sw_plan
 
 try:
-    from stagebuf.staged_write import FusedStagedWriter, StagedWriteError, StagedWriteTensor
+    from stagebuf import FusedStagedWriter, StagedWriteError, StagedWriteTensor
 except ImportError:  # pragma: no cover - the module is part of the package
     StagedWriteTensor = FusedStagedWriter = StagedWriteError = None  # type: ignore[assignment,misc]
 try:
-    from stagebuf.param_table import DeviceParamTable
+    from stagebuf._param_table import DeviceParamTable
 except ImportError:  # pragma: no cover
     DeviceParamTable = None  # type: ignore[assignment,misc]
 
@@ -1146,7 +1146,7 @@ def test_fuzz(
     if machine.label.startswith("shared_guard") and device == "cpu":
         # guards on the CPU: the machine installs fake events (undone here); staged writes wait too
         monkeypatch.setattr(guard_mod, "make_event", guard_mod.make_event)
-        monkeypatch.setattr(sw_mod, "_GUARD_MODE", "wait")
+        monkeypatch.setattr(sw_plan, "_GUARD_MODE", "wait")
     cls = type(
         f"{machine.__name__}_{tier}_{device or 'cuda'}", (machine,), {"tier_name": tier, "device": device}
     )

@@ -8,8 +8,8 @@ import torch
 
 import stagebuf
 from stagebuf import Tier, UvaBufferPool, capabilities, make_buffer
-from stagebuf import probe as caps_mod
-from stagebuf import uva as uva_mod
+from stagebuf import _probe as caps_mod
+from stagebuf import _uva as uva_mod
 
 pytestmark = pytest.mark.gpu
 

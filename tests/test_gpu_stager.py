@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from runahead import run_ahead
 from stagebuf import SlotInFlightError, StepStager, Tier
-from stagebuf.runahead import run_ahead
 
 pytestmark = pytest.mark.gpu
 

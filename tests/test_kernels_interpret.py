@@ -18,8 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagebuf
-from stagebuf import staged_write
-from stagebuf.staged_write import ENV_KERNEL, FusedStagedWriter, StagedWriteTensor
+from stagebuf import FusedStagedWriter, StagedWriteTensor
+from stagebuf._staged_write import ENV_KERNEL
+from stagebuf._staged_write import kernel as sw_kernel
+from stagebuf._staged_write import plan as sw_plan
 
 pytest.importorskip("triton")
 
@@ -39,9 +41,9 @@ def interpret(monkeypatch):
     """Triton's CPU interpreter for the applies of this test."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv(ENV_KERNEL, raising=False)
-    if not staged_write._triton_available():
-        pytest.skip(f"triton.language does not import: {staged_write._triton_error}")
-    assert staged_write.triton_usable(CPU)
+    if not sw_kernel._triton_available():
+        pytest.skip(f"triton.language does not import: {sw_kernel._triton_error}")
+    assert sw_kernel.triton_usable(CPU)
 
 
 def values(dtype: torch.dtype, n: int, seed: int) -> np.ndarray:
@@ -62,35 +64,33 @@ def model_apply(a: np.ndarray, edits: list[Edit]) -> None:
         a[r, s : s + len(v)] = v
 
 
-def gathered(t: StagedWriteTensor, edits: list[Edit]) -> staged_write._Gathered:
+def gathered(t: StagedWriteTensor, edits: list[Edit]) -> sw_plan._Gathered:
     """One target's edits as the apply path gathers them (rows distinct: the Triton kernel's contract)."""
     assert len({r for r, _, _ in edits}) == len(edits)
     rows = np.array([r for r, _, _ in edits], np.int64)
     starts = np.array([s for _, s, _ in edits], np.int64)
     lens = np.array([len(v) for _, _, v in edits], np.int64)
     vals = np.concatenate([v for _, _, v in edits]).astype(NP[t.dtype])
-    return staged_write._Gathered(t, rows * t.row_stride + starts, lens, vals, False)
+    return sw_plan._Gathered(t, rows * t.row_stride + starts, lens, vals, False)
 
 
 def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) -> None:
     """Run the Triton kernel (interpreted) and the twin on one layout; both equal the numpy model."""
     parts = [gathered(t, e) for t, e in zip(targets, edits) if e]
-    meta, vals, longest = staged_write._edit_meta(parts)
+    meta, vals, longest = sw_plan._edit_meta(parts)
     assert meta.shape == (sum(len(e) for e in edits), 4) and vals.shape[0] == meta[:, 2].sum()
     models = [t.gpu.numpy().reshape(t.rows, t.cols).copy() for t in targets]
     for m, e in zip(models, edits):
         model_apply(m, e)
     twins = [t.gpu.clone() for t in targets]
-    staged_write._torch_twin(
+    sw_kernel._torch_twin(
         [twins[targets.index(p.target)].view(-1) for p in parts],
         torch.from_numpy(meta),
         torch.from_numpy(vals),
     )
     table = torch.tensor([p.target.gpu.data_ptr() for p in parts], dtype=torch.int64)
-    block = staged_write._block_for(longest)
-    staged_write._launch_triton(
-        CPU, torch.from_numpy(meta), torch.from_numpy(vals), table, meta.shape[0], block
-    )
+    block = sw_kernel._block_for(longest)
+    sw_kernel._launch_triton(CPU, torch.from_numpy(meta), torch.from_numpy(vals), table, meta.shape[0], block)
     for t, twin, m in zip(targets, twins, models):
         np.testing.assert_array_equal(twin.numpy().reshape(m.shape), m)  # the twin is the model
         np.testing.assert_array_equal(t.gpu.numpy().reshape(m.shape), m)  # so is the kernel
@@ -117,8 +117,8 @@ def test_kernel_basic(interpret):
 
 def test_kernel_edits_longer_than_a_block(interpret, monkeypatch):
     """Edits longer than BLOCK: each program loops over its edit, BLOCK columns at a time."""
-    monkeypatch.setattr(staged_write, "MAX_BLOCK", 16)
-    assert staged_write._block_for(70) == 16
+    monkeypatch.setattr(sw_kernel, "MAX_BLOCK", 16)
+    assert sw_kernel._block_for(70) == 16
     t = target((5, 70), torch.int64)
     rng = np.random.default_rng(4)
     edits = []
@@ -154,19 +154,19 @@ def test_kernel_several_targets_one_launch(interpret):
 
 
 def test_block_sizes(monkeypatch):
-    assert staged_write._block_for(1) == staged_write.MIN_BLOCK
-    assert staged_write._block_for(staged_write.MIN_BLOCK + 1) == 2 * staged_write.MIN_BLOCK
-    assert staged_write._block_for(10**9) == staged_write.MAX_BLOCK
-    monkeypatch.setattr(staged_write, "MAX_BLOCK", 64)
+    assert sw_kernel._block_for(1) == sw_kernel.MIN_BLOCK
+    assert sw_kernel._block_for(sw_kernel.MIN_BLOCK + 1) == 2 * sw_kernel.MIN_BLOCK
+    assert sw_kernel._block_for(10**9) == sw_kernel.MAX_BLOCK
+    monkeypatch.setattr(sw_kernel, "MAX_BLOCK", 64)
     for n in range(1, 200):
-        b = staged_write._block_for(n)
-        assert b & (b - 1) == 0 and staged_write.MIN_BLOCK <= b <= 64 and (b >= n or b == 64)
+        b = sw_kernel._block_for(n)
+        assert b & (b - 1) == 0 and sw_kernel.MIN_BLOCK <= b <= 64 and (b >= n or b == 64)
 
 
 @examples(30)
 @given(data=st.data())
 def test_kernel_random_layouts(interpret, monkeypatch, data):
-    monkeypatch.setattr(staged_write, "MAX_BLOCK", data.draw(st.sampled_from([16, 64, 1024])))
+    monkeypatch.setattr(sw_kernel, "MAX_BLOCK", data.draw(st.sampled_from([16, 64, 1024])))
     dtype = data.draw(st.sampled_from(DTYPES))
     shape = st.one_of(st.integers(1, 6), st.tuples(st.integers(1, 4), st.integers(1, 48)))
     shapes = data.draw(st.lists(shape, min_size=1, max_size=3))
@@ -243,7 +243,7 @@ def test_forced_kernels_basic(interpret, pageable, monkeypatch):
 def test_forced_kernels_fused(interpret, pageable, monkeypatch):
     shapes = [(3, 5), (2, 40), 6]
     tws = [Twin(s, torch.int64, monkeypatch) for s in shapes]
-    monkeypatch.setattr(staged_write, "MAX_BLOCK", 16)
+    monkeypatch.setattr(sw_kernel, "MAX_BLOCK", 16)
     monkeypatch.setenv(ENV_KERNEL, "triton")
     w_tri = FusedStagedWriter("cpu", max_writes=2)
     monkeypatch.setenv(ENV_KERNEL, "scatter")
@@ -270,7 +270,7 @@ def test_forced_kernels_fused(interpret, pageable, monkeypatch):
 @examples(25)
 @given(data=st.data())
 def test_forced_kernels_random_streams(interpret, pageable, monkeypatch, data):
-    monkeypatch.setattr(staged_write, "MAX_BLOCK", data.draw(st.sampled_from([16, 64, 1024])))
+    monkeypatch.setattr(sw_kernel, "MAX_BLOCK", data.draw(st.sampled_from([16, 64, 1024])))
     dtype = data.draw(st.sampled_from(DTYPES))
     shape = data.draw(st.one_of(st.integers(1, 6), st.tuples(st.integers(1, 4), st.integers(1, 48))))
     tw = Twin(shape, dtype, monkeypatch)

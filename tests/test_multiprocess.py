@@ -22,10 +22,18 @@ import torch
 
 import stagebuf
 from helpers import force_tier, read_back
-from stagebuf import StepStager, Tier, UvaBackedTensor, UvaBuffer, UvaBufferPool, capabilities
-from stagebuf import uva as uva_mod
-from stagebuf.param_table import DeviceParamTable
-from stagebuf.staged_write import FusedStagedWriter, StagedWriteTensor
+from stagebuf import (
+    FusedStagedWriter,
+    StagedWriteTensor,
+    StepStager,
+    Tier,
+    UvaBackedTensor,
+    UvaBuffer,
+    UvaBufferPool,
+    capabilities,
+)
+from stagebuf import _uva as uva_mod
+from stagebuf._param_table import DeviceParamTable
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "mp_decode.py"

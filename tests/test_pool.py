@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stagebuf import UvaBackedTensor, UvaBufferPool, capabilities, set_default_max_concurrency
-from stagebuf import pool as pool_mod
+from stagebuf import _guard as guard_mod
 
 
 def _as(kind: str, a: np.ndarray):
@@ -97,7 +97,7 @@ def test_out_must_match(any_tier):
 
 
 def test_default_max_concurrency_has_floor_two(monkeypatch):
-    monkeypatch.setattr(pool_mod, "_DEFAULT_MAX_CONCURRENCY", 2)
+    monkeypatch.setattr(guard_mod, "_DEFAULT_MAX_CONCURRENCY", 2)
     set_default_max_concurrency(1)
     assert UvaBufferPool(4, torch.int32).max_concurrency == 2
     set_default_max_concurrency(5)

@@ -13,9 +13,9 @@ import torch
 import stagebuf
 from helpers import fake_accelerator, no_accelerator
 from stagebuf import Tier, TierUnavailableError, capabilities
-from stagebuf import probe as caps_mod
-from stagebuf import uva as uva_mod
-from stagebuf.log import reset_warnings
+from stagebuf import _probe as caps_mod
+from stagebuf import _uva as uva_mod
+from stagebuf._log import reset_warnings
 
 
 def test_import_does_not_initialise_cuda():
@@ -259,7 +259,7 @@ def test_unknown_forced_tier_carries_the_facts(monkeypatch):
     with pytest.raises(ValueError) as ei:
         capabilities("cpu")
     e = ei.value
-    assert isinstance(e, caps_mod.SetupError) and e.setting == "STAGEBUF_TIER" and e.value == "garbage"
+    assert isinstance(e, stagebuf.SetupError) and e.setting == "STAGEBUF_TIER" and e.value == "garbage"
     assert e.allowed == ("uva", "pinned", "pageable", "host") and "unset STAGEBUF_TIER" in str(e)
 
 

@@ -21,8 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagebuf
-from stagebuf import staged_write
-from stagebuf.staged_write import ENV_KERNEL, FusedStagedWriter, StagedWriteError, StagedWriteTensor
+from stagebuf import FusedStagedWriter, StagedWriteError, StagedWriteTensor
+from stagebuf._staged_write import ENV_KERNEL
+from stagebuf._staged_write import kernel as sw_kernel
 
 NP = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 DTYPES = [torch.int32, torch.int64, torch.float32]
@@ -814,11 +815,11 @@ def _kernel_round(rng, pairs, dtype, overlap: bool) -> None:
 
 
 def forced_kernels(monkeypatch, tier, dev: str, kernel: str) -> None:
-    monkeypatch.setattr(staged_write, "MAX_BLOCK", 16)
+    monkeypatch.setattr(sw_kernel, "MAX_BLOCK", 16)
     monkeypatch.setenv(ENV_KERNEL, kernel)
     if kernel == "triton" and dev == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    runs_triton = kernel == "triton" and staged_write.triton_usable(torch.device(dev))
+    runs_triton = kernel == "triton" and sw_kernel.triton_usable(torch.device(dev))
     rng = np.random.default_rng(17)
     for dtype in DTYPES:
         pairs = [make(s, dtype, tier, dev) for s in [(5, 70), (3, 17), 9]]  # rows of 70 > MAX_BLOCK

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stagebuf import SlotInFlightError, StepStager, Tier
-from stagebuf import guard as guard_mod
+from stagebuf import _guard as guard_mod
 
 DTYPES = [np.int8, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_]
 

@@ -28,11 +28,10 @@ from hypothesis import strategies as st
 
 import stagebuf
 from helpers import FakeStream
-from stagebuf import SlotInFlightError, StepStager, Tier, UvaBufferPool
-from stagebuf import guard as guard_mod
-from stagebuf import staged_write as sw_mod
-from stagebuf.guard import SlotRing, StepRuleError
-from stagebuf.staged_write import StagedWriteTensor
+from stagebuf import SlotInFlightError, StagedWriteTensor, StepStager, Tier, UvaBufferPool
+from stagebuf import _guard as guard_mod
+from stagebuf._guard import SlotRing, StepRuleError
+from stagebuf._staged_write import plan as sw_plan
 
 CPU = torch.device("cpu")
 
@@ -170,7 +169,7 @@ def test_real_staged_write_applies_with_the_guard(monkeypatch, stream):
     """PAGEABLE on the CPU with its stager's guard forced on: applies are marked uses of the clock."""
     monkeypatch.setenv("STAGEBUF_TIER", "pageable")
     stagebuf.reset_capabilities()
-    monkeypatch.setattr(sw_mod, "_GUARD_MODE", "wait")
+    monkeypatch.setattr(sw_plan, "_GUARD_MODE", "wait")
     stager = StepStager(device="cpu", capacity=256, max_concurrency=2, guard="wait")
     t = StagedWriteTensor((4, 8), torch.int64, "cpu", max_concurrency=2)
     want = np.zeros((4, 8), np.int64)

@@ -11,48 +11,68 @@ from __future__ import annotations
 
 from typing import Any
 
-from .async_copy import async_copy_to_gpu
-from .buffers import HostBuffer, NonUvaBuffer, PinnedBuffer, StagingBuffer, UvaBuffer, make_buffer
-from .guard import SlotInFlightError, StepRuleError, begin_step
-from .memory import DeviceAllocationError, PinnedAllocationError
-from .param_table import DeviceParamTable, ParamField
-from .pool import UvaBackedTensor, UvaBufferPool, set_default_max_concurrency
-from .probe import (
-    Capabilities,
+from ._async_copy import async_copy_to_gpu
+from ._buffers import HostBuffer, NonUvaBuffer, PinnedBuffer, StagingBuffer, UvaBuffer, make_buffer
+from ._errors import (
+    ArgumentTypeError,
+    CudaError,
+    DeviceAllocationError,
+    InvalidArgumentError,
+    PinnedAllocationError,
+    ReadOnlyAttributeError,
     SetupError,
+    SlotInFlightError,
+    StagebufError,
+    StagedWriteError,
+    StepRuleError,
     TierUnavailableError,
+    UnknownFieldError,
+    UsageError,
+    UvaError,
+)
+from ._guard import begin_step, set_default_max_concurrency
+from ._param_table import DeviceParamTable, ParamField
+from ._pool import UvaBackedTensor, UvaBufferPool
+from ._probe import (
+    Capabilities,
     capabilities,
     is_pin_memory_available,
     is_uva_available,
     reset_capabilities,
 )
-from .staged_write import FusedStagedWriter, StagedWriteError, StagedWriteTensor
-from .stager import Step, StepStager
-from .tier import Tier
-from .uva import UvaError
+from ._staged_write import FusedStagedWriter, StagedWriteTensor
+from ._stager import Step, StepStager
+from ._tier import Tier
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
     "Capabilities",
-    "SetupError",
+    "CudaError",
     "DeviceAllocationError",
     "DeviceParamTable",
     "FusedStagedWriter",
-    "ParamField",
-    "StagedWriteTensor",
     "HostBuffer",
+    "InvalidArgumentError",
     "NonUvaBuffer",
+    "ParamField",
     "PinnedAllocationError",
     "PinnedBuffer",
+    "ReadOnlyAttributeError",
+    "SetupError",
     "SlotInFlightError",
+    "StagebufError",
     "StagedWriteError",
-    "StepRuleError",
+    "StagedWriteTensor",
     "StagingBuffer",
     "Step",
+    "StepRuleError",
     "StepStager",
     "Tier",
     "TierUnavailableError",
+    "UnknownFieldError",
+    "UsageError",
     "UvaBackedTensor",
     "UvaBuffer",
     "UvaBufferPool",

@@ -1,3 +1,3 @@
-from .cli import main
+from ._cli import main
 
-main(prog_name="stagebuf")
+raise SystemExit(main())

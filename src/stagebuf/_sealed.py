@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from ._errors import ReadOnlyAttributeError
+
 
 class Sealed:
     _READ_ONLY: ClassVar[dict[str, str]] = {}
@@ -21,13 +23,13 @@ class Sealed:
             object.__setattr__(self, name, value)
             return
         why = self._READ_ONLY.get(name, self._FIXED)
-        raise AttributeError(f"{type(self).__name__}.{name} is read-only: {why}")
+        raise ReadOnlyAttributeError(f"{type(self).__name__}.{name} is read-only: {why}")
 
     def __delattr__(self, name: str) -> None:
         if name.startswith("_"):
             object.__delattr__(self, name)
             return
-        raise AttributeError(f"{type(self).__name__}.{name} cannot be deleted: {self._FIXED}")
+        raise ReadOnlyAttributeError(f"{type(self).__name__}.{name} cannot be deleted: {self._FIXED}")
 
     def _freeze(self) -> None:
         object.__setattr__(self, "_sealed", True)

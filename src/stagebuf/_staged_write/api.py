@@ -1,467 +1,33 @@
-"""Staged writes: sparse ``(row, start, values)`` edits to device tensors, one transfer and one launch.
-
-Per-request device state (block tables, prompt token ids) lives in large device
-tensors that change a little each step. ``StagedWriteTensor`` collects edits on
-the host and applies all of them at once; ``FusedStagedWriter`` does the same
-for several tensors of one dtype.
-
-Staging is as cheap as appending to a list: ``stage_write`` checks the row and
-the column range (O(1) integer checks) and appends; values given as a Python
-list are checked at apply, vectorised over the whole batch. ``stage_writes``
-stages a batch of edits from numpy arrays with a few array operations.
-
-Apply (one per call, whatever the number of edits):
-
-1. Gather and check every staged edit (numpy). A bad value raises
-   ``StagedWriteError`` naming the edit (its position and its row and start);
-   then nothing is written and every staged edit stays staged.
-2. Pack them into the next slot of the writer's own guarded ring (written in
-   place: the slots are private): one host-to-device transfer on the copy
-   tiers, none on UVA.
-3. Write them with one launch, the cheaper of two kernels for the batch:
-
-   * ``scatter``: the flat destination index of every element, computed on the
-     host, and one ATen ``index_copy_`` on the target's flat view;
-   * ``triton``: one program per edit (``_staged_write_kernel``), reading
-     (tensor, offset, length, source) per edit, so large edits move their
-     values only; several targets go through one launch via a pointer table.
-
-   On the HOST tier the scatter is one numpy assignment into the target.
-
-Overlapping edits apply in staging order ("later wins"): when two edits share
-a row (a Python set for a few edits, else one scatter into a per-row marker
-array), the elements are
-de-duplicated on the host, keeping each destination's last staged value, and
-the scatter kernel runs. ``_torch_twin`` is the Triton kernel in plain torch
-ops over the same packed layout: the oracle the kernel is tested against.
-"""
+"""``StagedWriteTensor`` and ``FusedStagedWriter``: staging calls, checks, and apply."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from ._sealed import Sealed
-from ._types import DeviceLike, DTypeLike, HostData
-from .buffers import StagingBuffer, UvaBuffer, make_buffer
-from .convert import _NUMPY_TO_TORCH, cast_checked, host_array, numpy_dtype, shape_of, torch_dtype
-from .guard import SlotRing
-from .log import warn_once
-from .memory import PinnedAllocationError, alloc_device
-from .pool import empty_stats, slot_count
-from .probe import TierUnavailableError, capabilities
-from .stager import ALIGN
-from .tier import Tier
-from .uva import UvaError
+from .._buffers import UvaBuffer
+from .._convert import cast_checked, host_array, numpy_dtype, shape_of, torch_dtype
+from .._errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    PinnedAllocationError,
+    StagedWriteError,
+    TierUnavailableError,
+    UvaError,
+)
+from .._guard import slot_count
+from .._log import warn_once
+from .._memory import alloc_device
+from .._probe import capabilities
+from .._sealed import Sealed
+from .._tier import Tier
+from .._types import DeviceLike, DTypeLike, HostData
+from .plan import _CAPACITY, _arange, _Batch, _Gathered, _ints, _Launcher
 
 ALLOWED_DTYPES = (torch.int32, torch.int64, torch.float32)
-KERNELS = ("auto", "scatter", "triton")
-ENV_KERNEL = "STAGEBUF_WRITE_KERNEL"
-"""Forces the apply kernel (``scatter`` or ``triton``); ``auto`` (default) picks per batch."""
-TRITON_MIN_ELEMS = 1 << 13
-"""``auto`` uses the Triton kernel from this many staged elements on (measured: docs/DESIGN.md)."""
-MIN_BLOCK = 16
-MAX_BLOCK = 1024
-"""Columns one Triton program writes per iteration (a power of two in [MIN_BLOCK, MAX_BLOCK])."""
-_CAPACITY = 1 << 14
-_GUARD_MODE = "auto"
-"""The staging slots' guard (tests force ``wait`` to exercise it on the CPU tiers)."""
-
-tl: Any = None  # triton.language, imported on first use (importing stagebuf stays cheap)
-_triton_error: list[str] = []
-
-
-class StagedWriteError(ValueError):
-    """A staged edit cannot be applied; ``position``, ``index`` and ``start`` name it.
-
-    Nothing was written and every staged edit is still staged: inspect them with
-    ``pending_writes()``, drop them with ``clear_staged_writes()``.
-    """
-
-    def __init__(self, message: str, position: int, index: int, start: int):
-        super().__init__(message)
-        self.position = position
-        self.index = index
-        self.start = start
-
-
-# --- kernels ------------------------------------------------------------------------
-
-
-def _triton_available() -> bool:
-    global tl
-    if tl is not None:
-        return True
-    if _triton_error:
-        return False
-    try:
-        import triton.language as _tl
-    except Exception as e:  # not installed, or broken
-        _triton_error.append(f"{type(e).__name__}: {e}"[:200])
-        return False
-    tl = _tl
-    return True
-
-
-def triton_usable(device: torch.device) -> bool:
-    """Whether the Triton kernel can run on ``device`` (CUDA, or the CPU interpreter)."""
-    if device.type == "cuda":
-        return _triton_available()
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _triton_available()
-
-
-# Triton reads a kernel's parameter annotations (they select its specialisation): leave them off.
-def _staged_write_kernel(meta, content, table, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    # One program per edit; meta row: target, flat offset of the first element, length, source offset.
-    e = tl.program_id(0)
-    tid = tl.load(meta + 4 * e)
-    dst = tl.load(meta + 4 * e + 1)
-    ln = tl.load(meta + 4 * e + 2)
-    src = tl.load(meta + 4 * e + 3)
-    base = tl.load(table + tid).to(tl.pointer_type(content.dtype.element_ty))
-    cols = tl.arange(0, BLOCK)
-    c0 = 0
-    while c0 < ln:
-        m = c0 + cols < ln
-        v = tl.load(content + src + c0 + cols, mask=m)
-        tl.store(base + dst + c0 + cols, v, mask=m)
-        c0 += BLOCK
-
-
-_triton_functions: dict[tuple[Callable[..., None], bool], Any] = {}
-
-
-def triton_function(fn: Callable[..., None], interpret: bool) -> Any:
-    """The Triton kernel ``fn``: a ``JITFunction``, or with ``interpret`` an ``InterpretedFunction``
-    (Triton's CPU interpreter); made once per (``fn``, ``interpret``)."""
-    k = _triton_functions.get((fn, interpret))
-    if k is None:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            k = InterpretedFunction(fn)
-        else:
-            from triton.runtime.jit import JITFunction
-
-            k = JITFunction(fn)
-        _triton_functions[(fn, interpret)] = k
-    return k
-
-
-def _triton_kernel(interpret: bool) -> Any:
-    return triton_function(_staged_write_kernel, interpret)
-
-
-def _block_for(longest: int) -> int:
-    b = MIN_BLOCK
-    while b < longest and b < MAX_BLOCK:
-        b *= 2
-    return b
-
-
-def _launch_triton(
-    device: torch.device,
-    meta: torch.Tensor,
-    content: torch.Tensor,
-    table: torch.Tensor,
-    n_edits: int,
-    block: int,
-) -> None:
-    if device.type == "cuda":
-        launch = _triton_kernel(interpret=False)[(n_edits,)]
-        warps = max(1, min(4, block // 128))
-        if torch.cuda.current_device() == device.index:
-            launch(meta, content, table, BLOCK=block, num_warps=warps)
-        else:
-            with torch.cuda.device(device):
-                launch(meta, content, table, BLOCK=block, num_warps=warps)
-    else:
-        _triton_kernel(interpret=True)[(n_edits,)](meta, content, table, BLOCK=block)
-
-
-def _torch_twin(flats: Sequence[torch.Tensor], meta: torch.Tensor, content: torch.Tensor) -> None:
-    """The Triton kernel in plain torch ops, on the same packed layout (its test oracle)."""
-    n = content.shape[0]
-    tid, dst, ln, src = meta.unbind(1)
-    edit_of = torch.repeat_interleave(ln, output_size=n)
-    j = torch.arange(n, device=content.device) - (torch.cumsum(ln, 0) - ln)[edit_of]
-    dest, source, owner = dst[edit_of] + j, src[edit_of] + j, tid[edit_of]
-    for k, flat in enumerate(flats):
-        sel = owner == k
-        flat.index_copy_(0, dest[sel], content[source[sel]])
-
-
-# --- gathering and checking the staged edits ------------------------------------------
-
-
-class _Batch:
-    """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked).
-
-    ``dst`` is each edit's flat offset in the target (``row * row_stride + start``).
-    """
-
-    __slots__ = ("dst", "lens", "vals", "checked")
-
-    def __init__(self, dst: Any, lens: Any, vals: Any, checked: bool):
-        self.dst, self.lens, self.vals, self.checked = dst, lens, vals, checked
-
-
-class _Gathered:
-    """One target's staged edits as arrays: first-element offsets, lengths, values."""
-
-    __slots__ = ("target", "dst", "lens", "vals", "dup", "width")
-
-    def __init__(
-        self,
-        target: StagedWriteTensor,
-        dst: np.ndarray,
-        lens: np.ndarray,
-        vals: np.ndarray,
-        dup: bool,
-        width: int = 0,
-    ):
-        self.target, self.dst, self.lens, self.vals, self.dup = target, dst, lens, vals, dup
-        self.width = width
-        """The length of every edit where they are all one length (0: unknown or mixed)."""
-
-    def dest(self) -> tuple[np.ndarray, np.ndarray]:
-        """Flat destination of every element, and the values, de-duplicated (later wins) if needed."""
-        first = self.dst
-        n = self.vals.shape[0]
-        if n == first.shape[0]:  # one element per edit
-            dest = first
-        elif self.width:  # every edit of one length: one broadcast add
-            dest = (first[:, None] + _arange(self.width)).reshape(-1)
-        else:
-            lens = self.lens
-            dest = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
-        vals = self.vals
-        if self.dup:
-            rev = dest[::-1]
-            _, last = np.unique(rev, return_index=True)  # each destination's last staged element
-            keep = (n - 1) - last
-            dest, vals = dest[keep], vals[keep]
-        return dest, vals
-
-
-_ARANGE = np.arange(1024, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
-    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
-
-
-def _ints(x: Any, name: str) -> np.ndarray:
-    """A 1-D int64 array of the integers in ``x`` (bools and fractions are refused)."""
-    a = x if isinstance(x, np.ndarray) else host_array(x, None, name, ndims=(1,))
-    if a.ndim != 1:
-        raise ValueError(f"{name} has rank {a.ndim} (shape {a.shape}); allowed: a 1-D array of ints")
-    if a.dtype.kind not in "iu":
-        if a.dtype.kind == "f" and a.size and np.isfinite(a).all() and (a == np.trunc(a)).all():
-            pass  # integral floats are accepted, as elsewhere in stagebuf
-        elif a.size:
-            raise TypeError(f"{name} has dtype {a.dtype}; allowed: an integer array")
-    if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"{name} holds values beyond int64")
-    return a.astype(np.int64, copy=False)
-
-
-# --- the launcher: one packed transfer, one launch --------------------------------------
-
-
-class _Launcher:
-    """The staging slots behind one writer: one packed transfer and one launch per apply.
-
-    A ring of ``max_concurrency`` byte arenas of the writer's tier (guarded like
-    every ring: see :mod:`stagebuf.guard`). An apply writes its index (or per-edit
-    metadata) array at offset 0 and the values after it, directly in the slot's
-    host memory (private to the writer, so no scratch copy is needed), publishes
-    the used prefix with one copy on the copy tiers (none on UVA) and launches.
-    Device views of each layout are cached per slot.
-    """
-
-    def __init__(self, device: torch.device, max_concurrency: int, capacity: int):
-        self.device = device
-        self.n = max_concurrency
-        self.capacity = max(capacity, ALIGN)
-        self.bufs: list[StagingBuffer] = []
-        self.views: list[
-            dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]
-        ] = []
-        self.bases: list[dict[Any, torch.Tensor]] = []
-        """Per slot: its whole device arena viewed as each dtype (views are slices of these)."""
-        self.retired: list[list[StagingBuffer]] = []
-        self.ring: SlotRing | None = None
-        self.stats_ = {**empty_stats(), "steps": 0}
-        self.table_key: tuple[int, ...] | None = None
-        self.table: torch.Tensor | None = None
-        forced = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
-        if forced not in KERNELS:
-            raise ValueError(f"{ENV_KERNEL}={forced!r}; allowed: {', '.join(KERNELS)}")
-        self.forced = forced
-
-    def stats(self) -> dict[str, int]:
-        ring = self.ring
-        return {
-            **self.stats_,
-            "guard_waits": ring.waits if ring is not None else 0,
-            "steps": ring.seq if ring is not None else 0,
-        }
-
-    def _start(self) -> SlotRing:
-        self.bufs = [make_buffer(self.capacity, torch.uint8, self.device) for _ in range(self.n)]
-        self.views = [{} for _ in range(self.n)]
-        self.bases = [{} for _ in range(self.n)]
-        self.retired = [[] for _ in range(self.n)]
-        tier = max(b.tier for b in self.bufs)
-        self.ring = SlotRing(self.n, self.device, _GUARD_MODE, tier, "staged-write slot")
-        return self.ring
-
-    def _slot(
-        self, cur: int, idx: np.ndarray, vals: np.ndarray
-    ) -> tuple[StagingBuffer, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]:
-        """Slot ``cur``'s buffer and its views for this layout (made, and the slot grown, if needed)."""
-        buf = self.bufs[cur]
-        key = (idx.shape, vals.dtype, vals.shape[0])
-        v = self.views[cur].get(key)
-        if v is not None:
-            return buf, v
-        a_bytes = idx.nbytes
-        off = (a_bytes + ALIGN - 1) & -ALIGN
-        used = off + vals.nbytes
-        if used > buf.shape[0]:
-            if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "staged writes: a slot must grow while a CUDA graph is being captured; "
-                    "apply once with the largest batch before capturing"
-                )
-            cap = 1 << max(used - 1, 1).bit_length()
-            self.retired[cur].append(buf)  # read by this slot's last launch, until it comes round
-            buf = self.bufs[cur] = make_buffer(cap, torch.uint8, self.device, buf.tier)
-            self.views[cur].clear()
-            self.bases[cur].clear()
-            self.stats_["growths"] += 1
-        elif len(self.views[cur]) >= 1024:
-            self.views[cur].clear()
-        # one slice per view, from whole-arena views of each dtype (a layout seen before is a lookup)
-        bases = self.bases[cur]
-        i64 = bases.get(np.int64)
-        if i64 is None:
-            i64 = bases[np.int64] = buf.dev.view(torch.int64)
-        vt = bases.get(vals.dtype)
-        if vt is None:
-            vt = bases[vals.dtype] = buf.dev.view(_NUMPY_TO_TORCH[vals.dtype])
-        n_idx = idx.size
-        d_idx = i64[:n_idx] if idx.ndim == 1 else i64[:n_idx].view(idx.shape)
-        first = off // vals.dtype.itemsize
-        d_val = vt[first : first + vals.shape[0]]
-        h_idx = buf.np[:a_bytes].view(np.int64).reshape(idx.shape)
-        h_val = buf.np[off:used].view(vals.dtype)
-        v = self.views[cur][key] = (h_idx, h_val, d_idx, d_val, used)
-        return buf, v
-
-    def _pack(self, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``idx`` and ``vals`` into the next slot and publish them; their device views."""
-        ring = self.ring if self.ring is not None else self._start()
-        cur = ring.next()
-        self.retired[cur].clear()  # the guard says this slot's last launch is done
-        buf, (h_idx, h_val, d_idx, d_val, used) = self._slot(cur, idx, vals)
-        h_idx[...] = idx
-        h_val[...] = vals
-        ring.take(cur)
-        if buf.tier.copies:
-            buf.uva(used)
-            self.stats_["transfers"] += 1
-            self.stats_["bytes"] += used
-        return d_idx, d_val
-
-    def kernel_for(self, parts: Sequence[_Gathered], n_elems: int) -> str:
-        if parts[0].target.tier is Tier.HOST:
-            return "host"
-        if parts[0].dup if len(parts) == 1 else any(p.dup for p in parts):
-            return "scatter"  # overlaps: de-duplicated on the host, then one scatter
-        want = self.forced
-        if want == "auto":
-            want = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > 1 else "scatter"
-        if want == "triton" and not triton_usable(self.device):
-            if self.forced == "triton":
-                warn_once(
-                    ("staged-write-no-triton", str(self.device)),
-                    f"staged writes on {self.device} use the scatter kernel: Triton cannot run "
-                    f"here ({_triton_error[0] if _triton_error else 'not on this device'})",
-                )
-            return "scatter"
-        return want
-
-    def apply(self, parts: Sequence[_Gathered]) -> str:
-        """Write the gathered edits of ``parts``; the kernel's name."""
-        n_elems = parts[0].vals.shape[0] if len(parts) == 1 else sum(p.vals.shape[0] for p in parts)
-        kernel = self.kernel_for(parts, n_elems)
-        if kernel == "host":
-            for p in parts:
-                dest, vals = p.dest()
-                flat = p.target._flat_np
-                assert flat is not None  # set on every HOST-tier target; all parts share one device
-                flat[dest] = vals
-            return kernel
-        if kernel == "scatter":
-            pieces = [p.dest() for p in parts]
-            if len(pieces) == 1:
-                dest, vals = pieces[0]
-            else:
-                dest = np.concatenate([d for d, _ in pieces])
-                vals = np.concatenate([v for _, v in pieces])
-            d_dest, d_vals = self._pack(dest, vals)
-            if len(parts) == 1:
-                parts[0].target._flat.index_copy_(0, d_dest, d_vals)
-            else:
-                a = 0
-                for p, (d, _) in zip(parts, pieces):
-                    b = a + d.shape[0]
-                    p.target._flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
-                    a = b
-        else:
-            meta, vals, longest = _edit_meta(parts)
-            key = tuple(p.target.gpu.data_ptr() for p in parts)
-            if key != self.table_key:
-                self.table = torch.tensor(key, dtype=torch.int64).to(self.device)
-                self.table_key = key
-            assert self.table is not None
-            d_meta, d_vals = self._pack(meta, vals)
-            _launch_triton(self.device, d_meta, d_vals, self.table, meta.shape[0], _block_for(longest))
-        assert self.ring is not None
-        self.ring.mark()
-        return kernel
-
-
-def _edit_meta(parts: Sequence[_Gathered]) -> tuple[np.ndarray, np.ndarray, int]:
-    """The Triton kernel's per-edit rows (target, offset, length, source), the values, the longest edit."""
-    metas, vals = [], []
-    src = 0
-    longest = 1
-    for k, p in enumerate(parts):
-        e = p.dst.shape[0]
-        m = np.empty((e, 4), np.int64)
-        m[:, 0] = k
-        m[:, 1] = p.dst
-        m[:, 2] = p.lens
-        np.cumsum(p.lens, out=m[:, 3])
-        m[:, 3] += src - p.lens
-        src += p.vals.shape[0]
-        longest = max(longest, int(p.lens.max()))
-        metas.append(m)
-        vals.append(p.vals)
-    if len(parts) == 1:
-        return metas[0], vals[0], longest
-    return np.concatenate(metas), np.concatenate(vals), longest
-
-
-# --- public classes -----------------------------------------------------------------
 
 
 def _dtype(dtype: DTypeLike) -> torch.dtype:
@@ -471,7 +37,7 @@ def _dtype(dtype: DTypeLike) -> torch.dtype:
     except TypeError:
         dt = None
     if dt not in ALLOWED_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported for staged writes; allowed: {allowed}")
+        raise InvalidArgumentError(f"dtype={dtype!r} is not supported for staged writes; allowed: {allowed}")
     return dt
 
 
@@ -486,7 +52,7 @@ def _int_in(x: Any, name: str, lo: int, hi: int | None, what: str) -> int:
         allowed = f"nothing: {what}"
     else:
         allowed = f"an int in [{lo}, {hi - 1}] ({what})"
-    raise ValueError(f"{name}={x!r} is not a valid {name}; allowed: {allowed}")
+    raise InvalidArgumentError(f"{name}={x!r} is not a valid {name}; allowed: {allowed}")
 
 
 def _stage_write_fn(t: StagedWriteTensor) -> Any:
@@ -546,7 +112,9 @@ class StagedWriteTensor(Sealed):
     ):
         shape = shape_of(size)
         if len(shape) not in (1, 2):
-            raise ValueError(f"size={size!r} has rank {len(shape)}; allowed: 1 (n) or 2 (rows, cols)")
+            raise InvalidArgumentError(
+                f"size={size!r} has rank {len(shape)}; allowed: 1 (n) or 2 (rows, cols)"
+            )
         self.shape = shape
         self.dtype = _dtype(dtype)
         caps = capabilities(device)
@@ -644,7 +212,7 @@ class StagedWriteTensor(Sealed):
             arr_len = arr.shape[0]
         end = col + arr_len
         if end > self.cols:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"edit (index={row}, start={col}, {arr_len} values) ends at column {end}, "
                 f"past the end of the row ({self.cols} columns)"
             )
@@ -676,16 +244,22 @@ class StagedWriteTensor(Sealed):
     def _stage_elem_checked(self, index: Any, value: Any) -> None:
         """``stage_write_elem`` for what its fast path does not take: checked now."""
         if isinstance(value, (list, tuple)):
-            raise ValueError(f"value is a {type(value).__name__}; stage_write_elem takes one scalar")
+            raise InvalidArgumentError(
+                f"value is a {type(value).__name__}; stage_write_elem takes one scalar"
+            )
         if isinstance(value, (np.ndarray, torch.Tensor)):
             if value.ndim != 0:
-                raise ValueError(f"value has shape {tuple(value.shape)}; stage_write_elem takes one scalar")
+                raise InvalidArgumentError(
+                    f"value has shape {tuple(value.shape)}; stage_write_elem takes one scalar"
+                )
             value = value.reshape(1)
         else:
             if isinstance(value, (bool, np.bool_)):
-                raise TypeError(f"value={value!r} is a bool; allowed: an int or float")
+                raise ArgumentTypeError(f"value={value!r} is a bool; allowed: an int or float")
             if not isinstance(value, (int, float, np.number)):
-                raise TypeError(f"value={value!r} is a {type(value).__name__}; allowed: an int or float")
+                raise ArgumentTypeError(
+                    f"value={value!r} is a {type(value).__name__}; allowed: an int or float"
+                )
             value = np.array([value])
         self._stage_checked(index, 0, value)
 
@@ -731,28 +305,32 @@ class StagedWriteTensor(Sealed):
         s = _ints(starts, "starts")
         e = r.shape[0]
         if s.shape[0] != e:
-            raise ValueError(f"starts has {s.shape[0]} entries but rows has {e}; allowed: one start per row")
+            raise InvalidArgumentError(
+                f"starts has {s.shape[0]} entries but rows has {e}; allowed: one start per row"
+            )
         try:
             v = host_array(values, None, "values", ndims=(1, 2) if lengths is None else (1,))
         except TypeError:  # e.g. uint64: converted to the target dtype with checks, or refused
             v = host_array(values, self.dtype, "values", ndims=(1, 2) if lengths is None else (1,))
         if lengths is None:
             if v.shape[0] != e:
-                raise ValueError(f"values has {v.shape[0]} rows but rows has {e}; allowed: one per edit")
+                raise InvalidArgumentError(
+                    f"values has {v.shape[0]} rows but rows has {e}; allowed: one per edit"
+                )
             width = 1 if v.ndim == 1 else v.shape[1]
             lens = np.full(e, width, np.int64)
         else:
             lens = _ints(lengths, "lengths")
             if lens.shape[0] != e:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"lengths has {lens.shape[0]} entries but rows has {e}; allowed: one per edit"
                 )
             if e and (lens < 0).any():
                 i = int(np.flatnonzero(lens < 0)[0])
-                raise ValueError(f"lengths[{i}]={lens[i]} is negative; allowed: an int >= 0")
+                raise InvalidArgumentError(f"lengths[{i}]={lens[i]} is negative; allowed: an int >= 0")
             total = int(lens.sum()) if e else 0
             if v.shape[0] != total:
-                raise ValueError(f"values has {v.shape[0]} elements but lengths add up to {total}")
+                raise InvalidArgumentError(f"values has {v.shape[0]} elements but lengths add up to {total}")
         try:
             flat = self._checked(v.reshape(-1), "values")
         except ValueError as err:  # name the first edit whose values do not fit
@@ -760,20 +338,20 @@ class StagedWriteTensor(Sealed):
             if bad is None:
                 raise
             i = int(np.searchsorted(np.cumsum(lens), int(np.flatnonzero(bad)[0]), side="right"))
-            raise ValueError(f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}): {err}") from None
+            raise InvalidArgumentError(f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}): {err}") from None
         if e:
             bad = (r < 0) | (r >= self.rows)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise ValueError(f"rows[{i}]={r[i]} is out of range; allowed: [0, {self.rows - 1}]")
+                raise InvalidArgumentError(f"rows[{i}]={r[i]} is out of range; allowed: [0, {self.rows - 1}]")
             bad = s < 0
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise ValueError(f"starts[{i}]={s[i]} is negative; allowed: an int >= 0")
+                raise InvalidArgumentError(f"starts[{i}]={s[i]} is negative; allowed: an int >= 0")
             bad = s + lens > self.cols
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}, {lens[i]} values) ends at "
                     f"column {s[i] + lens[i]}, past the end of the row ({self.cols} columns)"
                 )
@@ -828,7 +406,7 @@ class StagedWriteTensor(Sealed):
             if (np.isfinite(a64) & ((a64 < -lim) | (a64 >= lim))).any():
                 # convert.cast_checked compares with the dtype's max in float precision, where
                 # 2.0**63 (float32: 2.0**31) equals it: a value one past the range would wrap.
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{name} holds values outside {self._np_dtype}'s range [{-int(lim)}, {int(lim) - 1}]"
                 )
         return cast_checked(arr, self._np_dtype, name)
@@ -1095,7 +673,7 @@ class FusedStagedWriter(Sealed):
         given they are checked against the tensors.
         """
         if isinstance(tensors, StagedWriteTensor) or not isinstance(tensors, Iterable):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"tensors must be a list (or other iterable) of StagedWriteTensor; "
                 f"got {type(tensors).__name__}"
             )
@@ -1103,11 +681,13 @@ class FusedStagedWriter(Sealed):
         targets: list[StagedWriteTensor] = []
         for i, t in enumerate(tensors):
             if not isinstance(t, StagedWriteTensor):
-                raise TypeError(f"tensors[{i}] is a {type(t).__name__}; expected StagedWriteTensor")
+                raise ArgumentTypeError(f"tensors[{i}] is a {type(t).__name__}; expected StagedWriteTensor")
             if t.device != self.device:
-                raise ValueError(f"tensors[{i}] is on {t.device}; this writer targets {self.device}")
+                raise InvalidArgumentError(
+                    f"tensors[{i}] is on {t.device}; this writer targets {self.device}"
+                )
             if targets and t.dtype != targets[0].dtype:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"tensors[{i}] has dtype {t.dtype} but tensors[0] has {targets[0].dtype}; "
                     "one fused apply needs one dtype"
                 )
@@ -1135,13 +715,13 @@ class FusedStagedWriter(Sealed):
         try:
             got = [int(v) for v in given]
         except (TypeError, ValueError):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name} must be None or a sequence (or tensor) of ints, one per tensor; "
                 f"got {type(given).__name__}"
             ) from None
         expect = [int(want(t)) for t in tensors]
         if got != expect:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{name}={got} does not match the tensors passed ({expect}); "
                 f"allowed: None, or exactly those values in the same order"
             )

@@ -13,10 +13,7 @@ from typing import Any
 
 import torch
 
-
-class UvaError(RuntimeError):
-    """A device view of host memory could not be made or is not a live alias."""
-
+from ._errors import UvaError
 
 _TYPESTR = {
     torch.bool: "|b1",

@@ -20,29 +20,43 @@ object on the hot path), else ``torch.cuda.Event``.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Protocol
 
 import torch
 
+from ._constants import DEFAULT_MAX_CONCURRENCY, check_mode
+from ._errors import CudaError, InvalidArgumentError, SlotInFlightError, StepRuleError
+from ._tier import Tier
 from ._types import DeviceLike
-from .tier import Tier
 
 GUARD_MODES = ("auto", "wait", "raise", "off")
 
 
-class SlotInFlightError(RuntimeError):
-    """A slot came round again while the device may still read it (guard='raise')."""
+_DEFAULT_MAX_CONCURRENCY = DEFAULT_MAX_CONCURRENCY
 
 
-class StepRuleError(RuntimeError):
-    """STAGEBUF_CHECK=1: the step clock would have released a slot the device may still read."""
+def set_default_max_concurrency(n: int) -> None:
+    """Default slot count for pools, stagers and staged writers made afterwards (floor 2)."""
+    global _DEFAULT_MAX_CONCURRENCY
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidArgumentError(f"n={n!r} must be an int >= 1 (values below 2 are raised to 2)")
+    _DEFAULT_MAX_CONCURRENCY = max(2, n)
 
 
-def _check_mode() -> bool:
-    return os.environ.get("STAGEBUF_CHECK", "").strip() not in ("", "0")
+def slot_count(max_concurrency: int | None) -> int:
+    """The slot count of a ring: ``max_concurrency``, or the default; at least 2."""
+    if max_concurrency is None:
+        return _DEFAULT_MAX_CONCURRENCY
+    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+        raise InvalidArgumentError(f"max_concurrency={max_concurrency!r} must be None or an int >= 1")
+    return max(2, max_concurrency)
+
+
+def empty_stats() -> dict[str, int]:
+    """A ring's counters at zero."""
+    return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0}
 
 
 class Event(Protocol):
@@ -81,7 +95,7 @@ class _CudartEvent:
         with torch.cuda.device(self._idx):
             err, self._ev = cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming)
         if int(err) != 0:
-            raise RuntimeError(f"cudaEventCreateWithFlags failed: {err}")
+            raise CudaError(f"cudaEventCreateWithFlags failed: {err}")
         self._record = cudart.cudaEventRecord
         self._query = cudart.cudaEventQuery
         self._stream = torch._C._cuda_getCurrentRawStream
@@ -93,20 +107,20 @@ class _CudartEvent:
             with torch.cuda.device(self._idx):
                 (err,) = self._record(self._ev, self._stream(self._idx))
         if int(err) != 0:
-            raise RuntimeError(f"cudaEventRecord failed: {err}")
+            raise CudaError(f"cudaEventRecord failed: {err}")
 
     def query(self) -> bool:
         (err,) = self._query(self._ev)
         if err == self._not_ready:
             return False
         if int(err) != 0:
-            raise RuntimeError(f"cudaEventQuery failed: {err}")
+            raise CudaError(f"cudaEventQuery failed: {err}")
         return True
 
     def synchronize(self) -> None:
         (err,) = self._rt.cudaEventSynchronize(self._ev)
         if int(err) != 0:
-            raise RuntimeError(f"cudaEventSynchronize failed: {err}")
+            raise CudaError(f"cudaEventSynchronize failed: {err}")
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -125,7 +139,7 @@ def make_event(device: torch.device) -> Event | None:
         # the cheap path is only for the current device (one process per GPU, the usual
         # engine layout); an event for another device goes through torch.
         try:
-            from .uva import load_cudart
+            from ._uva import load_cudart
 
             return _CudartEvent(device, load_cudart())
         except Exception:
@@ -237,7 +251,7 @@ def begin_step(device: DeviceLike = None) -> None:
     step. An engine with a ring that skips steps (or stages twice in one) calls
     this at the start of each step; it records the event that ends the last step.
     """
-    from .probe import capabilities
+    from ._probe import capabilities
 
     dev = capabilities(device).device
     clock = step_clock(dev)
@@ -277,7 +291,7 @@ class SlotRing:
 
     def __init__(self, n: int, device: torch.device, mode: str, tier: Tier, what: str = "slot"):
         if mode not in GUARD_MODES:
-            raise ValueError(f"guard={mode!r}; allowed: {', '.join(GUARD_MODES)}")
+            raise InvalidArgumentError(f"guard={mode!r}; allowed: {', '.join(GUARD_MODES)}")
         if mode == "auto":
             mode = "wait" if tier.async_host_reads else "off"
         self.mode = mode
@@ -295,7 +309,7 @@ class SlotRing:
         self._last_marked = False
         # STAGEBUF_CHECK=1: also an event of this ring's own per use (recorded when its consumers are
         # known to be enqueued), to catch the step clock releasing a slot whose readers still run
-        self._exact: list[int] | None = [-1] * n if self.active and _check_mode() else None
+        self._exact: list[int] | None = [-1] * n if self.active and check_mode() else None
 
     @property
     def guard(self) -> SlotRing:

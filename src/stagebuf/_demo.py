@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from rich.console import Console
 
+from ._probe import capabilities
+from ._stager import StepStager
 from ._types import DeviceLike
-from .probe import capabilities
-from .stager import StepStager
 
 
-def run(steps: int = 5, batch: int = 8, device: DeviceLike = None, console: Console | None = None) -> int:
+def run(steps: int = 5, batch: int = 8, device: DeviceLike = None) -> int:
     """Stage ``steps`` steps of engine-like inputs; check the device copy. Returns mismatches."""
-    console = console or Console()
     caps = capabilities(device)
     stager = StepStager(device=caps.device)
     rng = np.random.default_rng(0)
@@ -31,12 +29,12 @@ def run(steps: int = 5, batch: int = 8, device: DeviceLike = None, console: Cons
         want = (int(req.sum()), int(pos.sum()), int(sum(seq)))
         ok = got == want
         mismatches += not ok
-        console.print(
+        print(
             f"step {s}: staged 3 arrays of {batch} -> {d_req.device} "
             f"via tier {stager.tier.name}: {'ok' if ok else f'MISMATCH {got} != {want}'}"
         )
     st = stager.stats()
-    console.print(
+    print(
         f"tier {stager.tier.name}: {st['transfers']} host->device transfers for "
         f"{steps} steps ({st['bytes']} bytes), guard={stager.guard}, "
         f"guard waits {st['guard_waits']}"

@@ -27,15 +27,23 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from .buffers import UvaBuffer
-from .pool import UvaBufferPool
-from .stager import StepStager
-from .tier import Tier
+from stagebuf import StepStager, Tier, UvaBufferPool
+
+from .baselines import (
+    MRV2_BLOCK,
+    MRV2_SLOTS,
+    CpuGpuBuffer,
+    Mrv2StagedWrite,
+    PoolMaker,
+    mrv2_fallback_pool,
+    mrv2_uva_pool,
+    uva_pool_cached,
+)
 
 # --- shared pieces ------------------------------------------------------------------------------
 
@@ -115,262 +123,6 @@ def _pinned_zeros(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return torch.zeros(shape, dtype=dtype, pin_memory=True)
 
 
-# --- the seed's buffers, reproduced as baselines ------------------------------------------------
-
-
-class SeedNonUvaBuffer:
-    """The seed's NonUvaBuffer: pageable memory, a synchronous ``copy_`` into a fixed device buffer."""
-
-    def __init__(self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        self.cpu = torch.zeros(size, dtype=dtype)
-        self.np = self.cpu.numpy()
-        self._uva = torch.zeros(size, dtype=dtype, device=device)
-
-    def uva(self, n: int | None = None) -> torch.Tensor:
-        if n is None:
-            return self._uva.copy_(self.cpu)
-        return self._uva[:n].copy_(self.cpu[:n])
-
-
-class _Buf(Protocol):
-    cpu: torch.Tensor
-    np: np.ndarray
-
-    def uva(self, n: int | None = None) -> torch.Tensor: ...
-
-
-class SeedPool:
-    """The seed's UvaBufferPool.copy_to_uva: round robin over slots, no guard."""
-
-    def __init__(
-        self, size: int, dtype: torch.dtype, make: Callable[[tuple[int, ...]], _Buf], slots: int = 2
-    ):
-        self._make = make
-        self._bufs = [make((size,)) for _ in range(slots)]
-        self._n = slots
-        self._curr = 0
-
-    def copy_to_uva(self, x: np.ndarray | torch.Tensor | list[int]) -> torch.Tensor:
-        self._curr = (self._curr + 1) % self._n
-        buf = self._bufs[self._curr]
-        n = len(x)
-        if n > buf.cpu.shape[0]:
-            buf = self._make((1 << (n - 1).bit_length(), *buf.cpu.shape[1:]))
-            self._bufs[self._curr] = buf
-        if isinstance(x, torch.Tensor):
-            buf.cpu[:n] = x
-        else:
-            buf.np[:n] = x
-        return buf.uva(n)
-
-
-def seed_nonuva_pool(size: int, dtype: torch.dtype, device: torch.device) -> SeedPool:
-    return SeedPool(size, dtype, lambda shape: SeedNonUvaBuffer(shape, dtype, device))
-
-
-def seed_uva_pool(size: int, dtype: torch.dtype, device: torch.device) -> SeedPool:
-    return SeedPool(size, dtype, lambda shape: UvaBuffer(shape, dtype, device))
-
-
-# --- vLLM Model Runner V2's buffer layer, rebuilt from its design as baselines -------------------
-
-MRV2_SLOTS = 2
-"""MRV2's default round-robin depth of a UVA buffer pool."""
-MRV2_BLOCK = 1024
-"""MRV2's staged-write kernel tile: each program loops over its edit in steps of this many elements."""
-
-
-class Mrv2UvaBuffer:
-    """MRV2's UvaBuffer: zeroed pinned memory and a device view of it.
-
-    stagebuf's :class:`UvaBuffer` allocates the pinned tensor and builds the view;
-    unlike it (it caches its row slices), ``uva(n)`` slices the view on every call,
-    as MRV2's pool does (``buf.uva[:n]``).
-    """
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        inner = UvaBuffer(shape, dtype, device)
-        self.cpu = inner.cpu
-        self.np = inner.np
-        self.view = inner.dev
-
-    def uva(self, n: int | None = None) -> torch.Tensor:
-        return self.view if n is None else self.view[:n]
-
-
-PoolMaker = Callable[[int, torch.dtype, torch.device], SeedPool]
-
-
-def mrv2_uva_pool(size: int, dtype: torch.dtype, device: torch.device) -> SeedPool:
-    """MRV2's UvaBufferPool: ``MRV2_SLOTS`` pinned buffers with device views, round robin, no guard.
-
-    copy_to_uva(x) writes x into the next slot's numpy view (its torch view for a
-    tensor) and returns a fresh slice of that slot's device view. The ring is the
-    seed's :class:`SeedPool`, which has the same design.
-    """
-    return SeedPool(size, dtype, lambda shape: Mrv2UvaBuffer(shape, dtype, device), slots=MRV2_SLOTS)
-
-
-tl: Any = None  # triton.language, set on the first use of the MRV2 kernel (CPU-only installs lack it)
-_triton_import_error: list[str] = []
-
-
-def triton_error() -> str | None:
-    """Why Triton cannot be imported here (None: it can); imported once, on first call."""
-    global tl
-    if tl is None and not _triton_import_error:
-        try:
-            import triton.language as _tl
-        except Exception as e:  # not installed, or broken
-            _triton_import_error.append(f"triton is not importable ({type(e).__name__}: {e})"[:200])
-        else:
-            tl = _tl
-    return _triton_import_error[0] if _triton_import_error else None
-
-
-# Triton reads a kernel's parameter annotations (they select its specialisation): leave them off.
-def _mrv2_write_kernel(out, out_stride, rows, starts, contents, cu_lens, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    # One program per staged edit: copy its values into out[row, start:start + len] in BLOCK tiles.
-    e = tl.program_id(0)
-    row = tl.load(rows + e).to(tl.int64)
-    col = tl.load(starts + e)
-    end = tl.load(cu_lens + e)
-    begin = tl.load(cu_lens + e - 1, mask=e > 0, other=0)
-    length = end - begin
-    dst = out + row * out_stride + col
-    src = contents + begin
-    for i in range(0, length, BLOCK):
-        offs = i + tl.arange(0, BLOCK)
-        m = offs < length
-        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
-
-
-def _mrv2_kernel(interpret: bool) -> Any:
-    """The MRV2 staged-write kernel, compiled by Triton (``interpret``: Triton's CPU interpreter)."""
-    from .staged_write import triton_function
-
-    err = triton_error()
-    if err is not None:
-        raise RuntimeError(f"mrv2_staged_write needs Triton: {err}")
-    return triton_function(_mrv2_write_kernel, interpret)
-
-
-def _mrv2_torch_apply(
-    out: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, contents: torch.Tensor, cu_lens: torch.Tensor
-) -> None:
-    """What the kernel does, in torch ops (CPU tests: no Triton launch without a GPU)."""
-    lens = torch.diff(cu_lens.long(), prepend=cu_lens.new_zeros(1, dtype=torch.int64))
-    edit = torch.repeat_interleave(torch.arange(rows.shape[0], device=rows.device), lens)
-    j = torch.arange(contents.shape[0], device=rows.device) - (cu_lens.long() - lens)[edit]
-    out[rows.long()[edit], starts.long()[edit] + j] = contents
-
-
-Mrv2Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-def _mrv2_launcher(kernel: str, device: torch.device) -> Mrv2Launch:
-    if kernel == "torch":
-        return _mrv2_torch_apply
-    if kernel not in ("triton", "interpret"):
-        raise ValueError(f"kernel={kernel!r}; allowed: 'triton', 'interpret', 'torch'")
-    jit = _mrv2_kernel(interpret=kernel == "interpret")
-    other_device = (
-        device.type == "cuda" and device.index is not None and (device.index != torch.cuda.current_device())
-    )
-
-    def launch(
-        out: torch.Tensor,
-        rows: torch.Tensor,
-        starts: torch.Tensor,
-        contents: torch.Tensor,
-        cu_lens: torch.Tensor,
-    ) -> None:
-        grid = (rows.shape[0],)
-        if other_device:
-            with torch.cuda.device(device):
-                jit[grid](out, out.stride(0), rows, starts, contents, cu_lens, BLOCK=MRV2_BLOCK)
-        else:
-            jit[grid](out, out.stride(0), rows, starts, contents, cu_lens, BLOCK=MRV2_BLOCK)
-
-    return launch
-
-
-class Mrv2StagedWrite:
-    """MRV2's StagedWriteTensor, rebuilt from its design.
-
-    Staging appends to Python lists (rows, starts, cumulative lengths; the values
-    with ``list.extend``). ``apply_write`` moves rows, starts and cumulative lengths
-    through three int32 UVA pools, the values through a new pinned tensor and one
-    asynchronous copy, launches one kernel with one program per edit, then clears
-    the lists. ``make_pool``, ``kernel`` and ``pin_contents`` exist for CPU tests
-    only (a pageable pool stand-in, the torch twin or Triton's interpreter); the
-    bench uses the defaults: UVA pools, compiled Triton, pinned contents.
-    """
-
-    def __init__(
-        self,
-        shape: tuple[int, int],
-        dtype: torch.dtype,
-        device: torch.device,
-        make_pool: PoolMaker = mrv2_uva_pool,
-        kernel: str = "triton",
-        pin_contents: bool = True,
-    ):
-        self.dtype = dtype
-        self.device = device
-        self.gpu = torch.zeros(shape, dtype=dtype, device=device)
-        self._indices: list[int] = []
-        self._starts: list[int] = []
-        self._contents: list[int | float] = []
-        self._cu_lens: list[int] = []
-        self._index_pool = make_pool(shape[0], torch.int32, device)
-        self._start_pool = make_pool(shape[0], torch.int32, device)
-        self._cu_len_pool = make_pool(shape[0], torch.int32, device)
-        self._pin = pin_contents
-        self._launch = _mrv2_launcher(kernel, device)
-        self.kernel = kernel
-
-    def stage_write(self, index: int, start: int, values: list[int]) -> None:
-        assert index >= 0
-        assert start >= 0
-        if not values:
-            return
-        self._indices.append(index)
-        self._starts.append(start)
-        self._contents.extend(values)
-        self._cu_lens.append(len(self._contents))
-
-    def apply_write(self) -> None:
-        if not self._indices:
-            return
-        rows = self._index_pool.copy_to_uva(self._indices)
-        starts = self._start_pool.copy_to_uva(self._starts)
-        cu_lens = self._cu_len_pool.copy_to_uva(self._cu_lens)
-        contents = torch.tensor(self._contents, dtype=self.dtype, pin_memory=self._pin).to(
-            self.device, non_blocking=True
-        )
-        self._launch(self.gpu, rows, starts, contents, cu_lens)
-        self.clear_staged_writes()
-
-    def clear_staged_writes(self) -> None:
-        self._indices.clear()
-        self._starts.clear()
-        self._contents.clear()
-        self._cu_lens.clear()
-
-
-class CpuGpuBuffer:
-    """vLLM V1's CpuGpuBuffer: a fixed pinned buffer and a fixed device buffer, one async copy."""
-
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
-        self.cpu = _pinned_zeros(size, dtype)
-        self.np = self.cpu.numpy()
-        self.gpu = torch.zeros(size, dtype=dtype, device=device)
-
-    def copy_to_gpu(self, n: int) -> torch.Tensor:
-        return self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
-
-
 # --- workload 1: micro --------------------------------------------------------------------------
 
 
@@ -430,7 +182,7 @@ def micro_pinned_buffer(env: Env, n: int) -> Case:
     return _micro_case("pinned_buffer_per_array", srcs, run)
 
 
-def micro_seed_pool(make: PoolMaker, name: str) -> Callable[[Env, int], Case]:
+def micro_baseline_pool(make: PoolMaker, name: str) -> Callable[[Env, int], Case]:
     def build(env: Env, n: int) -> Case:
         srcs = _sources(env, n)
         pools = [make(n, torch.int32, env.device) for _ in srcs]
@@ -667,7 +419,8 @@ class RowCopyTable:
 
 def staged_write_tensor(shape: tuple[int, int], device: torch.device, kernel: str | None = None) -> Any:
     """A StagedWriteTensor on the tier STAGEBUF_TIER forces; ``kernel`` forces its apply kernel."""
-    from .staged_write import ENV_KERNEL, StagedWriteTensor
+    from stagebuf import StagedWriteTensor
+    from stagebuf._constants import ENV_KERNEL
 
     if kernel is None:
         return StagedWriteTensor(shape, torch.int32, device)
@@ -820,7 +573,7 @@ def _pool_stage(make_pool: PoolMaker, dev: torch.device) -> Callable[[DecodeSim]
     return make
 
 
-def decode_seed_pool(make_pool: PoolMaker, name: str, pinned_table: bool) -> Callable[[Env, int], Case]:
+def decode_baseline_pool(make_pool: PoolMaker, name: str, pinned_table: bool) -> Callable[[Env, int], Case]:
     def build(env: Env, batch: int) -> Case:
         dev = env.device
         return _decode_case(
@@ -1075,7 +828,7 @@ def _sw_facts(sw: Any) -> dict[str, Any]:
 def has_stage_writes() -> bool:
     """Whether this build's StagedWriteTensor has the batched ``stage_writes`` (False if not importable)."""
     try:
-        from .staged_write import StagedWriteTensor
+        from stagebuf import StagedWriteTensor
     except Exception:
         return False
     return callable(getattr(StagedWriteTensor, "stage_writes", None))
@@ -1140,23 +893,23 @@ def micro_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
             needs=("pinned",),
         ),
         Strategy(
-            "seed_pageable_per_array",
-            "seed NonUvaBuffer pool per array (pageable + sync copy)",
+            "mrv2_fallback_per_array",
+            "MRV2 fallback (NonUvaBuffer) pool per array (pageable + sync copy)",
             "baseline",
-            micro_seed_pool(seed_nonuva_pool, "seed_pageable_per_array"),
+            micro_baseline_pool(mrv2_fallback_pool, "mrv2_fallback_per_array"),
         ),
         Strategy(
-            "seed_uva_pool_per_array",
-            "seed UVA pool per array (2 slots, no guard)",
+            "uva_pool_per_array",
+            "MRV2-style UVA pool per array (2 slots, no guard)",
             "baseline",
-            micro_seed_pool(seed_uva_pool, "seed_uva_pool_per_array"),
+            micro_baseline_pool(uva_pool_cached, "uva_pool_per_array"),
             needs=("uva",),
         ),
         Strategy(
             "mrv2_uva_pool",
             "MRV2 UvaBufferPool per array (2 UVA slots, slice per call, no guard)",
             "baseline",
-            micro_seed_pool(mrv2_uva_pool, "mrv2_uva_pool"),
+            micro_baseline_pool(mrv2_uva_pool, "mrv2_uva_pool"),
             needs=("uva",),
         ),
     ]
@@ -1233,16 +986,16 @@ def decode_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
             needs=("pinned",),
         ),
         Strategy(
-            "seed_pageable_per_array",
-            "seed NonUvaBuffer pool per array; sync row copies",
+            "mrv2_fallback_per_array",
+            "MRV2 fallback (NonUvaBuffer) pool per array; sync row copies",
             "baseline",
-            decode_seed_pool(seed_nonuva_pool, "seed_pageable_per_array", False),
+            decode_baseline_pool(mrv2_fallback_pool, "mrv2_fallback_per_array", False),
         ),
         Strategy(
-            "seed_uva_pool_per_array",
-            "seed UVA pool per array; pinned row copies",
+            "uva_pool_per_array",
+            "MRV2-style UVA pool per array; pinned row copies",
             "baseline",
-            decode_seed_pool(seed_uva_pool, "seed_uva_pool_per_array", True),
+            decode_baseline_pool(uva_pool_cached, "uva_pool_per_array", True),
             needs=("uva",),
         ),
         Strategy(

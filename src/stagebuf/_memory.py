@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import torch
 
-
-class PinnedAllocationError(RuntimeError):
-    """Page-locked host memory could not be allocated (memlock limit, WSL cap, driver)."""
-
-
-class DeviceAllocationError(RuntimeError):
-    """Device memory could not be allocated."""
+from ._errors import DeviceAllocationError, PinnedAllocationError
 
 
 def alloc_host(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:

@@ -8,34 +8,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from ._buffers import StagingBuffer, fill_host, make_buffer
+from ._convert import check_rows, host_array, numpy_dtype, shape_of, torch_dtype
+from ._errors import ArgumentTypeError, InvalidArgumentError
+from ._guard import SlotRing, empty_stats, slot_count
 from ._sealed import Sealed
+from ._tier import Tier
 from ._types import DeviceLike, DTypeLike, HostData
-from .buffers import StagingBuffer, fill_host, make_buffer
-from .convert import check_rows, host_array, numpy_dtype, shape_of, torch_dtype
-from .guard import SlotRing
-from .tier import Tier
-
-_DEFAULT_MAX_CONCURRENCY = 2
-
-
-def set_default_max_concurrency(n: int) -> None:
-    """Default slot count for pools, stagers and staged writers made afterwards (floor 2)."""
-    global _DEFAULT_MAX_CONCURRENCY
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r} must be an int >= 1 (values below 2 are raised to 2)")
-    _DEFAULT_MAX_CONCURRENCY = max(2, n)
-
-
-def slot_count(max_concurrency: int | None) -> int:
-    if max_concurrency is None:
-        return _DEFAULT_MAX_CONCURRENCY
-    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-        raise ValueError(f"max_concurrency={max_concurrency!r} must be None or an int >= 1")
-    return max(2, max_concurrency)
-
-
-def empty_stats() -> dict[str, int]:
-    return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0}
 
 
 class UvaBufferPool(Sealed):
@@ -118,9 +97,9 @@ class UvaBufferPool(Sealed):
     def _check_out(self, out: torch.Tensor, n: int) -> None:
         want = (n, *self.shape[1:])
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
+            raise ArgumentTypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
         if tuple(out.shape) != want or out.dtype != self.dtype or out.device != self.device:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"out has shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}; "
                 f"expected shape {want}, dtype {self.dtype}, device {self.device}"
             )

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._types import DTypeLike
 
 _TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
@@ -47,7 +48,7 @@ def torch_dtype(dtype: DTypeLike, name: str = "dtype") -> torch.dtype:
             np_dt = None
         if np_dt is not None and np_dt in _NUMPY_TO_TORCH:
             return _NUMPY_TO_TORCH[np_dt]
-    raise TypeError(f"{name}={dtype!r} is not supported; allowed: {_names(SUPPORTED_DTYPES)}")
+    raise ArgumentTypeError(f"{name}={dtype!r} is not supported; allowed: {_names(SUPPORTED_DTYPES)}")
 
 
 def numpy_dtype(dtype: DTypeLike) -> np.dtype:
@@ -61,7 +62,7 @@ def shape_of(size: int | Sequence[int], name: str = "size") -> tuple[int, ...]:
     except TypeError:
         dims = ()
     if not dims or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
-        raise ValueError(f"{name}={size!r}: expected an int >= 0 or a tuple of such ints")
+        raise InvalidArgumentError(f"{name}={size!r}: expected an int >= 0 or a tuple of such ints")
     return tuple(int(d) for d in dims)
 
 
@@ -70,7 +71,7 @@ def check_rows(n: int | None, rows: int, name: str = "n") -> int:
     if n is None:
         return rows
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= rows:
-        raise ValueError(f"{name}={n!r} must be an int in [0, {rows}]")
+        raise InvalidArgumentError(f"{name}={n!r} must be an int in [0, {rows}]")
     return int(n)
 
 
@@ -96,12 +97,12 @@ def host_array(
         arr = x
     elif isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{name} is a tensor on {x.device}; stagebuf stages host data: "
                 f"pass a CPU tensor, numpy array or list"
             )
         if x.dtype not in _TORCH_TO_NUMPY:
-            raise TypeError(f"{name} has dtype {x.dtype}; allowed: {_names(SUPPORTED_DTYPES)}")
+            raise ArgumentTypeError(f"{name} has dtype {x.dtype}; allowed: {_names(SUPPORTED_DTYPES)}")
         arr = x.detach().numpy()
     elif isinstance(x, (list, tuple)):
         arr = _from_sequence(x, dtype, name)
@@ -111,17 +112,21 @@ def host_array(
         allowed = "list, tuple, numpy.ndarray, CPU torch.Tensor"
         if iterables:
             allowed += " or another iterable of numbers"
-        raise TypeError(f"{name} must be a {allowed}; got {type(x).__name__}")
+        raise ArgumentTypeError(f"{name} must be a {allowed}; got {type(x).__name__}")
     if trailing is not None and arr.ndim == 1 and arr.shape[0] == 0 and not isinstance(x, np.ndarray):
         arr = arr.reshape((0, *trailing))  # an empty list has no trailing shape of its own
     if arr.ndim not in ndims:
         allowed_r = ", ".join(map(str, ndims))
-        raise ValueError(f"{name} has rank {arr.ndim} (shape {arr.shape}); allowed ranks: {allowed_r}")
+        raise InvalidArgumentError(
+            f"{name} has rank {arr.ndim} (shape {arr.shape}); allowed ranks: {allowed_r}"
+        )
     if trailing is not None and arr.shape[1:] != trailing and arr.shape[0] != 0:
-        raise ValueError(f"{name} has rows of shape {arr.shape[1:]}; the buffer's rows have shape {trailing}")
+        raise InvalidArgumentError(
+            f"{name} has rows of shape {arr.shape[1:]}; the buffer's rows have shape {trailing}"
+        )
     if dtype is None:
         if arr.dtype not in _NUMPY_TO_TORCH:
-            raise TypeError(f"{name} has dtype {arr.dtype}; allowed: {_names(SUPPORTED_DTYPES)}")
+            raise ArgumentTypeError(f"{name} has dtype {arr.dtype}; allowed: {_names(SUPPORTED_DTYPES)}")
         return arr
     return cast_checked(arr, numpy_dtype(dtype), name)
 
@@ -132,14 +137,16 @@ def _from_sequence(x: Sequence[Any], dtype: DTypeLike | None, name: str) -> np.n
     try:
         arr = np.asarray(x)
     except (ValueError, TypeError) as e:  # ragged nesting
-        raise ValueError(f"{name} is not a rectangular list of numbers: {e}") from None
+        raise InvalidArgumentError(f"{name} is not a rectangular list of numbers: {e}") from None
     if arr.dtype.kind not in "biuf":
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{name} holds elements numpy reads as {arr.dtype} (mixed or non-numeric types); "
             "allowed: bool, int or float elements"
         )
     if arr.dtype.kind != "b" and _has_bool(x):
-        raise TypeError(f"{name} mixes bools with numbers; allowed: all bool, or all int/float elements")
+        raise ArgumentTypeError(
+            f"{name} mixes bools with numbers; allowed: all bool, or all int/float elements"
+        )
     return arr
 
 
@@ -159,9 +166,9 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
     if src == target:
         return arr
     if src.kind not in "biuf":
-        raise TypeError(f"{name} has dtype {src}; allowed: {_names(SUPPORTED_DTYPES)}")
+        raise ArgumentTypeError(f"{name} has dtype {src}; allowed: {_names(SUPPORTED_DTYPES)}")
     if (src.kind == "b") != (target.kind == "b"):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{name} has dtype {src} but the target dtype is {target}; "
             "bools and numbers are not converted into each other"
         )
@@ -169,9 +176,13 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
         if target.kind in "iu":
             if src.kind == "f":
                 if not np.isfinite(arr).all():
-                    raise ValueError(f"{name} holds NaN or inf; target dtype {target} is an integer")
+                    raise InvalidArgumentError(
+                        f"{name} holds NaN or inf; target dtype {target} is an integer"
+                    )
                 if (arr != np.trunc(arr)).any():
-                    raise ValueError(f"{name} holds fractional values; target dtype {target} is an integer")
+                    raise InvalidArgumentError(
+                        f"{name} holds fractional values; target dtype {target} is an integer"
+                    )
             info = np.iinfo(target)
             lo, hi = arr.min(), arr.max()
             if src.kind == "f":
@@ -181,7 +192,7 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
             else:
                 bad = int(lo) < info.min or int(hi) > info.max
             if bad:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{name} holds values in [{lo}, {hi}], outside {target}'s range [{info.min}, {info.max}]"
                 )
         elif target.kind == "f":
@@ -189,5 +200,7 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
             # integers through float64: np.abs of an integer minimum overflows to a negative value
             finite = arr[np.isfinite(arr)] if src.kind == "f" else arr.astype(np.float64)
             if finite.size and np.abs(finite).max() > finfo.max:
-                raise ValueError(f"{name} holds finite values beyond {target}'s range (±{finfo.max})")
+                raise InvalidArgumentError(
+                    f"{name} holds finite values beyond {target}'s range (±{finfo.max})"
+                )
     return arr.astype(target, copy=False)

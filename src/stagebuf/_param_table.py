@@ -27,17 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._buffers import StagingBuffer, fill_host, make_buffer
+from ._constants import ALIGN
+from ._convert import torch_dtype
+from ._errors import InvalidArgumentError, ReadOnlyAttributeError, UnknownFieldError
+from ._guard import SlotRing, empty_stats, slot_count
+from ._memory import alloc_device, alloc_host
+from ._probe import capabilities
+from ._tier import Tier
 from ._types import DeviceLike
-from .buffers import StagingBuffer, fill_host, make_buffer
-from .convert import torch_dtype
-from .guard import SlotRing
-from .memory import alloc_device, alloc_host
-from .pool import empty_stats, slot_count
-from .probe import capabilities
-from .tier import Tier
-
-_ALIGN = 16
-
 
 _FIELD_READ_ONLY = {
     "gpu": "it is a view of the device arena at a fixed address, written by sync(); "
@@ -81,10 +79,10 @@ class ParamField:
         what = _FIELD_READ_ONLY.get(
             attr, "a field has no other attributes; write its values through .np or .cpu"
         )
-        raise AttributeError(f"ParamField.{attr} is read-only: {what}")
+        raise ReadOnlyAttributeError(f"ParamField.{attr} is read-only: {what}")
 
     def __delattr__(self, attr: str) -> None:
-        raise AttributeError(f"ParamField.{attr} cannot be deleted: a field's attributes are fixed")
+        raise ReadOnlyAttributeError(f"ParamField.{attr} cannot be deleted: a field's attributes are fixed")
 
     def __repr__(self) -> str:
         return f"ParamField({self.name!r}, dtype={self.dtype}, rows={self.cpu.shape[0]})"
@@ -116,20 +114,20 @@ class DeviceParamTable:
         ``device=None`` is the current accelerator, else the CPU (as ``capabilities(None)``).
         """
         if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or num_rows < 0:
-            raise ValueError(f"num_rows={num_rows!r} must be an int >= 0")
+            raise InvalidArgumentError(f"num_rows={num_rows!r} must be an int >= 0")
         if not isinstance(fields, Mapping) or not fields:
-            raise ValueError(f"fields={fields!r} must be a non-empty dict of name -> torch dtype")
+            raise InvalidArgumentError(f"fields={fields!r} must be a non-empty dict of name -> torch dtype")
         self.num_rows = int(num_rows)
         layout: list[tuple[str, torch.dtype, int]] = []
         off = 0
         for name, dt in fields.items():
             if not isinstance(name, str) or not name:
-                raise ValueError(f"field name {name!r} must be a non-empty str")
+                raise InvalidArgumentError(f"field name {name!r} must be a non-empty str")
             dtype = torch_dtype(dt, f"fields[{name!r}]")
             layout.append((name, dtype, off))
             nbytes = self.num_rows * torch.empty((), dtype=dtype).element_size()
-            off = (off + nbytes + _ALIGN - 1) & -_ALIGN
-        self.nbytes = max(off, _ALIGN)
+            off = (off + nbytes + ALIGN - 1) & -ALIGN
+        self.nbytes = max(off, ALIGN)
         caps = capabilities(device)
         self.device = caps.device
         self.max_concurrency = slot_count(max_concurrency)
@@ -166,7 +164,7 @@ class DeviceParamTable:
             object.__setattr__(self, name, value)
             return
         if name in self._fields:
-            raise AttributeError(
+            raise ReadOnlyAttributeError(
                 f"DeviceParamTable.{name}: fields are not attributes; write the "
                 f"values with table[{name!r}].np[...] = values"
             )
@@ -175,16 +173,18 @@ class DeviceParamTable:
             "a table's attributes are fixed at construction; write "
             "field values with table[name].np[...] = values",
         )
-        raise AttributeError(f"DeviceParamTable.{name} is read-only: {what}")
+        raise ReadOnlyAttributeError(f"DeviceParamTable.{name} is read-only: {what}")
 
     def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"DeviceParamTable.{name} cannot be deleted: a table's attributes are fixed")
+        raise ReadOnlyAttributeError(
+            f"DeviceParamTable.{name} cannot be deleted: a table's attributes are fixed"
+        )
 
     def __getitem__(self, name: str) -> ParamField:
         try:
             return self._fields[name]
         except KeyError:
-            raise KeyError(f"no field {name!r}; fields: {', '.join(self._fields)}") from None
+            raise UnknownFieldError(f"no field {name!r}; fields: {', '.join(self._fields)}") from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._fields

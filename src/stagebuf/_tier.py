@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from ._errors import InvalidArgumentError
+
 
 class Tier(enum.IntEnum):
     """Transfer tiers, best first (a lower value is a better tier)."""
@@ -34,7 +36,7 @@ class Tier(enum.IntEnum):
             return cls[str(value).strip().upper()]
         except KeyError:
             allowed = ", ".join(t.name.lower() for t in cls)
-            raise ValueError(f"{name}={value!r} is not a tier; allowed: {allowed}") from None
+            raise InvalidArgumentError(f"{name}={value!r} is not a tier; allowed: {allowed}") from None
 
     def __str__(self) -> str:
         return self.name

@@ -12,70 +12,20 @@ import os
 import platform
 import resource
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import uva as _uva
+from . import _uva as _uva
+from ._constants import ENV_TIER, ENV_WSL_PIN
+from ._errors import ArgumentTypeError, SettingValueError, TierUnavailableError, UnknownDeviceError, UvaError
+from ._log import logger, warn_once
+from ._memory import alloc_host
+from ._tier import Tier
 from ._types import DeviceLike
-from .log import logger, warn_once
-from .memory import alloc_host
-from .tier import Tier
 
-ENV_TIER = "STAGEBUF_TIER"
-ENV_WSL_PIN = "STAGEBUF_WSL_PIN_MEMORY"
 _SMALL_MEMLOCK = 64 << 20
-
-
-class SetupError(Exception):
-    """A setting that cannot work here, explained.
-
-    The message says what was asked (``problem``), why it cannot work on this
-    machine (``cause``), the values that would work (``allowed``) and what to do
-    (``fix``); the same facts are attributes, for ``stagebuf doctor`` and for
-    callers that want them. ``setting`` names what was set: ``"STAGEBUF_TIER"``,
-    ``"device"`` or ``"tier"``.
-    """
-
-    def __init__(
-        self,
-        problem: str,
-        *,
-        setting: str | None = None,
-        value: Any = None,
-        cause: str | None = None,
-        allowed: Sequence[str] = (),
-        fix: str | None = None,
-        hint: str | None = None,
-    ):
-        self.problem = problem
-        self.setting = setting
-        self.value = value
-        self.cause = cause
-        self.allowed = tuple(allowed)
-        self.fix = fix
-        self.hint = hint
-        """The part of the fix that does not depend on how the setting was given."""
-        text = problem + (f": {cause}" if cause else "")
-        if self.allowed:
-            text += f"; allowed: {', '.join(self.allowed)}"
-        if fix:
-            text += f". Fix: {fix}"
-        super().__init__(text)
-
-
-class TierUnavailableError(SetupError, RuntimeError):
-    """A tier or device was asked for (by STAGEBUF_TIER or an argument) that cannot work here."""
-
-
-class SettingValueError(SetupError, ValueError):
-    """STAGEBUF_TIER holds a value that is not a tier."""
-
-
-class UnknownDeviceError(SetupError, ValueError, RuntimeError):
-    """A device that torch does not know (a RuntimeError too, as torch.device raises)."""
 
 
 def torch_build() -> str:
@@ -218,7 +168,7 @@ def _uva_probe(device: torch.device) -> None:
         _synchronize(device)
         got = view.clone().cpu()
         if not torch.equal(got, expect):
-            raise _uva.UvaError(
+            raise UvaError(
                 "coherence probe failed: the device view did not see a host write made after "
                 "it was created (stale copy; seen under GPU confidential computing)"
             )
@@ -270,7 +220,7 @@ def _resolve_device(device: DeviceLike, forced: Tier | None) -> torch.device:
         cur = acc.current_accelerator() if acc is not None and acc.is_available() else None
         return torch.device(cur) if cur is not None else torch.device("cpu")
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"device={device!r} must be None, a str, an int or a torch.device; "
             f"allowed here: {', '.join(usable_devices())}"
         )

@@ -14,32 +14,23 @@ device address for every step (CUDA graphs).
 
 from __future__ import annotations
 
-import os
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
 
+from ._buffers import StagingBuffer, make_buffer
+from ._constants import ALIGN, POISON, check_mode
+from ._convert import _NUMPY_TO_TORCH, _TORCH_TO_NUMPY, host_array
+from ._errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from ._guard import SlotRing, empty_stats, slot_count
+from ._memory import alloc_device
 from ._sealed import Sealed
+from ._tier import Tier
 from ._types import DeviceLike, DTypeLike, HostData
-from .buffers import StagingBuffer, make_buffer
-from .convert import _NUMPY_TO_TORCH, _TORCH_TO_NUMPY, host_array
-from .guard import SlotRing
-from .memory import alloc_device
-from .pool import empty_stats, slot_count
-from .tier import Tier
 
-ALIGN = 16
 _MAX_CACHED_VIEWS = 4096
-ENV_CHECK = "STAGEBUF_CHECK"
-POISON = 0xFF
-"""Check mode fills memory that must not be read with this byte (int -1, float NaN)."""
-
-
-def check_mode() -> bool:
-    """Whether ``STAGEBUF_CHECK=1``: poison what a step has not published and what it released."""
-    return os.environ.get(ENV_CHECK, "").strip() not in ("", "0")
 
 
 _LayoutEntry = tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]
@@ -143,7 +134,7 @@ class Step:
 
     def _stage(self, x: HostData, dtype: DTypeLike | None) -> torch.Tensor:
         if self.done:
-            raise RuntimeError(f"step {self.seq} was already flushed; begin a new step()")
+            raise UsageError(f"step {self.seq} was already flushed; begin a new step()")
         to_numpy: dict[Any, np.dtype] = _TORCH_TO_NUMPY  # keyed by torch dtypes: other dtype-likes miss
         want = None if dtype is None else to_numpy.get(dtype)
         if (
@@ -175,13 +166,13 @@ class Step:
         st = self._stager
         slot = self._slot
         if st.static:
-            raise RuntimeError(
+            raise UsageError(
                 f"StepStager(static=True): step {self.seq} needs more than the {slot.cap} bytes of its "
                 "static arena; growing would move the addresses a captured CUDA graph reads. "
                 f"Construct the stager with capacity >= {2 * slot.cap + nbytes}."
             )
         if st.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
+            raise UsageError(
                 f"StepStager: step {self.seq} needs more than the slot's {slot.cap} bytes while a "
                 "CUDA graph is being captured; growing would move addresses the graph reads. "
                 f"Construct the stager with capacity >= {2 * slot.cap + nbytes}."
@@ -252,9 +243,9 @@ class StepStager(Sealed):
         static: bool = False,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < ALIGN:
-            raise ValueError(f"capacity={capacity!r} must be an int >= {ALIGN} (bytes per slot)")
+            raise InvalidArgumentError(f"capacity={capacity!r} must be an int >= {ALIGN} (bytes per slot)")
         if not isinstance(static, bool):
-            raise TypeError(f"static={static!r}; allowed: True or False")
+            raise ArgumentTypeError(f"static={static!r}; allowed: True or False")
         self.max_concurrency = slot_count(max_concurrency)
         bufs = [make_buffer(capacity, torch.uint8, device) for _ in range(self.max_concurrency)]
         self.static = static
@@ -308,7 +299,7 @@ class StepStager(Sealed):
     def step(self) -> Step:
         """Begin a step in the next slot (after the guard's check of that slot)."""
         if self._open is not None:
-            raise RuntimeError(f"step {self._open.seq} is still open; flush it before step()")
+            raise UsageError(f"step {self._open.seq} is still open; flush it before step()")
         ring = self._ring
         cur = ring.next()
         slot = self._slots[cur]
@@ -321,7 +312,7 @@ class StepStager(Sealed):
     def mark_consumed(self) -> None:
         """The last step's consumers are enqueued: record the guard's event now."""
         if self._open is not None:
-            raise RuntimeError(f"step {self._open.seq} is still open; flush it first")
+            raise UsageError(f"step {self._open.seq} is still open; flush it first")
         self._ring.mark()
 
     def stats(self) -> dict[str, int]:

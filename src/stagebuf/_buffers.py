@@ -33,13 +33,21 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from . import uva as _uva
+from . import _uva as _uva
+from ._constants import ENV_TIER
+from ._convert import check_rows, host_array, shape_of, torch_dtype
+from ._errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    PinnedAllocationError,
+    TierUnavailableError,
+    UvaError,
+)
+from ._log import warn_once
+from ._memory import alloc_device, alloc_host
+from ._probe import Capabilities, capabilities, usable_tiers
+from ._tier import Tier
 from ._types import DeviceLike, DTypeLike
-from .convert import check_rows, host_array, shape_of, torch_dtype
-from .log import warn_once
-from .memory import PinnedAllocationError, alloc_device, alloc_host
-from .probe import ENV_TIER, Capabilities, TierUnavailableError, capabilities, usable_tiers
-from .tier import Tier
 
 
 def fill_host(dst: np.ndarray, value: Any, dtype: torch.dtype, name: str) -> None:
@@ -53,7 +61,7 @@ def fill_host(dst: np.ndarray, value: Any, dtype: torch.dtype, name: str) -> Non
         value = np.asarray(value)
     arr = host_array(value, dtype, name, ndims=(0, dst.ndim))
     if arr.ndim and arr.shape != dst.shape:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{name}: a value of shape {arr.shape} was given; expected shape {dst.shape} "
             "(or one scalar for every element)"
         )
@@ -124,7 +132,7 @@ class StagingBuffer:
         """
         n = check_rows(n, self.shape[0])
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor; got {type(out).__name__}")
+            raise ArgumentTypeError(f"out must be a torch.Tensor; got {type(out).__name__}")
         shape = tuple(out.shape)
         if (
             out.dtype is not self.dtype
@@ -133,7 +141,7 @@ class StagingBuffer:
             or shape[1:] != self.shape[1:]
             or out.device != self.device
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"out has shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}; expected "
                 f"at least {n} rows of shape {self.shape[1:]}, dtype {self.dtype} on {self.device}"
             )
@@ -206,7 +214,7 @@ class HostBuffer(StagingBuffer):
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         super().__init__(size, dtype)
         if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"HostBuffer: device={device!r}; allowed: None or 'cpu'")
+            raise InvalidArgumentError(f"HostBuffer: device={device!r}; allowed: None or 'cpu'")
         self.device = torch.device("cpu")
         self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
         self.np = self.cpu.numpy()
@@ -295,7 +303,7 @@ def make_buffer(
     while True:
         try:
             return BUFFER_CLASSES[t](size, dtype, caps.device)
-        except (PinnedAllocationError, _uva.UvaError) as e:
+        except (PinnedAllocationError, UvaError) as e:
             # no pinned memory: PINNED would fail the same way, so go straight to PAGEABLE
             nxt = Tier.PAGEABLE if isinstance(e, PinnedAllocationError) else Tier(t + 1)
             if t >= last:

@@ -5,7 +5,7 @@ runs ``iters`` steps; host µs per step is the time to enqueue them, device-
 synchronised (e2e) µs per step the time until ``torch.cuda.synchronize()``
 returned (equal on the CPU). Medians over repeats are reported. ``iters`` is
 chosen per case so that a repeat lasts about ``--target-ms`` (at most
-``--iters``). The strategies are in :mod:`stagebuf.bench_workloads`.
+``--iters``). The strategies are in :mod:`benchmarks.workloads`.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import bench_workloads as W
-from .probe import ENV_TIER, Capabilities, capabilities, reset_capabilities
-from .tier import Tier
+from stagebuf import Capabilities, Tier, capabilities, reset_capabilities
+from stagebuf._constants import ENV_TIER
+
+from . import baselines as BL
+from . import workloads as W
 
 WORKLOADS = ("micro", "decode", "writes")
 UNITS = {"micro": "µs per step", "decode": "µs per step", "writes": "µs per apply"}
@@ -47,7 +49,7 @@ RATIO_CELL = W.WriteCell(RATIO_EDITS, 1)
 """staged_write_256_speedup's cell: 256 one-element edits."""
 STAGE_ONLY_CELL = W.WriteCell(RATIO_EDITS, 8)
 """stage_write_8_ints_us: 256 stage_write calls of 8-int lists, then clear_staged_writes()."""
-NAIVE_CPU = ("list_tensor", "seed_pageable_per_array", "pinned_tensor_per_array", "pinned_buffer_per_array")
+NAIVE_CPU = ("list_tensor", "mrv2_fallback_per_array", "pinned_tensor_per_array", "pinned_buffer_per_array")
 """The naive strategies a HOST-tier decode step is compared with (the pinned ones never run on a CPU)."""
 
 
@@ -248,11 +250,11 @@ def detect(cfg: BenchConfig) -> Machine:
                 unavailable[t] = f"tier {t.name} is not available on {dev}: {why}"
         unavailable[Tier.HOST] = f"tier HOST targets the CPU; the device is {dev}"
     try:
-        from . import staged_write  # noqa: F401
+        from stagebuf import StagedWriteTensor  # noqa: F401
 
         sw_error = None
-    except Exception as e:  # not written yet, or broken
-        sw_error = f"stagebuf.staged_write is not importable ({type(e).__name__}: {e})"
+    except Exception as e:  # a broken install
+        sw_error = f"stagebuf.StagedWriteTensor is not importable ({type(e).__name__}: {e})"
     sws_error = sw_error or (
         None
         if W.has_stage_writes()
@@ -287,8 +289,8 @@ def _missing(s: W.Strategy, m: Machine) -> str | None:
             return m.staged_write_error
         if need == "staged_writes" and m.staged_writes_error:
             return m.staged_writes_error
-        if need == "triton" and W.triton_error():
-            return f"needs Triton: {W.triton_error()}"
+        if need == "triton" and BL.triton_error():
+            return f"needs Triton: {BL.triton_error()}"
     if s.tier is not None and s.tier in m.unavailable:
         return m.unavailable[s.tier]
     return None
@@ -693,10 +695,10 @@ def _stage_write_us(stage_only: dict[str, Any], tiers_run: Sequence[Tier], targe
 TARGET_NEEDS: dict[str, str | None] = {
     "uva_stager_vs_pinned_per_array": "cuda",
     "pinned_stager_vs_pinned_per_array": "cuda",
-    "pageable_stager_vs_seed_nonuva": None,
+    "pageable_stager_vs_mrv2_fallback": None,
     "staged_write_256_speedup": None,
     "decode_pageable_vs_uva": "cuda",
-    "no_tier_slower_than_seed_uva": "cuda",
+    "no_tier_slower_than_uva_pool": "cuda",
     "staged_write_uva_vs_mrv2_e_le_16": "cuda",
     "staged_write_uva_vs_mrv2_e_ge_256": "cuda",
     "staged_writes_uva_vs_mrv2_e_ge_256": "cuda",
@@ -786,13 +788,13 @@ def compute_ratios(
             "<=",
             0.3,
         ),
-        "pageable_stager_vs_seed_nonuva": _ratio(
-            "PAGEABLE StepStager staging cost / the seed's NonUvaBuffer per array",
+        "pageable_stager_vs_mrv2_fallback": _ratio(
+            "PAGEABLE StepStager staging cost / MRV2's synchronous-copy fallback (NonUvaBuffer) per array",
             results,
             "micro",
             n,
             "stager_pageable",
-            "seed_pageable_per_array",
+            "mrv2_fallback_per_array",
             "staging",
             "<=",
             0.25,
@@ -839,15 +841,15 @@ def compute_ratios(
             "row_copies_e2e_us": rcv,
             "ratio_apply_only": round(rcv / apply_us, 3) if apply_us > 0 else None,
         }
-    # no tier slower than the seed's UVA-pool path by more than 10%
+    # no tier slower than the MRV2-style UVA pool's path by more than 10%
     parts = [
         _ratio(
-            f"{wl}: {t.name} StepStager / seed UVA pool",
+            f"{wl}: {t.name} StepStager / MRV2-style UVA pool",
             results,
             wl,
             size,
             f"stager_{W.TIER_NAMES[t]}",
-            "seed_uva_pool_per_array",
+            "uva_pool_per_array",
             "step",
             "<=",
             1.10,
@@ -855,8 +857,8 @@ def compute_ratios(
         for wl, size in (("micro", n), ("decode", cfg.batch))
         for t in tiers_run
     ]
-    out["no_tier_slower_than_seed_uva"] = _worst_of(
-        "every tier's StepStager step time / the seed's UVA-pool step time (micro K=8 N=64 and decode "
+    out["no_tier_slower_than_uva_pool"] = _worst_of(
+        "every tier's StepStager step time / the MRV2-style UVA pool's step time (micro K=8 N=64 and decode "
         "loop); measured is the worst",
         parts,
         "step (e2e µs)",
@@ -1289,7 +1291,7 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-PLOT_HINT = "--plot needs matplotlib: pip install 'stagebuf[plot]'"
+PLOT_HINT = "--plot needs matplotlib: pip install 'stagebuf[bench]'"
 
 
 def _import_matplotlib() -> tuple[Any, Any]:

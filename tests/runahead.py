@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .stager import StepStager
+from stagebuf import StepStager
 
 
 def run_ahead(stager: StepStager, steps: int, sleep_cycles: int, n: int = 256, seed: int = 0) -> int:

@@ -6,22 +6,22 @@ values and the fix, and exits with status 2 (``--json``: an object with ``error`
 and ``fix``). Only a bug in stagebuf may end in a traceback.
 
 ``rich`` draws the table where it is installed; without it the same report is
-plain text (``render_text``). This module needs neither rich nor click:
-``python -m stagebuf.doctor [--device D] [--json]`` runs it directly.
+plain text (``render_text``). It needs nothing beyond
+what ``import stagebuf`` needs.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
 
-from .probe import ENV_TIER, Capabilities, SetupError, capabilities, torch_build
+from ._constants import ENV_TIER
+from ._errors import SetupError
+from ._probe import Capabilities, capabilities, torch_build
 
 EXIT_OK = 0
 EXIT_SETUP = 2
@@ -189,18 +189,3 @@ def run(device: str | None = None, as_json: bool = False, out: TextIO | None = N
     else:
         print(render_text(found), file=out)
     return EXIT_OK
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m stagebuf.doctor``: the doctor without click."""
-    ap = argparse.ArgumentParser(prog="stagebuf doctor", description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--device", default=None, help="Device to probe (default: current accelerator, else cpu)."
-    )
-    ap.add_argument("--json", dest="as_json", action="store_true", help="Print the report as JSON.")
-    ns = ap.parse_args(argv)
-    return run(ns.device, ns.as_json)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ._convert import host_array, torch_dtype
+from ._errors import ArgumentTypeError, InvalidArgumentError
+from ._log import warn_once
+from ._probe import capabilities
+from ._tier import Tier
 from ._types import DeviceLike, DTypeLike, HostData
-from .convert import host_array, torch_dtype
-from .log import warn_once
-from .probe import capabilities
-from .tier import Tier
 
 _ANY_RANK = tuple(range(0, 9))
 
@@ -27,12 +28,14 @@ def async_copy_to_gpu(
     filled and returned.
     """
     if out is not None and not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
+        raise ArgumentTypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
     if dtype is not None:
         want: torch.dtype | None = torch_dtype(dtype)
         if out is not None and out.dtype != want:
             # copy_ would convert silently (and truncate fractions): refuse the mismatch instead
-            raise ValueError(f"dtype={want} but out.dtype={out.dtype}; pass one of them, or the same")
+            raise InvalidArgumentError(
+                f"dtype={want} but out.dtype={out.dtype}; pass one of them, or the same"
+            )
     elif out is not None:
         want = torch_dtype(out.dtype, "out.dtype")  # values must fit what they are copied into
     else:
@@ -40,7 +43,7 @@ def async_copy_to_gpu(
     arr = host_array(x, want, "x", ndims=_ANY_RANK)
     caps = capabilities(device)
     if out is not None and (tuple(out.shape) != arr.shape or out.device != caps.device):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"out has shape {tuple(out.shape)} on {out.device}; expected shape {arr.shape} on {caps.device}"
         )
     src = torch.from_numpy(np.ascontiguousarray(arr))

@@ -1,0 +1,3 @@
+from .bench import bench
+
+bench.main(prog_name="python -m benchmarks")

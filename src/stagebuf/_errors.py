@@ -1,0 +1,121 @@
+"""Every exception stagebuf raises, under one base: ``except stagebuf.StagebufError`` catches them all.
+
+Each keeps a builtin parent as well (``ValueError``, ``TypeError`` or
+``RuntimeError``), so an ``except`` clause written for the builtin still works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class StagebufError(Exception):
+    """The base of every exception stagebuf raises."""
+
+
+class InvalidArgumentError(StagebufError, ValueError):
+    """An argument (or a value in it) that stagebuf cannot use; the message names it and what is allowed."""
+
+
+class ArgumentTypeError(StagebufError, TypeError):
+    """An argument of a type that stagebuf cannot use; the message names it and what is allowed."""
+
+
+class UsageError(StagebufError, RuntimeError):
+    """A call out of order (a step still open, a flushed step staged into, a growth during capture)."""
+
+
+class SetupError(StagebufError):
+    """A setting that cannot work here, explained.
+
+    The message says what was asked (``problem``), why it cannot work on this
+    machine (``cause``), the values that would work (``allowed``) and what to do
+    (``fix``); the same facts are attributes, for ``stagebuf doctor`` and for
+    callers that want them. ``setting`` names what was set: ``"STAGEBUF_TIER"``,
+    ``"device"`` or ``"tier"``.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        setting: str | None = None,
+        value: Any = None,
+        cause: str | None = None,
+        allowed: Sequence[str] = (),
+        fix: str | None = None,
+        hint: str | None = None,
+    ):
+        self.problem = problem
+        self.setting = setting
+        self.value = value
+        self.cause = cause
+        self.allowed = tuple(allowed)
+        self.fix = fix
+        self.hint = hint
+        """The part of the fix that does not depend on how the setting was given."""
+        text = problem + (f": {cause}" if cause else "")
+        if self.allowed:
+            text += f"; allowed: {', '.join(self.allowed)}"
+        if fix:
+            text += f". Fix: {fix}"
+        super().__init__(text)
+
+
+class TierUnavailableError(SetupError, RuntimeError):
+    """A tier or device was asked for (by STAGEBUF_TIER or an argument) that cannot work here."""
+
+
+class SettingValueError(SetupError, ValueError):
+    """STAGEBUF_TIER holds a value that is not a tier."""
+
+
+class UnknownDeviceError(SetupError, ValueError, RuntimeError):
+    """A device that torch does not know (a RuntimeError too, as torch.device raises)."""
+
+
+class PinnedAllocationError(StagebufError, RuntimeError):
+    """Page-locked host memory could not be allocated (memlock limit, WSL cap, driver)."""
+
+
+class DeviceAllocationError(StagebufError, RuntimeError):
+    """Device memory could not be allocated."""
+
+
+class UvaError(StagebufError, RuntimeError):
+    """A device view of host memory could not be made or is not a live alias."""
+
+
+class SlotInFlightError(StagebufError, RuntimeError):
+    """A slot came round again while the device may still read it (guard='raise')."""
+
+
+class StepRuleError(StagebufError, RuntimeError):
+    """STAGEBUF_CHECK=1: the step clock would have released a slot the device may still read."""
+
+
+class StagedWriteError(InvalidArgumentError):
+    """A staged edit cannot be applied; ``position``, ``index`` and ``start`` name it.
+
+    Nothing was written and every staged edit is still staged: inspect them with
+    ``pending_writes()``, drop them with ``clear_staged_writes()``.
+    """
+
+    def __init__(self, message: str, position: int, index: int, start: int):
+        super().__init__(message)
+        self.position = position
+        self.index = index
+        self.start = start
+
+
+class ReadOnlyAttributeError(StagebufError, AttributeError):
+    """A write to an attribute that stagebuf would ignore (it is fixed at construction)."""
+
+
+class UnknownFieldError(StagebufError, KeyError):
+    """``DeviceParamTable[name]`` for a name that is not one of its fields."""
+
+
+class CudaError(StagebufError, RuntimeError):
+    """A CUDA runtime call that stagebuf makes directly (events, through cuda-bindings) failed."""

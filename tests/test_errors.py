@@ -1,0 +1,84 @@
+"""One exception base: everything stagebuf raises for its own conditions is a StagebufError,
+and keeps the builtin parent that ``except`` clauses written before it expect."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import stagebuf
+from stagebuf import (
+    DeviceParamTable,
+    StagebufError,
+    StagedWriteTensor,
+    StepStager,
+    UvaBufferPool,
+)
+
+SRC = Path(stagebuf.__file__).resolve().parent
+BUILTINS = {"ValueError", "TypeError", "RuntimeError", "AttributeError", "KeyError", "IndexError", "Exception"}
+
+
+def _raised_names() -> list[tuple[str, int, str]]:
+    """(file, line, exception name) of every ``raise Name(...)`` in the package."""
+    out = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                f = node.exc.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                out.append((str(path.relative_to(SRC)), node.lineno, name))
+    return out
+
+
+def test_no_bare_builtin_exception_is_raised():
+    raised = _raised_names()
+    assert len(raised) > 50  # the scan sees the package's raises
+    # a module's __getattr__ raises AttributeError by the language's protocol: the one exception
+    bare = [r for r in raised if r[2] in BUILTINS and r[:1] != ("__init__.py",)]
+    assert bare == []
+
+
+def test_every_exported_exception_has_the_base():
+    classes = [getattr(stagebuf, n) for n in stagebuf.__all__]
+    errors = [c for c in classes if isinstance(c, type) and issubclass(c, BaseException)]
+    assert len(errors) >= 14
+    for c in errors:
+        assert issubclass(c, StagebufError), c
+        builtin = {ValueError, TypeError, RuntimeError, AttributeError, KeyError}
+        assert c is StagebufError or c is stagebuf.SetupError or builtin & set(c.__mro__), c
+
+
+MISUSES = [
+    pytest.param(lambda: UvaBufferPool(-1, torch.int32), ValueError, id="pool-size-negative"),
+    pytest.param(lambda: UvaBufferPool(4, "no-such-dtype"), TypeError, id="pool-bad-dtype"),
+    pytest.param(lambda: StagedWriteTensor((4, 4), torch.int8), ValueError, id="sw-dtype"),
+    pytest.param(lambda: StepStager(capacity=0), ValueError, id="stager-capacity"),
+    pytest.param(lambda: DeviceParamTable(2, {"a": torch.int32}, "cpu")["b"], KeyError, id="table-field"),
+]
+
+
+@pytest.mark.parametrize(("call", "builtin"), MISUSES)
+def test_misuse_raises_the_base_and_the_builtin(cpu_tier, call, builtin):
+    with pytest.raises(StagebufError) as ei:
+        call()
+    assert isinstance(ei.value, builtin)
+
+
+def test_order_and_attribute_misuse(cpu_tier):
+    stager = StepStager()
+    st = stager.step()
+    with pytest.raises(StagebufError) as ei:
+        stager.step()  # the step before is still open
+    assert isinstance(ei.value, RuntimeError) and "still open" in str(ei.value)
+    st.flush()
+    with pytest.raises(StagebufError) as ei:
+        st.stage(np.arange(3))  # a flushed step
+    assert isinstance(ei.value, RuntimeError)
+    with pytest.raises(StagebufError) as ei:
+        stager.device = torch.device("cpu")  # looks writable, would be ignored
+    assert isinstance(ei.value, AttributeError)

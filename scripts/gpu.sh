@@ -8,11 +8,11 @@
 #   fuzz      the CUDA-tier state machines with FUZZ_EXAMPLES examples (scripts/gpu_reliability.sh fuzz)
 #   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (scripts/gpu_reliability.sh)
 #   multigpu  torchrun decode across GPUs (scripts/gpu_reliability.sh mp)
-#   bench     the full `stagebuf bench` (scripts/gpu_bench.sh): bench.json, bench.md, bench.png
+#   bench     the full bench, python -m benchmarks (scripts/gpu_bench.sh): bench.json, bench.md, bench.png
 # Each stage writes its log under $OUT and a line to $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 unset STAGEBUF_TIER

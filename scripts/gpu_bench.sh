@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The full `stagebuf bench` on a GPU machine: the numbers in docs/BENCHMARKS.md come from one run of this.
+# The full bench (python -m benchmarks) on a GPU machine, the bench stage of scripts/gpu.sh; the numbers
+# in docs/BENCHMARKS.md come from one run of this.
 #
-#   OUT=/path/to/dir bash scripts/gpu_bench.sh [more `stagebuf bench` options]
+#   OUT=/path/to/dir bash scripts/gpu_bench.sh [more bench options]
 #
 # Writes under $OUT (default ./out):
 #   bench.json   the report: medians, samples, ratios with pass/fail, versions, commit, command
@@ -11,14 +12,14 @@
 #   env.txt      nvidia-smi, torch/CUDA/Triton/cuda-bindings versions
 #   doctor.json  `stagebuf doctor --json`: the tiers this machine offers, and why
 # Where the working tree has no .git, pass the commit: STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu_bench.sh
-# Runs from a checkout without installing it (PYTHONPATH=src). Needs torch with CUDA, numpy, click, rich,
+# Runs from a checkout without installing it (PYTHONPATH=src:.). Needs torch with CUDA, numpy, click, rich,
 # matplotlib; cuda-bindings for tier UVA; triton for the staged-write kernel. About 2 minutes on an H200.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH}
 export COLUMNS=${COLUMNS:-200}
 
 if ! "$PY" -c "import torch, numpy, click, rich, matplotlib" 2>"$OUT/import-error.txt"; then
@@ -51,6 +52,6 @@ cat "$OUT/env.txt"
 
 "$PY" -m stagebuf doctor --json >"$OUT/doctor.json" || echo "gpu_bench: stagebuf doctor failed (see above)" >&2
 
-echo "+ $PY -m stagebuf bench --no-progress --json $OUT/bench.json --plot $OUT/bench.png --markdown $OUT/bench.md $*"
-"$PY" -m stagebuf bench --no-progress --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+echo "+ $PY -m benchmarks --no-progress --json $OUT/bench.json --plot $OUT/bench.png --markdown $OUT/bench.md $*"
+"$PY" -m benchmarks --no-progress --json "$OUT/bench.json" --plot "$OUT/bench.png" \
   --markdown "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.txt"

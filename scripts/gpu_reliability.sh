@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reliability runs on a GPU machine (issue 6): the GPU test suite, GPU fuzzing with many examples,
+# The reliability stages of scripts/gpu.sh (fuzz, sanitize, multigpu): the GPU test suite, GPU fuzzing with many examples,
 # compute-sanitizer memcheck and racecheck over the GPU tests, and a 2-process torchrun decode run.
 #
 #   OUT=/path/to/dir bash scripts/gpu_reliability.sh [STAGE ...]
@@ -140,7 +140,7 @@ EOF
     ;;
   gpu)
     run "GPU test suite" "${GPU_TIMEOUT:-420}" "$OUT/gpu_tests.log" \
-      "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/test_fuzz.py
+      "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/property/test_fuzz.py
     pytest_tail "$OUT/gpu_tests.log"
     ;;
   fuzz)
@@ -149,7 +149,7 @@ EOF
       STAGEBUF_FUZZ_REPORT="$OUT/fuzz_counts.json" \
       run "GPU fuzzing (STAGEBUF_FUZZ_EXAMPLES=$FUZZ_EXAMPLES STAGEBUF_FUZZ_STEPS=$FUZZ_STEPS)" \
       "${FUZZ_TIMEOUT:-420}" "$OUT/fuzz.log" \
-      "$PY" -m pytest tests/test_fuzz.py -m gpu -q -p no:cacheprovider --durations=0
+      "$PY" -m pytest tests/property/test_fuzz.py -m gpu -q -p no:cacheprovider --durations=0
     pytest_tail "$OUT/fuzz.log"
     [ -f "$OUT/fuzz_counts.json" ] && "$PY" - "$OUT/fuzz_counts.json" <<'EOF' | tee -a "$SUMMARY"
 import json, sys

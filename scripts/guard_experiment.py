@@ -1,6 +1,7 @@
 """Experiment (not a test): how many torn reads does a run-ahead host cause without the guard?
 
-PYTHONPATH=src python3 scripts/guard_experiment.py [steps]  -> JSON on stdout and $OUT/guard_experiment.json
+PYTHONPATH=src:tests python3 scripts/guard_experiment.py [steps]
+(JSON on stdout and in $OUT/guard_experiment.json)
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sys
 import torch
 
 import stagebuf
+from runahead import run_ahead  # tests/runahead.py: the run-ahead consumer the GPU tests use
 from stagebuf import StepStager
-from runahead import run_ahead
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
 result = {"steps": steps, "sleep_cycles": 200_000, "max_concurrency": 2, "torn_reads": {}}

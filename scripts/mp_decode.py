@@ -40,12 +40,21 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import stagebuf  # noqa: E402
-from stagebuf import StepStager, TierUnavailableError, UvaBackedTensor, UvaBufferPool  # noqa: E402
-from stagebuf._param_table import DeviceParamTable  # noqa: E402
-from stagebuf import FusedStagedWriter
-from stagebuf._staged_write import StagedWriteTensor  # noqa: E402
+from stagebuf import (  # noqa: E402
+    DeviceParamTable,
+    FusedStagedWriter,
+    StagedWriteTensor,
+    StepStager,
+    TierUnavailableError,
+    UvaBackedTensor,
+    UvaBufferPool,
+)
 
 BLOCK = 16  # tokens per KV block
+
+
+WARMUP_STEPS = 20
+"""Steps run before timing starts (their kernels compile): excluded from us_per_step."""
 
 
 def pick_device(args: argparse.Namespace, local_rank: int, local_world: int) -> tuple[torch.device, str]:
@@ -104,16 +113,27 @@ def run_tier(tier: str, device: torch.device, steps: int, seed: int, busy: int) 
     counter = StagedWriteTensor((max_reqs, 4), torch.int32, device, uva_instead_of_gpu=True)
     writer = FusedStagedWriter(device, 8)
     params = DeviceParamTable(max_reqs, {"temperature": torch.float32, "top_k": torch.int32}, device)
-    objects = {"stager": stager.tier.name, "pool": pool.tier.name, "backed": seq_lens.tier.name,
-               "staged_write": block_table.tier.name, "param_table": params.tier.name}
+    objects = {
+        "stager": stager.tier.name,
+        "pool": pool.tier.name,
+        "backed": seq_lens.tier.name,
+        "staged_write": block_table.tier.name,
+        "param_table": params.tier.name,
+    }
 
     results = torch.zeros(steps, dtype=torch.int64, device=device)
     mismatches = torch.zeros((), dtype=torch.int64, device=device)
     expected: list[int] = []
     devices_ok = True
     busy_a = torch.randn(busy, busy, device=device) if busy and device.type == "cuda" else None
+    # the first steps compile kernels (Triton's JIT, ATen's first launches): time the steps after them
+    warmup = min(WARMUP_STEPS, steps // 2)
     t0 = time.perf_counter()
     for s in range(steps):
+        if s == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
         # host: arrivals, departures, one token per active request
         free = [r for r in range(max_reqs) if r not in m.active]
         for _ in range(int(rng.integers(0, 4))):
@@ -170,12 +190,23 @@ def run_tier(tier: str, device: torch.device, steps: int, seed: int, busy: int) 
         mismatches += (blk * BLOCK + d_pos % BLOCK != d_slot).sum()
         mismatches += (d_lens[ri].long() != d_pos + 1).sum()
         temp8 = (params["temperature"].gpu[ri].double() * 8).round().long()
-        results[s] = ((d_tok * (d_pos + 1)).sum() + (params["top_k"].gpu[ri].long() * ri).sum()
-                      + temp8.sum() + d_chunk.sum() + counter.gpu[ri].long().sum())
+        results[s] = (
+            (d_tok * (d_pos + 1)).sum()
+            + (params["top_k"].gpu[ri].long() * ri).sum()
+            + temp8.sum()
+            + d_chunk.sum()
+            + counter.gpu[ri].long().sum()
+        )
         stager.mark_consumed()
-        expected.append(int((tok * (pos + 1)).sum() + (m.top_k[req].astype(np.int64) * req).sum()
-                            + (m.temperature[req].astype(np.float64) * 8).round().astype(np.int64).sum()
-                            + chunk.sum() + m.counter[req].astype(np.int64).sum()))
+        expected.append(
+            int(
+                (tok * (pos + 1)).sum()
+                + (m.top_k[req].astype(np.int64) * req).sum()
+                + (m.temperature[req].astype(np.float64) * 8).round().astype(np.int64).sum()
+                + chunk.sum()
+                + m.counter[req].astype(np.int64).sum()
+            )
+        )
         for t in (d_req, d_pos, d_tok, d_slot, d_chunk, d_lens, block_table.gpu, counter.gpu):
             devices_ok &= t.device == device
     if device.type == "cuda":
@@ -183,17 +214,28 @@ def run_tier(tier: str, device: torch.device, steps: int, seed: int, busy: int) 
     elapsed = time.perf_counter() - t0
     got = results.cpu().numpy()
     bad_steps = [int(i) for i in np.flatnonzero(got != np.array(expected, np.int64))]
-    tables_ok = (np.array_equal(block_table.gpu.cpu().numpy(), m.block_table)
-                 and np.array_equal(counter.gpu.cpu().numpy(), m.counter)
-                 and np.array_equal(params["top_k"].gpu.cpu().numpy(), m.top_k))
-    ok = (not bad_steps and int(mismatches) == 0 and tables_ok and devices_ok
-          and caps.tier.name == tier.upper())
+    tables_ok = (
+        np.array_equal(block_table.gpu.cpu().numpy(), m.block_table)
+        and np.array_equal(counter.gpu.cpu().numpy(), m.counter)
+        and np.array_equal(params["top_k"].gpu.cpu().numpy(), m.top_k)
+    )
+    ok = (
+        not bad_steps and int(mismatches) == 0 and tables_ok and devices_ok and caps.tier.name == tier.upper()
+    )
     return {
-        "tier": tier, "status": "ok" if ok else "MISMATCH", "caps_tier": caps.tier.name, "objects": objects,
-        "steps": steps, "bad_steps": bad_steps[:20], "n_bad_steps": len(bad_steps),
-        "slot_mismatches": int(mismatches), "tables_ok": tables_ok, "devices_ok": devices_ok,
+        "tier": tier,
+        "status": "ok" if ok else "MISMATCH",
+        "caps_tier": caps.tier.name,
+        "objects": objects,
+        "steps": steps,
+        "bad_steps": bad_steps[:20],
+        "n_bad_steps": len(bad_steps),
+        "slot_mismatches": int(mismatches),
+        "tables_ok": tables_ok,
+        "devices_ok": devices_ok,
         "counter_in_host_memory": counter.in_host_memory,
-        "us_per_step": round(elapsed / steps * 1e6, 1),
+        "us_per_step": round(elapsed / max(steps - warmup, 1) * 1e6, 1),
+        "warmup_steps": warmup,
         "guard_waits": {"stager": stager.stats()["guard_waits"], "pool": pool.stats()["guard_waits"]},
         "transfers": {"stager": stager.stats()["transfers"], "pool": pool.stats()["transfers"]},
     }
@@ -202,12 +244,16 @@ def run_tier(tier: str, device: torch.device, steps: int, seed: int, busy: int) 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--tiers", default=None, help="comma-separated (default: uva,pinned,pageable on CUDA, "
-                                                  "host,pageable on the CPU)")
+    ap.add_argument(
+        "--tiers",
+        default=None,
+        help="comma-separated (default: uva,pinned,pageable on CUDA, host,pageable on the CPU)",
+    )
     ap.add_argument("--device", choices=["auto", "cpu"], default="auto")
     ap.add_argument("--shared-gpu", action="store_true", help="put every process on cuda:0")
-    ap.add_argument("--busy", type=int, default=2048,
-                    help="size of the busy matmul per step on CUDA (0: none)")
+    ap.add_argument(
+        "--busy", type=int, default=2048, help="size of the busy matmul per step on CUDA (0: none)"
+    )
     ap.add_argument("--out", default=None, help="rank 0 writes mp_decode_summary.json here")
     args = ap.parse_args()
 
@@ -221,8 +267,13 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tiers = (args.tiers or ("uva,pinned,pageable" if device.type == "cuda" else "host,pageable")).split(",")
-    mine: dict[str, Any] = {"rank": rank, "device": str(device), "mode": mode, "pid": os.getpid(),
-                            "tiers": []}
+    mine: dict[str, Any] = {
+        "rank": rank,
+        "device": str(device),
+        "mode": mode,
+        "pid": os.getpid(),
+        "tiers": [],
+    }
     try:
         if device.type == "cuda":
             mine["device_name"] = torch.cuda.get_device_name(device)
@@ -236,18 +287,33 @@ def main() -> int:
         dist.all_gather_object(everyone, mine)
     else:
         everyone = [mine]
-    ok = all("error" not in r and all(t["status"] in ("ok", "unavailable") for t in r["tiers"])
-             and any(t["status"] == "ok" for t in r["tiers"]) for r in everyone)
+    ok = all(
+        "error" not in r
+        and all(t["status"] in ("ok", "unavailable") for t in r["tiers"])
+        and any(t["status"] == "ok" for t in r["tiers"])
+        for r in everyone
+    )
     if rank == 0:
-        summary = {"ok": ok, "world_size": world, "steps": args.steps, "ranks": everyone,
-                   "distinct_devices": sorted({r["device"] for r in everyone})}
+        summary = {
+            "ok": ok,
+            "world_size": world,
+            "steps": args.steps,
+            "ranks": everyone,
+            "distinct_devices": sorted({r["device"] for r in everyone}),
+        }
         text = json.dumps(summary, indent=2)
         print(text)
         for r in everyone:
             for t in r["tiers"]:
-                print(f"mp_decode: rank {r['rank']} on {r['device']} ({r['mode']}) tier {t['tier']}: "
-                      f"{t['status']}" + (f", {t['us_per_step']} us/step, guard waits {t['guard_waits']}"
-                                          if t["status"] != "unavailable" else f" ({t['reason'][:120]})"))
+                print(
+                    f"mp_decode: rank {r['rank']} on {r['device']} ({r['mode']}) tier {t['tier']}: "
+                    f"{t['status']}"
+                    + (
+                        f", {t['us_per_step']} us/step, guard waits {t['guard_waits']}"
+                        if t["status"] != "unavailable"
+                        else f" ({t['reason'][:120]})"
+                    )
+                )
             if "error" in r:
                 print(f"mp_decode: rank {r['rank']} failed:\n{r['error']}")
         print(f"mp_decode: {'PASS' if ok else 'FAIL'}: {world} processes on {summary['distinct_devices']}")

@@ -16,7 +16,7 @@ from stagebuf import Tier, capabilities
 from stagebuf import _doctor as doctor_mod
 from stagebuf._cli import main
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 HAS_CUDA = torch.cuda.is_available()
 TIERS = "uva, pinned, pageable, host"
 

@@ -62,7 +62,7 @@ sw_plan = importlib.import_module("stagebuf._staged_write.plan")
 pt_mod = importlib.import_module("stagebuf._param_table")
 
 HAS_CUDA = torch.cuda.is_available()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEV = "cuda:0"
 
 

@@ -20,7 +20,15 @@ from stagebuf import (
 )
 
 SRC = Path(stagebuf.__file__).resolve().parent
-BUILTINS = {"ValueError", "TypeError", "RuntimeError", "AttributeError", "KeyError", "IndexError", "Exception"}
+BUILTINS = {
+    "ValueError",
+    "TypeError",
+    "RuntimeError",
+    "AttributeError",
+    "KeyError",
+    "IndexError",
+    "Exception",
+}
 
 
 def _raised_names() -> list[tuple[str, int, str]]:

@@ -16,7 +16,7 @@ one and the bad one) is still staged, and drops the bad one.
 
 docs/RELIABILITY.md holds this matrix as a table; regenerate it with
 
-    PYTHONPATH=src python3 tests/test_bad_inputs.py > /tmp/matrix.md
+    PYTHONPATH=src python3 tests/unit/test_bad_inputs.py > /tmp/matrix.md
 
 (``test_doc_matrix_is_in_sync`` fails when the two differ).
 """
@@ -55,7 +55,7 @@ from stagebuf import (
 )
 from stagebuf._param_table import DeviceParamTable
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "RELIABILITY.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "RELIABILITY.md"
 BEGIN, END = "<!-- bad-input-matrix:begin -->", "<!-- bad-input-matrix:end -->"
 
 
@@ -1312,7 +1312,7 @@ def test_doc_matrix_is_in_sync() -> None:
     in_doc = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     assert in_doc == markdown(), (
         "docs/RELIABILITY.md's bad-input matrix is out of date: regenerate it with "
-        "`PYTHONPATH=src python3 tests/test_bad_inputs.py --write`"
+        "`PYTHONPATH=src python3 tests/unit/test_bad_inputs.py --write`"
     )
 
 

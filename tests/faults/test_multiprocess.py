@@ -35,7 +35,7 @@ from stagebuf import (
 from stagebuf import _uva as uva_mod
 from stagebuf._param_table import DeviceParamTable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "mp_decode.py"
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -9,7 +9,7 @@ only if a byte differs, snapshots the host arena into the next of
 ``max_concurrency`` round-robin staging slots and issues one stream-ordered
 copy of the whole arena from that slot. The copy
 reads the snapshot, not the arena, so host writes after ``sync()`` never race
-the copy in flight; the slot-reuse guard (see :mod:`stagebuf.guard`) makes
+the copy in flight; the slot-reuse guard (see :mod:`stagebuf._guard`) makes
 sure a slot's previous copy is done before the slot is written again.
 
 Nothing is silently ignored: ``field.np = values`` (or ``.cpu``) copies the

@@ -224,7 +224,7 @@ class StepStager(Sealed):
 
     ``capacity`` is in bytes per slot. ``guard`` is ``"auto"`` (wait where the
     device reads host memory asynchronously: UVA and PINNED; off elsewhere),
-    ``"wait"``, ``"raise"`` or ``"off"``: see :mod:`stagebuf.guard`. A slot's
+    ``"wait"``, ``"raise"`` or ``"off"``: see :mod:`stagebuf._guard`. A slot's
     consumers count as enqueued when the next step begins, or at
     ``mark_consumed()``.
 

@@ -118,7 +118,7 @@ class _Launcher:
     """The staging slots behind one writer: one packed transfer and one launch per apply.
 
     A ring of ``max_concurrency`` byte arenas of the writer's tier (guarded like
-    every ring: see :mod:`stagebuf.guard`). An apply writes its index (or per-edit
+    every ring: see :mod:`stagebuf._guard`). An apply writes its index (or per-edit
     metadata) array at offset 0 and the values after it, directly in the slot's
     host memory (private to the writer, so no scratch copy is needed), publishes
     the used prefix with one copy on the copy tiers (none on UVA) and launches.

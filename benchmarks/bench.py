@@ -64,13 +64,13 @@ class BenchConfig:
     """writes: E, the edits per apply."""
     lengths: tuple[int, ...] = (1, 8, 64)
     """writes: L, the elements per edit (the sweep is every E x L)."""
-    k: int = 8
-    batch: int = 256
+    k: int = W.Env.k
+    batch: int = W.Env.batch
     repeats: int = 5
     iters: int = 2000
     target_ms: float = 150.0
-    check_every: int = 50
-    decode_steps: int = 500
+    check_every: int = W.Env.check_every
+    decode_steps: int = W.Env.decode_steps
     threads: int | None = None
     """torch intra-op threads during the run (None: 1 when the device is the CPU, else torch's)."""
     seed: int = 0
@@ -227,9 +227,6 @@ class Machine:
     env: W.Env
     available: list[Tier]
     unavailable: dict[Tier, str]
-    staged_write_error: str | None
-    staged_writes_error: str | None = None
-    """Why StagedWriteTensor.stage_writes (the batched API) cannot be timed (None: it can)."""
 
 
 def detect(cfg: BenchConfig) -> Machine:
@@ -249,17 +246,6 @@ def detect(cfg: BenchConfig) -> Machine:
             if t < best:
                 unavailable[t] = f"tier {t.name} is not available on {dev}: {why}"
         unavailable[Tier.HOST] = f"tier HOST targets the CPU; the device is {dev}"
-    try:
-        from stagebuf import StagedWriteTensor  # noqa: F401
-
-        sw_error = None
-    except Exception as e:  # a broken install
-        sw_error = f"stagebuf.StagedWriteTensor is not importable ({type(e).__name__}: {e})"
-    sws_error = sw_error or (
-        None
-        if W.has_stage_writes()
-        else "StagedWriteTensor.stage_writes (the batched API) is not in this build"
-    )
     env = W.Env(
         dev,
         caps.device_type == "cuda",
@@ -272,7 +258,7 @@ def detect(cfg: BenchConfig) -> Machine:
         cfg.decode_steps,
         cfg.seed,
     )
-    return Machine(caps, env, available, unavailable, sw_error, sws_error)
+    return Machine(caps, env, available, unavailable)
 
 
 def _missing(s: W.Strategy, m: Machine) -> str | None:
@@ -285,10 +271,6 @@ def _missing(s: W.Strategy, m: Machine) -> str | None:
             return f"needs pinned host memory: {m.unavailable.get(Tier.PINNED, 'not available')}"
         if need == "uva" and not env.uva:
             return f"needs UVA: {m.unavailable.get(Tier.UVA, 'not available')}"
-        if need == "staged_write" and m.staged_write_error:
-            return m.staged_write_error
-        if need == "staged_writes" and m.staged_writes_error:
-            return m.staged_writes_error
         if need == "triton" and BL.triton_error():
             return f"needs Triton: {BL.triton_error()}"
     if s.tier is not None and s.tier in m.unavailable:

@@ -96,7 +96,7 @@ class Strategy:
     tier: Tier | None = None
     """The forced stagebuf tier (None: built with STAGEBUF_TIER unset)."""
     needs: tuple[str, ...] = ()
-    """Subset of 'cuda', 'pinned', 'uva', 'triton', 'staged_write', 'staged_writes'."""
+    """Subset of 'cuda', 'pinned', 'uva', 'triton': what the strategy needs from the machine."""
 
 
 class BenchCheckError(RuntimeError):
@@ -825,15 +825,6 @@ def _sw_facts(sw: Any) -> dict[str, Any]:
     return {"kernel": getattr(sw, "kernel", None), "stats": _stats_of(sw)}
 
 
-def has_stage_writes() -> bool:
-    """Whether this build's StagedWriteTensor has the batched ``stage_writes`` (False if not importable)."""
-    try:
-        from stagebuf import StagedWriteTensor
-    except Exception:
-        return False
-    return callable(getattr(StagedWriteTensor, "stage_writes", None))
-
-
 def writes_staged_batched(env: Env, cell: WriteCell, kernel: str | None = None) -> Case:
     """StagedWriteTensor: one ``stage_writes(rows, starts, values[E, L])`` from numpy, then apply."""
     ws = write_sets(env, cell)
@@ -1014,7 +1005,6 @@ def decode_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
                 "stagebuf",
                 decode_stager,
                 tier=t,
-                needs=("staged_write",),
             )
         )
     out.append(
@@ -1053,7 +1043,6 @@ def writes_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
                 "stagebuf",
                 writes_staged,
                 tier=t,
-                needs=("staged_write",),
             )
         )
         out.append(
@@ -1063,17 +1052,16 @@ def writes_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
                 "stagebuf",
                 writes_staged_batched,
                 tier=t,
-                needs=("staged_write", "staged_writes"),
             )
         )
     if Tier.UVA in tiers:  # the two apply kernels forced, to show where 'auto' switches
         forced = (
-            ("staged_write", "StagedWriteTensor", writes_staged, ("staged_write", "triton")),
+            ("staged_write", "StagedWriteTensor", writes_staged, ("triton",)),
             (
                 "staged_writes",
                 "stage_writes (numpy)",
                 writes_staged_batched,
-                ("staged_write", "staged_writes", "triton"),
+                ("triton",),
             ),
         )
         for k in ("scatter", "triton"):

@@ -25,7 +25,6 @@ from stagebuf._cli import main
 
 HAS_CUDA = torch.cuda.is_available()
 
-HAS_BATCHED = W.has_stage_writes()
 CPU_STRATEGIES = {
     "micro": {
         "list_tensor",
@@ -37,8 +36,13 @@ CPU_STRATEGIES = {
         "floor",
     },
     "decode": {"list_tensor", "mrv2_fallback_per_array", "stager_host", "stager_pageable", "floor"},
-    "writes": {"row_copy_per_edit", "staged_write_host", "staged_write_pageable"}
-    | ({"staged_writes_host", "staged_writes_pageable"} if HAS_BATCHED else set()),
+    "writes": {
+        "row_copy_per_edit",
+        "staged_write_host",
+        "staged_write_pageable",
+        "staged_writes_host",
+        "staged_writes_pageable",
+    },
 }
 CUDA_ONLY = {
     "micro": {
@@ -344,9 +348,12 @@ def test_seed_pool_and_row_copy_baselines_are_correct() -> None:
 
 def test_writes_cases_verify_on_cpu() -> None:
     env = W.Env(torch.device("cpu"), False, False, False)
-    builds = [W.writes_row_copy, W.writes_staged, W.writes_mrv2(W.mrv2_fallback_pool, "torch", False)]
-    if HAS_BATCHED:
-        builds.append(W.writes_staged_batched)
+    builds = [
+        W.writes_row_copy,
+        W.writes_staged,
+        W.writes_staged_batched,
+        W.writes_mrv2(BL.mrv2_fallback_pool, "torch", False),
+    ]
     for cell in (W.WriteCell(1, 1), W.WriteCell(16, 8), W.WriteCell(40, 64)):
         for build in builds:
             case = build(env, cell)
@@ -635,9 +642,6 @@ def test_quick_writes_keys_and_stage_only(quick: dict[str, Any]) -> None:
     assert host["measured"] == pytest.approx(so["host_us"] / 256, rel=1e-3)
     assert r["measured"] == max(p["measured"] for p in r["parts"])
     assert "stage only" in quick["output"] and "per call" in quick["output"]
-    if not HAS_BATCHED:
-        reasons = {s["strategy"]: s["reason"] for s in rep["skipped"] if s["workload"] == "writes"}
-        assert "stage_writes" in reasons["staged_writes_host"]
 
 
 def test_quick_targets_that_need_a_gpu_are_na_on_cpu(quick: dict[str, Any]) -> None:

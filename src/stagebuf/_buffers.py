@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from . import _uva as _uva
+from . import _uva
 from ._constants import ENV_TIER
 from ._convert import check_rows, host_array, shape_of, torch_dtype
 from ._errors import (

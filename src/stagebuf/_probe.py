@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import _uva as _uva
+from . import _uva
 from ._constants import ENV_TIER, ENV_WSL_PIN
 from ._errors import ArgumentTypeError, SettingValueError, TierUnavailableError, UnknownDeviceError, UvaError
 from ._log import logger, warn_once

@@ -85,12 +85,12 @@ def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) ->
     twins = [t.gpu.clone() for t in targets]
     sw_kernel._torch_twin(
         [twins[targets.index(p.target)].view(-1) for p in parts],
+        [p.target.gpu.data_ptr() for p in parts],
         torch.from_numpy(meta),
         torch.from_numpy(vals),
     )
-    table = torch.tensor([p.target.gpu.data_ptr() for p in parts], dtype=torch.int64)
     block = sw_kernel._block_for(longest)
-    sw_kernel._launch_triton(CPU, torch.from_numpy(meta), torch.from_numpy(vals), table, meta.shape[0], block)
+    sw_kernel._launch_triton(CPU, torch.from_numpy(meta), torch.from_numpy(vals), meta.shape[0], block)
     for t, twin, m in zip(targets, twins, models):
         np.testing.assert_array_equal(twin.numpy().reshape(m.shape), m)  # the twin is the model
         np.testing.assert_array_equal(t.gpu.numpy().reshape(m.shape), m)  # so is the kernel

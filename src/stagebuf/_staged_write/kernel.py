@@ -1,8 +1,8 @@
 """The staged-write Triton kernel, its launcher, and its plain-torch twin (the test oracle).
 
-One program per edit reads a packed metadata row (target, flat offset of the first
-element, length, source offset) and copies that edit's values; several targets go
-through one launch via a table of their base pointers.
+One program per edit reads a packed metadata row (target base address, flat offset
+of the first element, length, source offset) and copies that edit's values, so
+several targets go through one launch with no table to keep on the device.
 """
 
 from __future__ import annotations
@@ -44,14 +44,13 @@ def triton_usable(device: torch.device) -> bool:
 
 
 # Triton reads a kernel's parameter annotations (they select its specialisation): leave them off.
-def _staged_write_kernel(meta, content, table, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    # One program per edit; meta row: target, flat offset of the first element, length, source offset.
+def _staged_write_kernel(meta, content, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    # One program per edit; meta row: target address, flat offset of the first element, length, source.
     e = tl.program_id(0)
-    tid = tl.load(meta + 4 * e)
+    base = tl.load(meta + 4 * e).to(tl.pointer_type(content.dtype.element_ty))
     dst = tl.load(meta + 4 * e + 1)
     ln = tl.load(meta + 4 * e + 2)
     src = tl.load(meta + 4 * e + 3)
-    base = tl.load(table + tid).to(tl.pointer_type(content.dtype.element_ty))
     cols = tl.arange(0, BLOCK)
     c0 = 0
     while c0 < ln:
@@ -96,7 +95,6 @@ def _launch_triton(
     device: torch.device,
     meta: torch.Tensor,
     content: torch.Tensor,
-    table: torch.Tensor,
     n_edits: int,
     block: int,
 ) -> None:
@@ -104,21 +102,26 @@ def _launch_triton(
         launch = _triton_kernel(interpret=False)[(n_edits,)]
         warps = max(1, min(4, block // 128))
         if torch.cuda.current_device() == device.index:
-            launch(meta, content, table, BLOCK=block, num_warps=warps)
+            launch(meta, content, BLOCK=block, num_warps=warps)
         else:
             with torch.cuda.device(device):
-                launch(meta, content, table, BLOCK=block, num_warps=warps)
+                launch(meta, content, BLOCK=block, num_warps=warps)
     else:
-        _triton_kernel(interpret=True)[(n_edits,)](meta, content, table, BLOCK=block)
+        _triton_kernel(interpret=True)[(n_edits,)](meta, content, BLOCK=block)
 
 
-def _torch_twin(flats: Sequence[torch.Tensor], meta: torch.Tensor, content: torch.Tensor) -> None:
-    """The Triton kernel in plain torch ops, on the same packed layout (its test oracle)."""
+def _torch_twin(
+    flats: Sequence[torch.Tensor], addrs: Sequence[int], meta: torch.Tensor, content: torch.Tensor
+) -> None:
+    """The Triton kernel in plain torch ops, on the same packed layout (its test oracle).
+
+    ``flats[k]`` receives the edits whose meta row names the target address ``addrs[k]``.
+    """
     n = content.shape[0]
     tid, dst, ln, src = meta.unbind(1)
     edit_of = torch.repeat_interleave(ln, output_size=n)
     j = torch.arange(n, device=content.device) - (torch.cumsum(ln, 0) - ln)[edit_of]
     dest, source, owner = dst[edit_of] + j, src[edit_of] + j, tid[edit_of]
-    for k, flat in enumerate(flats):
-        sel = owner == k
+    for flat, addr in zip(flats, addrs):
+        sel = owner == addr
         flat.index_copy_(0, dest[sel], content[source[sel]])

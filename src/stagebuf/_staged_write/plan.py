@@ -138,8 +138,6 @@ class _Launcher:
         self.retired: list[list[StagingBuffer]] = []
         self.ring: SlotRing | None = None
         self.stats_ = {**empty_stats(), "steps": 0}
-        self.table_key: tuple[int, ...] | None = None
-        self.table: torch.Tensor | None = None
         forced = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
         if forced not in KERNELS:
             raise InvalidArgumentError(f"{ENV_KERNEL}={forced!r}; allowed: {', '.join(KERNELS)}")
@@ -267,27 +265,22 @@ class _Launcher:
                     a = b
         else:
             meta, vals, longest = _edit_meta(parts)
-            key = tuple(p.target.gpu.data_ptr() for p in parts)
-            if key != self.table_key:
-                self.table = torch.tensor(key, dtype=torch.int64).to(self.device)
-                self.table_key = key
-            assert self.table is not None
             d_meta, d_vals = self._pack(meta, vals)
-            _launch_triton(self.device, d_meta, d_vals, self.table, meta.shape[0], _block_for(longest))
+            _launch_triton(self.device, d_meta, d_vals, meta.shape[0], _block_for(longest))
         assert self.ring is not None
         self.ring.mark()
         return kernel
 
 
 def _edit_meta(parts: Sequence[_Gathered]) -> tuple[np.ndarray, np.ndarray, int]:
-    """The Triton kernel's per-edit rows (target, offset, length, source), the values, the longest edit."""
+    """The Triton kernel's per-edit rows (target address, offset, length, source), values, longest edit."""
     metas, vals = [], []
     src = 0
     longest = 1
-    for k, p in enumerate(parts):
+    for p in parts:
         e = p.dst.shape[0]
         m = np.empty((e, 4), np.int64)
-        m[:, 0] = k
+        m[:, 0] = p.target.gpu.data_ptr()
         m[:, 1] = p.dst
         m[:, 2] = p.lens
         np.cumsum(p.lens, out=m[:, 3])

@@ -1,0 +1,660 @@
+"""The engine workload: vLLM 0.33.0's own MRV2 input path, step by step, on a scheduler-like trace.
+
+The modules are vLLM's (``vllm_mrv2``): ``RequestState``, ``BlockTables``,
+``SamplingStates``, ``InputBuffers`` and the prepare, gather, slot-mapping and
+post-update kernels. Each step does what ``GPUModelRunner.execute_model`` and
+``prepare_inputs`` do with them, in their order: remove finished requests, add
+new ones (``add_request``, ``append_block_ids(overwrite=True)``,
+``SamplingStates.add_request``), apply the request and sampler writes, update the
+running requests (new blocks, ``num_computed_tokens``), apply the block tables,
+copy ``idx_mapping`` and ``query_start_loc`` to the device, and launch the
+prepare, gather and slot-mapping kernels. Then a stand-in forward pass
+(``torch.cuda._sleep`` on a busy GPU, nothing on an idle one) and vLLM's
+``post_update`` with deterministic "sampled" tokens.
+
+Configurations (``Setup``):
+
+* ``vllm``: vLLM's own ``buffer_utils``; ``pin=False`` is its NonUvaBuffer
+  fallback (a machine without pinned memory);
+* ``dropin``: stagebuf's classes in place of ``buffer_utils``' (the plugin's
+  substitution), on a forced stagebuf tier;
+* ``own``: the same, with the step's buffer work written against stagebuf's
+  own API: every staged write of the step (block tables and request state)
+  in one ``FusedStagedWriter.apply``, and the step's per-step arrays
+  (``idx_mapping``, ``query_start_loc``) through one ``StepStager`` step.
+
+Measured per step, on the host: the preparation (state updates through the last
+prepare kernel's launch) and the buffer work within it (applies, publishes and
+per-step copies). ``check()`` runs a configuration in lockstep with vLLM's own
+layer and compares every device-visible input after every step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import vllm_mrv2
+
+# --- the trace -------------------------------------------------------------------------------
+
+
+@dataclass
+class TraceConfig:
+    max_num_reqs: int = 256
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    block_sizes: tuple[int, ...] = (16,)
+    running: int = 190
+    """Requests the scheduler keeps running once ramped up."""
+    arrivals_per_step: int = 4
+    prompt: tuple[int, int] = (16, 1024)
+    output: tuple[int, int] = (16, 256)
+    steps: int = 150
+    vocab: int = 32000
+    seed: int = 0
+
+
+@dataclass
+class NewReq:
+    req_id: str
+    prompt_len: int
+    token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    max_tokens: int
+    params: Any
+
+
+@dataclass
+class StepPlan:
+    finished: list[str]
+    new: list[NewReq]
+    cached: list[tuple[str, int, tuple[list[int], ...] | None]]
+    order: list[str]
+    num_scheduled: np.ndarray
+    num_sampled: np.ndarray
+    has_prefill: bool
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt_len: int
+    output_len: int
+    computed: int = 0
+    generated: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+def make_trace(cfg: TraceConfig) -> list[StepPlan]:
+    """A deterministic scheduler trace: arrivals, chunked prefills, decodes, new blocks, finishes."""
+    rng = np.random.default_rng(cfg.seed)
+    groups = len(cfg.block_sizes)
+    next_block = [1] * groups
+    running: list[_Req] = []
+    plans: list[StepPlan] = []
+    serial = 0
+    for _ in range(cfg.steps):
+        finished = [r.rid for r in running if r.generated >= r.output_len]
+        running = [r for r in running if r.generated < r.output_len]
+        budget = cfg.max_num_batched_tokens
+        sched: dict[str, int] = {}
+        for r in running:  # decodes first, then prefill chunks, as a token budget allows
+            if r.computed >= r.prompt_len and budget > 0:
+                sched[r.rid] = 1
+                budget -= 1
+        for r in running:
+            if r.computed < r.prompt_len and budget > 0:
+                n = min(r.prompt_len - r.computed, budget)
+                sched[r.rid] = n
+                budget -= n
+        new: list[NewReq] = []
+        arrived = 0
+        while (
+            len(running) < cfg.running
+            and arrived < cfg.arrivals_per_step
+            and budget > 0
+            and len(running) < cfg.max_num_reqs
+        ):
+            p = int(rng.integers(cfg.prompt[0], cfg.prompt[1] + 1))
+            o = int(rng.integers(cfg.output[0], cfg.output[1] + 1))
+            o = min(o, cfg.max_model_len - p - 1)
+            r = _Req(f"req-{serial}", p, o)
+            serial += 1
+            running.append(r)
+            n = min(p, budget)
+            sched[r.rid] = n
+            budget -= n
+            arrived += 1
+            tokens = rng.integers(0, cfg.vocab, p).tolist()
+            new.append(NewReq(r.rid, p, tokens, (), o, None))
+        new_ids = {nr.req_id for nr in new}
+        cached: list[tuple[str, int, tuple[list[int], ...] | None]] = []
+        block_ids_of: dict[str, tuple[list[int], ...]] = {}
+        for r in running:
+            if r.rid not in sched:
+                continue
+            end = r.computed + sched[r.rid]
+            per_group: list[list[int]] = []
+            any_new = False
+            for g, bs in enumerate(cfg.block_sizes):
+                have = math.ceil(r.computed / bs) if r.rid not in new_ids else 0
+                need = math.ceil(end / bs)
+                ids = list(range(next_block[g], next_block[g] + max(need - have, 0)))
+                next_block[g] += len(ids)
+                any_new = any_new or bool(ids)
+                per_group.append(ids)
+            block_ids_of[r.rid] = tuple(per_group)
+            if r.rid not in new_ids:
+                cached.append((r.rid, r.computed, tuple(per_group) if any_new else None))
+        for nr in new:
+            nr.block_ids = block_ids_of[nr.req_id]
+            nr.params = SimpleNamespace(
+                temperature=float(rng.choice([0.0, 0.7, 1.0])),
+                top_k=int(rng.choice([0, 50])),
+                top_p=float(rng.choice([1.0, 0.9])),
+                min_p=0.0,
+                seed=int(rng.integers(0, 2**31)),
+                logprobs=None,
+            )
+        order = [r.rid for r in running if r.rid in sched]
+        num_sched = np.array([sched[rid] for rid in order], np.int32)
+        by_id = {r.rid: r for r in running}
+        sampled = np.zeros(len(order), np.int32)
+        has_prefill = False
+        for k, rid in enumerate(order):
+            r = by_id[rid]
+            if r.computed < r.prompt_len:
+                has_prefill = True
+            r.computed += sched[rid]
+            if r.computed >= r.prompt_len:
+                r.generated += 1
+                sampled[k] = 1
+        plans.append(StepPlan(finished, new, cached, order, num_sched, sampled, has_prefill))
+    return plans
+
+
+# --- one engine -----------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    """One configuration: whose buffer layer, which tier, which API."""
+
+    layer: str  # "vllm" or "stagebuf"
+    tier: str  # vllm: "uva" or "nopin"; stagebuf: uva, pinned, pageable, host
+    api: str = "dropin"  # stagebuf only: "dropin" or "own"
+
+    @property
+    def name(self) -> str:
+        if self.layer == "vllm":
+            return f"vllm_{self.tier}"
+        return f"stagebuf_{self.api}_{self.tier}"
+
+
+@contextmanager
+def stagebuf_tier(tier: str | None) -> Iterator[None]:
+    import stagebuf
+
+    old = os.environ.get("STAGEBUF_TIER")
+    if tier is None:
+        os.environ.pop("STAGEBUF_TIER", None)
+    else:
+        os.environ["STAGEBUF_TIER"] = tier
+    stagebuf.reset_capabilities()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("STAGEBUF_TIER", None)
+        else:
+            os.environ["STAGEBUF_TIER"] = old
+        stagebuf.reset_capabilities()
+
+
+_LOADED: dict[tuple[str, bool, str], vllm_mrv2.Mrv2] = {}
+
+
+def modules(setup: Setup, device: torch.device) -> vllm_mrv2.Mrv2:
+    key = (setup.layer, setup.tier != "nopin", str(device))
+    m = _LOADED.get(key)
+    if m is None:
+        m = _LOADED[key] = vllm_mrv2.load(setup.layer, pin=setup.tier != "nopin", device=device)
+    return m
+
+
+class Engine:
+    """The MRV2 input-side state of one model runner, driven by a trace."""
+
+    def __init__(self, setup: Setup, cfg: TraceConfig, device: torch.device):
+        self.setup, self.cfg, self.device = setup, cfg, device
+        m = self.m = modules(setup, device)
+        g = len(cfg.block_sizes)
+        self.req_states = m.states.RequestState(
+            cfg.max_num_reqs, cfg.max_model_len, cfg.max_num_batched_tokens, 0, cfg.vocab, device
+        )
+        self.block_tables = m.block_table.BlockTables(
+            list(cfg.block_sizes),
+            cfg.max_num_reqs,
+            cfg.max_num_batched_tokens,
+            [math.ceil(cfg.max_model_len / bs) for bs in cfg.block_sizes],
+            device,
+        )
+        self.sampling = m.sample_states.SamplingStates(cfg.max_num_reqs, cfg.vocab)
+        self.buffers = m.input_batch.InputBuffers(cfg.max_num_reqs, cfg.max_num_batched_tokens, device)
+        self.own = setup.api == "own"
+        self.stager: Any = None
+        self.writer: Any = None
+        if self.own:
+            import stagebuf
+
+            self.stager = stagebuf.StepStager(device, capacity=1 << 16)
+            writes = self.block_tables.block_tables + [
+                self.req_states.total_len,
+                self.req_states.all_token_ids,
+                self.req_states.num_computed_tokens,
+            ]
+            self.own_writes = writes
+            self.writer = stagebuf.FusedStagedWriter(device, max_writes=g * cfg.max_num_reqs + 3 * 64)
+        self.qsl_np = np.zeros(cfg.max_num_reqs + 1, np.int32)
+        self.step_no = 0
+        self.last: dict[str, torch.Tensor] = {}
+
+    # the step, as GPUModelRunner runs it; returns (host preparation µs, buffer work µs)
+    def prepare(self, plan: StepPlan) -> tuple[float, float]:
+        clock = time.perf_counter
+        rs, bt, ss, dev = self.req_states, self.block_tables, self.sampling, self.device
+        h2d = self.m.async_tensor_h2d
+        t0 = clock()
+        buf = 0.0
+        for rid in plan.finished:
+            rs.remove_request(rid)
+        for nr in plan.new:
+            rs.add_request(
+                req_id=nr.req_id,
+                prompt_len=nr.prompt_len,
+                all_token_ids=nr.token_ids,
+                num_computed_tokens=0,
+                max_tokens=nr.max_tokens,
+            )
+            idx = rs.req_id_to_index[nr.req_id]
+            bt.append_block_ids(idx, nr.block_ids, overwrite=True)
+            ss.add_request(idx, nr.params)
+        b0 = clock()
+        if plan.new:
+            if self.own:
+                rs.prompt_len.copy_to_uva()
+                rs.prefill_len.copy_to_uva()
+            else:
+                rs.apply_staged_writes()
+        b1 = clock()
+        ss.apply_staged_writes()
+        b2 = clock()
+        buf += b2 - b0
+        nct = rs.num_computed_tokens_np
+        index = rs.req_id_to_index
+        for rid, n, blocks in plan.cached:
+            idx = index[rid]
+            nct[idx] = n
+            if blocks is not None:
+                bt.append_block_ids(idx, blocks, overwrite=False)
+        np.minimum(rs.num_computed_tokens_np, rs.prefill_len.np, out=rs.num_computed_prefill_tokens)
+        idx_np = np.array([index[rid] for rid in plan.order], np.int32)
+        num_reqs = idx_np.shape[0]
+        num_tokens = int(plan.num_scheduled.sum())
+        qsl_np = self.qsl_np
+        qsl_np[0] = 0
+        np.cumsum(plan.num_scheduled, out=qsl_np[1 : num_reqs + 1])
+        qsl_np[num_reqs + 1 :] = num_tokens
+        b3 = clock()
+        if self.own:
+            self.writer.apply(self.own_writes)
+            bt.num_blocks.copy_to_uva()
+            b4 = clock()
+            with self.stager.step() as s:
+                idx_mapping = s.stage(idx_np.astype(np.int64))
+                qsl_full = s.stage(qsl_np)
+            query_start_loc = qsl_full[: num_reqs + 1]
+        else:
+            bt.apply_staged_writes()
+            b4 = clock()
+            idx_mapping = h2d(idx_np, device=dev, dtype=torch.int64)
+            h2d(qsl_np, out=self.buffers.query_start_loc)
+            query_start_loc = self.buffers.query_start_loc[: num_reqs + 1]
+        b5 = clock()
+        buf += b5 - b3
+        self.sections = (b1 - b0, b2 - b1, b4 - b3, b5 - b4)
+        ib = self.m.input_batch
+        cu_num_logits = torch.arange(num_reqs + 1, device=dev, dtype=torch.int32)
+        if plan.has_prefill:
+            ib.prepare_prefill_inputs(
+                self.buffers.input_ids,
+                rs.next_prefill_tokens,
+                idx_mapping,
+                query_start_loc,
+                rs.all_token_ids.gpu,
+                rs.prefill_len.gpu,
+                rs.num_computed_tokens.gpu,
+            )
+        ib.prepare_pos_seq_lens(
+            idx_mapping,
+            query_start_loc,
+            rs.num_computed_tokens.gpu,
+            self.buffers.positions,
+            self.buffers.seq_lens,
+        )
+        seq_lens = self.buffers.seq_lens[:num_reqs]
+        logits_indices = ib.combine_sampled_and_draft_tokens(
+            self.buffers.input_ids,
+            idx_mapping,
+            rs.last_sampled_tokens,
+            query_start_loc,
+            seq_lens,
+            rs.prefill_len.gpu,
+            rs.draft_tokens,
+            cu_num_logits,
+            num_reqs,
+            1,
+        )
+        tables = bt.gather_block_tables(idx_mapping, num_reqs, num_computed_tokens=rs.num_computed_tokens.gpu)
+        slots = bt.compute_slot_mappings(idx_mapping, query_start_loc, self.buffers.positions, num_tokens)
+        t1 = clock()
+        self.last = {
+            "idx_mapping": idx_mapping,
+            "query_start_loc": query_start_loc,
+            "logits_indices": logits_indices,
+            "slot_mappings": slots,
+            **{f"block_table_{g}": t for g, t in enumerate(tables)},
+        }
+        self._num = (num_reqs, num_tokens)
+        return (t1 - t0) * 1e6, buf * 1e6
+
+    def finish(self, plan: StepPlan, sleep_cycles: int) -> None:
+        """The stand-in forward pass (``sleep_cycles`` > 0: the GPU is busy), the sampler, post_update."""
+        dev = self.device
+        if sleep_cycles and dev.type == "cuda":
+            torch.cuda._sleep(sleep_cycles)
+        idx_mapping = self.last["idx_mapping"]
+        sampled = ((idx_mapping * 31 + self.step_no) % self.cfg.vocab).view(-1, 1)
+        num_sampled = torch.from_numpy(plan.num_sampled).to(dev, non_blocking=True)
+        num_rejected = torch.zeros_like(num_sampled)
+        rs = self.req_states
+        self.m.input_batch.post_update(
+            idx_mapping,
+            rs.num_computed_tokens.gpu,
+            rs.last_sampled_tokens,
+            None,
+            sampled,
+            num_sampled,
+            num_rejected,
+            self.last["query_start_loc"],
+            rs.all_token_ids.gpu,
+            rs.total_len.gpu,
+        )
+        self.step_no += 1
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """Every device-visible input of the step just prepared (views: read after a synchronize)."""
+        num_reqs, num_tokens = self._num
+        rs, bt, ss, b = self.req_states, self.block_tables, self.sampling, self.buffers
+        out = {
+            "idx_mapping": self.last["idx_mapping"],
+            "query_start_loc": self.last["query_start_loc"],
+            "logits_indices": self.last["logits_indices"],
+            "slot_mappings": self.last["slot_mappings"],
+            "positions": b.positions[:num_tokens],
+            "input_ids": b.input_ids[:num_tokens],
+            "seq_lens": b.seq_lens[:num_reqs],
+            "num_computed_tokens": rs.num_computed_tokens.gpu,
+            "total_len": rs.total_len.gpu,
+            "all_token_ids": rs.all_token_ids.gpu,
+            "prompt_len": rs.prompt_len.gpu,
+            "prefill_len": rs.prefill_len.gpu,
+            "last_sampled_tokens": rs.last_sampled_tokens,
+            "num_blocks": bt.num_blocks.gpu,
+            "temperature": ss.temperature.gpu,
+            "top_k": ss.top_k.gpu,
+            "top_p": ss.top_p.gpu,
+            "min_p": ss.min_p.gpu,
+            "seeds": ss.seeds.gpu,
+        }
+        for g, t in enumerate(bt.block_tables):
+            out[f"block_table_state_{g}"] = t.gpu
+        for k, v in self.last.items():
+            if k.startswith("block_table_"):
+                out[k] = v
+        return out
+
+
+def _tier_of(setup: Setup) -> str | None:
+    return None if setup.layer == "vllm" else setup.tier
+
+
+def check(
+    setup: Setup,
+    cfg: TraceConfig,
+    device: torch.device,
+    busy_cycles: int = 0,
+    reference: Setup | None = None,
+    trace: list[StepPlan] | None = None,
+) -> dict[str, Any]:
+    """Run ``setup`` and vLLM's own layer in lockstep; compare every device-visible input each step.
+
+    Returns ``{"steps": n, "mismatches": [...]}``; a mismatch names the step and the input.
+    """
+    ref_setup = reference or Setup("vllm", "uva")
+    plans = trace if trace is not None else make_trace(cfg)
+    with stagebuf_tier(_tier_of(ref_setup)):
+        ref = Engine(ref_setup, cfg, device)
+    with stagebuf_tier(_tier_of(setup)):
+        eng = Engine(setup, cfg, device)
+        mismatches: list[str] = []
+        for i, plan in enumerate(plans):
+            ref.prepare(plan)
+            eng.prepare(plan)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            a, b = ref.inputs(), eng.inputs()
+            for k in a:
+                x, y = a[k], b[k]
+                if x.shape != y.shape or not torch.equal(x.cpu(), y.cpu()):
+                    mismatches.append(f"step {i}: {k}")
+            for e in (ref, eng):
+                e.finish(plan, busy_cycles)
+            if len(mismatches) > 20:
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return {"steps": len(plans), "mismatches": mismatches, "setup": setup.name, "reference": ref_setup.name}
+
+
+def sleep_cycles_for(ms: float, device: torch.device) -> int:
+    """``torch.cuda._sleep`` cycles for about ``ms`` milliseconds on ``device`` (measured once)."""
+    probe = 1_000_000
+    torch.cuda._sleep(probe)  # warm
+    torch.cuda.synchronize(device)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(probe)
+    b.record()
+    b.synchronize()
+    per_ms = probe / max(a.elapsed_time(b), 1e-3)
+    return int(per_ms * ms)
+
+
+def run_steps(
+    setup: Setup, cfg: TraceConfig, device: torch.device, plans: list[StepPlan], busy_cycles: int, warmup: int
+) -> dict[str, Any]:
+    """One timed run of the trace: per-step host preparation and buffer work (µs), after ``warmup``."""
+    with stagebuf_tier(_tier_of(setup)):
+        eng = Engine(setup, cfg, device)
+        prep: list[float] = []
+        bufw: list[float] = []
+        secs: list[tuple[float, ...]] = []
+        cuda = device.type == "cuda"
+        prev: Any = None
+        for i, plan in enumerate(plans):
+            p, b = eng.prepare(plan)
+            eng.finish(plan, busy_cycles)
+            if cuda:
+                if busy_cycles:  # two steps in flight: wait for the step before this one
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    if prev is not None:
+                        prev.synchronize()
+                    prev = ev
+                else:  # idle GPU: everything done before the next step is prepared
+                    torch.cuda.synchronize(device)
+            if i >= warmup:
+                prep.append(p)
+                bufw.append(b)
+                secs.append(eng.sections)
+        if cuda:
+            torch.cuda.synchronize(device)
+    return {
+        "prep_us": float(np.median(prep)),
+        "buffer_us": float(np.median(bufw)),
+        "prep_mean_us": float(np.mean(prep)),
+        "buffer_mean_us": float(np.mean(bufw)),
+        "steps": len(prep),
+        # mean µs per step of each part of the buffer work
+        "sections_us": dict(
+            zip(SECTIONS, (float(x) * 1e6 for x in np.mean(np.array(secs), axis=0)) if secs else ())
+        ),
+        "guard_waits": _guard_waits(eng),
+    }
+
+
+SECTIONS = ("request_writes", "sampler_publish", "block_tables", "per_step_copies")
+"""The parts of the buffer work: RequestState.apply_staged_writes (steps with arrivals), the
+sampler's five publishes, BlockTables.apply_staged_writes (own API: every staged write of the step
+in one fused apply, and num_blocks), idx_mapping and query_start_loc to the device."""
+
+
+def _guard_waits(eng: Engine) -> int:
+    total = 0
+    for obj in vars(eng.req_states).values():
+        st = getattr(obj, "stats", None)
+        if callable(st):
+            try:
+                total += int(st().get("guard_waits", 0))
+            except Exception:
+                pass
+    return total
+
+
+def setups(cuda: bool, have_uva: bool, have_pinned: bool) -> list[Setup]:
+    out: list[Setup] = []
+    if cuda:
+        out.append(Setup("vllm", "uva"))
+        out.append(Setup("vllm", "nopin"))
+        tiers = [t for t, ok in (("uva", have_uva), ("pinned", have_pinned), ("pageable", True)) if ok]
+    else:
+        out.append(Setup("vllm", "uva"))
+        tiers = ["host", "pageable"]
+    for api in ("dropin", "own"):
+        out.extend(Setup("stagebuf", t, api) for t in tiers)
+    return out
+
+
+def bench(
+    device: torch.device,
+    groups: tuple[int, ...] = (1, 2),
+    repeats: int = 3,
+    steps: int = 150,
+    warmup: int = 30,
+    busy_ms: float = 3.0,
+    check_steps: int = 150,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The whole engine workload: identical-inputs checks, then interleaved timed repeats."""
+    import stagebuf
+
+    cuda = device.type == "cuda"
+    have = {t: False for t in ("uva", "pinned")}
+    if cuda:
+        caps = stagebuf.capabilities(device)
+        have["uva"] = caps.tier is stagebuf.Tier.UVA
+        have["pinned"] = caps.tier <= stagebuf.Tier.PINNED
+    all_setups = setups(cuda, have["uva"], have["pinned"])
+    cycles = sleep_cycles_for(busy_ms, device) if cuda else 0
+    out: dict[str, Any] = {
+        "vllm_version": vllm_mrv2.VERSION,
+        "busy_ms": busy_ms,
+        "steps": steps,
+        "warmup": warmup,
+        "repeats": repeats,
+        "checks": [],
+        "runs": {},
+    }
+    for g in groups:
+        cfg = TraceConfig(
+            block_sizes=(16, 32)[:g] if g <= 2 else tuple([16] * g), steps=max(steps, check_steps)
+        )
+        plans = make_trace(cfg)
+        ccfg = TraceConfig(block_sizes=cfg.block_sizes, steps=check_steps)
+        cplans = plans[:check_steps]
+        for s in all_setups:
+            if s.layer == "vllm" and s.tier == "uva":
+                continue
+            for busy in (False, True) if cuda else (False,):
+                r = check(s, ccfg, device, cycles if busy else 0, trace=cplans)
+                r.update(groups=g, busy=busy)
+                out["checks"].append(r)
+                log(f"check {s.name} groups={g} busy={busy}: {len(r['mismatches'])} mismatches")
+        for rep in range(repeats):
+            for s in all_setups:
+                for busy in (False, True) if cuda else (False,):
+                    key = f"{s.name}|g{g}|{'busy' if busy else 'idle'}"
+                    r = run_steps(s, cfg, device, plans[:steps], cycles if busy else 0, warmup)
+                    out["runs"].setdefault(key, []).append(r)
+            log(f"groups={g} repeat {rep + 1}/{repeats} done")
+    out["medians"] = {
+        k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
+        for k, v in out["runs"].items()
+    }
+    return out
+
+
+def sync_check(
+    setup: Setup, cfg: TraceConfig, device: torch.device, warmup: int = 20, busy_cycles: int = 0
+) -> str | None:
+    """Run the trace with ``torch.cuda.set_sync_debug_mode("error")`` after ``warmup`` steps.
+
+    Returns None, or the error of the first synchronising call (with the step it happened in).
+    """
+    plans = make_trace(cfg)
+    with stagebuf_tier(_tier_of(setup)):
+        eng = Engine(setup, cfg, device)
+        prev: Any = None
+        try:
+            for i, plan in enumerate(plans):
+                if i == warmup:
+                    torch.cuda.synchronize(device)
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    eng.prepare(plan)
+                    eng.finish(plan, busy_cycles)
+                except RuntimeError as e:
+                    return f"step {i}: {e}"
+                torch.cuda.set_sync_debug_mode(0)
+                ev = torch.cuda.Event()
+                ev.record()
+                if prev is not None:
+                    prev.synchronize()
+                prev = ev
+                if i >= warmup:
+                    torch.cuda.set_sync_debug_mode("error")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize(device)
+    return None

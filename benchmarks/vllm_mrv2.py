@@ -1,0 +1,351 @@
+"""vLLM 0.33.0's own MRV2 input-side modules, loaded unmodified, on vLLM's buffer layer or on stagebuf's.
+
+The peer is vLLM's released code, fetched at bench or test time and never
+committed: ``fetch()`` takes the few source files it needs from the installed
+vLLM when that is 0.33.0, else from the released wheel (``pip download --no-deps
+vllm==0.33.0``, about 340 MB, of which a few hundred KB of Python are kept in
+``cache_dir()``). A machine without network (the GPU box) gets that folder carried.
+
+``load()`` executes the files as modules of their own, under private names
+(``_vllm_mrv2_<n>.block_table``; no ``vllm`` module is created or imported), each with the imports it names resolved to:
+
+* vLLM's own code where the import is MRV2's: ``buffer_utils`` (UvaBuffer,
+  NonUvaBuffer, UvaBufferPool, UvaBackedTensor, StagedWriteTensor,
+  FusedStagedWriter and the staged-write Triton kernel), ``block_table``,
+  ``states``, ``input_batch``, ``sample/states``; ``async_tensor_h2d`` and
+  ``cdiv`` are vLLM's functions, compiled from its files; on the CPU, the CPU
+  backend's own ``UvaBuffer`` and ``async_tensor_h2d`` (``vllm/v1/worker/cpu``),
+  patched in as vLLM's CPU worker does;
+* small stand-ins for what vLLM's platform layer decides or compiles: the
+  logger, ``is_uva_available`` / ``PIN_MEMORY`` (the ``pin`` argument: ``False``
+  is a machine without pinned memory, where vLLM takes its NonUvaBuffer
+  fallback), ``current_platform.device_type``, and the compiled
+  ``get_cuda_view_from_cpu_tensor`` op (here: ``cudaHostGetDevicePointer``
+  through cuda-bindings, wrapped without a copy);
+* stubs (raise if called) for sampler kernels that ``sample/states.py`` imports
+  but the input path never calls.
+
+With ``layer="stagebuf"`` the MRV2 modules get stagebuf's classes in place of
+``buffer_utils``' (the direct substitution that stagebuf's vLLM plugin makes);
+vLLM's Triton helper ``_load_ptr`` stays vLLM's.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+import uuid
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+VERSION = "0.33.0"
+FILES = (
+    "vllm/v1/worker/gpu/buffer_utils.py",
+    "vllm/v1/worker/gpu/block_table.py",
+    "vllm/v1/worker/gpu/states.py",
+    "vllm/v1/worker/gpu/input_batch.py",
+    "vllm/v1/worker/gpu/sample/states.py",
+    "vllm/v1/worker/cpu/buffer_utils.py",
+    "vllm/v1/worker/cpu/shm.py",
+    "vllm/utils/torch_utils.py",
+    "vllm/utils/math_utils.py",
+    "vllm/v1/attention/backends/utils.py",
+)
+ENV_DIR = "STAGEBUF_VLLM_DIR"
+"""Where the fetched vLLM files are kept (default: ``.cache/vllm-0.33.0`` in the checkout)."""
+
+
+class Unavailable(RuntimeError):
+    """vLLM 0.33.0's files could not be had here (the reason says why)."""
+
+
+def cache_dir() -> Path:
+    given = os.environ.get(ENV_DIR)
+    if given:
+        return Path(given)
+    return Path(__file__).resolve().parents[1] / ".cache" / f"vllm-{VERSION}"
+
+
+def _have(root: Path) -> bool:
+    return all((root / f).is_file() for f in FILES)
+
+
+def _installed_root() -> Path | None:
+    """The installed vLLM's site folder, if it is version 0.33.0."""
+    try:
+        from importlib import metadata
+
+        if metadata.version("vllm") != VERSION:
+            return None
+        dist = metadata.distribution("vllm")
+    except Exception:
+        return None
+    root = Path(str(dist.locate_file("")))
+    return root if _have(root) else None
+
+
+def fetch(quiet: bool = True) -> Path:
+    """The folder holding ``FILES`` (vLLM 0.33.0's), fetched if needed; raises Unavailable."""
+    root = cache_dir()
+    if _have(root):
+        return root
+    src = _installed_root()
+    if src is not None:
+        for f in FILES:
+            (root / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / f, root / f)
+        return root
+    with tempfile.TemporaryDirectory() as tmp:
+        # Only Python files are taken from the wheel, so any platform's wheel will do.
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--platform", "manylinux_2_28_x86_64", "--python-version", "3.12",
+            "--implementation", "cp", "-d", tmp, f"vllm=={VERSION}",
+        ]  # fmt: skip
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise Unavailable(f"pip download vllm=={VERSION} failed: {e}") from e
+        wheels = list(Path(tmp).glob("vllm-*.whl"))
+        if done.returncode != 0 or not wheels:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise Unavailable(f"pip download vllm=={VERSION} failed: {tail[0][:300]}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            for f in FILES:
+                (root / f).parent.mkdir(parents=True, exist_ok=True)
+                (root / f).write_bytes(z.read(f))
+    if not quiet:
+        print(f"vllm_mrv2: vLLM {VERSION}'s files are in {root}", file=sys.stderr)
+    return root
+
+
+# --- executing vLLM's files as private modules ------------------------------------------------
+
+
+_serial = 0
+
+
+def _module(
+    name: str, path: Path | None, imports: dict[str, Any], extra: dict[str, Any] | None = None
+) -> Any:
+    """Execute the file at ``path`` as a new module ``name``; ``vllm.*`` imports resolve in ``imports``."""
+    global _serial
+    _serial += 1
+    name = f"_vllm_mrv2_{_serial}.{name.rpartition('.')[2]}"  # unique: every load is its own
+    mod = types.ModuleType(name)
+    sys.modules[name] = mod  # dataclasses look their module up there (a private name; never vllm's)
+    real_import = builtins.__import__
+
+    def _import(n: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+        if level == 0 and (n == "vllm" or n.startswith("vllm.")):
+            if not fromlist:
+                raise ImportError(f"vllm_mrv2: 'import {n}' has no stand-in (only 'from {n} import ...')")
+            if n not in imports:
+                raise ImportError(f"vllm_mrv2: no stand-in for {n} (imported by {name})")
+            return imports[n]
+        return real_import(n, globals, locals, fromlist, level)
+
+    b = dict(vars(builtins))
+    b["__import__"] = _import
+    mod.__dict__["__builtins__"] = b
+    if extra:
+        mod.__dict__.update(extra)
+    if path is not None:
+        code = compile(path.read_text(), str(path), "exec")  # a real file name: Triton reads the source
+        exec(code, mod.__dict__)
+    return mod
+
+
+def _functions(path: Path, names: tuple[str, ...], env: dict[str, Any]) -> dict[str, Any]:
+    """The named top-level functions of ``path``, compiled from its source with globals ``env``."""
+    tree = ast.parse(path.read_text(), str(path))
+    keep = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    missing = set(names) - {n.name for n in keep}
+    if missing:
+        raise Unavailable(f"{path} has no {sorted(missing)}: not vLLM {VERSION}'s file")
+    for n in keep:
+        n.decorator_list = []
+    glb = dict(env)
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec"), glb)
+    return {n: glb[n] for n in names}
+
+
+def _constant(path: Path, name: str) -> Any:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise Unavailable(f"{path} defines no {name}")
+
+
+class _Logger:
+    def __init__(self, name: str):
+        self._log = logging.getLogger(name)
+        self._once: set[str] = set()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._log, attr)
+
+    def warning_once(self, msg: str, *args: Any, **kw: Any) -> None:
+        if msg not in self._once:
+            self._once.add(msg)
+            self._log.warning(msg, *args)
+
+    info_once = debug_once = warning_once
+
+
+def _cuda_view(cpu: torch.Tensor) -> torch.Tensor:
+    """Stand-in for vLLM's compiled ``get_cuda_view_from_cpu_tensor``: the pinned tensor's device alias."""
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:  # pragma: no cover - cuda-python < 12.6
+        from cuda import cudart as rt
+    err, ptr = rt.cudaHostGetDevicePointer(cpu.data_ptr(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostGetDevicePointer: {err}")
+    typestr = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.uint64: "<u8"}[cpu.dtype]
+
+    class _Iface:
+        __cuda_array_interface__ = {
+            "data": (int(ptr), False), "shape": tuple(cpu.shape), "typestr": typestr,
+            "strides": None, "version": 3,
+        }  # fmt: skip
+
+    view = torch.as_tensor(_Iface(), device=torch.device("cuda", torch.cuda.current_device()))
+    view._stagebuf_owner = cpu  # type: ignore[attr-defined]  # keep the host memory alive
+    return view
+
+
+def _stub(what: str) -> Callable[..., Any]:
+    def f(*a: Any, **k: Any) -> Any:
+        raise NotImplementedError(f"vllm_mrv2: {what} is a stub (the input path never calls it)")
+
+    return f
+
+
+class Mrv2:
+    """One load of MRV2's input-side modules on one buffer layer."""
+
+    def __init__(self, **mods: Any):
+        self.buffer_utils = mods["buffer_utils"]
+        self.block_table = mods["block_table"]
+        self.states = mods["states"]
+        self.input_batch = mods["input_batch"]
+        self.sample_states = mods["sample_states"]
+        self.async_tensor_h2d: Callable[..., torch.Tensor] = mods["async_tensor_h2d"]
+        self.layer: str = mods["layer"]
+        self.pin: bool = mods["pin"]
+
+
+def load(layer: str = "vllm", pin: bool = True, device: torch.device | None = None) -> Mrv2:
+    """MRV2's modules on ``layer`` (``"vllm"`` or ``"stagebuf"``).
+
+    ``pin`` is what vLLM's platform reports for pinned memory (``False``: its
+    NonUvaBuffer fallback and pageable ``async_tensor_h2d``); stagebuf's classes
+    ask stagebuf's probe instead (force a tier with ``STAGEBUF_TIER``).
+    """
+    if layer not in ("vllm", "stagebuf"):
+        raise ValueError(f"layer={layer!r}; allowed: 'vllm', 'stagebuf'")
+    root = fetch()
+    dev = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cpu = dev.type == "cpu"
+    import triton
+    import triton.language as tl
+
+    f = root / "vllm"
+    triton_utils = types.SimpleNamespace(triton=triton, tl=tl, HAS_TRITON=True)
+    is_pinned_ok = pin and not cpu
+    platform = types.SimpleNamespace(
+        device_type=dev.type,
+        is_cpu=lambda: cpu,
+        is_cuda_alike=lambda: not cpu,
+        is_xpu=lambda: False,
+        is_pin_memory_available=lambda: is_pinned_ok,
+    )
+    if cpu:  # vLLM's CPU worker patches its own async_tensor_h2d in (vllm/v1/worker/cpu/shm.py)
+        h2d = _functions(f / "v1/worker/cpu/shm.py", ("async_tensor_h2d",), {"torch": torch, "np": np})
+    else:
+        h2d = _functions(
+            f / "utils/torch_utils.py",
+            ("async_tensor_h2d",),
+            {"torch": torch, "np": np, "PIN_MEMORY": is_pinned_ok},
+        )
+    torch_utils = types.SimpleNamespace(
+        async_tensor_h2d=h2d["async_tensor_h2d"], get_accelerator_view_from_cpu_tensor=_cuda_view
+    )
+    math_utils = _module("vllm_mrv2.math_utils", f / "utils/math_utils.py", {})
+    imports: dict[str, Any] = {
+        "vllm.logger": types.SimpleNamespace(init_logger=_Logger),
+        "vllm.triton_utils": triton_utils,
+        # vLLM: is_uva_available() = pinned memory available, or the CPU platform
+        "vllm.utils.platform_utils": types.SimpleNamespace(
+            is_uva_available=lambda: is_pinned_ok or cpu, is_pin_memory_available=lambda: is_pinned_ok
+        ),
+        "vllm.utils.torch_utils": torch_utils,
+        "vllm.utils.math_utils": math_utils,
+        "vllm.utils": types.SimpleNamespace(random_uuid=lambda: f"{uuid.uuid4().int & (2**64 - 1):016x}"),
+        "vllm.platforms": types.SimpleNamespace(current_platform=platform),
+        "vllm.v1.attention.backends.utils": types.SimpleNamespace(
+            PAD_SLOT_ID=_constant(f / "v1/attention/backends/utils.py", "PAD_SLOT_ID")
+        ),
+        "vllm.sampling_params": types.SimpleNamespace(SamplingParams=object),
+        "vllm.v1.sample.ops.topk_topp_sampler": types.SimpleNamespace(apply_top_k_top_p=_stub("top-k/top-p")),
+        "vllm.v1.worker.gpu.sample.gumbel": types.SimpleNamespace(apply_temperature=_stub("temperature")),
+        "vllm.v1.worker.gpu.sample.min_p": types.SimpleNamespace(apply_min_p=_stub("min-p")),
+    }
+    vbu = _module("vllm_mrv2.buffer_utils", f / "v1/worker/gpu/buffer_utils.py", imports)
+    if cpu:  # as vLLM's CPU worker does: gpu_buffer_utils.UvaBuffer = cpu_buffer_utils.UvaBuffer
+        cbu = _module("vllm_mrv2.cpu_buffer_utils", f / "v1/worker/cpu/buffer_utils.py", imports)
+        vbu.UvaBuffer = cbu.UvaBuffer
+    if layer == "stagebuf":
+        bu: Any = stagebuf_buffer_utils(vbu)
+    else:
+        bu = vbu
+    imports["vllm.v1.worker.gpu.buffer_utils"] = bu
+    bt = _module("vllm_mrv2.block_table", f / "v1/worker/gpu/block_table.py", imports)
+    st = _module("vllm_mrv2.states", f / "v1/worker/gpu/states.py", imports)
+    ib = _module("vllm_mrv2.input_batch", f / "v1/worker/gpu/input_batch.py", imports)
+    ss = _module("vllm_mrv2.sample_states", f / "v1/worker/gpu/sample/states.py", imports)
+    return Mrv2(
+        buffer_utils=bu,
+        block_table=bt,
+        states=st,
+        input_batch=ib,
+        sample_states=ss,
+        async_tensor_h2d=torch_utils.async_tensor_h2d,
+        layer=layer,
+        pin=pin,
+    )
+
+
+SUBSTITUTED = (
+    "UvaBuffer",
+    "NonUvaBuffer",
+    "UvaBufferPool",
+    "UvaBackedTensor",
+    "StagedWriteTensor",
+    "FusedStagedWriter",
+    "set_default_max_concurrency",
+)
+
+
+def stagebuf_buffer_utils(vllm_bu: Any) -> Any:
+    """A ``buffer_utils`` with stagebuf's classes in place of MRV2's (vLLM's ``_load_ptr`` kept)."""
+    import stagebuf
+
+    mod = types.ModuleType("vllm_mrv2.buffer_utils[stagebuf]")
+    mod.__dict__.update({k: v for k, v in vars(vllm_bu).items() if not k.startswith("__")})
+    for name in SUBSTITUTED:
+        setattr(mod, name, getattr(stagebuf, name))
+    return mod

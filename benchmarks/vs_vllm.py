@@ -1,0 +1,152 @@
+"""Micro-benchmarks against vLLM 0.33.0's own buffer classes (``buffer_utils``, loaded by ``vllm_mrv2``).
+
+Each case builds the same object from vLLM's module and from stagebuf's (on a
+forced tier) and times one step on the host, the GPU idle (synchronised between
+steps, outside the timing); medians over steps, then over interleaved repeats.
+
+* ``pool``: ``UvaBufferPool.copy_to_uva`` of a numpy array of 256 int32, K pools
+  per step (K=8: the sampler's block of publishes; K=1: a pool alone, which
+  pays stagebuf's slot-guard event every call).
+* ``backed``: ``UvaBackedTensor.copy_to_uva()`` of K tensors of 256, one value
+  changed in each per step.
+* ``writes``: ``StagedWriteTensor``: E ``stage_write`` calls of L values on
+  distinct rows of a (max(4096, E), max(64, L)) int32 table, then ``apply_write``.
+* ``fused``: ``FusedStagedWriter.apply`` over two such tables (E/2 edits each),
+  with vLLM's call shape: device tensors of the tables' pointers and strides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import vllm_mrv2
+from .engine import stagebuf_tier
+
+N = 256
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(step: Callable[[int], None], device: torch.device, steps: int, warmup: int) -> float:
+    ts: list[float] = []
+    clock = time.perf_counter
+    for i in range(steps + warmup):
+        t0 = clock()
+        step(i)
+        t1 = clock()
+        _sync(device)
+        if i >= warmup:
+            ts.append(t1 - t0)
+    return float(np.median(ts)) * 1e6
+
+
+def _writes_case(bu: Any, device: torch.device, e: int, ln: int, fused: bool) -> Callable[[int], None]:
+    rows, cols = max(4096, e), max(64, ln)
+    rng = np.random.default_rng(e * 100 + ln)
+    rows_sel = rng.permutation(rows)[:e].tolist()
+    vals = [rng.integers(0, 1 << 20, ln).tolist() for _ in range(4)]
+    if not fused:
+        t = bu.StagedWriteTensor((rows, cols), torch.int32, device)
+        sw = t.stage_write
+
+        def step(i: int) -> None:
+            v = vals[i & 3]
+            for r in rows_sel:
+                sw(r, 0, v)
+            t.apply_write()
+
+        return step
+    ts = [bu.StagedWriteTensor((rows, cols), torch.int32, device) for _ in range(2)]
+    w = bu.FusedStagedWriter(device, 2 * rows)
+    ptrs = torch.tensor([t.gpu.data_ptr() for t in ts], dtype=torch.uint64, device=device)
+    strides = torch.tensor([t.gpu.stride(0) for t in ts], dtype=torch.int64, device=device)
+    half = (e + 1) // 2
+    a, b = ts[0].stage_write, ts[1].stage_write
+
+    def fstep(i: int) -> None:
+        v = vals[i & 3]
+        for k, r in enumerate(rows_sel):
+            (a if k < half else b)(r, 0, v)
+        w.apply(ts, ptrs, strides)
+
+    return fstep
+
+
+def _pool_case(bu: Any, device: torch.device, k: int) -> Callable[[int], None]:
+    pools = [bu.UvaBufferPool(N, torch.int32) for _ in range(k)]
+    srcs = [np.arange(N, dtype=np.int32) + j for j in range(k)]
+
+    def step(i: int) -> None:
+        for p, s in zip(pools, srcs):
+            p.copy_to_uva(s)
+
+    return step
+
+
+def _backed_case(bu: Any, device: torch.device, k: int) -> Callable[[int], None]:
+    ts = [bu.UvaBackedTensor(N, torch.int32) for _ in range(k)]
+
+    def step(i: int) -> None:
+        for t in ts:
+            t.np[i % N] = i
+            t.copy_to_uva()
+
+    return step
+
+
+def run(
+    device: torch.device,
+    edits: tuple[int, ...] = (1, 16, 256, 4096),
+    lengths: tuple[int, ...] = (1, 8, 64),
+    repeats: int = 3,
+    steps: int = 60,
+    warmup: int = 10,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Every case on vLLM's layer (UVA; and its NonUvaBuffer fallback) and stagebuf's tiers."""
+    import stagebuf
+
+    cuda = device.type == "cuda"
+    peers: list[tuple[str, Any, str | None]] = []
+    vllm_uva = vllm_mrv2.load("vllm", pin=True, device=device).buffer_utils
+    peers.append(("vllm_uva", vllm_uva, None))
+    if cuda:
+        peers.append(("vllm_nopin", vllm_mrv2.load("vllm", pin=False, device=device).buffer_utils, None))
+        caps = stagebuf.capabilities(device)
+        tiers = [t.name.lower() for t in stagebuf.Tier if caps.tier <= t < stagebuf.Tier.HOST]
+    else:
+        tiers = ["host", "pageable"]
+    sb = vllm_mrv2.stagebuf_buffer_utils(vllm_uva)
+    for t in tiers:
+        peers.append((f"stagebuf_{t}", sb, t))
+    cases: list[tuple[str, Callable[[Any], Callable[[int], None]]]] = []
+    for k in (1, 8):
+        cases.append((f"pool|k{k}", lambda bu, k=k: _pool_case(bu, device, k)))
+        cases.append((f"backed|k{k}", lambda bu, k=k: _backed_case(bu, device, k)))
+    for e in edits:
+        for ln in lengths:
+            cases.append((f"writes|{e}x{ln}", lambda bu, e=e, ln=ln: _writes_case(bu, device, e, ln, False)))
+            if e >= 2:
+                cases.append(
+                    (f"fused|{e}x{ln}", lambda bu, e=e, ln=ln: _writes_case(bu, device, e, ln, True))
+                )
+    raw: dict[str, dict[str, list[float]]] = {}
+    for rep in range(repeats):
+        for cname, make in cases:
+            for pname, bu, tier in peers:
+                with stagebuf_tier(tier):
+                    step = make(bu)
+                    n = steps if not cname.endswith("x64") or "4096" not in cname else max(10, steps // 4)
+                    us = _time(step, device, n, warmup)
+                raw.setdefault(cname, {}).setdefault(pname, []).append(us)
+        log(f"vs_vllm repeat {rep + 1}/{repeats} done")
+    med = {c: {p: float(np.median(v)) for p, v in d.items()} for c, d in raw.items()}
+    return {"median_us": med, "raw_us": raw, "repeats": repeats, "steps": steps}

@@ -372,6 +372,30 @@ class SlotRing:
             "stagebuf.begin_step() at the start of every step."
         )
 
+    def touch(self) -> None:
+        """The current use goes on: its slot is read again in this step, not rewritten.
+
+        Follows the step rule as ``next()`` does (a ring that already staged in this
+        step ends it), then counts the slot as used in this step, so that it is not
+        rewritten before this step's readers are done.
+        """
+        cur = self.cur
+        if not self.active or cur < 0:
+            return
+        clock = self.clock
+        if self._last_marked:
+            if self._serial[cur] >= clock.serial:
+                clock.record()
+        elif self._last_tick == clock.tick:
+            clock.end_step()
+        t = clock.tick
+        self._tick[cur] = t
+        self._serial[cur] = -1
+        self._last_tick = t
+        self._last_marked = False
+        if self._exact is not None:
+            self._exact[cur] = -1
+
     def take(self, slot: int) -> int:
         """Take ``slot`` (from ``next()``) for the next use; returns that use's number."""
         self.cur = slot

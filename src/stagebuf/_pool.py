@@ -48,6 +48,8 @@ class UvaBufferPool(Sealed):
         ]
         self.device = self._bufs[0].device
         self._ring = SlotRing(self.max_concurrency, self.device, guard, self.tier, "pool slot")
+        self._published = -1
+        """Rows the current slot last published (-1: none) (what a call with equal values may reuse)."""
         self._stats = empty_stats()
         self._freeze()
 
@@ -56,28 +58,45 @@ class UvaBufferPool(Sealed):
         """The tier of the slots (the lowest one, if a run-time fallback split them)."""
         return max(b.tier for b in self._bufs)
 
-    def _next(self, x: HostData) -> tuple[StagingBuffer, int]:
-        """Write ``x`` into the next slot. A call that raises takes no slot and writes nothing."""
+    def _next(self, x: HostData, reuse: bool = False) -> tuple[StagingBuffer, int, bool]:
+        """Write ``x`` into the next slot. A call that raises takes no slot and writes nothing.
+
+        With ``reuse``, values equal to what the current slot last published reuse that
+        slot (no copy, no new slot): the third value says so.
+        """
         trailing = self.shape[1:]
         if type(x) is np.ndarray and x.dtype == self._np_dtype and x.shape[1:] == trailing and x.ndim:
             arr = x  # already right: nothing to check or convert
         else:
             arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=trailing)
-        cur = self._ring.next()
-        buf = self._bufs[cur]
         n = arr.shape[0]
+        ring = self._ring
+        if reuse and n <= self._published and ring.cur >= 0:
+            buf = self._bufs[ring.cur]
+            if buf.np[:n].tobytes() == arr.tobytes():
+                ring.touch()
+                return buf, n, True
+        cur = ring.next()
+        buf = self._bufs[cur]
         if n > buf.shape[0]:
             cap = 1 << (n - 1).bit_length()
             buf = make_buffer((cap, *trailing), self.dtype, self.device, buf.tier)
             self._bufs[cur] = buf
             self._stats["growths"] += 1
         buf.np[:n] = arr
-        self._ring.take(cur)
-        return buf, n
+        ring.take(cur)
+        self._published = n
+        return buf, n, False
 
     def copy_to_uva(self, x: HostData) -> torch.Tensor:
-        """Stage ``x`` in the next slot; the device tensor of its first len(x) rows."""
-        buf, n = self._next(x)
+        """Stage ``x`` in the next slot; the device tensor of its first len(x) rows.
+
+        Values equal to the last call's (its first len(x) rows) reuse its slot: the same
+        device tensor comes back, with no copy and no new slot, on every tier.
+        """
+        buf, n, reused = self._next(x, reuse=True)
+        if reused:
+            return buf.rows(n)[0]
         if buf.tier.copies:
             self._count(n, buf)
         return buf.uva(n)
@@ -87,7 +106,8 @@ class UvaBufferPool(Sealed):
         arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=self.shape[1:])
         if out is not None:
             self._check_out(out, arr.shape[0])
-        buf, n = self._next(arr)
+        buf, n, _ = self._next(arr)
+        self._published = -1  # the slot's device side did not receive these values
         if out is None:
             out = torch.empty((n, *self.shape[1:]), dtype=self.dtype, device=self.device)
         if buf.tier is not Tier.HOST:

@@ -59,11 +59,28 @@ def test_copy_to_gpu_returns_device_memory(any_tier):
 
 def test_transfers_counted_per_copy(cpu_tier):
     pool = UvaBufferPool(16, torch.int32)
-    for _ in range(5):
-        pool.copy_to_uva(np.arange(10, dtype=np.int32))
+    for i in range(5):
+        pool.copy_to_uva(np.arange(10, dtype=np.int32) + i)
     s = pool.stats()
     copies = cpu_tier.name == "PAGEABLE"
     assert s["transfers"] == (5 if copies else 0) and s["bytes"] == (200 if copies else 0)
+
+
+def test_unchanged_values_reuse_the_slot(cpu_tier):
+    """A publish equal to the last one (its first n rows) reuses its slot: no copy, no slot taken."""
+    pool = UvaBufferPool(16, torch.int32, max_concurrency=2)
+    a = pool.copy_to_uva(np.arange(10, dtype=np.int32))
+    again = pool.copy_to_uva(np.arange(10, dtype=np.int32))
+    prefix = pool.copy_to_uva(np.arange(4, dtype=np.int32))
+    assert again.data_ptr() == a.data_ptr() == prefix.data_ptr()
+    b = pool.copy_to_uva(np.arange(10, dtype=np.int32) + 1)  # changed: the other slot
+    assert b.data_ptr() != a.data_ptr()
+    np.testing.assert_array_equal(a.numpy(), np.arange(10))  # the reused slot still holds its values
+    np.testing.assert_array_equal(b.numpy(), np.arange(10) + 1)
+    longer = pool.copy_to_uva(np.arange(12, dtype=np.int32) + 1)  # more rows than were published
+    assert longer.data_ptr() == a.data_ptr()
+    copies = cpu_tier.name == "PAGEABLE"
+    assert pool.stats()["transfers"] == (3 if copies else 0)
 
 
 @pytest.mark.parametrize(

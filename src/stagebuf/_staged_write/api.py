@@ -29,6 +29,8 @@ from .._types import DeviceLike, DTypeLike, HostData
 from .plan import _CAPACITY, _arange, _Batch, _Gathered, _ints, _Launcher
 
 ALLOWED_DTYPES = (torch.int32, torch.int64, torch.float32)
+_NP_INTS = frozenset(np.dtype(c).type for c in "bBhHiIlLqQ")
+"""numpy's integer scalar types (taken as a start column like a Python int)."""
 
 
 def _dtype(dtype: DTypeLike) -> torch.dtype:
@@ -62,7 +64,12 @@ def _stage_write_fn(t: StagedWriteTensor) -> Any:
     checked = t._stage_checked
 
     def stage_write(index: int, start: int, values: Any) -> None:
-        if type(values) is list and type(index) is int and type(start) is int:
+        if type(values) is list and type(index) is int:
+            if type(start) is not int:  # vLLM passes numpy ints here (a row's block count)
+                if type(start) not in _NP_INTS:
+                    checked(index, start, values)
+                    return
+                start = int(start)
             n = len(values)
             if 0 <= index < rows and start >= 0 and start + n <= cols and n:
                 dst_append(index * stride + start)

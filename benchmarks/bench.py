@@ -37,9 +37,15 @@ from stagebuf import Capabilities, Tier, capabilities, reset_capabilities
 from stagebuf._constants import ENV_TIER
 
 from . import baselines as BL
+from . import engine as E
+from . import vllm_mrv2
+from . import vs_vllm as V
 from . import workloads as W
 
 WORKLOADS = ("micro", "decode", "writes")
+ENGINE = "engine"
+"""vLLM 0.33.0's own MRV2 input path (engine.py) and the micro-benchmarks against its classes (vs_vllm.py)."""
+ALL_WORKLOADS = (*WORKLOADS, ENGINE)
 UNITS = {"micro": "µs per step", "decode": "µs per step", "writes": "µs per apply"}
 SIZE_NAMES = {"micro": "N", "decode": "batch", "writes": "ExL"}
 """How a workload's size keys read: N, the batch, or "ExL" (E edits of L elements, e.g. "256x8")."""
@@ -58,7 +64,7 @@ class BenchConfig:
     quick: bool = False
     device: str | None = None
     tiers: tuple[str, ...] = ()
-    workloads: tuple[str, ...] = WORKLOADS
+    workloads: tuple[str, ...] = ALL_WORKLOADS
     sizes: tuple[int, ...] = (64, 512, 4096, 32768)
     edits: tuple[int, ...] = (1, 16, 256, 4096)
     """writes: E, the edits per apply."""
@@ -71,6 +77,8 @@ class BenchConfig:
     target_ms: float = 150.0
     check_every: int = W.Env.check_every
     decode_steps: int = W.Env.decode_steps
+    engine_steps: int = 150
+    """engine: steps of the trace per run (the first 30 are warm-up)."""
     threads: int | None = None
     """torch intra-op threads during the run (None: 1 when the device is the CPU, else torch's)."""
     seed: int = 0
@@ -81,6 +89,8 @@ class BenchConfig:
         base: dict[str, Any] = {"quick": quick}
         if quick:
             base.update(
+                # the engine workload needs vLLM's wheel and a GPU (or Triton's interpreter)
+                workloads=WORKLOADS,
                 sizes=(64, 4096),
                 edits=(1, 16, 256),
                 lengths=(1, 8),
@@ -403,7 +413,7 @@ def run_tasks(
     Interleaving (in a rotating order) spreads any drift of the machine over every
     strategy that a ratio compares, instead of charging it to whichever ran last.
     """
-    results: dict[str, dict[str, Any]] = {w: {} for w in cfg.workloads}
+    results: dict[str, dict[str, Any]] = {w: {} for w in cfg.workloads if w in WORKLOADS}
     guard: dict[str, Any] = {}
     stage_only: dict[str, Any] = {}
     sync = make_sync(m.env.device)
@@ -1132,6 +1142,13 @@ def render(report: dict[str, Any], console: Console) -> None:
             last_of_l = wl == "writes" and (i + 1 == len(rows) or rows[i + 1][1] != cells[1])
             tab.add_row(*cells, end_section=last_of_l)
         console.print(tab)
+    for title, head, rows in E.tables(report):
+        tab = Table(title=title, title_justify="left")
+        for i, h in enumerate(head):
+            tab.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
+        for cells in rows:
+            tab.add_row(*cells)
+        console.print(tab)
     so = _stage_only_rows(report)
     if so:
         tab = Table(
@@ -1225,6 +1242,10 @@ def markdown(report: dict[str, Any]) -> str:
         for name, *cells in rows:
             cells = [f"`{name}`", labels[name].get("label", ""), *cells]
             lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    for title, head, rows in E.tables(report):
+        lines += [f"#### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(r)) + " |" for r in rows]
         lines.append("")
     so = _stage_only_rows(report)
     if so:
@@ -1367,13 +1388,38 @@ def run(
     finally:
         torch.set_num_threads(old_threads)
     report["results"] = out["results"]
-    report["units"] = {w: UNITS[w] for w in cfg.workloads}
+    report["units"] = {w: UNITS[w] for w in cfg.workloads if w in WORKLOADS}
     report["guard_cost"] = guard_cost(out["guard_raw"])
     report["staged_write_stage_only"] = out["stage_only"]
     report["skipped"] = skipped
     report["ratios"] = compute_ratios(out["results"], out["stage_only"], tiers, cfg, str(m.env.device))
+    if ENGINE in cfg.workloads:
+        report.update(engine_section(cfg, m.env.device, console))
+        report["ratios"].update(E.targets(report["engine"], report["vs_vllm"]))
     report["elapsed_s"] = round(time.perf_counter() - t0, 2)
     return report
+
+
+def engine_section(cfg: BenchConfig, device: torch.device, console: Console) -> dict[str, Any]:
+    """The engine workload and the vs-vLLM micro-benchmarks; ``skipped`` says why not, where not run."""
+    log = lambda msg: console.print(escape(msg), highlight=False)  # noqa: E731
+    try:
+        root = vllm_mrv2.fetch()
+    except vllm_mrv2.Unavailable as e:
+        return {"engine": {"skipped": str(e)}, "vs_vllm": {"skipped": str(e)}}
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        why = "on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1 (tests/bench/test_engine.py checks there)"
+        return {"engine": {"skipped": why}, "vs_vllm": {"skipped": why}}
+    log(f"engine: vLLM {vllm_mrv2.VERSION}'s MRV2 modules from {root}")
+    reps = max(3, cfg.repeats)
+    eng = E.bench(
+        device, repeats=reps, steps=cfg.engine_steps, warmup=30, check_steps=cfg.engine_steps, log=log
+    )
+    if not eng["identical_inputs"]:
+        bad = [c for c in eng["checks"] if c["mismatches"]]
+        raise W.BenchCheckError(f"engine: device inputs differ from vLLM's own layer: {bad[:3]}")
+    micro = V.run(device, edits=cfg.edits, lengths=cfg.lengths, repeats=3, log=log)
+    return {"engine": eng, "vs_vllm": micro}
 
 
 def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
@@ -1429,8 +1475,8 @@ def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
     "--workload",
     "workloads",
     multiple=True,
-    type=click.Choice(WORKLOADS),
-    help="Only these workloads (repeatable). Default: all.",
+    type=click.Choice(ALL_WORKLOADS),
+    help="Only these workloads (repeatable). Default: all (--quick: all but engine).",
 )
 @click.option("--sizes", default=None, help="micro: N values, comma-separated [64,512,4096,32768].")
 @click.option(
@@ -1507,7 +1553,7 @@ def bench(
         quick,
         device=device,
         tiers=tuple(t.lower() for t in tiers),
-        workloads=tuple(w for w in WORKLOADS if w in workloads) or None,
+        workloads=tuple(w for w in ALL_WORKLOADS if w in workloads) or None,
         sizes=_ints(sizes, "--sizes"),
         edits=_ints(edits, "--edits"),
         lengths=_ints(lengths, "--lengths"),

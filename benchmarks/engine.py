@@ -446,6 +446,7 @@ def check(
     busy_cycles: int = 0,
     reference: Setup | None = None,
     trace: list[StepPlan] | None = None,
+    tamper: Callable[[Engine, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``setup`` and vLLM's own layer in lockstep; compare every device-visible input each step.
 
@@ -461,6 +462,8 @@ def check(
         for i, plan in enumerate(plans):
             ref.prepare(plan)
             eng.prepare(plan)
+            if tamper is not None:  # tests: a deliberate difference the check must find
+                tamper(eng, i)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             a, b = ref.inputs(), eng.inputs()
@@ -491,47 +494,74 @@ def sleep_cycles_for(ms: float, device: torch.device) -> int:
     return int(per_ms * ms)
 
 
-def run_steps(
-    setup: Setup, cfg: TraceConfig, device: torch.device, plans: list[StepPlan], busy_cycles: int, warmup: int
-) -> dict[str, Any]:
-    """One timed run of the trace: per-step host preparation and buffer work (µs), after ``warmup``."""
-    with stagebuf_tier(_tier_of(setup)):
-        eng = Engine(setup, cfg, device)
-        prep: list[float] = []
-        bufw: list[float] = []
-        secs: list[tuple[float, ...]] = []
-        cuda = device.type == "cuda"
-        prev: Any = None
-        for i, plan in enumerate(plans):
+def run_lockstep(
+    setups_: list[Setup],
+    cfg: TraceConfig,
+    device: torch.device,
+    plans: list[StepPlan],
+    busy_cycles: int,
+    warmup: int,
+) -> dict[str, dict[str, Any]]:
+    """One timed run of the trace by every setup in lockstep: step i of each, in a rotating order.
+
+    Interleaving at the step makes slow drifts of the host hit every setup alike. Busy GPU
+    (``busy_cycles`` > 0): each engine's forward stand-in is queued behind the others', and an
+    engine waits for its own previous step before preparing the next (two steps in flight).
+    Idle GPU: the device is synchronised before each preparation. stagebuf engines begin each
+    step with ``stagebuf.begin_step()`` (timed): the one event per step that a lone engine's first
+    ring would record, kept per engine although the engines share a device.
+    """
+    import stagebuf
+
+    engines: list[Engine] = []
+    for s in setups_:
+        with stagebuf_tier(_tier_of(s)):
+            engines.append(Engine(s, cfg, device))
+    stagebuf.capabilities(device)  # cached with no tier forced: begin_step() asks it per step
+    cuda = device.type == "cuda"
+    prep: list[list[float]] = [[] for _ in engines]
+    bufw: list[list[float]] = [[] for _ in engines]
+    secs: list[list[tuple[float, ...]]] = [[] for _ in engines]
+    prev: list[Any] = [None] * len(engines)
+    clock = time.perf_counter
+    k = len(engines)
+    for i, plan in enumerate(plans):
+        for j in range(k):
+            e = (i + j) % k
+            eng = engines[e]
+            if cuda and not busy_cycles:
+                torch.cuda.synchronize(device)
+            t0 = clock()
+            if eng.setup.layer == "stagebuf":
+                stagebuf.begin_step(device)
+            t1 = clock()
             p, b = eng.prepare(plan)
             eng.finish(plan, busy_cycles)
-            if cuda:
-                if busy_cycles:  # two steps in flight: wait for the step before this one
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    if prev is not None:
-                        prev.synchronize()
-                    prev = ev
-                else:  # idle GPU: everything done before the next step is prepared
-                    torch.cuda.synchronize(device)
+            if cuda and busy_cycles:
+                ev = torch.cuda.Event()
+                ev.record()
+                if prev[e] is not None:
+                    prev[e].synchronize()
+                prev[e] = ev
             if i >= warmup:
-                prep.append(p)
-                bufw.append(b)
-                secs.append(eng.sections)
-        if cuda:
-            torch.cuda.synchronize(device)
-    return {
-        "prep_us": float(np.median(prep)),
-        "buffer_us": float(np.median(bufw)),
-        "prep_mean_us": float(np.mean(prep)),
-        "buffer_mean_us": float(np.mean(bufw)),
-        "steps": len(prep),
-        # mean µs per step of each part of the buffer work
-        "sections_us": dict(
-            zip(SECTIONS, (float(x) * 1e6 for x in np.mean(np.array(secs), axis=0)) if secs else ())
-        ),
-        "guard_waits": _guard_waits(eng),
-    }
+                prep[e].append(p + (t1 - t0) * 1e6)
+                bufw[e].append(b)
+                secs[e].append(eng.sections)
+    if cuda:
+        torch.cuda.synchronize(device)
+    out: dict[str, dict[str, Any]] = {}
+    for e, eng in enumerate(engines):
+        out[eng.setup.name] = {
+            "prep_us": float(np.median(prep[e])),
+            "buffer_us": float(np.median(bufw[e])),
+            "prep_mean_us": float(np.mean(prep[e])),
+            "buffer_mean_us": float(np.mean(bufw[e])),
+            "steps": len(prep[e]),
+            # mean µs per step of each part of the buffer work
+            "sections_us": dict(zip(SECTIONS, (float(x) * 1e6 for x in np.mean(np.array(secs[e]), axis=0)))),
+            "guard_waits": _guard_waits(eng),
+        }
+    return out
 
 
 SECTIONS = ("request_writes", "sampler_publish", "block_tables", "per_step_copies")
@@ -541,14 +571,14 @@ in one fused apply, and num_blocks), idx_mapping and query_start_loc to the devi
 
 
 def _guard_waits(eng: Engine) -> int:
+    """Waits of the slot guard over every stagebuf object of an engine (0 for vLLM's layer)."""
+    objs: list[Any] = [eng.stager, eng.writer, eng.block_tables.num_blocks, *eng.block_tables.block_tables]
+    objs += [v for x in (eng.req_states, eng.sampling) for v in vars(x).values()]
     total = 0
-    for obj in vars(eng.req_states).values():
+    for obj in objs:
         st = getattr(obj, "stats", None)
         if callable(st):
-            try:
-                total += int(st().get("guard_waits", 0))
-            except Exception:
-                pass
+            total += int(st().get("guard_waits", 0))
     return total
 
 
@@ -587,41 +617,128 @@ def bench(
         have["pinned"] = caps.tier <= stagebuf.Tier.PINNED
     all_setups = setups(cuda, have["uva"], have["pinned"])
     cycles = sleep_cycles_for(busy_ms, device) if cuda else 0
+    modes = (False, True) if cuda else (False,)
     out: dict[str, Any] = {
         "vllm_version": vllm_mrv2.VERSION,
-        "busy_ms": busy_ms,
+        "trace": {k: v for k, v in vars(TraceConfig()).items() if k not in ("block_sizes", "steps")},
+        "busy_ms": busy_ms if cuda else 0,
         "steps": steps,
         "warmup": warmup,
         "repeats": repeats,
+        "setups": [s.name for s in all_setups],
         "checks": [],
         "runs": {},
     }
     for g in groups:
-        cfg = TraceConfig(
-            block_sizes=(16, 32)[:g] if g <= 2 else tuple([16] * g), steps=max(steps, check_steps)
-        )
+        cfg = TraceConfig(block_sizes=BLOCK_SIZES[:g], steps=max(steps, check_steps))
+        out.setdefault("block_sizes", {})[g] = list(cfg.block_sizes)
         plans = make_trace(cfg)
-        ccfg = TraceConfig(block_sizes=cfg.block_sizes, steps=check_steps)
-        cplans = plans[:check_steps]
         for s in all_setups:
             if s.layer == "vllm" and s.tier == "uva":
                 continue
-            for busy in (False, True) if cuda else (False,):
-                r = check(s, ccfg, device, cycles if busy else 0, trace=cplans)
+            for busy in modes:
+                r = check(s, cfg, device, cycles if busy else 0, trace=plans[:check_steps])
                 r.update(groups=g, busy=busy)
                 out["checks"].append(r)
                 log(f"check {s.name} groups={g} busy={busy}: {len(r['mismatches'])} mismatches")
         for rep in range(repeats):
-            for s in all_setups:
-                for busy in (False, True) if cuda else (False,):
-                    key = f"{s.name}|g{g}|{'busy' if busy else 'idle'}"
-                    r = run_steps(s, cfg, device, plans[:steps], cycles if busy else 0, warmup)
-                    out["runs"].setdefault(key, []).append(r)
-            log(f"groups={g} repeat {rep + 1}/{repeats} done")
+            for busy in modes:
+                res = run_lockstep(all_setups, cfg, device, plans[:steps], cycles if busy else 0, warmup)
+                for name, r in res.items():
+                    out["runs"].setdefault(f"{name}|g{g}|{'busy' if busy else 'idle'}", []).append(r)
+            log(f"engine groups={g}: repeat {rep + 1}/{repeats} done")
     out["medians"] = {
         k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
         for k, v in out["runs"].items()
     }
+    out["identical_inputs"] = all(not c["mismatches"] for c in out["checks"])
+    return out
+
+
+BLOCK_SIZES = (16, 32, 16, 64)
+"""KV-cache groups' block sizes: group 0 full attention, group 1 e.g. a sliding-window group."""
+
+
+def _med(res: dict[str, Any], key: str, metric: str) -> float | None:
+    m = res.get("medians", {}).get(key)
+    return None if m is None else float(m[metric])
+
+
+def _entry(description: str, value: float | None, op: str, goal: float, note: str | None = None,
+           missing: str = "") -> dict[str, Any]:  # fmt: skip
+    """A target in the bench report's form (as ``bench._ratio`` makes them)."""
+    e: dict[str, Any] = {"description": description, "workload": "engine", "op": op, "target": goal}
+    if value is None:
+        e.update(
+            measured=None, passed=None, skipped=f"not measured in this run{': ' + missing if missing else ''}"
+        )
+        return e
+    e.update(measured=round(value, 4), passed=value <= goal if op == "<=" else value >= goal)
+    if note:
+        e["worst_note"] = note
+    return e
+
+
+def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The engine and vs-vLLM targets, ratios of medians measured in one run, each with pass/fail."""
+    res = res or {}
+    out: dict[str, dict[str, Any]] = {}
+    meds = res.get("medians", {})
+    groups = sorted({int(k.split("|")[1][1:]) for k in meds}) or [1, 2]
+    sb = [s for s in res.get("setups", []) if s.startswith("stagebuf_")]
+    worst: tuple[float, str] | None = None
+    for g in groups:
+        for s in sb:
+            busy, idle = meds.get(f"{s}|g{g}|busy"), meds.get(f"{s}|g{g}|idle")
+            if busy and idle:
+                r = busy["prep_us"] / idle["prep_us"]
+                if worst is None or r > worst[0]:
+                    worst = (r, f"{s}, {g} KV groups")
+    out["engine_busy_vs_idle"] = _entry(
+        "engine: host preparation with a busy GPU (3 ms forward stand-in, two steps in flight) / the same on "
+        "an idle GPU; worst stagebuf setup x KV groups",
+        None if worst is None else worst[0], "<=", 1.1, None if worst is None else worst[1], "needs a GPU",
+    )  # fmt: skip
+
+    def ratio(num: str, den: str, g: int) -> float | None:
+        a, b = meds.get(f"{num}|g{g}|busy"), meds.get(f"{den}|g{g}|busy")
+        return None if not a or not b else a["buffer_us"] / b["buffer_us"]
+
+    rows = (
+        ("dropin_uva_vs_vllm_uva", "stagebuf_dropin_uva", "vllm_uva", 0.8,
+         "stagebuf's classes in vLLM's place on UVA / vLLM's own layer on UVA"),
+        ("own_uva_vs_vllm_uva", "stagebuf_own_uva", "vllm_uva", 0.5,
+         "stagebuf's own API on UVA / vLLM's own layer on UVA"),
+        ("dropin_pageable_vs_vllm_nopin", "stagebuf_dropin_pageable", "vllm_nopin", 0.6,
+         "stagebuf's classes on PAGEABLE / vLLM's NonUvaBuffer fallback (no pinned memory)"),
+        ("own_pageable_vs_vllm_uva", "stagebuf_own_pageable", "vllm_uva", 1.0,
+         "stagebuf's own API on PAGEABLE (no pinned memory) / vLLM's own layer on UVA (bare metal)"),
+    )  # fmt: skip
+    for name, num, den, goal, what in rows:
+        for g in groups:
+            out[f"engine_{name}_g{g}"] = _entry(
+                f"engine buffer work, busy GPU, {g} KV group{'s' if g > 1 else ''}: {what}",
+                ratio(num, den, g), "<=", goal, missing="needs a GPU",
+            )  # fmt: skip
+    med = (micro or {}).get("median_us", {})
+    cells = {c: d for c, d in med.items() if c.startswith("writes|") and "stagebuf_uva" in d}
+    rs = {c.split("|")[1]: d["stagebuf_uva"] / d["vllm_uva"] for c, d in cells.items()}
+    w = max(rs.items(), key=lambda kv: kv[1]) if rs else None
+    out["vllm_staged_write_per_cell"] = _entry(
+        "StagedWriteTensor, E stage_write calls of L values + apply_write: stagebuf UVA / vLLM 0.33's "
+        "on UVA, worst E x L cell",
+        None if w is None else w[1], "<=", 0.6, None if w is None else f"E x L = {w[0]}", "needs a GPU",
+    )  # fmt: skip
+    for case, label in (
+        ("pool|k8", "UvaBufferPool.copy_to_uva"),
+        ("backed|k8", "UvaBackedTensor.copy_to_uva"),
+    ):
+        d = med.get(case, {})
+        v = d["stagebuf_uva"] / d["vllm_uva"] if "stagebuf_uva" in d and d.get("vllm_uva") else None
+        out[f"vllm_{case.split('|')[0]}_copy_to_uva"] = _entry(
+            f"{label}, 8 per step of 256 int32: stagebuf UVA / vLLM 0.33's on UVA", v, "<=", 0.8,
+            missing="needs a GPU",
+        )  # fmt: skip
     return out
 
 
@@ -658,3 +775,50 @@ def sync_check(
             torch.cuda.set_sync_debug_mode(0)
             torch.cuda.synchronize(device)
     return None
+
+
+def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The engine and vs-vLLM results as (title, header, rows) tables, for the console and Markdown."""
+    out: list[tuple[str, list[str], list[list[str]]]] = []
+    eng = report.get("engine") or {}
+    meds = eng.get("medians", {})
+    if meds:
+        groups = sorted({int(k.split("|")[1][1:]) for k in meds})
+        head = ["setup"] + [
+            f"{g}g {w} {m}" for g in groups for w in ("prep", "buffer") for m in ("idle", "busy")
+        ]
+        rows = []
+        for s in eng.get("setups", []):
+            cells = [s]
+            for g in groups:
+                for w in ("prep_us", "buffer_us"):
+                    for m in ("idle", "busy"):
+                        v = meds.get(f"{s}|g{g}|{m}", {}).get(w)
+                        cells.append("-" if v is None else f"{v:.1f}")
+            rows.append(cells)
+        n_ok = sum(1 for c in eng.get("checks", []) if not c["mismatches"])
+        title = (
+            f"engine: vLLM {eng.get('vllm_version')} MRV2 input path, host µs per step (median of "
+            f"{eng.get('repeats')} interleaved runs of {eng.get('steps', 0) - eng.get('warmup', 0)} steps); "
+            f"identical inputs: {n_ok}/{len(eng.get('checks', []))} checks"
+        )
+        out.append((title, head, rows))
+        srow = []
+        for s in eng.get("setups", []):
+            for g in groups:
+                runs = eng.get("runs", {}).get(f"{s}|g{g}|busy") or eng.get("runs", {}).get(f"{s}|g{g}|idle")
+                if runs:
+                    sec = runs[-1]["sections_us"]
+                    srow.append([f"{s}, {g}g", *(f"{sec.get(k, 0):.1f}" for k in SECTIONS)])
+        out.append(
+            ("engine: buffer work by part, mean µs per step (last run, busy GPU)", ["setup", *SECTIONS], srow)
+        )
+    micro = report.get("vs_vllm") or {}
+    med = micro.get("median_us", {})
+    if med:
+        peers: list[str] = []
+        for d in med.values():
+            peers += [p for p in d if p not in peers]
+        rows = [[c, *(f"{d[p]:.1f}" if p in d else "-" for p in peers)] for c, d in med.items()]
+        out.append(("vs vLLM 0.33's own classes: host µs per step, idle GPU", ["case", *peers], rows))
+    return out

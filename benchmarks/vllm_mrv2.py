@@ -7,7 +7,8 @@ vllm==0.33.0``, about 340 MB, of which a few hundred KB of Python are kept in
 ``cache_dir()``). A machine without network (the GPU box) gets that folder carried.
 
 ``load()`` executes the files as modules of their own, under private names
-(``_vllm_mrv2_<n>.block_table``; no ``vllm`` module is created or imported), each with the imports it names resolved to:
+(``_vllm_mrv2_<n>.block_table``; no ``vllm`` module is created or imported), each
+with the imports it names resolved to:
 
 * vLLM's own code where the import is MRV2's: ``buffer_utils`` (UvaBuffer,
   NonUvaBuffer, UvaBufferPool, UvaBackedTensor, StagedWriteTensor,

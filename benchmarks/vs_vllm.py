@@ -17,8 +17,10 @@ steps, outside the timing); medians over steps, then over interleaved repeats.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -28,6 +30,21 @@ from . import vllm_mrv2
 from .engine import stagebuf_tier
 
 N = 256
+
+
+@contextmanager
+def _kernel(kernel: str | None) -> Iterator[None]:
+    """``STAGEBUF_WRITE_KERNEL`` for the block (read when a writer is made)."""
+    old = os.environ.get("STAGEBUF_WRITE_KERNEL")
+    if kernel is not None:
+        os.environ["STAGEBUF_WRITE_KERNEL"] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("STAGEBUF_WRITE_KERNEL", None)
+        else:
+            os.environ["STAGEBUF_WRITE_KERNEL"] = old
 
 
 def _sync(device: torch.device) -> None:
@@ -127,6 +144,8 @@ def run(
     sb = vllm_mrv2.stagebuf_buffer_utils(vllm_uva)
     for t in tiers:
         peers.append((f"stagebuf_{t}", sb, t))
+    if cuda and tiers and tiers[0] == "uva":
+        peers.append(("stagebuf_uva_triton", sb, "uva"))  # the Triton kernel forced (fused cases)
     cases: list[tuple[str, Callable[[Any], Callable[[int], None]]]] = []
     for k in (1, 8):
         cases.append((f"pool|k{k}", lambda bu, k=k: _pool_case(bu, device, k)))
@@ -142,7 +161,10 @@ def run(
     for rep in range(repeats):
         for cname, make in cases:
             for pname, bu, tier in peers:
-                with stagebuf_tier(tier):
+                forced = pname.endswith("_triton")
+                if forced and not cname.startswith(("fused", "writes")):
+                    continue
+                with stagebuf_tier(tier), _kernel("triton" if forced else None):
                     step = make(bu)
                     n = steps if not cname.endswith("x64") or "4096" not in cname else max(10, steps // 4)
                     us = _time(step, device, n, warmup)

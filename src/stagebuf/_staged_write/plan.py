@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 KERNELS = ("auto", "scatter", "triton")
 TRITON_MIN_ELEMS = 1 << 13
 """``auto`` uses the Triton kernel from this many staged elements on (measured: docs/DESIGN.md)."""
+SCATTER_MAX_PARTS = 4
+"""``auto`` writes up to this many targets with one ``index_copy_`` each (one packed transfer), more
+with one Triton launch: on the H200 one Triton launch costs several ATen launches (docs/DESIGN.md)."""
 _CAPACITY = 1 << 14
 _GUARD_MODE = "auto"
 """The staging slots' guard (tests force ``wait`` to exercise it on the CPU tiers)."""
@@ -225,7 +228,7 @@ class _Launcher:
             return "scatter"  # overlaps: de-duplicated on the host, then one scatter
         want = self.forced
         if want == "auto":
-            want = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > 1 else "scatter"
+            want = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > SCATTER_MAX_PARTS else "scatter"
         if want == "triton" and not triton_usable(self.device):
             if self.forced == "triton":
                 warn_once(

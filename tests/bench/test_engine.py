@@ -1,0 +1,81 @@
+"""The engine workload's identical-inputs check on the CPU: vLLM 0.33.0's own MRV2 modules on stagebuf.
+
+vLLM's released files are fetched (``benchmarks.vllm_mrv2.fetch``: the installed vLLM 0.33.0, or its
+wheel from the package index); where that fails the tests skip and say why. vLLM's Triton kernels
+run in Triton's CPU interpreter (``TRITON_INTERPRET=1``), as vLLM's CPU worker runs them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from benchmarks import engine as E
+from benchmarks import vllm_mrv2
+
+CPU = torch.device("cpu")
+SMALL = {"max_num_reqs": 24, "max_model_len": 256, "max_num_batched_tokens": 192, "running": 16,
+         "prompt": (16, 120), "output": (1, 6), "steps": 12}  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_files() -> Iterator[None]:
+    pytest.importorskip("triton", reason="vLLM's MRV2 kernels are Triton kernels")
+    try:
+        vllm_mrv2.fetch()
+    except vllm_mrv2.Unavailable as e:
+        pytest.skip(f"vLLM {vllm_mrv2.VERSION}'s files could not be fetched: {e}")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # read when vLLM's kernels are decorated, so before loading
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("api", ["dropin", "own"])
+@pytest.mark.parametrize("tier", ["host", "pageable"])
+def test_identical_inputs(tier: str, api: str, groups: int) -> None:
+    """Step by step, every device-visible input equals vLLM's own layer's (vLLM's CPU worker)."""
+    cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:groups], **SMALL)
+    trace = E.make_trace(cfg)
+    assert any(p.new for p in trace[1:]) and any(p.cached for p in trace) and any(p.finished for p in trace)
+    r = E.check(E.Setup("stagebuf", tier, api), cfg, CPU, trace=trace)
+    assert r["steps"] == cfg.steps and r["mismatches"] == []
+
+
+def test_the_check_finds_a_wrong_input() -> None:
+    """One wrong block id on stagebuf's side after step 3 is reported, by step and input."""
+    cfg = E.TraceConfig(**SMALL)
+
+    def tamper(eng: E.Engine, i: int) -> None:
+        if i == 3:
+            eng.block_tables.block_tables[0].gpu[0, 0] += 1
+
+    r = E.check(E.Setup("stagebuf", "host", "dropin"), cfg, CPU, tamper=tamper)
+    assert "step 3: block_table_state_0" in r["mismatches"]
+    assert all(int(m.split(":")[0].split()[1]) >= 3 for m in r["mismatches"])
+
+
+def test_the_peer_is_vllms_own_code() -> None:
+    """The vLLM layer really is vLLM's buffer_utils (its classes, defined in its file)."""
+    m = vllm_mrv2.load("vllm", device=CPU)
+    for name in ("UvaBufferPool", "UvaBackedTensor", "StagedWriteTensor", "FusedStagedWriter"):
+        cls = getattr(m.buffer_utils, name)
+        assert cls.__init__.__code__.co_filename.endswith("vllm/v1/worker/gpu/buffer_utils.py")
+    # on the CPU, vLLM's CPU worker swaps in its own UvaBuffer, and so does the loader
+    assert m.buffer_utils.UvaBuffer.__init__.__code__.co_filename.endswith(
+        "vllm/v1/worker/cpu/buffer_utils.py"
+    )
+    s = vllm_mrv2.load("stagebuf", device=CPU)
+    import stagebuf
+
+    assert s.block_table.StagedWriteTensor is stagebuf.StagedWriteTensor
+    assert s.states.UvaBackedTensor is stagebuf.UvaBackedTensor
+    assert s.block_table._load_ptr is not None  # vLLM's Triton helper stays vLLM's

@@ -1,0 +1,60 @@
+"""The engine workload on a GPU: vLLM 0.33.0's MRV2 input path on stagebuf, on every CUDA tier.
+
+Needs vLLM's files (``benchmarks.vllm_mrv2.fetch``; on a machine without network, carry
+``.cache/vllm-0.33.0``). Each test skips, saying why, where they or a tier are missing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from benchmarks import engine as E
+from benchmarks import vllm_mrv2
+
+import stagebuf
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+CFG = {"steps": 40}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ready() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton", reason="vLLM's MRV2 kernels are Triton kernels")
+    try:
+        vllm_mrv2.fetch()
+    except vllm_mrv2.Unavailable as e:
+        pytest.skip(f"vLLM {vllm_mrv2.VERSION}'s files could not be fetched: {e}")
+
+
+def _tier_ok(tier: str) -> None:
+    with E.stagebuf_tier(None):
+        best = stagebuf.capabilities(CUDA).tier
+    if stagebuf.Tier.parse(tier) < best:
+        pytest.skip(f"tier {tier} is not available here (best: {best.name})")
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("api", ["dropin", "own"])
+@pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
+def test_identical_inputs(tier: str, api: str, groups: int, busy: bool) -> None:
+    _tier_ok(tier)
+    cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:groups], **CFG)
+    cycles = E.sleep_cycles_for(2.0, CUDA) if busy else 0
+    r = E.check(E.Setup("stagebuf", tier, api), cfg, CUDA, busy_cycles=cycles)
+    assert r["mismatches"] == []
+
+
+@pytest.mark.parametrize("api", ["dropin", "own"])
+@pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
+def test_no_sync_in_the_engine(tier: str, api: str) -> None:
+    """After warm-up, no stagebuf call of the engine's step synchronises (2 KV groups: the fused apply)."""
+    _tier_ok(tier)
+    cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:2], steps=50)
+    err = E.sync_check(
+        E.Setup("stagebuf", tier, api), cfg, CUDA, warmup=20, busy_cycles=E.sleep_cycles_for(2.0, CUDA)
+    )
+    assert err is None

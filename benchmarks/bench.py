@@ -1402,13 +1402,16 @@ def run(
 
 def engine_section(cfg: BenchConfig, device: torch.device, console: Console) -> dict[str, Any]:
     """The engine workload and the vs-vLLM micro-benchmarks; ``skipped`` says why not, where not run."""
-    log = lambda msg: console.print(escape(msg), highlight=False)  # noqa: E731
+
+    def log(msg: str) -> None:
+        console.print(escape(msg), highlight=False)
+
     try:
         root = vllm_mrv2.fetch()
     except vllm_mrv2.Unavailable as e:
         return {"engine": {"skipped": str(e)}, "vs_vllm": {"skipped": str(e)}}
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        why = "on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1 (tests/bench/test_engine.py checks there)"
+        why = "on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1 (tests/bench/test_engine.py checks)"
         return {"engine": {"skipped": why}, "vs_vllm": {"skipped": why}}
     log(f"engine: vLLM {vllm_mrv2.VERSION}'s MRV2 modules from {root}")
     reps = max(3, cfg.repeats)

@@ -172,11 +172,12 @@ def _module(
 def _functions(path: Path, names: tuple[str, ...], env: dict[str, Any]) -> dict[str, Any]:
     """The named top-level functions of ``path``, compiled from its source with globals ``env``."""
     tree = ast.parse(path.read_text(), str(path))
-    keep = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    missing = set(names) - {n.name for n in keep}
+    keep: list[ast.stmt] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    missing = set(names) - {n.name for n in keep if isinstance(n, ast.FunctionDef)}
     if missing:
         raise Unavailable(f"{path} has no {sorted(missing)}: not vLLM {VERSION}'s file")
     for n in keep:
+        assert isinstance(n, ast.FunctionDef)
         n.decorator_list = []
     glb = dict(env)
     exec(compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec"), glb)

@@ -17,6 +17,7 @@ steps, outside the timing); medians over steps, then over interleaved repeats.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -148,14 +149,19 @@ def run(
         peers.append(("stagebuf_uva_triton", sb, "uva"))  # the Triton kernel forced (fused cases)
     cases: list[tuple[str, Callable[[Any], Callable[[int], None]]]] = []
     for k in (1, 8):
-        cases.append((f"pool|k{k}", lambda bu, k=k: _pool_case(bu, device, k)))
-        cases.append((f"backed|k{k}", lambda bu, k=k: _backed_case(bu, device, k)))
+        cases.append((f"pool|k{k}", functools.partial(_pool_case, device=device, k=k)))
+        cases.append((f"backed|k{k}", functools.partial(_backed_case, device=device, k=k)))
     for e in edits:
         for ln in lengths:
-            cases.append((f"writes|{e}x{ln}", lambda bu, e=e, ln=ln: _writes_case(bu, device, e, ln, False)))
+            cases.append(
+                (f"writes|{e}x{ln}", functools.partial(_writes_case, device=device, e=e, ln=ln, fused=False))
+            )
             if e >= 2:
                 cases.append(
-                    (f"fused|{e}x{ln}", lambda bu, e=e, ln=ln: _writes_case(bu, device, e, ln, True))
+                    (
+                        f"fused|{e}x{ln}",
+                        functools.partial(_writes_case, device=device, e=e, ln=ln, fused=True),
+                    )
                 )
     raw: dict[str, dict[str, list[float]]] = {}
     for rep in range(repeats):

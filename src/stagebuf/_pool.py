@@ -174,9 +174,10 @@ class UvaBackedTensor(Sealed):
         return self.pool.tier
 
     def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
-        n = check_rows(n, self.np.shape[0])
-        self._gpu = self.pool.copy_to_uva(self.np[:n])
-        return self._gpu
+        """Publish the first ``n`` rows (all when None); the device tensor, also kept as ``.gpu``."""
+        src = self.np if n is None else self.np[: check_rows(n, self.np.shape[0])]
+        gpu = self.__dict__["_gpu"] = self.pool.copy_to_uva(src)  # (a plain store: no __setattr__ hook)
+        return gpu
 
     def stats(self) -> dict[str, int]:
         return self.pool.stats()

@@ -309,6 +309,7 @@ class Engine:
                 bt.append_block_ids(idx, blocks, overwrite=False)
         np.minimum(rs.num_computed_tokens_np, rs.prefill_len.np, out=rs.num_computed_prefill_tokens)
         idx_np = np.array([index[rid] for rid in plan.order], np.int32)
+        idx64 = idx_np.astype(np.int64) if self.own else idx_np
         num_reqs = idx_np.shape[0]
         num_tokens = int(plan.num_scheduled.sum())
         qsl_np = self.qsl_np
@@ -320,9 +321,9 @@ class Engine:
             self.writer.apply(self.own_writes)
             bt.num_blocks.copy_to_uva()
             b4 = clock()
-            with self.stager.step() as s:
-                idx_mapping = s.stage(idx_np.astype(np.int64))
+            with self.stager.step() as s:  # the fixed-shape array first: its layout is cached
                 qsl_full = s.stage(qsl_np)
+                idx_mapping = s.stage(idx64)
             query_start_loc = qsl_full[: num_reqs + 1]
         else:
             bt.apply_staged_writes()
@@ -494,6 +495,16 @@ def sleep_cycles_for(ms: float, device: torch.device) -> int:
     return int(per_ms * ms)
 
 
+def _wait(ev: Any) -> None:
+    """Wait for a CUDA event by polling with short sleeps, the same way before every preparation.
+
+    Busy and idle runs then differ only in the GPU's state, not in what the host thread did just
+    before a timed preparation (a spinning ``synchronize()`` in one mode and none in the other).
+    """
+    while not ev.query():
+        time.sleep(50e-6)
+
+
 def run_lockstep(
     setups_: list[Setup],
     cfg: TraceConfig,
@@ -507,7 +518,8 @@ def run_lockstep(
     Interleaving at the step makes slow drifts of the host hit every setup alike. Busy GPU
     (``busy_cycles`` > 0): each engine's forward stand-in is queued behind the others', and an
     engine waits for its own previous step before preparing the next (two steps in flight).
-    Idle GPU: the device is synchronised before each preparation. stagebuf engines begin each
+    Idle GPU: the device has finished everything before each preparation. Both wait the same
+    way (``_wait``). stagebuf engines begin each
     step with ``stagebuf.begin_step()`` (timed): the one event per step that a lone engine's first
     ring would record, kept per engine although the engines share a device.
     """
@@ -529,8 +541,10 @@ def run_lockstep(
         for j in range(k):
             e = (i + j) % k
             eng = engines[e]
-            if cuda and not busy_cycles:
-                torch.cuda.synchronize(device)
+            if cuda and not busy_cycles:  # idle: everything queued so far is done
+                done = torch.cuda.Event()
+                done.record()
+                _wait(done)
             t0 = clock()
             if eng.setup.layer == "stagebuf":
                 stagebuf.begin_step(device)
@@ -541,7 +555,7 @@ def run_lockstep(
                 ev = torch.cuda.Event()
                 ev.record()
                 if prev[e] is not None:
-                    prev[e].synchronize()
+                    _wait(prev[e])
                 prev[e] = ev
             if i >= warmup:
                 prep[e].append(p + (t1 - t0) * 1e6)

@@ -545,9 +545,16 @@ class StagedWriteTensor(Sealed):
         """Whether an edit may hold only bools (numpy reads bools mixed with numbers as numbers)."""
         if not a.size:
             return False
+        short = len(vals) <= 256
+        if short:  # on a short list the type scan is the cheaper test, and it settles most cases
+            types = set(map(type, vals))
+            if bool not in types and np.bool_ not in types:
+                return False
         first = np.cumsum(lens) - lens
         if not ((np.minimum.reduceat(a, first) >= 0) & (np.maximum.reduceat(a, first) <= 1)).any():
             return False
+        if short:
+            return True
         types = set(map(type, vals))
         return bool in types or np.bool_ in types
 

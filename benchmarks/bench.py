@@ -283,6 +283,8 @@ def _missing(s: W.Strategy, m: Machine) -> str | None:
             return f"needs UVA: {m.unavailable.get(Tier.UVA, 'not available')}"
         if need == "triton" and BL.triton_error():
             return f"needs Triton: {BL.triton_error()}"
+        if need == "vllm" and BL.vllm_error():
+            return f"needs vLLM {vllm_mrv2.VERSION}'s MRV2 modules: {BL.vllm_error()}"
     if s.tier is not None and s.tier in m.unavailable:
         return m.unavailable[s.tier]
     return None

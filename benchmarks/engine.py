@@ -221,15 +221,8 @@ def stagebuf_tier(tier: str | None) -> Iterator[None]:
         stagebuf.reset_capabilities()
 
 
-_LOADED: dict[tuple[str, bool, str], vllm_mrv2.Mrv2] = {}
-
-
 def modules(setup: Setup, device: torch.device) -> vllm_mrv2.Mrv2:
-    key = (setup.layer, setup.tier != "nopin", str(device))
-    m = _LOADED.get(key)
-    if m is None:
-        m = _LOADED[key] = vllm_mrv2.load(setup.layer, pin=setup.tier != "nopin", device=device)
-    return m
+    return vllm_mrv2.load(setup.layer, pin=setup.tier != "nopin", device=device)
 
 
 class Engine:

@@ -63,6 +63,7 @@ FILES = (
     "vllm/utils/torch_utils.py",
     "vllm/utils/math_utils.py",
     "vllm/v1/attention/backends/utils.py",
+    "vllm/v1/utils.py",
 )
 ENV_DIR = "STAGEBUF_VLLM_DIR"
 """Where the fetched vLLM files are kept (default: ``.cache/vllm-0.33.0`` in the checkout)."""
@@ -70,6 +71,25 @@ ENV_DIR = "STAGEBUF_VLLM_DIR"
 
 class Unavailable(RuntimeError):
     """vLLM 0.33.0's files could not be had here (the reason says why)."""
+
+
+def available() -> str | None:
+    """Why vLLM 0.33.0's MRV2 modules cannot be loaded here (None: they can); fetches once."""
+    global _why
+    if _why is None:
+        try:
+            fetch()
+            import triton  # noqa: F401  (MRV2's buffer_utils defines a Triton kernel at import)
+
+            _why = ""
+        except Unavailable as e:
+            _why = str(e)
+        except ImportError as e:
+            _why = f"vLLM's MRV2 modules need Triton ({e})"
+    return _why or None
+
+
+_why: str | None = None
 
 
 def cache_dir() -> Path:
@@ -170,15 +190,16 @@ def _module(
 
 
 def _functions(path: Path, names: tuple[str, ...], env: dict[str, Any]) -> dict[str, Any]:
-    """The named top-level functions of ``path``, compiled from its source with globals ``env``."""
+    """The named top-level functions (or classes) of ``path``, compiled from its source with ``env``."""
     tree = ast.parse(path.read_text(), str(path))
-    keep: list[ast.stmt] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    missing = set(names) - {n.name for n in keep if isinstance(n, ast.FunctionDef)}
+    defs = (ast.FunctionDef, ast.ClassDef)
+    keep: list[ast.stmt] = [n for n in tree.body if isinstance(n, defs) and n.name in names]
+    missing = set(names) - {n.name for n in keep if isinstance(n, defs)}
     if missing:
         raise Unavailable(f"{path} has no {sorted(missing)}: not vLLM {VERSION}'s file")
     for n in keep:
-        assert isinstance(n, ast.FunctionDef)
-        n.decorator_list = []
+        if isinstance(n, ast.FunctionDef):
+            n.decorator_list = []
     glb = dict(env)
     exec(compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec"), glb)
     return {n: glb[n] for n in names}
@@ -246,21 +267,40 @@ class Mrv2:
         self.input_batch = mods["input_batch"]
         self.sample_states = mods["sample_states"]
         self.async_tensor_h2d: Callable[..., torch.Tensor] = mods["async_tensor_h2d"]
+        self.CpuGpuBuffer: Any = mods["CpuGpuBuffer"]
+        """vLLM V1's ``CpuGpuBuffer`` (``vllm/v1/utils.py``), still in 0.33.0."""
         self.layer: str = mods["layer"]
         self.pin: bool = mods["pin"]
 
 
-def load(layer: str = "vllm", pin: bool = True, device: torch.device | None = None) -> Mrv2:
-    """MRV2's modules on ``layer`` (``"vllm"`` or ``"stagebuf"``).
+_LOADS: dict[tuple[Any, ...], Mrv2] = {}
+
+
+def load(
+    layer: str = "vllm", pin: bool = True, device: torch.device | None = None, uva: bool | None = None
+) -> Mrv2:
+    """MRV2's modules on ``layer`` (``"vllm"`` or ``"stagebuf"``), loaded once per arguments.
 
     ``pin`` is what vLLM's platform reports for pinned memory (``False``: its
     NonUvaBuffer fallback and pageable ``async_tensor_h2d``); stagebuf's classes
-    ask stagebuf's probe instead (force a tier with ``STAGEBUF_TIER``).
+    ask stagebuf's probe instead (force a tier with ``STAGEBUF_TIER``). ``uva``
+    overrides ``is_uva_available()`` (``False`` on a CPU: vLLM's NonUvaBuffer with the
+    CPU standing in for the device, as the CPU tests of the fallback need).
+    Triton reads ``TRITON_INTERPRET`` when the kernels are defined, so a load made
+    without it stays compiled and one made with it stays interpreted.
     """
     if layer not in ("vllm", "stagebuf"):
         raise ValueError(f"layer={layer!r}; allowed: 'vllm', 'stagebuf'")
-    root = fetch()
     dev = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    key = (layer, pin, str(dev), uva, os.environ.get("TRITON_INTERPRET") == "1")
+    got = _LOADS.get(key)
+    if got is None:
+        got = _LOADS[key] = _load(layer, pin, dev, uva)
+    return got
+
+
+def _load(layer: str, pin: bool, dev: torch.device, uva: bool | None) -> Mrv2:
+    root = fetch()
     cpu = dev.type == "cpu"
     import triton
     import triton.language as tl
@@ -292,7 +332,8 @@ def load(layer: str = "vllm", pin: bool = True, device: torch.device | None = No
         "vllm.triton_utils": triton_utils,
         # vLLM: is_uva_available() = pinned memory available, or the CPU platform
         "vllm.utils.platform_utils": types.SimpleNamespace(
-            is_uva_available=lambda: is_pinned_ok or cpu, is_pin_memory_available=lambda: is_pinned_ok
+            is_uva_available=lambda: (is_pinned_ok or cpu) if uva is None else uva,
+            is_pin_memory_available=lambda: is_pinned_ok,
         ),
         "vllm.utils.torch_utils": torch_utils,
         "vllm.utils.math_utils": math_utils,
@@ -307,7 +348,7 @@ def load(layer: str = "vllm", pin: bool = True, device: torch.device | None = No
         "vllm.v1.worker.gpu.sample.min_p": types.SimpleNamespace(apply_min_p=_stub("min-p")),
     }
     vbu = _module("vllm_mrv2.buffer_utils", f / "v1/worker/gpu/buffer_utils.py", imports)
-    if cpu:  # as vLLM's CPU worker does: gpu_buffer_utils.UvaBuffer = cpu_buffer_utils.UvaBuffer
+    if cpu and uva is not False:  # as vLLM's CPU worker does: gpu_buffer_utils.UvaBuffer = cpu's
         cbu = _module("vllm_mrv2.cpu_buffer_utils", f / "v1/worker/cpu/buffer_utils.py", imports)
         vbu.UvaBuffer = cbu.UvaBuffer
     if layer == "stagebuf":
@@ -326,6 +367,9 @@ def load(layer: str = "vllm", pin: bool = True, device: torch.device | None = No
         input_batch=ib,
         sample_states=ss,
         async_tensor_h2d=torch_utils.async_tensor_h2d,
+        CpuGpuBuffer=_functions(
+            f / "v1/utils.py", ("CpuGpuBuffer",), {"torch": torch, "np": np, "PIN_MEMORY": is_pinned_ok}
+        )["CpuGpuBuffer"],
         layer=layer,
         pin=pin,
     )

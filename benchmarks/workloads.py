@@ -12,12 +12,12 @@ the stagebuf strategies use the public classes on a forced tier.
 * writes: a sweep over E edits of L elements each (distinct rows), staged and
   applied once per step to a 2-D device table.
 
-The ``mrv2_*`` baselines rebuild vLLM Model Runner V2's buffer layer from its
-design (no code of it is used): ``mrv2_uva_pool`` (a ring of pinned buffers with
-device views, round robin, no guard, a view slice per call),
-``mrv2_staged_write`` (StagedWriteTensor: Python lists per edit, three int32
-UVA pools + the contents through a fresh pinned tensor and one async copy, one
-Triton program per edit) and ``mrv2_decode`` (the decode loop built from both).
+The ``mrv2_*`` baselines are vLLM 0.33.0's own Model Runner V2 classes
+(``baselines``, loaded by ``vllm_mrv2``): ``mrv2_uva_pool`` (its UvaBufferPool on
+pinned memory), ``mrv2_fallback_per_array`` (the same pool on a machine without
+pinned memory: its NonUvaBuffer fallback), ``mrv2_staged_write`` (its
+StagedWriteTensor) and ``mrv2_decode`` (the decode loop built from both); vLLM V1's
+own ``CpuGpuBuffer`` is ``pinned_buffer_per_array``.
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ import torch
 from stagebuf import StepStager, Tier, UvaBufferPool
 
 from .baselines import (
-    MRV2_BLOCK,
     MRV2_SLOTS,
-    CpuGpuBuffer,
-    Mrv2StagedWrite,
     PoolMaker,
+    cpu_gpu_buffer,
     mrv2_fallback_pool,
+    mrv2_staged_write,
     mrv2_uva_pool,
     uva_pool_cached,
 )
@@ -96,7 +95,8 @@ class Strategy:
     tier: Tier | None = None
     """The forced stagebuf tier (None: built with STAGEBUF_TIER unset)."""
     needs: tuple[str, ...] = ()
-    """Subset of 'cuda', 'pinned', 'uva', 'triton': what the strategy needs from the machine."""
+    """Subset of 'cuda', 'pinned', 'uva', 'triton', 'vllm' (vLLM 0.33.0's files, fetched): what the
+    strategy needs from the machine."""
 
 
 class BenchCheckError(RuntimeError):
@@ -170,7 +170,7 @@ def micro_pinned_tensor(env: Env, n: int) -> Case:
 
 def micro_pinned_buffer(env: Env, n: int) -> Case:
     srcs = _sources(env, n)
-    bufs = [CpuGpuBuffer(n, torch.int32, env.device) for _ in srcs]
+    bufs = [cpu_gpu_buffer(n, torch.int32, env.device) for _ in srcs]
 
     def run() -> list[torch.Tensor]:
         out = []
@@ -537,7 +537,7 @@ def decode_pinned_buffer(env: Env, batch: int) -> Case:
     dev = env.device
 
     def make(sim: DecodeSim) -> Stage4:
-        bufs = [CpuGpuBuffer(n, dt, dev) for n, dt in _decode_sizes(sim)]
+        bufs = [cpu_gpu_buffer(n, dt, dev) for n, dt in _decode_sizes(sim)]
 
         def stage(st: DecodeStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             out = []
@@ -587,18 +587,16 @@ def decode_baseline_pool(make_pool: PoolMaker, name: str, pinned_table: bool) ->
     return build
 
 
-def decode_mrv2(
-    make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton", pin_contents: bool = True
-) -> Callable[[Env, int], Case]:
-    """MRV2's decode step: per-step arrays through UVA pools, block-table appends through its
-    StagedWriteTensor (one stage_write per edit, one apply per step). The defaults are the bench's;
-    the arguments let a CPU test run the same loop (see :class:`Mrv2StagedWrite`)."""
+def decode_mrv2(make_pool: PoolMaker = mrv2_uva_pool) -> Callable[[Env, int], Case]:
+    """MRV2's decode step with vLLM 0.33's own classes: per-step arrays through its UvaBufferPools,
+    block-table appends through its StagedWriteTensor (one stage_write per edit, one apply per step).
+    ``make_pool`` lets a CPU test use the fallback pool."""
 
     def build(env: Env, batch: int) -> Case:
         dev = env.device
 
         def make_table(sim: DecodeSim) -> TableOps:
-            sw = Mrv2StagedWrite(_table_shape(sim), torch.int32, dev, make_pool, kernel, pin_contents)
+            sw = mrv2_staged_write(_table_shape(sim), torch.int32, dev)
             return TableOps(sw.stage_write, sw.apply_write, lambda: sw.gpu)
 
         return _decode_case(
@@ -607,7 +605,7 @@ def decode_mrv2(
             "mrv2_decode",
             _pool_stage(make_pool, dev),
             make_table,
-            lambda: {"kernel": kernel, "pool_slots": MRV2_SLOTS},
+            lambda: {"peer": "vLLM 0.33.0", "pool_slots": MRV2_SLOTS},
         )
 
     return build
@@ -839,15 +837,12 @@ def writes_staged_batched(env: Env, cell: WriteCell, kernel: str | None = None) 
     )
 
 
-def writes_mrv2(
-    make_pool: PoolMaker = mrv2_uva_pool, kernel: str = "triton", pin_contents: bool = True
-) -> Callable[[Env, WriteCell], Case]:
-    """MRV2's StagedWriteTensor: one stage_write per edit from Python lists, then apply_write.
-    The defaults are the bench's (UVA pools, compiled Triton); see :class:`Mrv2StagedWrite`."""
+def writes_mrv2() -> Callable[[Env, WriteCell], Case]:
+    """vLLM 0.33's own StagedWriteTensor: one stage_write per edit from Python lists, then apply_write."""
 
     def build(env: Env, cell: WriteCell) -> Case:
         ws = write_sets(env, cell)
-        sw = Mrv2StagedWrite(write_shape(cell), torch.int32, env.device, make_pool, kernel, pin_contents)
+        sw = mrv2_staged_write(write_shape(cell), torch.int32, env.device)
         return _writes_case(
             "mrv2_staged_write",
             cell,
@@ -855,7 +850,7 @@ def writes_mrv2(
             _per_edit(sw.stage_write, ws),
             sw.apply_write,
             lambda: sw.gpu,
-            lambda: {"kernel": kernel, "block": MRV2_BLOCK},
+            lambda: {"peer": "vLLM 0.33.0"},
         )
 
     return build
@@ -878,30 +873,37 @@ def micro_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         ),
         Strategy(
             "pinned_buffer_per_array",
-            "fixed pinned buffer per array + async copy (vLLM V1)",
+            "vLLM 0.33 V1 CpuGpuBuffer per array (fixed pinned buffer + async copy)",
             "baseline",
             micro_pinned_buffer,
-            needs=("pinned",),
+            needs=(
+                "vllm",
+                "pinned",
+            ),
         ),
         Strategy(
             "mrv2_fallback_per_array",
-            "MRV2 fallback (NonUvaBuffer) pool per array (pageable + sync copy)",
+            "vLLM 0.33 UvaBufferPool without pinned memory (NonUvaBuffer) per array",
             "baseline",
             micro_baseline_pool(mrv2_fallback_pool, "mrv2_fallback_per_array"),
+            needs=("vllm",),
         ),
         Strategy(
             "uva_pool_per_array",
-            "MRV2-style UVA pool per array (2 slots, no guard)",
+            "UVA pool per array on stagebuf's UvaBuffer (2 slots, cached views, no guard)",
             "baseline",
             micro_baseline_pool(uva_pool_cached, "uva_pool_per_array"),
             needs=("uva",),
         ),
         Strategy(
             "mrv2_uva_pool",
-            "MRV2 UvaBufferPool per array (2 UVA slots, slice per call, no guard)",
+            "vLLM 0.33 UvaBufferPool per array (2 UVA slots, no guard)",
             "baseline",
             micro_baseline_pool(mrv2_uva_pool, "mrv2_uva_pool"),
-            needs=("uva",),
+            needs=(
+                "vllm",
+                "uva",
+            ),
         ),
     ]
     for t in tiers:
@@ -971,30 +973,34 @@ def decode_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         ),
         Strategy(
             "pinned_buffer_per_array",
-            "fixed pinned buffer per array + async copy; pinned row copies",
+            "vLLM 0.33 V1 CpuGpuBuffer per array; pinned row copies",
             "baseline",
             decode_pinned_buffer,
-            needs=("pinned",),
+            needs=(
+                "vllm",
+                "pinned",
+            ),
         ),
         Strategy(
             "mrv2_fallback_per_array",
-            "MRV2 fallback (NonUvaBuffer) pool per array; sync row copies",
+            "vLLM 0.33 UvaBufferPool without pinned memory (NonUvaBuffer) per array; row copies",
             "baseline",
             decode_baseline_pool(mrv2_fallback_pool, "mrv2_fallback_per_array", False),
+            needs=("vllm",),
         ),
         Strategy(
             "uva_pool_per_array",
-            "MRV2-style UVA pool per array; pinned row copies",
+            "UVA pool per array on stagebuf's UvaBuffer; pinned row copies",
             "baseline",
             decode_baseline_pool(uva_pool_cached, "uva_pool_per_array", True),
             needs=("uva",),
         ),
         Strategy(
             "mrv2_decode",
-            "MRV2: UvaBufferPool per array; StagedWriteTensor (lists, Triton) appends",
+            "vLLM 0.33 MRV2: UvaBufferPool per array; StagedWriteTensor appends",
             "baseline",
             decode_mrv2(),
-            needs=("uva", "triton"),
+            needs=("vllm", "uva", "triton"),
         ),
     ]
     for t in tiers:
@@ -1028,10 +1034,10 @@ def writes_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         ),
         Strategy(
             "mrv2_staged_write",
-            "MRV2 StagedWriteTensor: lists, 3 UVA pools + pinned contents, 1 Triton program per edit",
+            "vLLM 0.33 StagedWriteTensor (its own class)",
             "baseline",
             writes_mrv2(),
-            needs=("uva", "triton"),
+            needs=("vllm", "uva", "triton"),
         ),
     ]
     for t in tiers:

@@ -57,3 +57,18 @@ def any_tier(request, monkeypatch) -> stagebuf.Tier:
     if request.param in ("uva", "pinned") and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
     return force_tier(monkeypatch, request.param)
+
+
+@pytest.fixture
+def vllm_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33.0's MRV2 modules loadable, their Triton kernels in Triton's CPU interpreter.
+
+    Skips, saying why, where vLLM's files cannot be fetched (``benchmarks.vllm_mrv2``) or Triton
+    is missing.
+    """
+    from benchmarks import vllm_mrv2
+
+    why = vllm_mrv2.available()
+    if why:
+        pytest.skip(f"needs vLLM {vllm_mrv2.VERSION}'s MRV2 modules: {why}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

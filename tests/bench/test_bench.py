@@ -335,7 +335,7 @@ def test_cli_fails_on_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "WRONG ANSWER: decode loop [" in res.output and "host model" in res.output
 
 
-def test_seed_pool_and_row_copy_baselines_are_correct() -> None:
+def test_seed_pool_and_row_copy_baselines_are_correct(vllm_interpreted: None) -> None:
     dev = torch.device("cpu")
     pool = W.mrv2_fallback_pool(4, torch.int32, dev)
     for n in (3, 4, 9, 2):  # grows on 9
@@ -346,14 +346,9 @@ def test_seed_pool_and_row_copy_baselines_are_correct() -> None:
     assert t.dev[2].tolist() == [0, 0, 0, 7, 8, 0, 0, 0]
 
 
-def test_writes_cases_verify_on_cpu() -> None:
+def test_writes_cases_verify_on_cpu(vllm_interpreted: None) -> None:
     env = W.Env(torch.device("cpu"), False, False, False)
-    builds = [
-        W.writes_row_copy,
-        W.writes_staged,
-        W.writes_staged_batched,
-        W.writes_mrv2(BL.mrv2_fallback_pool, "torch", False),
-    ]
+    builds = [W.writes_row_copy, W.writes_staged, W.writes_staged_batched, W.writes_mrv2()]
     for cell in (W.WriteCell(1, 1), W.WriteCell(16, 8), W.WriteCell(40, 64)):
         for build in builds:
             case = build(env, cell)
@@ -478,27 +473,32 @@ def test_named_commit_wins_over_what_git_finds(monkeypatch: pytest.MonkeyPatch) 
     assert found != "0123abc"
 
 
-# --- the MRV2 baselines ---------------------------------------------------------------------------
+# --- the MRV2 baselines: vLLM 0.33.0's own classes --------------------------------------------------
 
 CPU = torch.device("cpu")
 
 
-def _mrv2_cpu(shape: tuple[int, int], kernel: str) -> W.Mrv2StagedWrite:
-    """MRV2's staged write on the CPU: a pageable pool stand-in for the UVA pools, no pinned contents."""
-    return W.Mrv2StagedWrite(shape, torch.int32, CPU, W.mrv2_fallback_pool, kernel, pin_contents=False)
-
-
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only behaviour")
 def test_mrv2_uva_pool_refuses_a_machine_without_uva() -> None:
-    with pytest.raises(Exception, match="UVA|accelerator"):
+    with pytest.raises(Exception, match="UVA|accelerator|CUDA"):
         W.mrv2_uva_pool(8, torch.int32, CPU)
 
 
-def test_mrv2_pool_is_a_ring_without_a_guard() -> None:
-    # the ring itself (the seed's RoundRobinPool); the pageable stand-in has a device tensor per slot
-    pool = BL.RoundRobinPool(
-        8, torch.int32, lambda shape: BL.Mrv2NonUvaBuffer(shape, torch.int32, CPU), slots=W.MRV2_SLOTS
-    )
+def test_mrv2_baselines_are_vllms_own_classes(vllm_interpreted: None) -> None:
+    pool = W.mrv2_fallback_pool(8, torch.int32, CPU)
+    sw = BL.mrv2_staged_write((4, 8), torch.int32, CPU)
+    buf = BL.cpu_gpu_buffer(8, torch.int32, CPU)
+    for obj, name in ((pool, "UvaBufferPool"), (sw, "StagedWriteTensor")):
+        assert type(obj).__name__ == name
+        assert type(obj).__init__.__code__.co_filename.endswith("vllm/v1/worker/gpu/buffer_utils.py")
+    assert type(pool._uva_bufs[0]).__name__ == "NonUvaBuffer"  # no pinned memory: vLLM's fallback
+    assert type(buf).__name__ == "CpuGpuBuffer"
+    assert type(buf).__init__.__code__.co_filename.endswith("vllm/v1/utils.py")
+
+
+def test_mrv2_pool_is_a_ring_without_a_guard(vllm_interpreted: None) -> None:
+    # vLLM's own pool without pinned memory: a device tensor per slot, round robin, no guard
+    pool = W.mrv2_fallback_pool(8, torch.int32, CPU)
     outs = [pool.copy_to_uva(np.full(4, i, np.int32)) for i in range(3)]
     assert outs[0].data_ptr() != outs[1].data_ptr() and outs[2].data_ptr() == outs[0].data_ptr()
     # no guard: the third write rewrote the first slot, which the first result still views
@@ -506,12 +506,10 @@ def test_mrv2_pool_is_a_ring_without_a_guard() -> None:
     assert pool.copy_to_uva([5, 6]).tolist() == [5, 6]  # lists go through the numpy view
 
 
-@pytest.mark.parametrize("kernel", ["torch", "interpret"])
-def test_mrv2_staged_write_matches_a_model(kernel: str) -> None:
-    if kernel == "interpret" and BL.triton_error():
-        pytest.skip(BL.triton_error() or "")
+def test_mrv2_staged_write_matches_a_model(vllm_interpreted: None) -> None:
+    """vLLM's StagedWriteTensor, loaded by the harness, on the CPU (Triton's interpreter)."""
     rows, cols = 24, 1600
-    sw = _mrv2_cpu((rows, cols), kernel)
+    sw = BL.mrv2_staged_write((rows, cols), torch.int32, CPU)
     model = np.zeros((rows, cols), np.int32)
     rng = np.random.default_rng(5)
     for step in range(3):
@@ -523,49 +521,45 @@ def test_mrv2_staged_write_matches_a_model(kernel: str) -> None:
             sw.stage_write(int(r), st, vals)
             model[r, st : st + ln] = vals
         sw.stage_write(0, 3, [])  # an empty edit stages nothing
-        assert len(sw._cu_lens) == n and sw._cu_lens[-1] == len(sw._contents)
         sw.apply_write()
-        assert not sw._indices and not sw._contents  # apply clears the staged lists
         assert np.array_equal(sw.gpu.numpy(), model), step
-    # an edit longer than the kernel's tile: the program loops over it
-    long = list(range(1, W.MRV2_BLOCK + 300))
+    long = list(range(1, 1024 + 300))  # longer than the kernel's 1024-element block
     sw.stage_write(5, 10, long)
     model[5, 10 : 10 + len(long)] = long
     sw.apply_write()
     assert np.array_equal(sw.gpu.numpy(), model)
-    sw.apply_write()  # nothing staged: nothing happens
-    with pytest.raises(AssertionError):
-        sw.stage_write(-1, 0, [1])
-    with pytest.raises(AssertionError):
-        sw.stage_write(0, -1, [1])
 
 
-def test_mrv2_decode_loop_checks_its_answers_on_cpu() -> None:
+def test_mrv2_decode_loop_checks_its_answers_on_cpu(vllm_interpreted: None) -> None:
     env = W.Env(CPU, False, False, False, check_every=5, decode_steps=10)
-    case = W.decode_mrv2(W.mrv2_fallback_pool, "torch", pin_contents=False)(env, 32)
+    case = W.decode_mrv2(W.mrv2_fallback_pool)(env, 32)
     for _ in range(W.DECODE_WARMUP + 20):
         case.step()
     got = case.finish()
-    assert got["checks"] >= 10 and got["kernel"] == "torch"
+    assert got["checks"] >= 10 and got["peer"] == "vLLM 0.33.0"
 
 
-def test_mrv2_decode_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = BL._mrv2_torch_apply
+def test_mrv2_decode_catches_a_wrong_table(vllm_interpreted: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = BL.mrv2_staged_write
 
-    def drops_the_last_edit(
-        out: torch.Tensor,
-        rows: torch.Tensor,
-        starts: torch.Tensor,
-        contents: torch.Tensor,
-        cu_lens: torch.Tensor,
-    ) -> None:
-        n = rows.shape[0] - 1
-        if n:
-            real(out, rows[:n], starts[:n], contents[: int(cu_lens[n - 1])], cu_lens[:n])
+    def drops_the_last_edit(*a: Any) -> Any:
+        sw = real(*a)
+        apply = sw.apply_write
 
-    monkeypatch.setattr(BL, "_mrv2_torch_apply", drops_the_last_edit)
+        def apply_write() -> None:  # vLLM's lists, less the last edit
+            if len(sw._staged_write_indices) > 1:
+                sw._staged_write_indices.pop()
+                sw._staged_write_starts.pop()
+                n = sw._staged_write_cu_lens.pop()
+                del sw._staged_write_contents[sw._staged_write_cu_lens[-1] : n]
+            apply()
+
+        sw.apply_write = apply_write
+        return sw
+
+    monkeypatch.setattr(W, "mrv2_staged_write", drops_the_last_edit)
     env = W.Env(CPU, False, False, False, check_every=5, decode_steps=10)
-    case = W.decode_mrv2(W.mrv2_fallback_pool, "torch", pin_contents=False)(env, 32)
+    case = W.decode_mrv2(W.mrv2_fallback_pool)(env, 32)
     with pytest.raises(W.BenchCheckError, match="mrv2_decode"):
         for _ in range(W.DECODE_WARMUP + 20):
             case.step()

@@ -20,7 +20,9 @@ Configurations (``Setup``):
   substitution), on a forced stagebuf tier;
 * ``own``: the same, with the step's buffer work written against stagebuf's
   own API: every staged write of the step (block tables and request state)
-  in one ``FusedStagedWriter.apply``, and the step's per-step arrays
+  in one ``FusedStagedWriter.apply``; the per-request parameters (the
+  sampler's five, prompt and prefill lengths) in one ``DeviceParamTable``
+  (one copy per step where any changed); the step's per-step arrays
   (``idx_mapping``, ``query_start_loc``) through one ``StepStager`` step.
 
 Measured per step, on the host: the preparation (state updates through the last
@@ -258,6 +260,18 @@ class Engine:
             ]
             self.own_writes = writes
             self.writer = stagebuf.FusedStagedWriter(device, max_writes=g * cfg.max_num_reqs + 3 * 64)
+            # the per-request parameters (the sampler's five, prompt and prefill lengths) in one table:
+            # one copy per step where any changed, in place of seven publishes
+            owners = {n: self.sampling for n in PARAMS} | {
+                n: self.req_states for n in ("prompt_len", "prefill_len")
+            }
+            self.params = stagebuf.DeviceParamTable(
+                cfg.max_num_reqs, {n: getattr(o, n).dtype for n, o in owners.items()}, device
+            )
+            for n, o in owners.items():
+                self.params[n].np[:] = getattr(o, n).np  # vLLM's initial values (top_k, top_p)
+                setattr(o, n, self.params[n])  # vLLM's code writes .np and reads .gpu, as before
+            self.params.sync()
         self.qsl_np = np.zeros(cfg.max_num_reqs + 1, np.int32)
         self.step_no = 0
         self.last: dict[str, torch.Tensor] = {}
@@ -283,14 +297,14 @@ class Engine:
             bt.append_block_ids(idx, nr.block_ids, overwrite=True)
             ss.add_request(idx, nr.params)
         b0 = clock()
-        if plan.new:
-            if self.own:
-                rs.prompt_len.copy_to_uva()
-                rs.prefill_len.copy_to_uva()
-            else:
+        if self.own:
+            b1 = b0
+            self.params.sync()  # request lengths and sampling parameters: one copy if any changed
+        else:
+            if plan.new:
                 rs.apply_staged_writes()
-        b1 = clock()
-        ss.apply_staged_writes()
+            b1 = clock()
+            ss.apply_staged_writes()
         b2 = clock()
         buf += b2 - b0
         nct = rs.num_computed_tokens_np
@@ -573,13 +587,18 @@ def run_lockstep(
 
 SECTIONS = ("request_writes", "sampler_publish", "block_tables", "per_step_copies")
 """The parts of the buffer work: RequestState.apply_staged_writes (steps with arrivals), the
-sampler's five publishes, BlockTables.apply_staged_writes (own API: every staged write of the step
-in one fused apply, and num_blocks), idx_mapping and query_start_loc to the device."""
+sampler's five publishes (own API: one DeviceParamTable sync for them and the request lengths),
+BlockTables.apply_staged_writes (own API: every staged write of the step in one fused apply, and
+num_blocks), idx_mapping and query_start_loc to the device."""
+
+PARAMS = ("temperature", "top_k", "top_p", "min_p", "seeds")
+"""SamplingStates' per-request parameters (vLLM 0.33: UvaBackedTensors published every step)."""
 
 
 def _guard_waits(eng: Engine) -> int:
     """Waits of the slot guard over every stagebuf object of an engine (0 for vLLM's layer)."""
-    objs: list[Any] = [eng.stager, eng.writer, eng.block_tables.num_blocks, *eng.block_tables.block_tables]
+    objs: list[Any] = [eng.stager, eng.writer, getattr(eng, "params", None), eng.block_tables.num_blocks]
+    objs += eng.block_tables.block_tables
     objs += [v for x in (eng.req_states, eng.sampling) for v in vars(x).values()]
     total = 0
     for obj in objs:

@@ -8,7 +8,8 @@
 #   fuzz      the CUDA-tier state machines with FUZZ_EXAMPLES examples (scripts/gpu_reliability.sh fuzz)
 #   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (scripts/gpu_reliability.sh)
 #   multigpu  torchrun decode across GPUs (scripts/gpu_reliability.sh mp)
-#   bench     the full bench, python -m benchmarks (scripts/gpu_bench.sh): bench.json, bench.md, bench.png
+#   bench     the full bench, python -m benchmarks (scripts/gpu_bench.sh): bench.json, bench.md, bench.png;
+#             its engine workload needs vLLM 0.33.0's files: without network, carry .cache/vllm-0.33.0
 # Each stage writes its log under $OUT and a line to $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +30,7 @@ for stage in "$@"; do
       OUT="$OUT/$stage" bash scripts/gpu_reliability.sh $sub > "$OUT/$stage.log" 2>&1
       rc=$?; line=$(tail -n 3 "$OUT/$stage.log" | tr '\n' ' ') ;;
     bench)
-      OUT="$OUT/bench" timeout "${BENCH_TIMEOUT:-420}" bash scripts/gpu_bench.sh > "$OUT/bench_run.log" 2>&1
+      OUT="$OUT/bench" timeout "${BENCH_TIMEOUT:-540}" bash scripts/gpu_bench.sh > "$OUT/bench_run.log" 2>&1
       rc=$?; line=$(grep -E "total .* s" "$OUT/bench_run.log" | tail -n 1) ;;
     *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench" >&2; exit 2 ;;
   esac

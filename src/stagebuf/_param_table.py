@@ -197,7 +197,7 @@ class DeviceParamTable:
 
     def changed(self) -> bool:
         """True when a host value differs from what was last uploaded."""
-        return not np.array_equal(self._host_np.view(np.uint64), self._shadow.view(np.uint64))
+        return self._host_np.tobytes() != self._shadow.tobytes()  # bitwise (a NaN equals itself)
 
     def sync(self, force: bool = False) -> bool:
         """Upload every field with one stream-ordered copy if a host value changed (or ``force``).

@@ -837,7 +837,11 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                     sec = runs[-1]["sections_us"]
                     srow.append([f"{s}, {g}g", *(f"{sec.get(k, 0):.1f}" for k in SECTIONS)])
         out.append(
-            ("engine: buffer work by part, mean µs per step (last run, busy GPU)", ["setup", *SECTIONS], srow)
+            (
+                "engine: buffer work by part, mean µs per step (last run; busy GPU where run)",
+                ["setup", *SECTIONS],
+                srow,
+            )
         )
     micro = report.get("vs_vllm") or {}
     med = micro.get("median_us", {})

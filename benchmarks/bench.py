@@ -694,7 +694,6 @@ TARGET_NEEDS: dict[str, str | None] = {
     "decode_pageable_vs_uva": "cuda",
     "no_tier_slower_than_uva_pool": "cuda",
     "staged_write_uva_vs_mrv2_e_le_16": "cuda",
-    "staged_write_uva_vs_mrv2_e_ge_256": "cuda",
     "staged_writes_uva_vs_mrv2_e_ge_256": "cuda",
     "staged_write_pinned_vs_mrv2": "cuda",
     "staged_write_pageable_vs_mrv2": "cuda",
@@ -878,17 +877,7 @@ def compute_ratios(
         0.5,
         "E <= 16",
     )
-    out["staged_write_uva_vs_mrv2_e_ge_256"] = _cells_target(
-        "UVA StagedWriteTensor (stage_write per edit from lists + apply) / MRV2's, every cell with "
-        "E >= 256; measured is the worst cell",
-        results,
-        large,
-        "staged_write_uva",
-        mrv2,
-        "<=",
-        0.7,
-        "E >= 256",
-    )
+    # (per-call stage_write at E >= 256 against MRV2: retired for vllm_staged_write_per_cell, every cell)
     out["staged_writes_uva_vs_mrv2_e_ge_256"] = _cells_target(
         "UVA StagedWriteTensor batched (stage_writes from numpy + apply) / MRV2's (stage_write per edit), "
         "every cell with E >= 256; measured is the worst cell",

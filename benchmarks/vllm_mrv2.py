@@ -44,7 +44,8 @@ import tempfile
 import types
 import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ FILES = (
     "vllm/utils/math_utils.py",
     "vllm/v1/attention/backends/utils.py",
     "vllm/v1/utils.py",
+    "vllm/plugins/__init__.py",
 )
 ENV_DIR = "STAGEBUF_VLLM_DIR"
 """Where the fetched vLLM files are kept (default: ``.cache/vllm-0.33.0`` in the checkout)."""
@@ -159,22 +161,28 @@ _serial = 0
 
 
 def _module(
-    name: str, path: Path | None, imports: dict[str, Any], extra: dict[str, Any] | None = None
+    name: str, path: Path | None, imports: Any, extra: dict[str, Any] | None = None, real: bool = False
 ) -> Any:
-    """Execute the file at ``path`` as a new module ``name``; ``vllm.*`` imports resolve in ``imports``."""
+    """Execute the file at ``path`` as a new module; ``vllm.*`` imports resolve in ``imports``.
+
+    The module is named ``_vllm_mrv2_<n>.<last part of name>`` (every load its own), or ``name``
+    itself with ``real`` (``as_installed``); either way it is put in ``sys.modules``, where
+    dataclasses look their module up.
+    """
     global _serial
     _serial += 1
-    name = f"_vllm_mrv2_{_serial}.{name.rpartition('.')[2]}"  # unique: every load is its own
+    if not real:
+        name = f"_vllm_mrv2_{_serial}.{name.rpartition('.')[2]}"
     mod = types.ModuleType(name)
-    sys.modules[name] = mod  # dataclasses look their module up there (a private name; never vllm's)
+    sys.modules[name] = mod
     real_import = builtins.__import__
 
     def _import(n: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
         if level == 0 and (n == "vllm" or n.startswith("vllm.")):
-            if not fromlist:
-                raise ImportError(f"vllm_mrv2: 'import {n}' has no stand-in (only 'from {n} import ...')")
             if n not in imports:
                 raise ImportError(f"vllm_mrv2: no stand-in for {n} (imported by {name})")
+            if not fromlist:  # 'import vllm.envs as envs': the top package, then its attributes
+                return imports["vllm"]
             return imports[n]
         return real_import(n, globals, locals, fromlist, level)
 
@@ -299,8 +307,9 @@ def load(
     return got
 
 
-def _load(layer: str, pin: bool, dev: torch.device, uva: bool | None) -> Mrv2:
-    root = fetch()
+def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None) -> dict[str, Any]:
+    """What MRV2's files import from the rest of vLLM: its own functions where the input path
+    calls them, stand-ins for the platform layer, stubs for sampler kernels never called."""
     cpu = dev.type == "cpu"
     import triton
     import triton.language as tl
@@ -346,7 +355,18 @@ def _load(layer: str, pin: bool, dev: torch.device, uva: bool | None) -> Mrv2:
         "vllm.v1.sample.ops.topk_topp_sampler": types.SimpleNamespace(apply_top_k_top_p=_stub("top-k/top-p")),
         "vllm.v1.worker.gpu.sample.gumbel": types.SimpleNamespace(apply_temperature=_stub("temperature")),
         "vllm.v1.worker.gpu.sample.min_p": types.SimpleNamespace(apply_min_p=_stub("min-p")),
+        "_CpuGpuBuffer": _functions(
+            f / "v1/utils.py", ("CpuGpuBuffer",), {"torch": torch, "np": np, "PIN_MEMORY": is_pinned_ok}
+        )["CpuGpuBuffer"],
     }
+    return imports
+
+
+def _load(layer: str, pin: bool, dev: torch.device, uva: bool | None) -> Mrv2:
+    root = fetch()
+    f = root / "vllm"
+    cpu = dev.type == "cpu"
+    imports = _stand_ins(root, pin, dev, uva)
     vbu = _module("vllm_mrv2.buffer_utils", f / "v1/worker/gpu/buffer_utils.py", imports)
     if cpu and uva is not False:  # as vLLM's CPU worker does: gpu_buffer_utils.UvaBuffer = cpu's
         cbu = _module("vllm_mrv2.cpu_buffer_utils", f / "v1/worker/cpu/buffer_utils.py", imports)
@@ -366,10 +386,8 @@ def _load(layer: str, pin: bool, dev: torch.device, uva: bool | None) -> Mrv2:
         states=st,
         input_batch=ib,
         sample_states=ss,
-        async_tensor_h2d=torch_utils.async_tensor_h2d,
-        CpuGpuBuffer=_functions(
-            f / "v1/utils.py", ("CpuGpuBuffer",), {"torch": torch, "np": np, "PIN_MEMORY": is_pinned_ok}
-        )["CpuGpuBuffer"],
+        async_tensor_h2d=imports["vllm.utils.torch_utils"].async_tensor_h2d,
+        CpuGpuBuffer=imports["_CpuGpuBuffer"],
         layer=layer,
         pin=pin,
     )
@@ -395,3 +413,95 @@ def stagebuf_buffer_utils(vllm_bu: Any) -> Any:
     for name in SUBSTITUTED:
         setattr(mod, name, getattr(stagebuf, name))
     return mod
+
+
+_INSTALLED = (
+    "vllm",
+    "vllm.envs",
+    "vllm.plugins",
+    "vllm.v1",
+    "vllm.v1.worker",
+    "vllm.v1.worker.gpu",
+    "vllm.v1.worker.gpu.sample",
+    "vllm.v1.worker.gpu.buffer_utils",
+    "vllm.v1.worker.gpu.block_table",
+    "vllm.v1.worker.gpu.states",
+    "vllm.v1.worker.gpu.input_batch",
+    "vllm.v1.worker.gpu.sample.states",
+)
+
+
+class _Imports(dict):  # type: ignore[type-arg]
+    """Stand-ins, except for vLLM's own modules that ``as_installed`` put in ``sys.modules``."""
+
+    def __contains__(self, key: object) -> bool:
+        return key in sys.modules and key in _INSTALLED or dict.__contains__(self, key)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _INSTALLED and key in sys.modules:
+            return sys.modules[key]
+        return dict.__getitem__(self, key)
+
+
+class Installed:
+    """vLLM 0.33.0's modules importable under their own names (see :func:`as_installed`)."""
+
+    def __init__(self, root: Path, imports: _Imports):
+        self._root, self._imports = root, imports
+
+    def load(self, name: str) -> Any:
+        """Execute MRV2's ``vllm/v1/worker/gpu/<name>.py`` as ``vllm.v1.worker.gpu.<name>`` now
+        (``sample.states`` too): its ``from vllm... import`` binds what ``sys.modules`` holds."""
+        full = f"vllm.v1.worker.gpu.{name}"
+        path = self._root / "vllm/v1/worker/gpu" / (name.replace(".", "/") + ".py")
+        mod = _module(full, path, self._imports, real=True)
+        parent, _, child = full.rpartition(".")
+        setattr(sys.modules[parent], child, mod)
+        return mod
+
+
+@contextmanager
+def as_installed(device: torch.device | None = None, pin: bool = True) -> Iterator[Installed]:
+    """vLLM 0.33.0 importable as ``vllm``, for the tests of stagebuf's vLLM plugin.
+
+    Its real ``vllm/plugins/__init__.py`` (vLLM's own plugin loader) and MRV2's ``buffer_utils``
+    are put in ``sys.modules`` under their own names; ``Installed.load`` adds the MRV2 modules
+    that use them, in the order a test chooses. ``vllm.envs`` is a stand-in that reads
+    ``VLLM_PLUGINS`` as vLLM does. Everything is removed on exit; raises if a module named
+    ``vllm`` is already imported (an installed vLLM).
+    """
+    if any(n in sys.modules for n in _INSTALLED):
+        raise RuntimeError("a module named vllm is already imported; as_installed would shadow it")
+    root = fetch()
+    dev = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    imports = _Imports(_stand_ins(root, pin, dev, None))
+
+    class _Envs(types.ModuleType):
+        @property
+        def VLLM_PLUGINS(self) -> list[str] | None:  # noqa: N802  (vLLM's name)
+            v = os.environ.get("VLLM_PLUGINS")
+            return None if v is None else v.split(",")
+
+    try:
+        for n in ("vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample"):
+            pkg = types.ModuleType(n)
+            pkg.__path__ = []
+            sys.modules[n] = pkg
+            parent, _, child = n.rpartition(".")
+            if parent:
+                setattr(sys.modules[parent], child, pkg)
+        envs = sys.modules["vllm.envs"] = _Envs("vllm.envs")
+        sys.modules["vllm"].envs = envs  # type: ignore[attr-defined]
+        sys.modules["vllm"].plugins = _module(  # type: ignore[attr-defined]
+            "vllm.plugins", root / "vllm/plugins/__init__.py", imports, real=True
+        )
+        inst = Installed(root, imports)
+        bu = inst.load("buffer_utils")
+        if dev.type == "cpu":  # as vLLM's CPU worker does
+            bu.UvaBuffer = _module(
+                "cpu_buffer_utils", root / "vllm/v1/worker/cpu/buffer_utils.py", imports
+            ).UvaBuffer
+        yield inst
+    finally:
+        for n in _INSTALLED:
+            sys.modules.pop(n, None)

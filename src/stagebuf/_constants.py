@@ -14,6 +14,8 @@ ENV_WSL_PIN = "STAGEBUF_WSL_PIN_MEMORY"
 ENV_CHECK = "STAGEBUF_CHECK"
 """``1`` turns on check mode: poison for what a step has not published or has released, and
 the step clock's per-ring verifier."""
+ENV_VLLM = "STAGEBUF_VLLM"
+"""``1`` makes stagebuf vLLM's MRV2 buffer layer through the vLLM plugin; unset or ``0``: vLLM's own."""
 ENV_KERNEL = "STAGEBUF_WRITE_KERNEL"
 """Forces the staged-write apply kernel (``scatter`` or ``triton``); ``auto`` (default) picks per batch."""
 

@@ -13,14 +13,15 @@ what ``import stagebuf`` needs.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
 
-from ._constants import ENV_TIER
-from ._errors import SetupError
+from ._constants import ENV_TIER, ENV_VLLM
+from ._errors import InvalidArgumentError, SetupError
 from ._probe import Capabilities, capabilities, torch_build
 
 EXIT_OK = 0
@@ -114,9 +115,56 @@ def rows(caps: Capabilities) -> list[tuple[str, str]]:
     ]
 
 
+def vllm_rows() -> list[tuple[str, str]]:
+    """vLLM and the plugin: installed or not, its version, switched on or not, what it would do.
+
+    vLLM is imported only when ``STAGEBUF_VLLM=1`` (to check its buffer layer's API).
+    """
+    from . import _vllm
+
+    version = _vllm.vllm_version()
+    raw = os.environ.get(ENV_VLLM)
+    try:
+        on = _vllm.setting()
+    except InvalidArgumentError as e:
+        return [("vLLM", version or "not installed"), ("vLLM plugin", f"invalid setting: {e}")]
+    rows_ = [("vLLM", f"{version} (tested: {', '.join(_vllm.TESTED)})" if version else "not installed")]
+    if not on:
+        state = f"off ({ENV_VLLM}={raw!r})" if raw is not None else f"off ({ENV_VLLM} unset)"
+        rows_.append(("vLLM plugin", state + "; set STAGEBUF_VLLM=1 to make stagebuf MRV2's buffer layer"))
+        return rows_
+    if version is None:
+        rows_.append(("vLLM plugin", "on, but vLLM is not installed: nothing to do"))
+        return rows_
+    p = _vllm.plan()
+    verb = {"patch": "would replace MRV2's buffer layer", "patched": "replaced MRV2's buffer layer"}
+    rows_.append(("vLLM plugin", f"on: {verb.get(p.action, 'would leave vLLM as it is')}: {p.why}"))
+    return rows_
+
+
+def vllm_report() -> dict[str, Any]:
+    """The vLLM part of ``doctor --json``."""
+    from . import _vllm
+
+    out: dict[str, Any] = {"installed": _vllm.vllm_version() is not None, "version": _vllm.vllm_version()}
+    out["tested"] = list(_vllm.TESTED)
+    out["setting"] = os.environ.get(ENV_VLLM)
+    try:
+        on = _vllm.setting()
+    except InvalidArgumentError as e:
+        out.update(enabled=None, action="invalid", why=str(e))
+        return out
+    if on and out["installed"]:
+        out.update(_vllm.plan().as_dict())
+    else:
+        why = "vLLM is not installed" if on else f"{ENV_VLLM} is not set to 1"
+        out.update(enabled=on, action="off" if not on else "none", why=why)
+    return out
+
+
 def render_text(caps: Capabilities) -> str:
     """The report as plain text (no rich needed)."""
-    table = rows(caps)
+    table = rows(caps) + vllm_rows()
     width = max(len(k) for k, _ in table)
     lines = ["stagebuf doctor", ""]
     lines += [f"  {k.ljust(width)}  {val}" for k, val in table]
@@ -160,7 +208,7 @@ def render(caps: Capabilities, console: Any = None) -> None:
     t = table_cls(title="stagebuf doctor", show_header=True, header_style="bold")
     t.add_column("item")
     t.add_column("value", overflow="fold")
-    for k, val in rows(caps):
+    for k, val in rows(caps) + vllm_rows():
         t.add_row(k, f"[bold]{val}[/bold]" if k == "chosen tier" else val)
     console.print(t)
     r = table_cls(title="reasons (one per decision)", show_header=False)
@@ -171,7 +219,7 @@ def render(caps: Capabilities, console: Any = None) -> None:
 
 
 def to_json(caps: Capabilities) -> str:
-    return json.dumps(caps.as_dict(), indent=2)
+    return json.dumps({**caps.as_dict(), "vllm": vllm_report()}, indent=2)
 
 
 def run(device: str | None = None, as_json: bool = False, out: TextIO | None = None) -> int:

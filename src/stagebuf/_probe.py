@@ -12,6 +12,7 @@ import os
 import platform
 import resource
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -461,6 +462,7 @@ def capabilities(device: DeviceLike = None) -> Capabilities:
     caps = _cache.get(key)
     if caps is not None:
         return caps
+    new = False
     with _lock:
         caps = _cache.get(key)
         if caps is None:
@@ -468,7 +470,15 @@ def capabilities(device: DeviceLike = None) -> Capabilities:
             _cache[key] = caps
             _cache[str(caps.device)] = caps
             logger.debug("%s -> tier %s", caps.device, caps.tier.name)
+            new = True
+    if new:
+        for hook in list(on_decision):
+            hook(caps)
     return caps
+
+
+on_decision: list[Callable[[Capabilities], None]] = []
+"""Called with each new probe result (the vLLM plugin logs its tier line from here)."""
 
 
 def reset_capabilities() -> None:

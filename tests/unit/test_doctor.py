@@ -132,6 +132,7 @@ def test_report_names_the_torch_build(monkeypatch, cuda, cause, fix):
     assert "torch build" in flat and build in flat and cause in flat and fix in flat
     caps = capabilities()
     j = json.loads(doctor("--json").stdout)
+    assert j.pop("vllm")["installed"] in (True, False)  # vLLM and the plugin: tests/unit/test_vllm_plugin.py
     assert j == json.loads(json.dumps(caps.as_dict()))
     assert j["torch_build"] == ("CPU build" if cuda is None else "CUDA 13.0 build")
     assert cause in j["cpu_cause"] and j["tier"] == "HOST"

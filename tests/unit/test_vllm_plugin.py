@@ -1,0 +1,258 @@
+"""stagebuf's vLLM plugin, run by vLLM 0.33.0's own plugin loader on vLLM 0.33.0's own MRV2 modules.
+
+``benchmarks.vllm_mrv2.as_installed`` makes vLLM's released files importable as ``vllm`` (its
+``vllm.plugins`` and ``vllm.v1.worker.gpu.*``); ``vllm.plugins.load_general_plugins()`` then finds
+stagebuf's entry point through ``importlib.metadata``, as in a vLLM process. Without vLLM's files
+(no network) or Triton, the tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from benchmarks import vllm_mrv2
+
+import stagebuf
+from helpers import force_tier, invoke
+from stagebuf import _guard, _vllm
+from stagebuf._cli import main
+
+CPU = torch.device("cpu")
+NAMES = _vllm.REPLACED
+ENTRY_POINT = "stagebuf = stagebuf._vllm:register"
+
+
+@contextmanager
+def _installed(device: torch.device, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    why = vllm_mrv2.available()
+    if why:
+        pytest.skip(f"needs vLLM {vllm_mrv2.VERSION}'s files: {why}")
+    if "vllm" in sys.modules:
+        pytest.skip("a real vLLM is imported in this process")
+    if not any(e.name == "stagebuf" for e in entry_points(group="vllm.general_plugins")):
+        # run from the tree (PYTHONPATH=src): register the entry point as an install would
+        d = tmp_path / "stagebuf-0.1.0.dist-info"
+        d.mkdir()
+        (d / "METADATA").write_text("Metadata-Version: 2.1\nName: stagebuf\nVersion: 0.1.0\n")
+        (d / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{ENTRY_POINT}\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    old_default = _guard._DEFAULT_MAX_CONCURRENCY
+    with vllm_mrv2.as_installed(device) as inst:
+        try:
+            yield inst
+        finally:
+            _vllm.unregister()
+            _guard._DEFAULT_MAX_CONCURRENCY = old_default
+
+
+@pytest.fixture
+def vllm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[vllm_mrv2.Installed]:
+    with _installed(CPU, monkeypatch, tmp_path) as inst:
+        yield inst
+
+
+def _originals() -> dict[str, Any]:
+    bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
+    return {n: getattr(bu, n) for n in NAMES}
+
+
+def _load_plugins() -> None:
+    import vllm.plugins  # the real file, vLLM 0.33.0's plugin loader
+
+    assert any(e.name == "stagebuf" for e in entry_points(group="vllm.general_plugins"))
+    vllm.plugins.load_general_plugins()
+
+
+def _build(inst: vllm_mrv2.Installed, mods: dict[str, Any], device: torch.device = CPU) -> dict[str, Any]:
+    bt = mods["block_table"].BlockTables([16, 32], 8, 64, [16, 8], device)
+    rs = mods["states"].RequestState(8, 64, 64, 0, 100, device)
+    ss = mods["sample.states"].SamplingStates(8, 100)
+    return {
+        "block table": bt.block_tables[0],
+        "num_blocks": bt.num_blocks,
+        "fused writer": bt.fused_writer,
+        "all_token_ids": rs.all_token_ids,
+        "total_len": rs.total_len,
+        "prompt_len": rs.prompt_len,
+        "temperature": ss.temperature,
+        "seeds": ss.seeds,
+    }
+
+
+KINDS = {
+    "block table": "StagedWriteTensor",
+    "num_blocks": "UvaBackedTensor",
+    "fused writer": "FusedStagedWriter",
+    "all_token_ids": "StagedWriteTensor",
+    "total_len": "StagedWriteTensor",
+    "prompt_len": "UvaBackedTensor",
+    "temperature": "UvaBackedTensor",
+    "seeds": "UvaBackedTensor",
+}
+
+
+GPU = pytest.mark.gpu
+TIERS = ["host", "pageable", pytest.param("uva", marks=GPU), pytest.param("pinned", marks=GPU),
+         pytest.param("pageable-cuda", marks=GPU)]  # fmt: skip
+
+
+@pytest.mark.parametrize("order", ["modules first", "plugins first"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_the_plugin_makes_mrv2_build_stagebufs_classes(tmp_path, monkeypatch, order, tier) -> None:
+    """With STAGEBUF_VLLM=1, BlockTables, RequestState and the sampler's states build stagebuf's
+    classes, whether MRV2's modules were imported before the plugins loaded or after."""
+    name, _, where = tier.partition("-")
+    device = torch.device("cuda") if where == "cuda" or name in ("uva", "pinned") else CPU
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    want = force_tier(monkeypatch, name)
+    monkeypatch.setenv("STAGEBUF_VLLM", "1")
+    with _installed(device, monkeypatch, tmp_path) as inst:
+        names = ("block_table", "states", "sample.states")
+        mods = {n: inst.load(n) for n in names} if order == "modules first" else {}
+        _load_plugins()
+        mods = mods or {n: inst.load(n) for n in names}
+        for what, obj in _build(inst, mods, device).items():
+            assert type(obj) is getattr(stagebuf, KINDS[what]), what
+            if hasattr(obj, "tier"):
+                assert obj.tier is want, what
+        # vLLM's batch_queue_size still sets the ring depth
+        sys.modules["vllm.v1.worker.gpu.buffer_utils"].set_default_max_concurrency(3)
+        assert mods["states"].UvaBackedTensor(4, torch.int32).pool.max_concurrency == 3
+
+
+@pytest.mark.parametrize("value", [None, "0", ""])
+def test_without_the_setting_nothing_changes(vllm, monkeypatch, value) -> None:
+    if value is None:
+        monkeypatch.delenv("STAGEBUF_VLLM", raising=False)
+    else:
+        monkeypatch.setenv("STAGEBUF_VLLM", value)
+    before = _originals()
+    _load_plugins()
+    assert _originals() == before
+    mods = {n: vllm.load(n) for n in ("block_table", "states", "sample.states")}
+    for what, obj in _build(vllm, mods).items():
+        assert type(obj) is before[KINDS[what]], what  # vLLM's own classes
+
+
+def test_a_bad_setting_is_refused_and_changes_nothing(vllm, monkeypatch) -> None:
+    monkeypatch.setenv("STAGEBUF_VLLM", "yes")
+    before = _originals()
+    with pytest.raises(stagebuf.InvalidArgumentError, match=r"STAGEBUF_VLLM='yes'.*allowed: 1"):
+        _load_plugins()
+    assert _originals() == before
+
+
+def test_a_different_api_leaves_vllms_layer_whole(vllm, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("STAGEBUF_VLLM", "1")
+    bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
+
+    class FusedStagedWriter(bu.FusedStagedWriter):  # a later vLLM, say: apply takes other arguments
+        def apply(self, tensors, *, stream=None):  # type: ignore[no-untyped-def, override]
+            return super().apply(tensors, None, None)
+
+    monkeypatch.setattr(bu, "FusedStagedWriter", FusedStagedWriter)
+    before = _originals()
+    with caplog.at_level(logging.WARNING, logger="stagebuf"):
+        _load_plugins()
+    assert _originals() == before  # not one name replaced
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert "FusedStagedWriter.apply(tensors, stream) instead of (tensors, output_ptrs, output_strides)" in msg
+    assert "vLLM's own layer stays in place" in msg
+
+
+def test_loaded_again_it_does_nothing_more(vllm, monkeypatch, caplog) -> None:
+    """vLLM loads general plugins several times in one process: one patch, one log line."""
+    monkeypatch.setenv("STAGEBUF_VLLM", "1")
+    with caplog.at_level(logging.WARNING, logger="stagebuf"):
+        for _ in range(3):
+            _vllm.register()
+        stagebuf.capabilities()
+        stagebuf.reset_capabilities()
+        stagebuf.capabilities()  # a second decision in the process: no second line
+    lines = [r.getMessage() for r in caplog.records if "vLLM plugin on" in r.getMessage()]
+    assert len(lines) == 1 and "tier HOST on cpu" in lines[0]
+    assert sys.modules["vllm.v1.worker.gpu.buffer_utils"].StagedWriteTensor is stagebuf.StagedWriteTensor
+    _vllm.unregister()
+    assert sys.modules["vllm.v1.worker.gpu.buffer_utils"].StagedWriteTensor is not stagebuf.StagedWriteTensor
+
+
+def test_the_entry_point_is_declared() -> None:
+    """pyproject.toml declares the entry point vLLM's loader looks for (the tests above register the
+    same one where stagebuf runs from the tree, not installed)."""
+    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert '[project.entry-points."vllm.general_plugins"]\n' + ENTRY_POINT.replace("= ", '= "') + '"' in text
+
+
+def test_the_tested_api_is_vllm_0_33s(vllm) -> None:
+    """The table the plugin checks against is the API of vLLM 0.33.0's own buffer_utils."""
+    bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
+    assert _vllm.api_of(bu) == _vllm.API
+    assert _vllm.api_differences(bu) == []
+    assert vllm_mrv2.VERSION in _vllm.TESTED
+
+
+def test_stagebufs_classes_take_vllms_calls() -> None:
+    """Each replacement accepts every parameter of what it replaces, by position and by name."""
+    for name, methods in _vllm.API.items():
+        obj = getattr(stagebuf, name)
+        for m, params in methods.items():
+            fn = obj if not m else getattr(obj, m)
+            mine = _vllm._params(fn)
+            assert mine[: len(params)] == params or m in ("stage_write", "stage_write_elem"), (name, m, mine)
+
+
+# --- doctor --------------------------------------------------------------------------------------
+
+
+def _fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33.0's package metadata, as an installed vLLM has it (the files come from as_installed)."""
+    d = tmp_path / "vllm-0.33.0.dist-info"
+    d.mkdir()
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_doctor_without_vllm(monkeypatch, as_json) -> None:
+    if _vllm.vllm_version() is not None:
+        pytest.skip("vLLM is installed here")
+    args = ["doctor", "--json"] if as_json else ["doctor"]
+    for env, want in (({}, "off"), ({"STAGEBUF_VLLM": "1"}, "not installed")):
+        monkeypatch.delenv("STAGEBUF_VLLM", raising=False)
+        res = invoke(main, args, env)
+        assert res.exit_code == 0 and res.exception is None
+        if as_json:
+            rep = json.loads(res.stdout)["vllm"]
+            assert rep["installed"] is False and rep["version"] is None
+            assert rep["action"] == ("off" if not env else "none")
+        else:
+            assert "vLLM" in res.stdout and "not installed" in res.stdout and want in res.stdout
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_doctor_with_vllm(vllm, tmp_path, monkeypatch, as_json) -> None:
+    _fake_dist(tmp_path, monkeypatch)
+    args = ["doctor", "--json"] if as_json else ["doctor"]
+    res = invoke(main, args, {"STAGEBUF_VLLM": "1"})
+    assert res.exit_code == 0 and res.exception is None
+    if as_json:
+        rep = json.loads(res.stdout)["vllm"]
+        assert rep["version"] == "0.33.0" and rep["enabled"] is True and rep["action"] == "patch"
+        assert "matches the API" in rep["why"]
+    else:
+        assert "0.33.0 (tested: 0.33.0)" in res.stdout and "would replace MRV2's buffer layer" in res.stdout
+    res = invoke(main, args, {"STAGEBUF_VLLM": "maybe"})  # a bad value: reported, no traceback
+    assert res.exit_code == 0 and res.exception is None
+    assert "invalid" in res.stdout and "allowed: 1" in res.stdout

@@ -192,7 +192,7 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
 class Setup:
     """One configuration: whose buffer layer, which tier, which API."""
 
-    layer: str  # "vllm" or "stagebuf"
+    layer: str  # "vllm", "stagebuf", or "plugin" (stagebuf through its vLLM plugin)
     tier: str  # vllm: "uva" or "nopin"; stagebuf: uva, pinned, pageable, host
     api: str = "dropin"  # stagebuf only: "dropin" or "own"
 
@@ -200,6 +200,8 @@ class Setup:
     def name(self) -> str:
         if self.layer == "vllm":
             return f"vllm_{self.tier}"
+        if self.layer == "plugin":
+            return f"stagebuf_plugin_{self.tier}"
         return f"stagebuf_{self.api}_{self.tier}"
 
 
@@ -224,7 +226,77 @@ def stagebuf_tier(tier: str | None) -> Iterator[None]:
 
 
 def modules(setup: Setup, device: torch.device) -> vllm_mrv2.Mrv2:
+    if setup.layer == "plugin":
+        return plugin_modules(device)
     return vllm_mrv2.load(setup.layer, pin=setup.tier != "nopin", device=device)
+
+
+_PLUGIN: dict[str, Any] = {}
+
+
+def plugin_modules(device: torch.device) -> vllm_mrv2.Mrv2:
+    """MRV2's modules as vLLM would run them with stagebuf's plugin on: vLLM 0.33.0 importable under
+    its own names (``vllm_mrv2.as_installed``), the plugin run by vLLM's own loader (or, where
+    stagebuf is not installed and so has no entry point, by calling it as the loader would), then
+    MRV2's modules imported. Kept until ``close_plugin_modules()``."""
+    from importlib.metadata import entry_points
+
+    from stagebuf import _vllm
+
+    got = _PLUGIN.get("mods")
+    if got is not None:
+        if got[1] != str(device):
+            raise ValueError(f"the plugin's modules are loaded for {got[1]}, not {device}")
+        return got[0]  # type: ignore[no-any-return]
+    cm = vllm_mrv2.as_installed(device)
+    inst = cm.__enter__()
+    old = os.environ.get("STAGEBUF_VLLM")
+    os.environ["STAGEBUF_VLLM"] = "1"
+    try:
+        import sys
+
+        if any(e.name == "stagebuf" for e in entry_points(group="vllm.general_plugins")):
+            sys.modules["vllm.plugins"].load_general_plugins()
+        else:
+            _vllm.register()
+        mods = {n: inst.load(n) for n in ("block_table", "states", "input_batch", "sample.states")}
+        bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
+        if bu.StagedWriteTensor is not __import__("stagebuf").StagedWriteTensor:
+            raise RuntimeError(f"the plugin left vLLM's layer in place: {_vllm.plan().why}")
+    except BaseException:
+        cm.__exit__(None, None, None)
+        raise
+    finally:
+        if old is None:
+            os.environ.pop("STAGEBUF_VLLM", None)
+        else:
+            os.environ["STAGEBUF_VLLM"] = old
+    h2d = inst._imports["vllm.utils.torch_utils"].async_tensor_h2d
+    m = vllm_mrv2.Mrv2(
+        buffer_utils=bu,
+        block_table=mods["block_table"],
+        states=mods["states"],
+        input_batch=mods["input_batch"],
+        sample_states=mods["sample.states"],
+        async_tensor_h2d=h2d,
+        CpuGpuBuffer=inst._imports["_CpuGpuBuffer"],
+        layer="plugin",
+        pin=True,
+    )
+    _PLUGIN["mods"] = (m, str(device))
+    _PLUGIN["cm"] = cm
+    return m
+
+
+def close_plugin_modules() -> None:
+    """Undo ``plugin_modules``: vLLM's names out of ``sys.modules``, the plugin's patch undone."""
+    from stagebuf import _vllm
+
+    cm = _PLUGIN.pop("cm", None)
+    _PLUGIN.pop("mods", None)
+    _vllm.unregister()
+    if cm is not None:
+        cm.__exit__(None, None, None)
 
 
 class Engine:
@@ -553,7 +625,7 @@ def run_lockstep(
                 done.record()
                 _wait(done)
             t0 = clock()
-            if eng.setup.layer == "stagebuf":
+            if eng.setup.layer != "vllm":
                 stagebuf.begin_step(device)
             t1 = clock()
             p, b = eng.prepare(plan)
@@ -851,4 +923,30 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
             peers += [p for p in d if p not in peers]
         rows = [[c, *(f"{d[p]:.1f}" if p in d else "-" for p in peers)] for c, d in med.items()]
         out.append(("vs vLLM 0.33's own classes: host µs per step, idle GPU", ["case", *peers], rows))
+    return out
+
+
+def plugin_vs_dropin(
+    device: torch.device, tiers: tuple[str, ...], repeats: int = 3, steps: int = 150, busy_ms: float = 3.0
+) -> dict[str, Any]:
+    """stagebuf through its vLLM plugin against the direct substitution: identical inputs (each against
+    vLLM's own layer, 2 KV groups, busy GPU) and buffer-work timings in lockstep, busy GPU."""
+    cycles = sleep_cycles_for(busy_ms, device) if device.type == "cuda" else 0
+    cfg = TraceConfig(block_sizes=BLOCK_SIZES[:2], steps=steps)
+    plans = make_trace(cfg)
+    out: dict[str, Any] = {"checks": {}, "runs": {}}
+    try:
+        for t in tiers:
+            for s in (Setup("stagebuf", t), Setup("plugin", t)):
+                out["checks"][s.name] = check(s, cfg, device, cycles, trace=plans)["mismatches"]
+        pairs = [s for t in tiers for s in (Setup("stagebuf", t), Setup("plugin", t))]
+        for _ in range(repeats):
+            for name, r in run_lockstep(pairs, cfg, device, plans, cycles, 30).items():
+                out["runs"].setdefault(name, []).append({k: r[k] for k in ("prep_us", "buffer_us")})
+    finally:
+        close_plugin_modules()
+    out["medians"] = {
+        k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
+        for k, v in out["runs"].items()
+    }
     return out

@@ -79,3 +79,14 @@ def test_the_peer_is_vllms_own_code() -> None:
     assert s.block_table.StagedWriteTensor is stagebuf.StagedWriteTensor
     assert s.states.UvaBackedTensor is stagebuf.UvaBackedTensor
     assert s.block_table._load_ptr is not None  # vLLM's Triton helper stays vLLM's
+
+
+@pytest.mark.parametrize("tier", ["host", "pageable"])
+def test_identical_inputs_through_the_vllm_plugin(tier: str) -> None:
+    """stagebuf as the plugin installs it (vLLM's names, vLLM's loader) gives vLLM's inputs too."""
+    cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:2], **SMALL)
+    try:
+        r = E.check(E.Setup("plugin", tier), cfg, CPU)
+    finally:
+        E.close_plugin_modules()
+    assert r["steps"] == cfg.steps and r["mismatches"] == []

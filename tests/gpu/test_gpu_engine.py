@@ -58,3 +58,14 @@ def test_no_sync_in_the_engine(tier: str, api: str) -> None:
         E.Setup("stagebuf", tier, api), cfg, CUDA, warmup=20, busy_cycles=E.sleep_cycles_for(2.0, CUDA)
     )
     assert err is None
+
+
+@pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
+def test_identical_inputs_through_the_vllm_plugin(tier: str) -> None:
+    _tier_ok(tier)
+    cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:2], **CFG)
+    try:
+        r = E.check(E.Setup("plugin", tier), cfg, CUDA, busy_cycles=E.sleep_cycles_for(2.0, CUDA))
+    finally:
+        E.close_plugin_modules()
+    assert r["mismatches"] == []

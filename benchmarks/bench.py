@@ -33,8 +33,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from stagebuf import Capabilities, Tier, capabilities, reset_capabilities
-from stagebuf._constants import ENV_TIER
+from stagebuf import Capabilities, Tier, capabilities
 
 from . import baselines as BL
 from . import engine as E
@@ -209,23 +208,9 @@ def measure(
     return summarise(hs, es, iters)
 
 
-@contextlib.contextmanager
-def tier_env(tier: Tier | None) -> Iterator[None]:
+def tier_env(tier: Tier | None) -> contextlib.AbstractContextManager[None]:
     """Force ``tier`` through STAGEBUF_TIER (None: unset it) for the block; restore after."""
-    old = os.environ.get(ENV_TIER)
-    if tier is None:
-        os.environ.pop(ENV_TIER, None)
-    else:
-        os.environ[ENV_TIER] = tier.name.lower()
-    reset_capabilities()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV_TIER, None)
-        else:
-            os.environ[ENV_TIER] = old
-        reset_capabilities()
+    return E.stagebuf_tier(None if tier is None else tier.name.lower())
 
 
 # --- what this machine can run ------------------------------------------------------------------

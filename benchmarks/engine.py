@@ -206,23 +206,33 @@ class Setup:
 
 
 @contextmanager
-def stagebuf_tier(tier: str | None) -> Iterator[None]:
-    import stagebuf
-
-    old = os.environ.get("STAGEBUF_TIER")
-    if tier is None:
-        os.environ.pop("STAGEBUF_TIER", None)
+def env_var(name: str, value: str | None) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` (None: unset) for the block, then restored."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
     else:
-        os.environ["STAGEBUF_TIER"] = tier
-    stagebuf.reset_capabilities()
+        os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("STAGEBUF_TIER", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["STAGEBUF_TIER"] = old
+            os.environ[name] = old
+
+
+@contextmanager
+def stagebuf_tier(tier: str | None) -> Iterator[None]:
+    """``STAGEBUF_TIER=tier`` (None: unset) for the block, the probe forgotten before and after."""
+    import stagebuf
+
+    with env_var("STAGEBUF_TIER", tier):
         stagebuf.reset_capabilities()
+        try:
+            yield
+        finally:
+            stagebuf.reset_capabilities()
 
 
 def modules(setup: Setup, device: torch.device) -> vllm_mrv2.Mrv2:
@@ -250,15 +260,14 @@ def plugin_modules(device: torch.device) -> vllm_mrv2.Mrv2:
         return got[0]  # type: ignore[no-any-return]
     cm = vllm_mrv2.as_installed(device)
     inst = cm.__enter__()
-    old = os.environ.get("STAGEBUF_VLLM")
-    os.environ["STAGEBUF_VLLM"] = "1"
     try:
         import sys
 
-        if any(e.name == "stagebuf" for e in entry_points(group="vllm.general_plugins")):
-            sys.modules["vllm.plugins"].load_general_plugins()
-        else:
-            _vllm.register()
+        with env_var("STAGEBUF_VLLM", "1"):
+            if any(e.name == "stagebuf" for e in entry_points(group="vllm.general_plugins")):
+                sys.modules["vllm.plugins"].load_general_plugins()
+            else:
+                _vllm.register()
         mods = {n: inst.load(n) for n in ("block_table", "states", "input_batch", "sample.states")}
         bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
         if bu.StagedWriteTensor is not __import__("stagebuf").StagedWriteTensor:
@@ -266,11 +275,6 @@ def plugin_modules(device: torch.device) -> vllm_mrv2.Mrv2:
     except BaseException:
         cm.__exit__(None, None, None)
         raise
-    finally:
-        if old is None:
-            os.environ.pop("STAGEBUF_VLLM", None)
-        else:
-            os.environ["STAGEBUF_VLLM"] = old
     h2d = inst._imports["vllm.utils.torch_utils"].async_tensor_h2d
     m = vllm_mrv2.Mrv2(
         buffer_utils=bu,

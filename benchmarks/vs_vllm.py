@@ -17,35 +17,24 @@ steps, outside the timing); medians over steps, then over interleaved repeats.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import vllm_mrv2
-from .engine import stagebuf_tier
+from .engine import env_var, stagebuf_tier
 
 N = 256
 
 
-@contextmanager
-def _kernel(kernel: str | None) -> Iterator[None]:
-    """``STAGEBUF_WRITE_KERNEL`` for the block (read when a writer is made)."""
-    old = os.environ.get("STAGEBUF_WRITE_KERNEL")
-    if kernel is not None:
-        os.environ["STAGEBUF_WRITE_KERNEL"] = kernel
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("STAGEBUF_WRITE_KERNEL", None)
-        else:
-            os.environ["STAGEBUF_WRITE_KERNEL"] = old
+def _kernel(kernel: str | None) -> Any:
+    """``STAGEBUF_WRITE_KERNEL`` for the block (read when a writer is made); None leaves it as it is."""
+    return env_var("STAGEBUF_WRITE_KERNEL", kernel) if kernel is not None else contextlib.nullcontext()
 
 
 def _sync(device: torch.device) -> None:

@@ -7,7 +7,6 @@ run in Triton's CPU interpreter (``TRITON_INTERPRET=1``), as vLLM's CPU worker r
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -27,15 +26,8 @@ def vllm_files() -> Iterator[None]:
         vllm_mrv2.fetch()
     except vllm_mrv2.Unavailable as e:
         pytest.skip(f"vLLM {vllm_mrv2.VERSION}'s files could not be fetched: {e}")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when vLLM's kernels are decorated, so before loading
-    try:
+    with E.env_var("TRITON_INTERPRET", "1"):  # read when vLLM's kernels are decorated: before loading
         yield
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -40,6 +40,7 @@ from ._errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     PinnedAllocationError,
+    ReadOnlyAttributeError,
     TierUnavailableError,
     UvaError,
 )
@@ -68,8 +69,8 @@ def fill_host(dst: np.ndarray, value: Any, dtype: torch.dtype, name: str) -> Non
     np.copyto(dst, arr)
 
 
-def _read_only(owner: str, name: str, what: str) -> AttributeError:
-    return AttributeError(f"{owner}.{name} is read-only: {what}")
+def _read_only(owner: str, name: str, what: str) -> ReadOnlyAttributeError:
+    return ReadOnlyAttributeError(f"{owner}.{name} is read-only: {what}")
 
 
 _BUFFER_READ_ONLY = {

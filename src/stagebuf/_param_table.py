@@ -21,7 +21,6 @@ field or a table is read-only and raises AttributeError saying what to do.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -44,6 +43,30 @@ _FIELD_READ_ONLY = {
     "dtype": "fields are typed at construction; make a new DeviceParamTable for another dtype",
     "offset": "it is the field's place in the packed arena, fixed at construction",
 }
+
+
+class _Fields(Mapping[str, "ParamField"]):
+    """``table.fields``: name -> ParamField, read-only; an unknown name raises UnknownFieldError."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: dict[str, ParamField]):
+        self._d = d
+
+    def __getitem__(self, name: str) -> ParamField:
+        try:
+            return self._d[name]
+        except KeyError:
+            raise UnknownFieldError(f"no field {name!r}; fields: {', '.join(self._d)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __repr__(self) -> str:
+        return f"fields({', '.join(self._d)})"
 
 
 class ParamField:
@@ -146,7 +169,7 @@ class DeviceParamTable:
             self._fields[name] = ParamField(
                 name, dtype, o, self._host[o : o + n].view(dtype), self._dev[o : o + n].view(dtype)
             )
-        self._fields_view = MappingProxyType(self._fields)
+        self._fields_view = _Fields(self._fields)
         self._sealed = True
 
     @property
@@ -181,10 +204,7 @@ class DeviceParamTable:
         )
 
     def __getitem__(self, name: str) -> ParamField:
-        try:
-            return self._fields[name]
-        except KeyError:
-            raise UnknownFieldError(f"no field {name!r}; fields: {', '.join(self._fields)}") from None
+        return self._fields_view[name]
 
     def __contains__(self, name: object) -> bool:
         return name in self._fields

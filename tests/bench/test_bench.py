@@ -783,3 +783,17 @@ def test_plot_without_matplotlib_writes_the_rest_then_says_what_to_install(
     assert json.loads(js.read_text())["results"]["micro"]["stager_host"]
     assert "#### targets" in md.read_text()
     assert not png.exists()
+
+
+def test_the_bench_without_its_extra_names_the_set_up_command() -> None:
+    """python -m benchmarks without click: one line naming the set-up command, exit 2, no traceback."""
+    import subprocess
+
+    code = (
+        "import sys, runpy; sys.modules['click'] = None; runpy.run_module('benchmarks', run_name='__main__')"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "bash scripts/setup.sh bench" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

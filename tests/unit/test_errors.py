@@ -90,3 +90,24 @@ def test_order_and_attribute_misuse(cpu_tier):
     with pytest.raises(StagebufError) as ei:
         stager.device = torch.device("cpu")  # looks writable, would be ignored
     assert isinstance(ei.value, AttributeError)
+
+
+def test_buffer_attributes_refuse_writes_with_the_base_error(cpu_tier) -> None:
+    """buf.device = x raises ReadOnlyAttributeError (a StagebufError), not a bare AttributeError."""
+    buf = stagebuf.make_buffer(4, torch.int32)
+    for name, value in (("device", torch.device("cpu")), ("tier", stagebuf.Tier.HOST), ("shape", (8,))):
+        with pytest.raises(stagebuf.ReadOnlyAttributeError, match=f"{name} is read-only") as e:
+            setattr(buf, name, value)
+        assert isinstance(e.value, stagebuf.StagebufError) and isinstance(e.value, AttributeError)
+    with pytest.raises(stagebuf.ReadOnlyAttributeError, match="cannot be deleted"):
+        del buf.dev
+
+
+def test_an_unknown_field_raises_the_same_error_both_ways(cpu_tier) -> None:
+    table = stagebuf.DeviceParamTable(4, {"top_k": torch.int32})
+    for get in (lambda: table["topk"], lambda: table.fields["topk"]):
+        with pytest.raises(stagebuf.UnknownFieldError, match="no field 'topk'; fields: top_k") as e:
+            get()
+        assert isinstance(e.value, KeyError)
+    assert table.fields["top_k"] is table["top_k"] and list(table.fields) == ["top_k"]
+    assert len(table.fields) == 1 and "top_k" in table.fields

@@ -157,8 +157,9 @@ def plan(module: Any | None = None) -> Plan:
     """What :func:`register` would do now; imports vLLM's ``buffer_utils`` only when switched on."""
     if not setting():
         return Plan(False, "off", f"{ENV_VLLM} is not set to 1: vLLM uses its own buffer layer")
-    if "plan" in _done:
-        return Plan(True, "patched", _done["plan"].why)
+    done = _done.get("plan")
+    if done is not None:  # register() ran in this process: what it did
+        return Plan(True, "patched", done.why) if done.action == "patch" else done
     if module is None:
         try:
             import importlib

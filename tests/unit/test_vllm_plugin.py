@@ -167,6 +167,7 @@ def test_a_different_api_leaves_vllms_layer_whole(vllm, monkeypatch, caplog) -> 
     with caplog.at_level(logging.WARNING, logger="stagebuf"):
         _load_plugins()
     assert _originals() == before  # not one name replaced
+    assert _vllm.plan().action == "leave"  # and doctor would say so
     msg = " ".join(r.getMessage() for r in caplog.records)
     assert "FusedStagedWriter.apply(tensors, stream) instead of (tensors, output_ptrs, output_strides)" in msg
     assert "vLLM's own layer stays in place" in msg
@@ -183,6 +184,7 @@ def test_loaded_again_it_does_nothing_more(vllm, monkeypatch, caplog) -> None:
         stagebuf.capabilities()  # a second decision in the process: no second line
     lines = [r.getMessage() for r in caplog.records if "vLLM plugin on" in r.getMessage()]
     assert len(lines) == 1 and "tier HOST on cpu" in lines[0]
+    assert _vllm.plan().action == "patched"
     assert sys.modules["vllm.v1.worker.gpu.buffer_utils"].StagedWriteTensor is stagebuf.StagedWriteTensor
     _vllm.unregister()
     assert sys.modules["vllm.v1.worker.gpu.buffer_utils"].StagedWriteTensor is not stagebuf.StagedWriteTensor

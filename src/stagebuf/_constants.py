@@ -27,5 +27,42 @@ DEFAULT_MAX_CONCURRENCY = 2
 
 
 def check_mode() -> bool:
-    """Whether ``STAGEBUF_CHECK=1``: poison what a step has not published and what it released."""
-    return os.environ.get(ENV_CHECK, "").strip() not in ("", "0")
+    """Whether ``STAGEBUF_CHECK=1``: poison what a step has not published and what it released.
+
+    Unset, empty or ``0`` is off and ``1`` on; any other value raises SettingValueError naming
+    the allowed values (``false`` does not silently mean on).
+    """
+    raw = os.environ.get(ENV_CHECK)
+    if raw is None or raw.strip() in ("", "0"):
+        return False
+    if raw.strip() == "1":
+        return True
+    from ._errors import SettingValueError
+
+    raise SettingValueError(
+        f"{ENV_CHECK}={raw!r} is not a valid setting",
+        setting=ENV_CHECK,
+        value=raw,
+        allowed=("0", "1"),
+        fix=f"set {ENV_CHECK}=1 for check mode, or 0 (or unset it) for none",
+    )
+
+
+WRITE_KERNELS = ("auto", "scatter", "triton")
+
+
+def write_kernel() -> str:
+    """``STAGEBUF_WRITE_KERNEL`` (default ``auto``); a value not in WRITE_KERNELS raises SettingValueError."""
+    raw = os.environ.get(ENV_KERNEL)
+    value = (raw or "auto").strip().lower() or "auto"
+    if value in WRITE_KERNELS:
+        return value
+    from ._errors import SettingValueError
+
+    raise SettingValueError(
+        f"{ENV_KERNEL}={raw!r}; allowed: {', '.join(WRITE_KERNELS)}",
+        setting=ENV_KERNEL,
+        value=str(raw),
+        allowed=WRITE_KERNELS,
+        fix=f"unset {ENV_KERNEL} (auto: the cheaper kernel per apply) or set it to scatter or triton",
+    )

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import torch
 
-from ._constants import ENV_TIER, ENV_VLLM
+from ._constants import ENV_CHECK, ENV_KERNEL, ENV_TIER, ENV_VLLM, check_mode, write_kernel
 from ._errors import InvalidArgumentError, SetupError
 from ._probe import Capabilities, capabilities, torch_build
 
@@ -112,6 +112,9 @@ def rows(caps: Capabilities) -> list[tuple[str, str]]:
         ("UVA probe", "passed" if caps.uva else "not available"),
         (f"forced by {ENV_TIER}", caps.forced or "no"),
         ("chosen tier", caps.tier.name),
+        # (both were checked by the probe: a bad value is the problem screen instead)
+        (ENV_CHECK, "1: check mode on" if check_mode() else "off"),
+        (ENV_KERNEL, f"{write_kernel()} (the staged-write kernel)"),
     ]
 
 

@@ -68,7 +68,8 @@ class TierUnavailableError(SetupError, RuntimeError):
 
 
 class SettingValueError(SetupError, ValueError):
-    """STAGEBUF_TIER holds a value that is not a tier."""
+    """An environment setting (STAGEBUF_TIER, STAGEBUF_CHECK, STAGEBUF_WRITE_KERNEL) holds a value it does
+    not take."""
 
 
 class UnknownDeviceError(SetupError, ValueError, RuntimeError):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import _uva
-from ._constants import ENV_TIER, ENV_WSL_PIN
+from ._constants import ENV_TIER, ENV_WSL_PIN, check_mode, write_kernel
 from ._errors import ArgumentTypeError, SettingValueError, TierUnavailableError, UnknownDeviceError, UvaError
 from ._log import logger, warn_once
 from ._memory import alloc_host
@@ -298,7 +298,13 @@ def _cpu_cause(device: DeviceLike, forced: Tier | None) -> tuple[str, str | None
 
 
 def probe(device: DeviceLike = None) -> Capabilities:
-    """Probe ``device`` now, bypassing the cache (``capabilities`` caches this)."""
+    """Probe ``device`` now, bypassing the cache (``capabilities`` caches this).
+
+    Every setting is checked here, at start-up: ``STAGEBUF_TIER``, ``STAGEBUF_CHECK`` and
+    ``STAGEBUF_WRITE_KERNEL`` (a bad value raises SettingValueError naming the allowed values).
+    """
+    check_mode()
+    write_kernel()
     forced = _forced_tier()
     dev = _resolve_device(device, forced)
     reasons: list[str] = []

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import stagebuf
 from helpers import invoke, no_accelerator
 from stagebuf import Tier, capabilities
 from stagebuf import _doctor as doctor_mod
@@ -259,3 +260,40 @@ def test_real_process_with_torch_and_numpy_only():
     p = _run([], {}, code)
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
     assert "--device banana is not a device torch can use" in p.stdout
+
+
+@pytest.mark.parametrize(
+    "setting, value, allowed",
+    [
+        ("STAGEBUF_CHECK", "false", "0, 1"),
+        ("STAGEBUF_CHECK", "no", "0, 1"),
+        ("STAGEBUF_CHECK", "2", "0, 1"),
+        ("STAGEBUF_WRITE_KERNEL", "cuda", "auto, scatter, triton"),
+    ],
+)
+def test_bad_settings_are_refused_at_start_up(monkeypatch, setting, value, allowed):
+    """STAGEBUF_CHECK and STAGEBUF_WRITE_KERNEL are checked by the first probe, strictly, and doctor
+    explains them on one screen (exit 2, no traceback), in text and JSON."""
+    monkeypatch.setenv(setting, value)
+    stagebuf.reset_capabilities()
+    with pytest.raises(stagebuf.SetupError, match=f"{setting}={value!r}") as e:
+        stagebuf.capabilities()
+    assert (
+        isinstance(e.value, ValueError)
+        and e.value.setting == setting
+        and ", ".join(e.value.allowed) == allowed
+    )
+    monkeypatch.delenv(setting)
+    assert_explained(doctor(env={setting: value}), setting, allowed)
+    j = doctor_json(env={setting: value})
+    assert j["setting"] == setting and j["value"] == value and ", ".join(j["allowed"]) == allowed
+
+
+@pytest.mark.parametrize("value, shown", [(None, "off"), ("0", "off"), ("", "off"), ("1", "check mode on")])
+def test_doctor_reports_check_mode(value, shown):
+    env = {} if value is None else {"STAGEBUF_CHECK": value}
+    r = doctor(env=env)
+    assert r.exit_code == 0
+    line = next(ln for ln in r.stdout.splitlines() if "STAGEBUF_CHECK " in ln)
+    assert line.replace("│", " ").split()[-1] == shown.split()[-1]
+    assert any("STAGEBUF_WRITE_KERNEL" in ln and "auto" in ln for ln in r.stdout.splitlines())

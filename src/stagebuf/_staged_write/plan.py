@@ -9,7 +9,6 @@ HOST, one numpy assignment.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 
 from .._buffers import StagingBuffer, make_buffer
-from .._constants import ALIGN, ENV_KERNEL
+from .._constants import ALIGN, WRITE_KERNELS, write_kernel
 from .._convert import _NUMPY_TO_TORCH, host_array
 from .._errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from .._guard import SlotRing, empty_stats
@@ -28,7 +27,7 @@ from .kernel import _block_for, _launch_triton, _triton_error, triton_usable
 if TYPE_CHECKING:
     from .api import StagedWriteTensor
 
-KERNELS = ("auto", "scatter", "triton")
+KERNELS = WRITE_KERNELS
 TRITON_MIN_ELEMS = 1 << 13
 """``auto`` uses the Triton kernel from this many staged elements on (measured: docs/DESIGN.md)."""
 SCATTER_MAX_PARTS = 4
@@ -141,10 +140,7 @@ class _Launcher:
         self.retired: list[list[StagingBuffer]] = []
         self.ring: SlotRing | None = None
         self.stats_ = {**empty_stats(), "steps": 0}
-        forced = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
-        if forced not in KERNELS:
-            raise InvalidArgumentError(f"{ENV_KERNEL}={forced!r}; allowed: {', '.join(KERNELS)}")
-        self.forced = forced
+        self.forced = write_kernel()
 
     def stats(self) -> dict[str, int]:
         ring = self.ring

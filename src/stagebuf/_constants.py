@@ -26,13 +26,13 @@ DEFAULT_MAX_CONCURRENCY = 2
 """Slots per ring unless ``max_concurrency`` or ``set_default_max_concurrency`` says otherwise."""
 
 
-def check_mode() -> bool:
-    """Whether ``STAGEBUF_CHECK=1``: poison what a step has not published and what it released.
+def env_flag(name: str, fix: str) -> bool:
+    """The on/off environment setting ``name``: unset, empty or ``0`` is off, ``1`` is on.
 
-    Unset, empty or ``0`` is off and ``1`` on; any other value raises SettingValueError naming
-    the allowed values (``false`` does not silently mean on).
+    Any other value raises SettingValueError naming the allowed values and ``fix`` (``false``
+    does not silently mean on).
     """
-    raw = os.environ.get(ENV_CHECK)
+    raw = os.environ.get(name)
     if raw is None or raw.strip() in ("", "0"):
         return False
     if raw.strip() == "1":
@@ -40,12 +40,13 @@ def check_mode() -> bool:
     from ._errors import SettingValueError
 
     raise SettingValueError(
-        f"{ENV_CHECK}={raw!r} is not a valid setting",
-        setting=ENV_CHECK,
-        value=raw,
-        allowed=("0", "1"),
-        fix=f"set {ENV_CHECK}=1 for check mode, or 0 (or unset it) for none",
+        f"{name}={raw!r} is not a valid setting", setting=name, value=raw, allowed=("0", "1"), fix=fix
     )
+
+
+def check_mode() -> bool:
+    """Whether ``STAGEBUF_CHECK=1``: poison what a step has not published and what it released."""
+    return env_flag(ENV_CHECK, f"set {ENV_CHECK}=1 for check mode, or 0 (or unset it) for none")
 
 
 WRITE_KERNELS = ("auto", "scatter", "triton")

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import torch
 
 from ._constants import ENV_CHECK, ENV_KERNEL, ENV_TIER, ENV_VLLM, check_mode, write_kernel
-from ._errors import InvalidArgumentError, SetupError
+from ._errors import SetupError
 from ._probe import Capabilities, capabilities, torch_build
 
 EXIT_OK = 0
@@ -129,7 +129,7 @@ def vllm_rows() -> list[tuple[str, str]]:
     raw = os.environ.get(ENV_VLLM)
     try:
         on = _vllm.setting()
-    except InvalidArgumentError as e:
+    except SetupError as e:
         return [("vLLM", version or "not installed"), ("vLLM plugin", f"invalid setting: {e}")]
     rows_ = [("vLLM", f"{version} (tested: {', '.join(_vllm.TESTED)})" if version else "not installed")]
     if not on:
@@ -154,7 +154,7 @@ def vllm_report() -> dict[str, Any]:
     out["setting"] = os.environ.get(ENV_VLLM)
     try:
         on = _vllm.setting()
-    except InvalidArgumentError as e:
+    except SetupError as e:
         out.update(enabled=None, action="invalid", why=str(e))
         return out
     if on and out["installed"]:

@@ -5,7 +5,7 @@ vLLM loads general plugins in every engine and worker process before the model r
 is built, and several times in one process; ``register`` is idempotent.
 
 * **Opt-in.** ``STAGEBUF_VLLM=1`` switches it on; unset (or ``0``) leaves vLLM untouched;
-  any other value raises :class:`~stagebuf.InvalidArgumentError` naming the allowed
+  any other value raises :class:`~stagebuf.SetupError` (a ``ValueError``) naming the allowed
   values (vLLM then stops at start-up, which is what a mistyped setting should do).
 * **Version safety.** Before anything is replaced, the names and parameters of vLLM's
   ``vllm.v1.worker.gpu.buffer_utils`` are compared with :data:`API`, the API of the
@@ -26,14 +26,12 @@ is built, and several times in one process; ``register`` is idempotent.
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._constants import ENV_VLLM
-from ._errors import InvalidArgumentError
+from ._constants import ENV_VLLM, env_flag
 from ._log import logger
 
 TESTED = ("0.33.0",)
@@ -69,15 +67,10 @@ REPLACED = tuple(API)
 
 
 def setting() -> bool:
-    """Whether ``STAGEBUF_VLLM`` switches the plugin on; a value other than 0/1 raises."""
-    raw = os.environ.get(ENV_VLLM)
-    if raw is None or raw.strip() in ("", "0"):
-        return False
-    if raw.strip() == "1":
-        return True
-    raise InvalidArgumentError(
-        f"{ENV_VLLM}={raw!r} is not a valid setting; allowed: 1 (stagebuf is vLLM's MRV2 buffer "
-        f"layer) or 0 / unset (vLLM's own layer)"
+    """Whether ``STAGEBUF_VLLM`` switches the plugin on; a value other than 0/1 raises SettingValueError."""
+    return env_flag(
+        ENV_VLLM,
+        f"set {ENV_VLLM}=1 to make stagebuf vLLM's MRV2 buffer layer, or 0 (or unset it) for vLLM's own",
     )
 
 

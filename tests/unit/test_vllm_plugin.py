@@ -149,7 +149,9 @@ def test_without_the_setting_nothing_changes(vllm, monkeypatch, value) -> None:
 def test_a_bad_setting_is_refused_and_changes_nothing(vllm, monkeypatch) -> None:
     monkeypatch.setenv("STAGEBUF_VLLM", "yes")
     before = _originals()
-    with pytest.raises(stagebuf.InvalidArgumentError, match=r"STAGEBUF_VLLM='yes'.*allowed: 1"):
+    with pytest.raises(
+        stagebuf.SetupError, match=r"STAGEBUF_VLLM='yes' is not a valid setting; allowed: 0, 1"
+    ):
         _load_plugins()
     assert _originals() == before
 
@@ -257,4 +259,12 @@ def test_doctor_with_vllm(vllm, tmp_path, monkeypatch, as_json) -> None:
         assert "0.33.0 (tested: 0.33.0)" in res.stdout and "would replace MRV2's buffer layer" in res.stdout
     res = invoke(main, args, {"STAGEBUF_VLLM": "maybe"})  # a bad value: reported, no traceback
     assert res.exit_code == 0 and res.exception is None
-    assert "invalid" in res.stdout and "allowed: 1" in res.stdout
+    if as_json:
+        rep = json.loads(res.stdout)["vllm"]
+        assert (
+            rep["action"] == "invalid"
+            and "STAGEBUF_VLLM='maybe'" in rep["why"]
+            and "allowed: 0, 1" in rep["why"]
+        )
+    else:
+        assert "invalid setting" in res.stdout

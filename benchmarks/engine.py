@@ -761,11 +761,6 @@ BLOCK_SIZES = (16, 32, 16, 64)
 """KV-cache groups' block sizes: group 0 full attention, group 1 e.g. a sliding-window group."""
 
 
-def _med(res: dict[str, Any], key: str, metric: str) -> float | None:
-    m = res.get("medians", {}).get(key)
-    return None if m is None else float(m[metric])
-
-
 def _entry(description: str, value: float | None, op: str, goal: float, note: str | None = None,
            missing: str = "") -> dict[str, Any]:  # fmt: skip
     """A target in the bench report's form (as ``bench._ratio`` makes them)."""

@@ -160,9 +160,7 @@ def fetch(quiet: bool = True) -> Path:
 _serial = 0
 
 
-def _module(
-    name: str, path: Path | None, imports: Any, extra: dict[str, Any] | None = None, real: bool = False
-) -> Any:
+def _module(name: str, path: Path | None, imports: Any, real: bool = False) -> Any:
     """Execute the file at ``path`` as a new module; ``vllm.*`` imports resolve in ``imports``.
 
     The module is named ``_vllm_mrv2_<n>.<last part of name>`` (every load its own), or ``name``
@@ -189,8 +187,6 @@ def _module(
     b = dict(vars(builtins))
     b["__import__"] = _import
     mod.__dict__["__builtins__"] = b
-    if extra:
-        mod.__dict__.update(extra)
     if path is not None:
         code = compile(path.read_text(), str(path), "exec")  # a real file name: Triton reads the source
         exec(code, mod.__dict__)

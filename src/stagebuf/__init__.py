@@ -1,10 +1,27 @@
-"""stagebuf: host-to-device staging for inference engines, on every machine.
+"""stagebuf: host-to-device staging buffers for inference engines, on every machine.
 
-Tiers, best first: UVA (zero copies) -> PINNED (one async copy) -> PAGEABLE
-(one copy from plain memory) -> HOST (no accelerator). ``capabilities()``
-decides the tier once per device; everything else asks it.
+The host writes inputs into buffers; stagebuf makes them readable on the device
+by the best transfer that works here, its *tier* (:class:`Tier`), best first: UVA
+(zero copies: the device reads pinned host memory), PINNED (one asynchronous
+copy), PAGEABLE (one copy from plain memory) and HOST (no accelerator: the CPU
+tensor is the device tensor). :func:`capabilities` probes each device once and
+decides its tier; everything else asks it, and ``STAGEBUF_TIER`` forces one.
 
-Importing stagebuf does not initialise CUDA: probing happens on first use.
+What to use:
+
+* :func:`make_buffer` and the buffer classes: one host buffer and its device side.
+* :class:`UvaBufferPool`, :class:`UvaBackedTensor`, :class:`StepStager` and
+  :class:`DeviceParamTable`: rings of slots, so the host fills the next step's
+  inputs while the device reads this step's; :func:`begin_step` marks steps for
+  engines whose rings skip some.
+* :class:`StagedWriteTensor` and :class:`FusedStagedWriter`: sparse edits of a
+  device tensor, applied in one launch.
+* :func:`async_copy_to_gpu`: one array to the device.
+
+Every exception raised is a :class:`StagebufError`. Importing stagebuf does not
+initialise CUDA: the probe runs on first use (``stagebuf.PIN_MEMORY``, the
+default device's :func:`is_pin_memory_available`, is computed on first access
+too).
 """
 
 from __future__ import annotations

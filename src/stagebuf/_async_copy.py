@@ -18,14 +18,50 @@ _ANY_RANK = tuple(range(0, 9))
 def async_copy_to_gpu(
     x: HostData, out: torch.Tensor | None = None, device: DeviceLike = None, dtype: DTypeLike | None = None
 ) -> torch.Tensor:
-    """Copy host data ``x`` (list, ndarray or CPU tensor) to the device, asynchronously.
+    """Copy host data to the device, asynchronously; the result never aliases ``x``.
 
-    Where pinned memory is available the data goes through a temporary pinned
-    copy (torch's pinned allocator keeps it alive until the copy is done);
-    elsewhere it is copied from pageable memory, which CUDA stages before the
-    call returns. The result never aliases ``x``. ``out``, when given, must have
-    ``x``'s shape and the target device (and ``dtype``, when both are given); it is
-    filled and returned.
+    Where pinned memory is available the data goes through a temporary pinned copy
+    (torch's pinned allocator keeps it alive until the copy is done); elsewhere it is
+    copied from pageable memory, which CUDA stages before the call returns. So ``x``
+    may be changed as soon as the call returns. On the CPU (tier HOST) the result is
+    a copy of ``x``.
+
+    Parameters
+    ----------
+    x : list, tuple, numpy.ndarray or torch.Tensor
+        The host data, of rank 0 to 8: a (nested) list or tuple of numbers, an array
+        or a CPU tensor.
+    out : torch.Tensor, optional
+        A tensor to fill and return instead of a new one: of ``x``'s shape, on the
+        target device.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+    dtype : torch.dtype, numpy.dtype, type or str, optional
+        The dtype of the result. ``x``'s values must fit it: no fractions, NaN, inf
+        or out-of-range values into an integer dtype, no finite values beyond a float
+        dtype's range. None: ``out``'s dtype when ``out`` is given, else ``x``'s own.
+
+    Returns
+    -------
+    torch.Tensor
+        ``out``, or a new tensor on the target device, holding ``x``'s values. The
+        copy is ordered on the current stream.
+
+    Raises
+    ------
+    ArgumentTypeError
+        If ``out`` is not a tensor or None; if ``dtype``, ``out``'s dtype or ``x``'s
+        dtype is not a supported dtype; if ``x`` is of another type; or if it mixes
+        bools and numbers, or bools are given for a numeric dtype (or the reverse);
+        or, as :func:`capabilities`, if ``device`` is of a type that is not accepted.
+    InvalidArgumentError
+        If ``dtype`` and ``out.dtype`` differ; if ``out`` has another shape than
+        ``x`` or is not on the target device; if ``x`` is a tensor on an accelerator,
+        a ragged list or of rank over 8; or if a value of ``x`` does not fit the dtype.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
     """
     if out is not None and not isinstance(out, torch.Tensor):
         raise ArgumentTypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")

@@ -22,7 +22,8 @@ The rule for a tier that cannot work (one rule, everywhere):
 
 A buffer's attributes are fixed at construction. Assigning ``.np`` or ``.cpu``
 copies the values in (``buf.np = x`` is ``buf.np[...] = x`` with stagebuf's value
-checks); assigning any other attribute raises AttributeError.
+checks); assigning any other attribute raises ReadOnlyAttributeError (an
+AttributeError).
 """
 
 from __future__ import annotations
@@ -83,14 +84,53 @@ _BUFFER_READ_ONLY = {
 
 
 class StagingBuffer:
-    """A host buffer and the way its rows reach the device (the tier)."""
+    """A host buffer and the way its rows reach the device (the tier).
+
+    The base of the four tier classes; make one with :func:`make_buffer`, or with a
+    tier class to ask for that tier. The host writes ``.np`` or ``.cpu``;
+    ``uva(n)`` publishes the first ``n`` rows and returns them as a device tensor.
+
+    Assigning ``buf.np = x`` or ``buf.cpu = x`` copies ``x`` (one scalar, or an
+    array of the buffer's shape) into the host storage, with the value checks of
+    every other input: it raises InvalidArgumentError for another shape or a value
+    that does not fit the dtype, and ArgumentTypeError for an unsupported type;
+    nothing is written then. Assigning or deleting any other attribute raises
+    ReadOnlyAttributeError.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape: a row count, or a tuple whose first entry is the row count.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
+        float64).
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+
+    Attributes
+    ----------
+    tier : Tier
+        The class's tier.
+    cpu : torch.Tensor
+        The host storage (pinned on tiers UVA and PINNED).
+    np : numpy.ndarray
+        A numpy view of ``cpu``.
+    dev : torch.Tensor
+        The device-side storage ``uva()`` publishes into, at a fixed address: a view
+        of ``cpu`` on tiers UVA and HOST, a separate device tensor on the copy tiers.
+    device : torch.device
+        The target device.
+    shape : tuple of int
+        The shape of ``cpu`` and ``dev``.
+    dtype : torch.dtype
+        The element type.
+    """
 
     tier: ClassVar[Tier]
     cpu: torch.Tensor
     np: np.ndarray
     device: torch.device
     dev: torch.Tensor
-    """The device-side storage ``uva()`` publishes into, at a fixed address."""
 
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         self.shape = shape_of(size)
@@ -112,7 +152,25 @@ class StagingBuffer:
         raise _read_only(type(self).__name__, name, "a buffer's attributes cannot be deleted")
 
     def rows(self, n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(device side, host side) of the first ``n`` rows, cached: slicing costs a torch call."""
+        """Views of the first ``n`` rows of ``dev`` and ``cpu``; nothing is copied.
+
+        The views are cached per ``n`` (slicing costs a torch call).
+
+        Parameters
+        ----------
+        n : int or None
+            The row count, ``0 <= n <= shape[0]``; None is every row.
+
+        Returns
+        -------
+        tuple of torch.Tensor
+            ``(dev[:n], cpu[:n])``.
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``n`` is not None or an int in ``[0, shape[0]]``.
+        """
         pair = self._rows.get(n)
         if pair is None:
             k = check_rows(n, self.shape[0])
@@ -122,14 +180,53 @@ class StagingBuffer:
         return pair
 
     def uva(self, n: int | None = None) -> torch.Tensor:
-        """A device tensor holding the first ``n`` rows (all when None)."""
+        """Publish the first ``n`` rows: a device tensor holding them.
+
+        On tiers UVA and HOST this is a view of the host storage (no copy: later host
+        writes show through). On tiers PINNED and PAGEABLE the rows are copied into
+        ``dev`` (asynchronously, on the current stream) and a view of ``dev`` is
+        returned.
+
+        Parameters
+        ----------
+        n : int or None, optional
+            The row count, ``0 <= n <= shape[0]``; None (the default) is every row.
+
+        Returns
+        -------
+        torch.Tensor
+            The first ``n`` rows of ``dev``, on ``device``.
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``n`` is not None or an int in ``[0, shape[0]]``.
+        """
         return self.rows(n)[0]
 
     def copy_to(self, out: torch.Tensor, n: int | None = None) -> torch.Tensor:
-        """Copy the first ``n`` rows into the device tensor ``out`` (stream-ordered).
+        """Copy the first ``n`` host rows into the device tensor ``out`` (on the current stream).
 
-        ``out`` must be on this buffer's device, of its dtype and row shape, with at
-        least ``n`` rows (checked: ``copy_`` would otherwise convert silently).
+        Parameters
+        ----------
+        out : torch.Tensor
+            The destination: on this buffer's device, of its dtype and row shape, with
+            at least ``n`` rows (checked: ``copy_`` would otherwise convert silently).
+        n : int or None, optional
+            The row count, ``0 <= n <= shape[0]``; None (the default) is every row.
+
+        Returns
+        -------
+        torch.Tensor
+            ``out[:n]``, the rows written.
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``n`` is not None or an int in ``[0, shape[0]]``, or if ``out`` does not
+            fit (device, dtype, row shape or row count).
+        ArgumentTypeError
+            If ``out`` is not a tensor.
         """
         n = check_rows(n, self.shape[0])
         if not isinstance(out, torch.Tensor):
@@ -156,6 +253,7 @@ class StagingBuffer:
 
     @property
     def nbytes(self) -> int:
+        """The size of the host storage in bytes."""
         return self.cpu.numel() * self.cpu.element_size()
 
     def __repr__(self) -> str:
@@ -208,7 +306,26 @@ def _checked_caps(want: Tier, device: DeviceLike, who: str) -> Capabilities:
 
 
 class HostBuffer(StagingBuffer):
-    """No accelerator: the CPU tensor is the device tensor."""
+    """Tier HOST, no accelerator: the CPU tensor is the device tensor.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape, as for :class:`StagingBuffer`.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type.
+    device : torch.device, str or None, optional
+        A CPU device; None (the default) is the CPU too. Anything else is refused.
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them, or ``device`` is not None
+        or a CPU device.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is not None, a ``str``,
+        an ``int`` or a ``torch.device``.
+    """
 
     tier = Tier.HOST
 
@@ -224,12 +341,36 @@ class HostBuffer(StagingBuffer):
 
 
 class NonUvaBuffer(StagingBuffer):
-    """Plain (pageable) host memory copied into a fixed device buffer.
+    """Tier PAGEABLE: plain (pageable) host memory copied into a fixed device buffer.
 
     ``device="cpu"`` works on any machine: a separate CPU tensor stands in for
     device memory, which is how CPU-only CI exercises the copy path. The copy is
     issued with ``non_blocking=True``: from pageable memory CUDA stages the source
-    before the call returns, so the host may rewrite ``.cpu`` at once.
+    before the call returns, so the host may rewrite ``.cpu`` at once. This tier can
+    be asked for on every device.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape, as for :class:`StagingBuffer`.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
+        accepted.
+    DeviceAllocationError
+        If the device runs out of memory for ``dev``.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
     """
 
     tier = Tier.PAGEABLE
@@ -248,7 +389,39 @@ class NonUvaBuffer(StagingBuffer):
 
 
 class PinnedBuffer(NonUvaBuffer):
-    """Pinned host memory and one asynchronous copy into a fixed device buffer."""
+    """Tier PINNED: pinned host memory and one asynchronous copy into a fixed device buffer.
+
+    The device reads ``.cpu`` after ``uva()`` returns, so a host write before the
+    copy is done would reach the device: rewrite a buffer only once its copy is
+    consumed (pools and stagers guard this for you).
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape, as for :class:`StagingBuffer`.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+
+    Raises
+    ------
+    TierUnavailableError
+        If tier PINNED cannot work on the device (the CPU, no pinned memory, or
+        ``STAGEBUF_TIER`` forces PAGEABLE); the message lists the allowed tiers. Also
+        as :func:`capabilities`.
+    PinnedAllocationError
+        If the pinned allocation fails at run time (memlock limit exhausted, say).
+    DeviceAllocationError
+        If the device runs out of memory for ``dev``.
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
+        accepted.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    """
 
     tier = Tier.PINNED
 
@@ -262,7 +435,39 @@ class PinnedBuffer(NonUvaBuffer):
 
 
 class UvaBuffer(StagingBuffer):
-    """Pinned host memory that kernels read through a device view: zero copies."""
+    """Tier UVA: pinned host memory that kernels read through a device view, zero copies.
+
+    ``uva()`` returns a view of the host memory: the device reads it while kernels
+    run, so rewrite it only once they are done (pools and stagers guard this for
+    you).
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape, as for :class:`StagingBuffer`.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+
+    Raises
+    ------
+    TierUnavailableError
+        If tier UVA cannot work on the device (the CPU, no cuda-bindings, the UVA
+        probe failed, or ``STAGEBUF_TIER`` forces a worse tier); the message lists
+        the allowed tiers. Also as :func:`capabilities`.
+    PinnedAllocationError
+        If the pinned allocation fails at run time (memlock limit exhausted, say).
+    UvaError
+        If the device view of the new allocation cannot be made or does not alias it.
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
+        accepted.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    """
 
     tier = Tier.UVA
 
@@ -286,12 +491,48 @@ BUFFER_CLASSES: dict[Tier, type[StagingBuffer]] = {
 def make_buffer(
     size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None, tier: Tier | str | None = None
 ) -> StagingBuffer:
-    """A buffer of the tier chosen for ``device`` (``tier=None``) or of ``tier``.
+    """A buffer of the tier chosen for ``device``, or of ``tier``.
 
-    An explicit ``tier`` that cannot work here raises TierUnavailableError (the
-    allowed values are ``usable_tiers(capabilities(device))``). An allocation that
-    fails at run time (memlock exhausted, WSL cap, a device view refused) falls
-    back to the next tier with one warning per process.
+    An allocation that fails at run time (memlock exhausted, WSL cap, a device view
+    refused) falls back to the next tier that can work, with one warning per process;
+    an explicit ``tier`` that cannot work here at all raises instead.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape: a row count, or a tuple whose first entry is the row count.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
+        float64).
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+    tier : Tier, str or None, optional
+        The tier to use (``"uva"``, ``"pinned"``, ``"pageable"``, ``"host"`` or a
+        Tier); None (the default) is ``capabilities(device).tier``. On the CPU the
+        allowed tiers are PAGEABLE and HOST; on an accelerator, the chosen tier and
+        every worse copy tier.
+
+    Returns
+    -------
+    StagingBuffer
+        A :class:`UvaBuffer`, :class:`PinnedBuffer`, :class:`NonUvaBuffer` or
+        :class:`HostBuffer`: of the tier asked for, or a worse one after a run-time
+        fallback.
+
+    Raises
+    ------
+    TierUnavailableError
+        If ``tier`` is given and cannot work on the device; the message lists the
+        allowed tiers. Also as :func:`capabilities`.
+    InvalidArgumentError
+        If ``tier`` names no tier, or ``size`` is not an int >= 0 or a tuple of them.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
+        accepted.
+    DeviceAllocationError
+        If the device runs out of memory.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
     """
     if tier is None:
         caps = capabilities(device)

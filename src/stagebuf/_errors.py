@@ -11,7 +11,7 @@ from typing import Any
 
 
 class StagebufError(Exception):
-    """The base of every exception stagebuf raises."""
+    """The base of every exception stagebuf raises: ``except stagebuf.StagebufError`` catches them all."""
 
 
 class InvalidArgumentError(StagebufError, ValueError):
@@ -29,11 +29,30 @@ class UsageError(StagebufError, RuntimeError):
 class SetupError(StagebufError):
     """A setting that cannot work here, explained.
 
-    The message says what was asked (``problem``), why it cannot work on this
-    machine (``cause``), the values that would work (``allowed``) and what to do
-    (``fix``); the same facts are attributes, for ``stagebuf doctor`` and for
-    callers that want them. ``setting`` names what was set: ``"STAGEBUF_TIER"``,
-    ``"device"`` or ``"tier"``.
+    The message says what was asked, why it cannot work on this machine, the values
+    that would work and what to do. Each argument is also kept as an attribute of the
+    same name (``allowed`` as a tuple), for ``stagebuf doctor`` and for callers that
+    want the facts. A bad value of an environment setting (``STAGEBUF_TIER``,
+    ``STAGEBUF_CHECK``, ``STAGEBUF_WRITE_KERNEL``, ``STAGEBUF_VLLM`` and the like) or
+    a device torch does not know raises a subclass that is a ``ValueError`` too.
+
+    Parameters
+    ----------
+    problem : str
+        What was asked, and that it cannot work.
+    setting : str, optional
+        What was set: ``"STAGEBUF_TIER"`` (or another environment variable),
+        ``"device"`` or ``"tier"``.
+    value : Any, optional
+        The value it was set to.
+    cause : str, optional
+        Why it cannot work on this machine.
+    allowed : sequence of str, optional
+        The values that would work here.
+    fix : str, optional
+        What to do.
+    hint : str, optional
+        The part of ``fix`` that does not depend on how the setting was given.
     """
 
     def __init__(
@@ -54,7 +73,6 @@ class SetupError(StagebufError):
         self.allowed = tuple(allowed)
         self.fix = fix
         self.hint = hint
-        """The part of the fix that does not depend on how the setting was given."""
         text = problem + (f": {cause}" if cause else "")
         if self.allowed:
             text += f"; allowed: {', '.join(self.allowed)}"

@@ -38,7 +38,23 @@ _DEFAULT_MAX_CONCURRENCY = DEFAULT_MAX_CONCURRENCY
 
 
 def set_default_max_concurrency(n: int) -> None:
-    """Default slot count for pools, stagers and staged writers made afterwards (floor 2)."""
+    """Set the default slot count of the rings made afterwards.
+
+    Pools, stagers, parameter tables and staged writers made with
+    ``max_concurrency=None`` take this many slots; those made before keep theirs.
+    The default is 2.
+
+    Parameters
+    ----------
+    n : int
+        The slot count, >= 1; values below 2 are raised to 2 (a ring needs a second
+        slot to fill while the device reads the first).
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``n`` is not an int >= 1 (a ``bool`` is refused).
+    """
     global _DEFAULT_MAX_CONCURRENCY
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidArgumentError(f"n={n!r} must be an int >= 1 (values below 2 are raised to 2)")
@@ -245,11 +261,29 @@ def step_clock(device: torch.device) -> StepClock:
 
 
 def begin_step(device: DeviceLike = None) -> None:
-    """Begin a step on ``device``'s step clock (``None``: the default device).
+    """Begin a step on ``device``'s step clock: record the event that ends the last step.
 
-    The clock finds step boundaries by itself when every ring stages once per
-    step. An engine with a ring that skips steps (or stages twice in one) calls
-    this at the start of each step; it records the event that ends the last step.
+    The clock finds step boundaries by itself when every ring stages once per step.
+    An engine with a ring that skips steps (or stages twice in one) calls this at
+    the start of each step. Where the device runs synchronously (the CPU) there is
+    no clock to advance and this does nothing.
+
+    Parameters
+    ----------
+    device : torch.device, str, int or None, optional
+        The device whose clock to advance, as for :func:`capabilities`; None (the
+        default) is the default device.
+
+    Raises
+    ------
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    ArgumentTypeError
+        As :func:`capabilities`: ``device`` of a type that is not accepted.
+    CudaError
+        If recording the CUDA event fails.
     """
     from ._probe import capabilities
 

@@ -70,7 +70,52 @@ def usable_devices() -> list[str]:
 
 @dataclass
 class Capabilities:
-    """What one device can do, the tier chosen for it, and why."""
+    """What one device can do, the tier chosen for it, and why.
+
+    Made by the probe behind :func:`capabilities`; read it, do not build one. Every
+    buffer, pool and stager takes its tier from here, so the probe's result is
+    read-only: assigning or deleting an attribute raises ReadOnlyAttributeError.
+
+    Attributes
+    ----------
+    device : torch.device
+        The device probed, with its index resolved (``"cuda"`` becomes ``cuda:N``,
+        the current device).
+    device_type : str
+        ``device.type``: ``"cuda"``, ``"cpu"``, ...
+    pin_memory : bool
+        Whether a pinned (page-locked) host allocation succeeded and came back
+        pinned. Always False when the device is the CPU.
+    uva : bool
+        Whether a device view of pinned memory aliased it and saw a host write made
+        after the view existed (the UVA probe passed). The tier can still be worse
+        than UVA when ``STAGEBUF_TIER`` forces one.
+    tier : Tier
+        The tier chosen: the best that works on ``device``, or the one
+        ``STAGEBUF_TIER`` forces.
+    reasons : list of str
+        One plain sentence per decision, in the order they were made (what
+        ``stagebuf doctor`` prints).
+    forced : str or None
+        The tier ``STAGEBUF_TIER`` forces, lower case (``"pinned"``), or None when
+        it is unset.
+    wsl : bool
+        Whether this is WSL, where pinned memory is off unless
+        ``STAGEBUF_WSL_PIN_MEMORY=1``.
+    memlock_limit : int or None
+        The ``RLIMIT_MEMLOCK`` soft limit in bytes; None means unlimited.
+    versions : dict of str to str
+        ``torch`` and ``python``, and where present ``cuda_runtime``, ``triton``,
+        ``cuda_bindings``, ``cuda_driver_api`` and ``device_name``.
+    torch_build : str
+        What torch was built for: ``"CPU build"``, ``"CUDA 13.0 build"``,
+        ``"ROCm 6.4 build"``.
+    cpu_cause : str or None
+        Why the target device is the CPU; None when it is an accelerator.
+    cpu_fix : str or None
+        What to do to target an accelerator instead, where there is something to
+        do (None otherwise).
+    """
 
     device: torch.device
     device_type: str
@@ -81,16 +126,20 @@ class Capabilities:
     forced: str | None = None
     wsl: bool = False
     memlock_limit: int | None = None
-    """RLIMIT_MEMLOCK soft limit in bytes; None means unlimited."""
     versions: dict[str, str] = field(default_factory=dict)
     torch_build: str = ""
-    """What torch was built for: "CPU build", "CUDA 13.0 build" (see ``torch_build()``)."""
     cpu_cause: str | None = None
-    """Why the target device is the CPU (None when it is an accelerator)."""
     cpu_fix: str | None = None
-    """What to do to target an accelerator instead, where there is something to do."""
 
     def as_dict(self) -> dict[str, Any]:
+        """The capabilities as plain values (what ``stagebuf doctor --json`` prints).
+
+        Returns
+        -------
+        dict of str to Any
+            Every attribute, with ``device`` as a string, ``tier`` as its name and
+            copies of ``reasons`` and ``versions``.
+        """
         return {
             "device": str(self.device),
             "device_type": self.device_type,
@@ -460,9 +509,38 @@ _lock = threading.Lock()
 
 
 def capabilities(device: DeviceLike = None) -> Capabilities:
-    """The capabilities of ``device`` (default: the current accelerator, else the CPU).
+    """The capabilities of ``device``, and the tier chosen for it.
 
-    Probed on first use and cached per device; ``reset_capabilities()`` clears it.
+    The first call for a device probes it: it checks the settings, allocates pinned
+    memory and, on CUDA, builds a device view of it and checks that the view is live.
+    The result is cached per device; :func:`reset_capabilities` clears the cache.
+
+    Parameters
+    ----------
+    device : torch.device, str, int or None, optional
+        The device to stage to: a ``torch.device``, a name such as ``"cuda:0"`` or
+        ``"cpu"``, or a CUDA index. None (the default) is the current accelerator,
+        else the CPU (the CPU also under ``STAGEBUF_TIER=host``).
+
+    Returns
+    -------
+    Capabilities
+        The probe's result; later calls for the same device return the same object.
+
+    Raises
+    ------
+    SetupError
+        (a ``ValueError`` too) If a stagebuf environment setting (``STAGEBUF_TIER``,
+        ``STAGEBUF_CHECK``, ``STAGEBUF_WRITE_KERNEL`` and the like) holds a value it
+        does not take, or if torch does not know ``device``; the message names the
+        allowed values.
+    TierUnavailableError
+        If ``device`` is an accelerator torch cannot use here (no driver, a CPU build
+        of torch, an index past the device count, ``meta``), or if ``STAGEBUF_TIER``
+        forces a tier that cannot work on the device.
+    ArgumentTypeError
+        If ``device`` is not None, a ``str``, an ``int`` or a ``torch.device`` (a
+        ``bool`` is refused).
     """
     key = None if device is None else str(device)
     caps = _cache.get(key)
@@ -488,14 +566,61 @@ on_decision: list[Callable[[Capabilities], None]] = []
 
 
 def reset_capabilities() -> None:
-    """Forget every probe (after changing STAGEBUF_TIER, say)."""
+    """Forget every cached probe, so that the next :func:`capabilities` call probes again.
+
+    Call it after changing ``STAGEBUF_TIER`` (say). Buffers, pools and stagers made
+    before keep the tier they were made with.
+    """
     with _lock:
         _cache.clear()
 
 
 def is_pin_memory_available(device: DeviceLike = None) -> bool:
+    """Whether pinned host memory works for ``device`` (``capabilities(device).pin_memory``).
+
+    Parameters
+    ----------
+    device : torch.device, str, int or None, optional
+        As for :func:`capabilities`; None is the default device.
+
+    Returns
+    -------
+    bool
+        True where a pinned allocation succeeded in the probe; always False for the CPU.
+
+    Raises
+    ------
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    ArgumentTypeError
+        As :func:`capabilities`: ``device`` of a type that is not accepted.
+    """
     return capabilities(device).pin_memory
 
 
 def is_uva_available(device: DeviceLike = None) -> bool:
+    """Whether the tier chosen for ``device`` is UVA (zero-copy device views of pinned memory).
+
+    Parameters
+    ----------
+    device : torch.device, str, int or None, optional
+        As for :func:`capabilities`; None is the default device.
+
+    Returns
+    -------
+    bool
+        ``capabilities(device).tier is Tier.UVA``: False where ``STAGEBUF_TIER`` forces
+        a worse tier, even if the UVA probe passed.
+
+    Raises
+    ------
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    ArgumentTypeError
+        As :func:`capabilities`: ``device`` of a type that is not accepted.
+    """
     return capabilities(device).tier is Tier.UVA

@@ -8,28 +8,58 @@ from ._errors import InvalidArgumentError
 
 
 class Tier(enum.IntEnum):
-    """Transfer tiers, best first (a lower value is a better tier)."""
+    """How host data reaches the device, best first: a lower value is a better tier.
+
+    :func:`capabilities` chooses one per device; ``STAGEBUF_TIER`` (``uva``,
+    ``pinned``, ``pageable`` or ``host``) forces one, and nothing better is then used
+    in the process. Being an ``IntEnum``, tiers compare by quality: ``Tier.UVA <
+    Tier.PINNED``. ``Tier(value)`` for a value no tier has raises InvalidArgumentError;
+    a tier's attributes are constants: assigning one raises ReadOnlyAttributeError.
+
+    Attributes
+    ----------
+    copies : bool
+        True where publishing host data costs an explicit host-to-device transfer
+        (PINNED, PAGEABLE).
+    async_host_reads : bool
+        True where the device reads host memory after the host call returned (UVA,
+        PINNED). On these tiers a host slot must not be rewritten until the device is
+        done with it: this is what the slot-reuse guard protects.
+    """
 
     UVA = 0
-    """Pinned host memory read by kernels through a device view: zero copies."""
+    """Pinned host memory read by kernels through a device view (zero copies)."""
     PINNED = 1
     """Pinned host memory and one asynchronous copy into device memory."""
     PAGEABLE = 2
     """Plain host memory and a copy into a fixed device buffer."""
     HOST = 3
-    """No accelerator: the CPU tensor is the device tensor."""
+    """No accelerator; the CPU tensor is the device tensor."""
 
     copies: bool
-    """True where publishing host data costs an explicit host-to-device transfer."""
     async_host_reads: bool
-    """True where the device reads host memory after the host call returned.
-
-    On these tiers a host slot must not be rewritten until the device is done
-    with it: this is what the slot-reuse guard protects.
-    """
 
     @classmethod
     def parse(cls, value: str | Tier, name: str = "tier") -> Tier:
+        """The tier named by ``value``.
+
+        Parameters
+        ----------
+        value : str or Tier
+            A tier name in any case, surrounding spaces ignored (``"uva"``,
+            ``"PINNED"``), or a Tier, returned as it is.
+        name : str, optional
+            What ``value`` was given as, for the error message (default ``"tier"``).
+
+        Returns
+        -------
+        Tier
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``value`` names no tier; the message lists the allowed names.
+        """
         if isinstance(value, Tier):
             return value
         try:

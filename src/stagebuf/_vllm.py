@@ -128,16 +128,35 @@ def vllm_version() -> str | None:
 
 @dataclass
 class Plan:
-    """What the plugin does (or would do) in this process, and why."""
+    """What the plugin does (or would do) in this process, and why: the answer of :func:`plan`.
+
+    Attributes
+    ----------
+    enabled : bool
+        Whether ``STAGEBUF_VLLM=1``.
+    action : str
+        ``"patch"`` (it would replace vLLM's layer), ``"patched"`` (:func:`register`
+        already did in this process), ``"leave"`` (vLLM's layer stays: its API differs
+        from :data:`API`, or it cannot be imported) or ``"off"``.
+    why : str
+        One sentence saying why.
+    replacements : list of tuple
+        For ``"patch"``: ``(module, attribute, vLLM's object, stagebuf's object)`` for
+        every binding to replace; empty otherwise.
+    """
 
     enabled: bool
     action: str
-    """``patch``, ``patched`` (already), ``leave`` (API differs or vLLM missing), ``off``."""
     why: str
     replacements: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
-    """(module, attribute, vLLM's object, stagebuf's object)."""
 
     def as_dict(self) -> dict[str, Any]:
+        """``enabled``, ``action`` and ``why`` as a dict (what ``stagebuf doctor`` reports).
+
+        Returns
+        -------
+        dict of str to Any
+        """
         return {"enabled": self.enabled, "action": self.action, "why": self.why}
 
 
@@ -147,7 +166,28 @@ _done: dict[str, Any] = {}
 
 
 def plan(module: Any | None = None) -> Plan:
-    """What :func:`register` would do now; imports vLLM's ``buffer_utils`` only when switched on."""
+    """What :func:`register` would do now, and why; changes nothing.
+
+    vLLM's ``buffer_utils`` is imported only when ``STAGEBUF_VLLM=1``. After
+    :func:`register` ran in this process, the answer is what it did.
+
+    Parameters
+    ----------
+    module : module, optional
+        The ``buffer_utils`` module to compare with :data:`API` instead of importing
+        vLLM's (tests pass a stand-in).
+
+    Returns
+    -------
+    Plan
+        ``action`` ``"off"``, ``"leave"``, ``"patch"`` or ``"patched"``, with the reason.
+
+    Raises
+    ------
+    SetupError
+        (a ``ValueError`` too) If ``STAGEBUF_VLLM`` is set to anything but ``0``,
+        ``1`` or the empty string; the message names the allowed values.
+    """
     if not setting():
         return Plan(False, "off", f"{ENV_VLLM} is not set to 1: vLLM uses its own buffer layer")
     done = _done.get("plan")
@@ -216,7 +256,21 @@ def _announce(caps: Any) -> None:
 
 
 def register() -> None:
-    """vLLM's general-plugin entry point: make stagebuf MRV2's buffer layer if ``STAGEBUF_VLLM=1``."""
+    """vLLM's general-plugin entry point: make stagebuf MRV2's buffer layer if ``STAGEBUF_VLLM=1``.
+
+    Idempotent: vLLM calls it several times per process, and only the first call
+    acts. If vLLM's API differs from :data:`API`, or vLLM cannot be imported, it
+    logs one line saying why and leaves vLLM's layer whole. Otherwise it replaces
+    every binding of the names in :data:`API` at once (nothing is ever half-patched) and
+    logs one line with the tier when stagebuf first decides one in the process.
+
+    Raises
+    ------
+    SetupError
+        (a ``ValueError`` too) If ``STAGEBUF_VLLM`` is set to anything but ``0``,
+        ``1`` or the empty string; the message names the allowed values. vLLM then
+        stops at start-up, before anything is replaced.
+    """
     on = setting()  # a bad value raises before anything is looked at
     if not on:
         return
@@ -238,7 +292,11 @@ def register() -> None:
 
 
 def unregister() -> None:
-    """Put vLLM's own objects back (tests; an engine never needs it)."""
+    """Undo :func:`register`: put vLLM's own objects back (tests; an engine never needs it).
+
+    Does nothing if :func:`register` replaced nothing in this process. A later
+    :func:`register` call acts again.
+    """
     with _lock:
         p = _done.pop("plan", None)
         _done.pop("announce", None)

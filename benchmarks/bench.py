@@ -1,4 +1,4 @@
-"""``stagebuf bench``: every staging strategy, timed in one process, with the targets' ratios.
+"""``python -m benchmarks``: every staging strategy, timed in one process, with the targets' ratios.
 
 Each (workload, strategy, size) is built, warmed up, then repeated: each repeat
 runs ``iters`` steps; host µs per step is the time to enqueue them, device-
@@ -6,6 +6,10 @@ synchronised (e2e) µs per step the time until ``torch.cuda.synchronize()``
 returned (equal on the CPU). Medians over repeats are reported. ``iters`` is
 chosen per case so that a repeat lasts about ``--target-ms`` (at most
 ``--iters``). The strategies are in :mod:`benchmarks.workloads`.
+
+Each target's ``status`` is ``pass`` or ``fail`` (judged), ``info`` (measured and printed, not
+judged: every target of a ``--quick`` run on a CPU, see :func:`not_judged`), ``skipped`` (not
+measured in this run) or ``n/a`` (defined for another device).
 """
 
 from __future__ import annotations
@@ -718,8 +722,38 @@ def na_reason(needs: str | None, device: str) -> str | None:
     return None
 
 
-def _settle(entry: dict[str, Any], needs: str | None, device: str) -> None:
-    """Add ``needs``, ``applies`` and ``status`` ('pass', 'fail', 'skipped' or 'n/a' with ``na``)."""
+INFO_WHY = (
+    "a --quick run on a CPU is a smoke test, not a measurement: its repeats are short, and on a CPU "
+    "shared with other work (the 2-core CI machine) they moved these ratios across their goals from "
+    "one run to the next, so they are printed, not judged. A full run (python -m benchmarks, without "
+    "--quick) or a GPU run judges every target that applies"
+)
+
+
+def not_judged(quick: bool, device: str) -> str | None:
+    """Why this run's targets are informational (printed, not judged); None: they are judged.
+
+    Only a ``--quick`` run on a CPU device is informational; every GPU run, and a full CPU run,
+    judges each target that applies.
+    """
+    return INFO_WHY if quick and device.split(":", 1)[0] == "cpu" else None
+
+
+def inform(entry: dict[str, Any], why: str | None) -> None:
+    """A judged target of a run that is not judged: ``status`` 'info', ``passed`` None, with ``info``.
+
+    Its parts lose their pass/fail too; skipped and n/a targets are left as they are.
+    """
+    if why is None or entry.get("passed") is None:
+        return
+    entry.update(passed=None, status="info", info=why)
+    for part in entry.get("parts", []):
+        part["passed"] = None
+
+
+def _settle(entry: dict[str, Any], needs: str | None, device: str, info: str | None = None) -> None:
+    """Add ``needs``, ``applies`` and ``status`` ('pass', 'fail', 'info' with ``info``, 'skipped' or 'n/a'
+    with ``na``); ``info``: why this run's targets are not judged (None: they are)."""
     entry["needs"] = needs
     why = na_reason(needs, device)
     if why is not None:
@@ -729,6 +763,7 @@ def _settle(entry: dict[str, Any], needs: str | None, device: str) -> None:
         return
     entry["applies"] = True
     entry["status"] = "skipped" if entry.get("passed") is None else "pass" if entry["passed"] else "fail"
+    inform(entry, info)
 
 
 def compute_ratios(
@@ -945,11 +980,12 @@ def compute_ratios(
         "<=",
         2.0,
     )
+    info = not_judged(cfg.quick, device)
     for name, entry in out.items():
         entry["device"] = device
         if cfg.k != 8 and entry.get("workload") == "micro":
             entry["note"] = f"K={cfg.k}; the target assumes K=8"
-        _settle(entry, TARGET_NEEDS.get(name), device)
+        _settle(entry, TARGET_NEEDS.get(name), device, info)
     return out
 
 
@@ -980,21 +1016,25 @@ def _driver_version() -> str | None:
 
 
 def command_line() -> str:
+    """The command that made this run: ``python -m benchmarks ...`` (the bench's one entry point)."""
     argv = list(sys.argv)
+    main = Path(argv[0]) if argv else None
+    if main is not None and main.name == "__main__.py" and main.parent.name == "benchmarks":
+        return shlex.join(["python", "-m", "benchmarks", *argv[1:]])
     ctx = click.get_current_context(silent=True)
-    if "bench" not in argv[1:] and ctx is not None:  # called in-process (tests): rebuild from the params
-        opts = [
-            f"--{k.replace('_', '-')}={v}"
-            for k, v in sorted(ctx.params.items())
-            if v not in (None, False, ()) and not isinstance(v, bool)
-        ]
-        flags = [f"--{k.replace('_', '-')}" for k, v in sorted(ctx.params.items()) if v is True]
-        return " ".join(["stagebuf", "bench", *flags, *opts])
-    if argv and argv[0].endswith("__main__.py"):
-        return "python3 -m stagebuf " + " ".join(shlex.quote(a) for a in argv[1:])
-    if argv and Path(argv[0]).name == "stagebuf":
-        return "stagebuf " + " ".join(shlex.quote(a) for a in argv[1:])
-    return " ".join(shlex.quote(a) for a in argv)
+    if ctx is None:
+        return shlex.join(argv)
+    words = ["python", "-m", "benchmarks"]  # called in-process (tests): rebuilt from the options given
+    for p in ctx.command.params:
+        v = ctx.params.get(p.name or "")
+        if not isinstance(p, click.Option) or v in (None, ()) or (v is False and not p.secondary_opts):
+            continue
+        if isinstance(v, bool):
+            words.append(p.opts[0] if v else p.secondary_opts[0])
+        else:
+            for x in v if isinstance(v, tuple) else (v,):
+                words += [p.opts[0], str(x)]
+    return shlex.join(words)
 
 
 def metadata(m: Machine, cfg: BenchConfig) -> dict[str, Any]:
@@ -1087,7 +1127,7 @@ def _stage_only_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 
 def _status(r: dict[str, Any]) -> str:
-    """'pass', 'fail', 'skipped' or 'n/a' (reports from before the field: from ``passed``)."""
+    """'pass', 'fail', 'info', 'skipped' or 'n/a' (reports from before the field: from ``passed``)."""
     if "status" in r:
         return str(r["status"])
     return "skipped" if r.get("passed") is None else "pass" if r["passed"] else "fail"
@@ -1102,6 +1142,11 @@ def _measured(r: dict[str, Any]) -> str:
 
 def _goal(r: dict[str, Any]) -> str:
     return f"{r['op']} {r['target']}" + (f" {r['unit']}" if r.get("unit") else "")
+
+
+def _info_why(report: dict[str, Any]) -> str | None:
+    """Why the report's informational targets were not judged (None: none is informational)."""
+    return next((str(r["info"]) for r in report["ratios"].values() if _status(r) == "info"), None)
 
 
 def render(report: dict[str, Any], console: Console) -> None:
@@ -1169,10 +1214,14 @@ def render(report: dict[str, Any], console: Console) -> None:
         verdict = {
             "pass": "[green]pass[/]",
             "fail": "[red]FAIL[/]",
+            "info": "[cyan]info[/]: not judged (see below)",
             "n/a": f"[dim]n/a[/]: {escape(r.get('na', ''))}",
         }.get(status, f"[yellow]skipped[/]: {escape(r.get('skipped', ''))}")
         tab.add_row(name, _measured(r), _goal(r), verdict)
     console.print(tab)
+    info = _info_why(report)
+    if info:
+        console.print(escape(f"info: not judged pass/fail. Why: {info}."), highlight=False)
     if report["skipped"]:
         console.print("[bold]skipped[/]:")
         for s in report["skipped"]:
@@ -1255,11 +1304,17 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for name, r in report["ratios"].items():
         status = _status(r)
-        verdict = {"pass": "pass", "fail": "**FAIL**", "n/a": f"n/a: {r.get('na', '')}"}.get(
-            status, f"skipped: {r.get('skipped', '')}"
-        )
+        verdict = {
+            "pass": "pass",
+            "fail": "**FAIL**",
+            "info": "info (not judged)",
+            "n/a": f"n/a: {r.get('na', '')}",
+        }.get(status, f"skipped: {r.get('skipped', '')}")
         lines.append(f"| `{name}` | {r.get('description', '')} | {_measured(r)} | {_goal(r)} | {verdict} |")
     lines.append("")
+    info = _info_why(report)
+    if info:
+        lines += [f"info: not judged pass/fail. Why: {info}.", ""]
     if report.get("skipped"):
         lines += ["Skipped:", ""]
         lines += [
@@ -1332,7 +1387,7 @@ def plot(report: dict[str, Any], path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title(wl if ln is None else f"writes, L={ln} elements per edit")
     commit = (report.get("commit") or "?")[:10]
-    fig.suptitle(f"stagebuf bench on {report['device_name']} ({report['device']}), commit {commit}")
+    fig.suptitle(f"stagebuf's bench on {report['device_name']} ({report['device']}), commit {commit}")
     fig.savefig(path, dpi=120)
 
 
@@ -1372,6 +1427,10 @@ def run(
     if ENGINE in cfg.workloads:
         report.update(engine_section(cfg, m.env.device, console))
         report["ratios"].update(E.targets(report["engine"], report["vs_vllm"]))
+    info = not_judged(cfg.quick, str(m.env.device))
+    for entry in report["ratios"].values():  # the engine's targets too
+        inform(entry, info)
+    report["judged"] = info is None
     report["elapsed_s"] = round(time.perf_counter() - t0, 2)
     return report
 
@@ -1503,7 +1562,11 @@ def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
     help="torch intra-op threads during the run [1 on a CPU device, else torch's default].",
 )
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
-@click.option("--strict", is_flag=True, help="Exit with status 3 when a measured target fails.")
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Exit with status 3 when a judged target fails (a --quick run on a CPU judges none: 'info').",
+)
 def bench(
     quick: bool,
     json_path: str | None,

@@ -1,7 +1,9 @@
 """Experiment (not a test): how many torn reads does a run-ahead host cause without the guard?
 
-PYTHONPATH=src:tests python3 scripts/guard_experiment.py [steps]
-(JSON on stdout and in $OUT/guard_experiment.json)
+    PYTHONPATH=src:. python3 scripts/guard_experiment.py [steps]
+
+Run from the checkout root without installing (``PYTHONPATH=src:.`` makes ``stagebuf`` and the bench
+package ``benchmarks`` importable). JSON on stdout and in $OUT/guard_experiment.json.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import os
 import sys
 
 import torch
+from benchmarks.runahead import run_ahead  # the run-ahead consumer the GPU tests use
 
 import stagebuf
-from runahead import run_ahead  # tests/runahead.py: the run-ahead consumer the GPU tests use
 from stagebuf import StepStager
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 3000

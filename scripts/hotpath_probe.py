@@ -1,6 +1,11 @@
 """Host µs per step of stagebuf's hot paths on this machine (a design probe, not the bench).
 
-PYTHONPATH=src python3 scripts/hotpath_probe.py  -> prints JSON, writes $OUT/hotpath.json
+    PYTHONPATH=src:. python3 scripts/hotpath_probe.py   # prints JSON, writes $OUT/hotpath.json
+
+Run from the checkout root without installing (``PYTHONPATH=src:.`` makes ``stagebuf`` importable).
+Uses stagebuf's public API only. On CUDA it also times the two ways to record and query a step's
+event, as stagebuf's guard does: through cuda-bindings on torch's current raw stream, and through
+``torch.cuda.Event``.
 """
 
 from __future__ import annotations
@@ -15,8 +20,6 @@ import torch
 
 import stagebuf
 from stagebuf import StepStager, UvaBufferPool
-from stagebuf._guard import _CudartEvent, _TorchEvent
-from stagebuf._uva import load_cudart
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 K, N = 8, 64
@@ -40,13 +43,49 @@ def bench(name, fn, iters=3000, warm=300, reps=5):
     res[name] = round(statistics.median(hs), 2)
 
 
+class RawEvent:
+    """A CUDA event recorded on torch's current raw stream through cuda-bindings (no timing)."""
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import runtime as rt
+        except ImportError:
+            from cuda import cudart as rt  # cuda-python < 12.6
+        err, self.ev = rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming)
+        assert int(err) == 0, err
+        self.rt, self.idx = rt, torch.cuda.current_device()
+        self.stream = torch._C._cuda_getCurrentRawStream
+        self.not_ready = rt.cudaError_t.cudaErrorNotReady
+
+    def record(self) -> None:
+        (err,) = self.rt.cudaEventRecord(self.ev, self.stream(self.idx))
+        assert int(err) == 0, err
+
+    def query(self) -> bool:
+        (err,) = self.rt.cudaEventQuery(self.ev)
+        assert err == self.not_ready or int(err) == 0, err
+        return err != self.not_ready
+
+
+class TorchEvent:
+    """``torch.cuda.Event`` recorded on the current stream."""
+
+    def __init__(self) -> None:
+        self.ev = torch.cuda.Event()
+
+    def record(self) -> None:
+        self.ev.record(torch.cuda.current_stream())
+
+    def query(self) -> bool:
+        return bool(self.ev.query())
+
+
 out_dev = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(K)]
 consume = lambda ts: torch.cat(ts).sum()  # noqa: E731
 bench("floor", lambda: consume(out_dev))
 if dev.type == "cuda":
-    cudart = load_cudart()
-    evs = [_CudartEvent(dev, cudart) for _ in range(2)]
-    tevs = [_TorchEvent(dev) for _ in range(2)]
+    evs = [RawEvent() for _ in range(2)]
+    tevs = [TorchEvent() for _ in range(2)]
     bench("cudart_event_record_query", lambda: (evs[0].record(), evs[1].query()))
     bench("torch_event_record_query", lambda: (tevs[0].record(), tevs[1].query()))
     bench("raw_stream_lookup", lambda: torch._C._cuda_getCurrentRawStream(0))

@@ -12,6 +12,10 @@ writes a JSON summary.
     torchrun ... scripts/mp_decode.py --shared-gpu      # both processes on cuda:0
     torchrun ... scripts/mp_decode.py --device cpu      # CPU tiers (HOST, PAGEABLE)
 
+Run from the checkout root with ``PYTHONPATH=src:.`` (stagebuf from the tree, without installing;
+``scripts/gpu_reliability.sh`` and ``tests/faults/test_multiprocess.py`` set it), or with stagebuf
+installed.
+
 Devices: one GPU per process (cuda:LOCAL_RANK) where there are at least as many
 GPUs as processes on the node, else every process on cuda:0 (``--shared-gpu``
 forces that). Per tier it runs: a StepStager (four arrays per step), a
@@ -37,10 +41,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-import stagebuf  # noqa: E402
-from stagebuf import (  # noqa: E402
+import stagebuf
+from stagebuf import (
     DeviceParamTable,
     FusedStagedWriter,
     StagedWriteTensor,

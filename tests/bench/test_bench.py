@@ -1,4 +1,4 @@
-"""``stagebuf bench``: the quick run CI does, and the pieces it is made of.
+"""``python -m benchmarks``: the quick run CI does, and the pieces it is made of.
 
 No expected timings here: only that every strategy that can run did, with
 positive numbers, that the decode loop's checks ran and catch a wrong answer,
@@ -22,9 +22,16 @@ from benchmarks import vllm_mrv2
 from benchmarks import workloads as W
 
 from helpers import invoke
-from stagebuf._cli import main
 
 HAS_CUDA = torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main(args: list[str]) -> int:
+    """``python -m benchmarks ARGS``, in this process (click's standalone mode exits with the status)."""
+    B.bench.main(args=args, prog_name="python -m benchmarks")
+    return 0
+
 
 CPU_STRATEGIES = {
     "micro": {
@@ -96,12 +103,12 @@ HOST_RATIOS = {"host_decode_vs_naive_cpu", "host_one_edit_vs_row_copy"}
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One ``stagebuf bench --quick --json --plot`` run, shared by the tests below."""
+    """One ``python -m benchmarks --quick --json --plot`` run, shared by the tests below."""
     out = tmp_path_factory.mktemp("bench")
     js, png = out / "bench.json", out / "bench.png"
     old = os.environ.pop("STAGEBUF_TIER", None)
     try:
-        res = invoke(main, ["bench", "--quick", "--no-progress", "--json", str(js), "--plot", str(png)])
+        res = invoke(main, ["--quick", "--no-progress", "--json", str(js), "--plot", str(png)])
     finally:
         if old is not None:
             os.environ["STAGEBUF_TIER"] = old
@@ -146,9 +153,7 @@ def test_quick_records_each_strategy_tier(quick: dict[str, Any]) -> None:
 
 def test_markdown_and_plot_from_an_earlier_json(quick: dict[str, Any], tmp_path: Path) -> None:
     md, png = tmp_path / "b.md", tmp_path / "b.png"
-    res = invoke(
-        main, ["bench", "--from-json", str(quick["json"]), "--markdown", str(md), "--plot", str(png)]
-    )
+    res = invoke(main, ["--from-json", str(quick["json"]), "--markdown", str(md), "--plot", str(png)])
     assert res.exit_code == 0, res.output
     text = md.read_text()
     for part in (
@@ -210,6 +215,8 @@ def test_quick_ratios_section(quick: dict[str, Any]) -> None:
             assert "skipped" not in r, name
         elif r["measured"] is None:
             assert r["passed"] is None and r["skipped"] and r["status"] == "skipped", name
+        elif r["status"] == "info":  # a quick run on a CPU: measured, not judged
+            assert r["passed"] is None and r["info"] == B.INFO_WHY, name
         else:
             assert isinstance(r["passed"], bool), name
             assert r["status"] == ("pass" if r["passed"] else "fail"), name
@@ -229,7 +236,9 @@ def test_quick_metadata_guard_cost_and_plot(quick: dict[str, Any]) -> None:
     keys = ("command", "commit", "versions", "device", "device_name", "config", "elapsed_s", "guard_cost")
     for key in keys:
         assert key in rep, key
-    assert "bench" in rep["command"] and rep["versions"]["torch"] == torch.__version__
+    js, png = quick["json"], quick["png"]
+    assert rep["command"] == f"python -m benchmarks --quick --json {js} --plot {png} --no-progress"
+    assert rep["versions"]["torch"] == torch.__version__
     assert rep["guard_cost"], "guard cost was not measured"
     for by_size in rep["guard_cost"].values():
         for g in by_size.values():
@@ -332,7 +341,6 @@ def test_cli_fails_on_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     res = invoke(
         main,
         [
-            "bench",
             "--quick",
             "--no-progress",
             "--workload",
@@ -393,7 +401,6 @@ def test_writes_cases_catch_a_wrong_table() -> None:
 def test_tier_restriction_and_unavailable_tier(tmp_path: Path) -> None:
     js = tmp_path / "r.json"
     args = [
-        "bench",
         "--quick",
         "--no-progress",
         "--workload",
@@ -420,7 +427,7 @@ def test_tier_restriction_and_unavailable_tier(tmp_path: Path) -> None:
 
 
 def test_bad_sizes_is_a_usage_error() -> None:
-    res = invoke(main, ["bench", "--sizes", "64,abc"])
+    res = invoke(main, ["--sizes", "64,abc"])
     assert res.exit_code == 2 and "comma-separated" in res.output
 
 
@@ -668,6 +675,123 @@ def test_quick_targets_that_need_a_gpu_are_na_on_cpu(quick: dict[str, Any]) -> N
             assert ratios[name]["measured"] is not None, ratios[name]
 
 
+# --- which runs judge their targets: a quick run on a CPU is informational -------------------------
+
+
+def _result_cell(output: str, name: str) -> str:
+    """The 'result' cell of target ``name`` in the printed targets table."""
+    line = next(ln for ln in output.splitlines() if ln.startswith("│ " + name + " "))
+    return line.split("│")[-2].strip()
+
+
+def test_quick_on_a_cpu_prints_its_targets_without_judging_them(quick: dict[str, Any]) -> None:
+    """issue 18 point 7: the quick CPU run's verdicts flipped with noise; there they are 'info'."""
+    rep = quick["report"]
+    if HAS_CUDA:  # a GPU run judges every target that applies
+        assert rep["judged"] is True
+        assert all(r.get("status") != "info" for r in rep["ratios"].values())
+        return
+    assert rep["judged"] is False
+    measured = {n: r for n, r in rep["ratios"].items() if r.get("measured") is not None}
+    assert {"staged_write_256_speedup", "stage_write_8_ints_us", *HOST_RATIOS} <= set(measured)
+    for name, r in rep["ratios"].items():
+        assert r["status"] in ("info", "skipped", "n/a") and r["passed"] is None, (name, r)
+        assert all(p.get("passed") is None for p in r.get("parts", [])), name
+        cell = _result_cell(quick["output"], name)
+        if name in measured:
+            assert r["status"] == "info" and r["info"] == B.INFO_WHY, name
+            assert cell.startswith("info") and "pass" not in cell and "FAIL" not in cell, cell
+            assert f"{r['measured']:.3f}" in next(ln for ln in quick["output"].splitlines() if name in ln)
+    flat = " ".join(quick["output"].split())
+    assert "info: not judged pass/fail. Why: a --quick run on a CPU is a smoke test" in flat
+
+
+def test_which_runs_judge_from_synthetic_results() -> None:
+    """One set of results: judged on a GPU (quick or not) and on a full CPU run; info on a quick CPU run."""
+    T = W.Tier
+    res = _synthetic(
+        {
+            ("micro", "floor", 64): 20.0,
+            ("micro", "stager_uva", 64): 25.0,
+            ("micro", "pinned_buffer_per_array", 64): 70.0,
+            ("micro", "stager_pinned", 64): 40.0,
+            ("writes", "row_copy_per_edit", "256x1"): 2000.0,
+            ("writes", "staged_write_uva", "256x1"): 200.0,
+            ("writes", "staged_write_host", "256x1"): 50.0,
+            ("writes", "row_copy_per_edit", "1x1"): 10.0,
+            ("writes", "staged_write_host", "1x1"): 30.0,
+        }
+    )
+    so = {"staged_write_host.stage_only": {"256x8": {"host_us": 512.0, "e2e_us": 512.0}}}
+    gpu_tiers, cpu_tiers = [T.UVA, T.PINNED, T.PAGEABLE], [T.HOST, T.PAGEABLE]
+    for quick in (False, True):
+        cfg = B.BenchConfig(quick=quick)
+        r = B.compute_ratios(res, so, gpu_tiers, cfg, "cuda:0")
+        assert r["uva_stager_vs_pinned_per_array"]["status"] == "pass"  # 5 / 50 <= 0.2
+        assert r["pinned_stager_vs_pinned_per_array"]["status"] == "fail"  # 20 / 50 > 0.3
+        assert r["staged_write_256_speedup"]["status"] == "fail"  # 2000 / 200 < 20
+        assert not any(e["status"] == "info" for e in r.values())
+    full = B.compute_ratios(res, so, cpu_tiers, B.BenchConfig(), "cpu")
+    assert full["staged_write_256_speedup"]["status"] == "pass"  # 2000 / 50 >= 20
+    assert full["host_one_edit_vs_row_copy"]["status"] == "fail"  # 30 / 10 > 2
+    assert full["stage_write_8_ints_us"]["status"] == "fail"  # 512 / 256 = 2 µs > 1
+    quick = B.compute_ratios(res, so, cpu_tiers, B.BenchConfig(quick=True), "cpu")
+    for name, e in quick.items():
+        assert e["passed"] is None and e["status"] != "pass" and e["status"] != "fail", name
+        assert e["status"] == ("info" if full[name]["status"] in ("pass", "fail") else full[name]["status"])
+        assert e["measured"] == full[name]["measured"], name  # the number is still printed
+    sw = quick["stage_write_8_ints_us"]
+    assert sw["info"] == B.INFO_WHY and [p["passed"] for p in sw["parts"]] == [None, None]
+    assert B.not_judged(True, "cuda:1") is None and B.not_judged(False, "cpu") is None
+    engine_like = {"description": "an engine target", "measured": 1.5, "passed": False}  # no status field
+    B.inform(engine_like, B.not_judged(True, "cpu"))
+    assert engine_like["status"] == "info" and engine_like["passed"] is None
+    assert B._status(engine_like) == "info"
+
+
+def test_strict_fails_only_on_a_judged_target(quick: dict[str, Any], tmp_path: Path) -> None:
+    rep = json.loads(json.dumps(quick["report"]))
+    name = "staged_write_256_speedup"
+    rep["ratios"][name].update(passed=None, status="info", info=B.INFO_WHY)
+    info = tmp_path / "info.json"
+    info.write_text(json.dumps(rep))
+    others_fail = any(r.get("passed") is False for n, r in rep["ratios"].items() if n != name)
+    res = invoke(main, ["--from-json", str(info), "--strict"])
+    assert res.exit_code == (3 if others_fail else 0), res.output
+    assert "info: not judged (see below)" in _result_cell(res.output, name)
+    rep["ratios"][name].update(passed=False, status="fail")
+    rep["ratios"][name].pop("info")
+    failed = tmp_path / "fail.json"
+    failed.write_text(json.dumps(rep))
+    res = invoke(main, ["--from-json", str(failed), "--strict"])
+    assert res.exit_code == 3 and "FAIL" in _result_cell(res.output, name)
+    md = tmp_path / "b.md"
+    assert invoke(main, ["--from-json", str(info), "--markdown", str(md)]).exit_code == 0
+    line = next(ln for ln in md.read_text().splitlines() if f"`{name}`" in ln)
+    assert line.endswith("| info (not judged) |") and f"Why: {B.INFO_WHY}." in md.read_text()
+
+
+def test_a_real_run_records_its_command(tmp_path: Path) -> None:
+    """``python -m benchmarks`` in its own process: the report names that command, as given."""
+    import subprocess
+
+    js = tmp_path / "r.json"
+    args = ["--quick", "--no-progress", "--workload", "micro", "--sizes", "64", "--tier", "host"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    env.pop("STAGEBUF_TIER", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args, "--json", str(js)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rep = json.loads(js.read_text())
+    assert rep["command"] == " ".join(["python -m benchmarks", *args, "--json", str(js)])
+
+
 def _cells(values: dict[str, dict[str, float]]) -> dict[str, Any]:
     """writes results from {strategy: {cell: µs}}."""
     return _synthetic({("writes", name, cell): v for name, by in values.items() for cell, v in by.items()})
@@ -773,7 +897,6 @@ def test_plot_without_matplotlib_writes_the_rest_then_says_what_to_install(
     res = invoke(
         main,
         [
-            "bench",
             "--quick",
             "--no-progress",
             "--workload",

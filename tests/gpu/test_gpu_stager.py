@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from benchmarks.runahead import run_ahead
 
-from runahead import run_ahead
 from stagebuf import SlotInFlightError, StepStager, Tier
 
 pytestmark = pytest.mark.gpu

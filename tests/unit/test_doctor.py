@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,9 +141,69 @@ def test_report_names_the_torch_build(monkeypatch, cuda, cause, fix):
     assert cause in j["cpu_cause"] and j["tier"] == "HOST"
 
 
-def test_demo_explains_too():
-    r = invoke(main, ["demo"], env={"STAGEBUF_TIER": "garbage"})
-    assert_explained(r, "stagebuf demo: STAGEBUF_TIER=garbage cannot work", f"allowed      {TIERS}")
+@pytest.mark.parametrize(
+    ("command", "where"),
+    [("bench", "python -m benchmarks"), ("demo", "examples/demo.py")],
+)
+def test_commands_that_moved_out_say_where(command, where):
+    """The bench and the demo live in the checkout (benchmarks/, examples/), not in the package."""
+    for args in ([command], ["-v", command, "--quick"]):
+        r = invoke(main, args)
+        assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
+        assert "Traceback" not in r.output
+        assert f"{command!r} is not a command (allowed: doctor)" in r.stderr and where in r.stderr
+
+
+def test_an_unknown_command_names_the_allowed_ones():
+    r = invoke(main, ["frobnicate"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert "invalid choice" in r.stderr and "frobnicate" in r.stderr and "doctor" in r.stderr
+
+
+# --- examples/demo.py, in a real process ---------------------------------------------------------
+
+DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "demo.py")
+DEMO_STEP = re.compile(
+    r"^step (\d+): block-table edits (\[.*\]); requests (\[.*\]) at positions (\[.*\]) "
+    r"-> slots (\[.*\]): (ok|MISMATCH.*)$"
+)
+
+
+@pytest.mark.parametrize("tier", ["host", "pageable"])
+def test_demo_slots_match_a_replay_of_its_edits(tier):
+    """Replays the block-table edits the demo prints into a plain-Python table; the slots the device
+    computed must be table[req][pos // 4] * 4 + pos % 4 for the requests and positions it printed."""
+    steps = 40
+    p = _run([DEMO, "--steps", str(steps)], {"STAGEBUF_TIER": tier})
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith(f"tier {tier.upper()} on cpu: ")
+    table = [[0] * 8 for _ in range(6)]
+    seen = renewed = 0
+    for line in lines:
+        m = DEMO_STEP.match(line)
+        if not m:
+            continue
+        assert int(m[1]) == seen and m[6] == "ok", line
+        for row, start, ids in ast.literal_eval(m[2]):
+            renewed += seen > 0 and start == 0  # a new request took a finished one's row
+            table[row][start : start + len(ids)] = ids
+        req, pos, slots = (ast.literal_eval(m[i]) for i in (3, 4, 5))
+        assert len(req) == len(pos) == len(slots) == 4 and len(set(req)) == 4
+        assert slots == [table[r][q // 4] * 4 + q % 4 for r, q in zip(req, pos)], line
+        seen += 1
+    assert seen == steps and renewed > 0
+    last = lines[-1]
+    assert last.startswith(f"tier {tier.upper()}: {steps} steps") and "every device result matches" in last
+    if tier == "pageable":  # one transfer per step: both arrays of a step move together
+        assert f"with {steps} host-to-device transfers" in last
+
+
+def test_demo_explains_a_setting_that_cannot_work():
+    p = _run([DEMO], {"STAGEBUF_TIER": "garbage"})
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "STAGEBUF_TIER='garbage' is not a tier" in p.stdout and TIERS in p.stdout
+    assert "stagebuf doctor" in p.stdout and "step 0" not in p.stdout
 
 
 # --- the plain-text report, and doctor without rich -------------------------------------------

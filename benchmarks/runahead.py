@@ -1,7 +1,8 @@
 """A host that runs ahead of a slow GPU consumer: the guard's acid test.
 
-Used by the GPU tests (guard="wait" must see no torn reads) and by
-``scripts/guard_experiment.py`` (guard="off", to count how many it sees).
+Used by the GPU tests (``tests/gpu/test_gpu_stager.py``: guard="wait" must see no torn reads) and
+by ``scripts/guard_experiment.py`` (guard="off", to count how many it sees). It lives in the bench
+package because both import it from the checkout root (``from benchmarks.runahead import run_ahead``).
 """
 
 from __future__ import annotations

@@ -51,9 +51,19 @@ def gpu_tier(request, monkeypatch) -> stagebuf.Tier:
     return force_tier(monkeypatch, request.param)
 
 
-@pytest.fixture(params=["host", "pageable", "uva", "pinned"])
+@pytest.fixture(
+    params=[
+        "host",
+        "pageable",
+        pytest.param("uva", marks=pytest.mark.gpu),
+        pytest.param("pinned", marks=pytest.mark.gpu),
+    ]
+)
 def any_tier(request, monkeypatch) -> stagebuf.Tier:
-    """Every tier this machine can run: the CPU tiers, plus the CUDA tiers where CUDA exists."""
+    """Every tier this machine can run: the CPU tiers, plus the CUDA tiers where CUDA exists.
+
+    The CUDA tiers carry the ``gpu`` marker, so ``pytest -m gpu`` runs them on a GPU machine.
+    """
     if request.param in ("uva", "pinned") and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
     return force_tier(monkeypatch, request.param)

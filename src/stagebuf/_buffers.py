@@ -41,13 +41,14 @@ from ._errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     PinnedAllocationError,
-    ReadOnlyAttributeError,
     TierUnavailableError,
+    UsageError,
     UvaError,
 )
 from ._log import warn_once
 from ._memory import alloc_device, alloc_host
 from ._probe import Capabilities, capabilities, usable_tiers
+from ._sealed import Sealed
 from ._tier import Tier
 from ._types import DeviceLike, DTypeLike
 
@@ -70,20 +71,7 @@ def fill_host(dst: np.ndarray, value: Any, dtype: torch.dtype, name: str) -> Non
     np.copyto(dst, arr)
 
 
-def _read_only(owner: str, name: str, what: str) -> ReadOnlyAttributeError:
-    return ReadOnlyAttributeError(f"{owner}.{name} is read-only: {what}")
-
-
-_BUFFER_READ_ONLY = {
-    "dev": "it is the device storage uva() publishes into, at a fixed address; write .np or .cpu",
-    "device": "a buffer stays on the device it was made for; make a new buffer for another device",
-    "shape": "the host and device storage are sized at construction; make a new buffer to resize",
-    "dtype": "the storage is typed at construction; make a new buffer for another dtype",
-    "tier": "it is the class's tier; use make_buffer(..., tier=...) for another tier",
-}
-
-
-class StagingBuffer:
+class StagingBuffer(Sealed):
     """A host buffer and the way its rows reach the device (the tier).
 
     The base of the four tier classes; make one with :func:`make_buffer`, or with a
@@ -133,23 +121,20 @@ class StagingBuffer:
     dev: torch.Tensor
 
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
+        if type(self) is StagingBuffer:
+            raise UsageError(
+                "StagingBuffer is the base of the tier classes and holds no storage; make a buffer with "
+                "make_buffer(size, dtype), or with a tier class: HostBuffer, NonUvaBuffer, PinnedBuffer "
+                "or UvaBuffer"
+            )
         self.shape = shape_of(size)
         self.dtype = torch_dtype(dtype)
         self._rows: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_") or "_sealed" not in self.__dict__:  # private, or constructing
-            object.__setattr__(self, name, value)
-        elif name in ("np", "cpu"):
-            fill_host(self.np, value, self.dtype, f"{type(self).__name__}.{name}")
-        else:
-            what = _BUFFER_READ_ONLY.get(
-                name, "a buffer's attributes are fixed at construction; write its values through .np or .cpu"
-            )
-            raise _read_only(type(self).__name__, name, what)
+    _COPY_IN = ("np", "cpu")
 
-    def __delattr__(self, name: str) -> None:
-        raise _read_only(type(self).__name__, name, "a buffer's attributes cannot be deleted")
+    def _copy_in(self, name: str, value: Any) -> None:
+        fill_host(self.np, value, self.dtype, f"{type(self).__name__}.{name}")
 
     def rows(self, n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the first ``n`` rows of ``dev`` and ``cpu``; nothing is copied.
@@ -171,7 +156,10 @@ class StagingBuffer:
         InvalidArgumentError
             If ``n`` is not None or an int in ``[0, shape[0]]``.
         """
-        pair = self._rows.get(n)
+        try:
+            pair = self._rows.get(n)
+        except TypeError:  # an unhashable n: check_rows says what n may be
+            pair = None
         if pair is None:
             k = check_rows(n, self.shape[0])
             if len(self._rows) >= 256:
@@ -305,6 +293,20 @@ def _checked_caps(want: Tier, device: DeviceLike, who: str) -> Capabilities:
     return caps
 
 
+def _device_type(device: DeviceLike, who: str) -> str:
+    """The type of ``device`` (a str, an int or a torch.device), or raise saying what is allowed."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ArgumentTypeError(
+            f"{who}: device={device!r} is a {type(device).__name__}; allowed: None or 'cpu'"
+        )
+    try:
+        return torch.device(device).type
+    except (RuntimeError, ValueError, TypeError, OverflowError):
+        raise InvalidArgumentError(
+            f"{who}: device={device!r} is not a device; allowed: None or 'cpu'"
+        ) from None
+
+
 class HostBuffer(StagingBuffer):
     """Tier HOST, no accelerator: the CPU tensor is the device tensor.
 
@@ -331,13 +333,13 @@ class HostBuffer(StagingBuffer):
 
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         super().__init__(size, dtype)
-        if device is not None and torch.device(device).type != "cpu":
+        if device is not None and _device_type(device, "HostBuffer") != "cpu":
             raise InvalidArgumentError(f"HostBuffer: device={device!r}; allowed: None or 'cpu'")
         self.device = torch.device("cpu")
         self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
         self.np = self.cpu.numpy()
         self.dev = self.cpu
-        self._sealed = True
+        self._freeze()
 
 
 class NonUvaBuffer(StagingBuffer):
@@ -381,7 +383,7 @@ class NonUvaBuffer(StagingBuffer):
         self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
         self.np = self.cpu.numpy()
         self.dev = alloc_device(self.shape, self.dtype, self.device)
-        self._sealed = True
+        self._freeze()
 
     def uva(self, n: int | None = None) -> torch.Tensor:
         dev, host = self.rows(n)
@@ -431,7 +433,7 @@ class PinnedBuffer(NonUvaBuffer):
         self.cpu = alloc_host(self.shape, self.dtype, pinned=True)
         self.np = self.cpu.numpy()
         self.dev = alloc_device(self.shape, self.dtype, self.device)
-        self._sealed = True
+        self._freeze()
 
 
 class UvaBuffer(StagingBuffer):
@@ -477,7 +479,7 @@ class UvaBuffer(StagingBuffer):
         self.cpu = alloc_host(self.shape, self.dtype, pinned=True)
         self.np = self.cpu.numpy()
         self.dev = _uva.device_view(self.cpu, self.device)
-        self._sealed = True
+        self._freeze()
 
 
 BUFFER_CLASSES: dict[Tier, type[StagingBuffer]] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 ALIGN = 16
 """Byte alignment of every array packed into a staging arena."""
@@ -49,15 +50,19 @@ def check_mode() -> bool:
     return env_flag(ENV_CHECK, f"set {ENV_CHECK}=1 for check mode, or 0 (or unset it) for none")
 
 
-WRITE_KERNELS = ("auto", "scatter", "triton")
+WriteKernelSetting = Literal["auto", "scatter", "triton"]
+WRITE_KERNELS: tuple[WriteKernelSetting, ...] = ("auto", "scatter", "triton")
+Kernel = Literal["host", "scatter", "triton"]
+"""The kernel an apply ran (``host``: one numpy assignment on the HOST tier)."""
 
 
-def write_kernel() -> str:
+def write_kernel() -> WriteKernelSetting:
     """``STAGEBUF_WRITE_KERNEL`` (default ``auto``); a value not in WRITE_KERNELS raises SettingValueError."""
     raw = os.environ.get(ENV_KERNEL)
     value = (raw or "auto").strip().lower() or "auto"
-    if value in WRITE_KERNELS:
-        return value
+    for k in WRITE_KERNELS:
+        if value == k:
+            return k
     from ._errors import SettingValueError
 
     raise SettingValueError(
@@ -66,4 +71,29 @@ def write_kernel() -> str:
         value=str(raw),
         allowed=WRITE_KERNELS,
         fix=f"unset {ENV_KERNEL} (auto: the cheaper kernel per apply) or set it to scatter or triton",
+    )
+
+
+ENV_QUARANTINE = "STAGEBUF_CHECK_QUARANTINE"
+"""Check mode: how many steps (or changed pool calls) a released slot stays poisoned before reuse."""
+DEFAULT_QUARANTINE = 16
+
+
+def quarantine() -> int:
+    """``STAGEBUF_CHECK_QUARANTINE`` (default 16): an int >= 0, else SettingValueError."""
+    raw = os.environ.get(ENV_QUARANTINE)
+    if raw is None or not raw.strip():
+        return DEFAULT_QUARANTINE
+    v = raw.strip()
+    if v.isdigit() and len(v) <= 6:
+        return int(v)
+    from ._errors import SettingValueError
+
+    raise SettingValueError(
+        f"{ENV_QUARANTINE}={raw!r}; allowed: an int >= 0 (extra slots a released slot waits in, "
+        f"poisoned, in check mode; default {DEFAULT_QUARANTINE})",
+        setting=ENV_QUARANTINE,
+        value=raw,
+        allowed=("an int >= 0",),
+        fix=f"unset {ENV_QUARANTINE} (default {DEFAULT_QUARANTINE}) or set it to an int such as 16",
     )

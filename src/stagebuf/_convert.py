@@ -138,6 +138,15 @@ def _from_sequence(x: Sequence[Any], dtype: DTypeLike | None, name: str) -> np.n
         arr = np.asarray(x)
     except (ValueError, TypeError) as e:  # ragged nesting
         raise InvalidArgumentError(f"{name} is not a rectangular list of numbers: {e}") from None
+    if arr.dtype.kind == "O" and _all_ints(x):  # an int past 64 bits: numpy gives up on the list
+        if dtype is not None and numpy_dtype(dtype).kind == "f":
+            return np.asarray(x, dtype=np.float64)  # a float target holds it (or says it is beyond)
+        items = [int(v) for v in _flat_items(x)]
+        info = np.iinfo(numpy_dtype(dtype) if dtype is not None else np.int64)
+        raise InvalidArgumentError(
+            f"{name} holds values in [{min(items)}, {max(items)}], outside {info.dtype}'s range "
+            f"[{info.min}, {info.max}]"
+        )
     if arr.dtype.kind not in "biuf":
         raise ArgumentTypeError(
             f"{name} holds elements numpy reads as {arr.dtype} (mixed or non-numeric types); "
@@ -150,6 +159,21 @@ def _from_sequence(x: Sequence[Any], dtype: DTypeLike | None, name: str) -> np.n
     return arr
 
 
+def _flat_items(x: Sequence[Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in x:
+        if isinstance(v, (list, tuple)):
+            out.extend(_flat_items(v))
+        else:
+            out.append(v)
+    return out
+
+
+def _all_ints(x: Sequence[Any]) -> bool:
+    """Whether a (nested) list holds only Python/numpy ints (not bools)."""
+    return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in _flat_items(x))
+
+
 def _has_bool(x: Sequence[Any]) -> bool:
     """Whether a (nested) list holds a Python or numpy bool (numpy turns them into numbers)."""
     for v in x:
@@ -160,8 +184,70 @@ def _has_bool(x: Sequence[Any]) -> bool:
     return False
 
 
+def unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:
+    """The one rule for numbers into a dtype: which values of ``a`` ``target`` cannot hold.
+
+    Parameters
+    ----------
+    a : numpy.ndarray
+        Numeric values (kinds ``i``, ``u``, ``f``), any shape.
+    target : numpy.dtype
+        The dtype they are to be stored as.
+
+    Returns
+    -------
+    tuple of (numpy.ndarray, str) or None
+        None when every value fits exactly; else a boolean mask of the values that
+        do not, and the first reason that applies: ``"NaN or inf"``, ``"fractional"``
+        or ``"range"`` (into an integer dtype), ``"beyond"`` (a finite value past a
+        float dtype's largest). A cast numpy calls safe always fits.
+    """
+    if not a.size or a.dtype == target or np.can_cast(a.dtype, target, "safe"):
+        return None
+    if target.kind == "f":
+        a64 = a.astype(np.float64, copy=False)  # an integer minimum's abs overflows in its own dtype
+        bad = np.isfinite(a64) & (np.abs(a64) > np.finfo(target).max)
+        return (bad, "beyond") if bad.any() else None
+    info = np.iinfo(target)
+    if a.dtype.kind == "f":
+        a64 = a.astype(np.float64, copy=False)  # float16 cannot hold 2**31: compare in float64
+        nonfinite = ~np.isfinite(a64)
+        frac = ~nonfinite & (a64 != np.trunc(a64))
+        # float(info.max) rounds up to 2**(bits-1): compare against exact powers of two
+        out = (a64 < float(info.min)) | (a64 >= float(info.max) + 1.0)
+        bad = nonfinite | frac | out
+        if not bad.any():
+            return None
+        return bad, "NaN or inf" if nonfinite.any() else "fractional" if frac.any() else "range"
+    if int(a.min()) >= info.min and int(a.max()) <= info.max:
+        return None
+    bad = (a > info.max) if a.dtype.kind == "u" else (a < info.min) | (a > info.max)
+    return bad, "range"
+
+
+def exact_ints(vals: Sequence[Any], target: np.dtype) -> np.ndarray | None:
+    """Python ints and whole floats as the integer dtype ``target``, exactly, by ``unfit``'s rule.
+
+    For values float64 would round (ints past 2**53 mixed with floats). None when
+    one is not a number, not whole, not finite, or out of ``target``'s range.
+    """
+    info = np.iinfo(target)
+    out = []
+    for v in vals:
+        if isinstance(v, (float, np.floating)):
+            if v != v or v in (float("inf"), float("-inf")) or v != int(v):
+                return None
+        elif not isinstance(v, (int, np.integer)):  # (a bool is 0 or 1, as numpy reads it among numbers)
+            return None
+        v = int(v)
+        if not info.min <= v <= info.max:
+            return None
+        out.append(v)
+    return np.array(out, target)
+
+
 def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
-    """``arr`` as ``target``, raising ValueError where a value would change."""
+    """``arr`` as ``target``, raising ValueError where a value would change (``unfit``'s rule)."""
     src = arr.dtype
     if src == target:
         return arr
@@ -172,35 +258,20 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
             f"{name} has dtype {src} but the target dtype is {target}; "
             "bools and numbers are not converted into each other"
         )
-    if arr.size and not np.can_cast(src, target, "safe"):
-        if target.kind in "iu":
-            if src.kind == "f":
-                if not np.isfinite(arr).all():
-                    raise InvalidArgumentError(
-                        f"{name} holds NaN or inf; target dtype {target} is an integer"
-                    )
-                if (arr != np.trunc(arr)).any():
-                    raise InvalidArgumentError(
-                        f"{name} holds fractional values; target dtype {target} is an integer"
-                    )
-            info = np.iinfo(target)
-            lo, hi = arr.min(), arr.max()
-            if src.kind == "f":
-                lo, hi = float(lo), float(hi)  # compare in float64: float16 cannot hold 2**31
-                # float(info.max) rounds up to 2**(bits-1): compare against exact powers of two
-                bad = lo < float(info.min) or hi >= float(info.max) + 1.0
-            else:
-                bad = int(lo) < info.min or int(hi) > info.max
-            if bad:
-                raise InvalidArgumentError(
-                    f"{name} holds values in [{lo}, {hi}], outside {target}'s range [{info.min}, {info.max}]"
-                )
-        elif target.kind == "f":
-            finfo = np.finfo(target)
-            # integers through float64: np.abs of an integer minimum overflows to a negative value
-            finite = arr[np.isfinite(arr)] if src.kind == "f" else arr.astype(np.float64)
-            if finite.size and np.abs(finite).max() > finfo.max:
-                raise InvalidArgumentError(
-                    f"{name} holds finite values beyond {target}'s range (±{finfo.max})"
-                )
+    problem = unfit(arr, target) if src.kind != "b" else None
+    if problem is not None:
+        _, why = problem
+        if why == "NaN or inf":
+            raise InvalidArgumentError(f"{name} holds NaN or inf; target dtype {target} is an integer")
+        if why == "fractional":
+            raise InvalidArgumentError(f"{name} holds fractional values; target dtype {target} is an integer")
+        if why == "beyond":
+            raise InvalidArgumentError(
+                f"{name} holds finite values beyond {target}'s range (±{np.finfo(target).max})"
+            )
+        info = np.iinfo(target)
+        lo, hi = arr.min(), arr.max()
+        raise InvalidArgumentError(
+            f"{name} holds values in [{lo}, {hi}], outside {target}'s range [{info.min}, {info.max}]"
+        )
     return arr.astype(target, copy=False)

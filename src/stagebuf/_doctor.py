@@ -20,7 +20,16 @@ from typing import Any, TextIO
 
 import torch
 
-from ._constants import ENV_CHECK, ENV_KERNEL, ENV_TIER, ENV_VLLM, check_mode, write_kernel
+from ._constants import (
+    ENV_CHECK,
+    ENV_KERNEL,
+    ENV_QUARANTINE,
+    ENV_TIER,
+    ENV_VLLM,
+    check_mode,
+    quarantine,
+    write_kernel,
+)
 from ._errors import SetupError
 from ._probe import Capabilities, capabilities, torch_build
 
@@ -114,6 +123,7 @@ def rows(caps: Capabilities) -> list[tuple[str, str]]:
         ("chosen tier", caps.tier.name),
         # (both were checked by the probe: a bad value is the problem screen instead)
         (ENV_CHECK, "1: check mode on" if check_mode() else "off"),
+        (ENV_QUARANTINE, f"{quarantine()} (check mode: steps a released slot stays poisoned)"),
         (ENV_KERNEL, f"{write_kernel()} (the staged-write kernel)"),
     ]
 

@@ -115,17 +115,34 @@ class StepRuleError(StagebufError, RuntimeError):
 
 
 class StagedWriteError(InvalidArgumentError):
-    """A staged edit cannot be applied; ``position``, ``index`` and ``start`` name it.
+    """A staged edit cannot be applied: nothing was written, and every staged edit is still staged.
 
-    Nothing was written and every staged edit is still staged: inspect them with
-    ``pending_writes()``, drop them with ``clear_staged_writes()``.
+    Attributes
+    ----------
+    edits : tuple of int
+        The positions (staging order, as ``pending_writes()`` lists them) of every bad
+        edit of ``tensor``; ``tensor.discard_staged(err.edits)`` drops exactly those.
+    tensor : StagedWriteTensor or None
+        The tensor whose edits they are.
+    position, index, start : int
+        The first bad edit: its position, row and start column.
     """
 
-    def __init__(self, message: str, position: int, index: int, start: int):
+    def __init__(
+        self,
+        message: str,
+        position: int,
+        index: int,
+        start: int,
+        edits: tuple[int, ...] | None = None,
+        tensor: Any = None,
+    ):
         super().__init__(message)
         self.position = position
         self.index = index
         self.start = start
+        self.edits = (position,) if edits is None else edits
+        self.tensor = tensor
 
 
 class ReadOnlyAttributeError(StagebufError, AttributeError):

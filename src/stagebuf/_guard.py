@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from types import ModuleType
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -31,7 +31,8 @@ from ._errors import CudaError, InvalidArgumentError, SlotInFlightError, StepRul
 from ._tier import Tier
 from ._types import DeviceLike
 
-GUARD_MODES = ("auto", "wait", "raise", "off")
+GuardMode = Literal["auto", "wait", "raise", "off"]
+GUARD_MODES: tuple[GuardMode, ...] = ("auto", "wait", "raise", "off")
 
 
 _DEFAULT_MAX_CONCURRENCY = DEFAULT_MAX_CONCURRENCY
@@ -311,6 +312,8 @@ class SlotRing:
         "active",
         "waits",
         "n",
+        "size",
+        "released",
         "cur",
         "seq",
         "clock",
@@ -323,7 +326,15 @@ class SlotRing:
         "_exact",
     )
 
-    def __init__(self, n: int, device: torch.device, mode: str, tier: Tier, what: str = "slot"):
+    def __init__(
+        self,
+        n: int,
+        device: torch.device,
+        mode: GuardMode,
+        tier: Tier,
+        what: str = "slot",
+        quarantine: int = 0,
+    ):
         if mode not in GUARD_MODES:
             raise InvalidArgumentError(f"guard={mode!r}; allowed: {', '.join(GUARD_MODES)}")
         if mode == "auto":
@@ -333,17 +344,21 @@ class SlotRing:
         self.active = mode != "off" and self.clock.active
         self.waits = 0
         self.n = n
+        self.size = size = n + quarantine
+        """Slots: ``n``, plus ``quarantine`` more that a released slot waits in (check mode)."""
+        self.released = -1
+        """The slot whose use ended when ``next()`` last returned (its use ``n`` uses back); -1: none."""
         self.cur = -1  # the slot last taken
         self.seq = 0  # uses taken so far
         self._what = what
-        self._tick = [-1] * n  # per slot: the step of its last use
-        self._serial = [-1] * n  # per slot: its last use was marked before this event serial
-        self._owner = [-1] * n  # per slot: the number of its last use
+        self._tick = [-1] * size  # per slot: the step of its last use
+        self._serial = [-1] * size  # per slot: its last use was marked before this event serial
+        self._owner = [-1] * size  # per slot: the number of its last use
         self._last_tick = -1  # the step of the current use
         self._last_marked = False
         # STAGEBUF_CHECK=1: also an event of this ring's own per use (recorded when its consumers are
         # known to be enqueued), to catch the step clock releasing a slot whose readers still run
-        self._exact: list[int] | None = [-1] * n if self.active and check_mode() else None
+        self._exact: list[int] | None = [-1] * size if self.active and check_mode() else None
 
     @property
     def guard(self) -> SlotRing:
@@ -356,8 +371,15 @@ class SlotRing:
             self._last_marked = True
 
     def next(self) -> int:
-        """The slot the next use goes to, once its previous readers are done (per the guard)."""
-        slot = (self.cur + 1) % self.n
+        """The slot the next use goes to, once the readers of the use ``n`` back are done (per the guard).
+
+        With a quarantine, that use's slot is ``released`` and waits ``quarantine`` uses
+        before it is taken again; without, it is the slot returned.
+        """
+        size = self.size
+        slot = (self.cur + 1) % size
+        g = slot if size == self.n else (slot - self.n) % size  # the slot of the use n back
+        self.released = g if self.seq >= self.n else -1
         if not self.active:
             return slot
         clock = self.clock
@@ -370,21 +392,21 @@ class SlotRing:
                     clock.end_step()  # this ring stages again: the step it staged in is over
                 if self._exact is not None:  # its consumers are enqueued by now (the ring's contract)
                     self._exact[self.cur] = clock.record()
-        owner = self._owner[slot]
+        owner = self._owner[g]
         if owner < 0:
             return slot
-        k = self._serial[slot]
+        k = self._serial[g]
         if k < 0:
-            k = clock.step_event(self._tick[slot])
+            k = clock.step_event(self._tick[g])
         if k < 0 or k >= clock.serial:  # not covered yet (cannot happen in order): cover it now
             k = clock.record()
         if clock.done(k):
             if self._exact is not None:
-                self._verify(slot, owner)
+                self._verify(g, owner)
             return slot
         if self.mode == "raise":
             raise SlotInFlightError(
-                f"{self._what} {slot} comes round again for use {self.seq} while use "
+                f"{self._what} {g} comes round again for use {self.seq} while use "
                 f"{owner} may still be read by the device; add slots "
                 "(max_concurrency) or wait for the consumers"
             )

@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ._errors import DeviceAllocationError, PinnedAllocationError
+from ._errors import DeviceAllocationError, InvalidArgumentError, PinnedAllocationError
+
+MAX_BYTES = 2**63 - 1
+"""The most bytes one tensor can hold: torch counts sizes and bytes in int64."""
+
+
+def _check_size(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Refuse a shape torch cannot count (past int64): torch would raise its own TypeError or RuntimeError."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_BYTES or any(n > MAX_BYTES for n in shape):
+        raise InvalidArgumentError(
+            f"a tensor of shape {shape} and dtype {dtype} would hold {nbytes} bytes; "
+            f"allowed: at most {MAX_BYTES} bytes (2**63 - 1: torch counts bytes in int64)"
+        )
 
 
 def alloc_host(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """A zero-filled host tensor, page-locked when ``pinned`` (verified)."""
+    """A zero-filled host tensor, page-locked when ``pinned`` (verified).
+
+    A shape past 2**63 - 1 bytes raises InvalidArgumentError (torch's own error would be a
+    TypeError or RuntimeError).
+    """
+    _check_size(shape, dtype)
     if not pinned:
         return torch.zeros(shape, dtype=dtype)
     try:
@@ -23,7 +43,11 @@ def alloc_host(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torc
 
 
 def alloc_device(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor on ``device``; out of memory raises DeviceAllocationError."""
+    """A zero-filled tensor on ``device``; out of memory raises DeviceAllocationError.
+
+    A shape past 2**63 - 1 bytes raises InvalidArgumentError, as in ``alloc_host``.
+    """
+    _check_size(shape, dtype)
     try:
         return torch.zeros(shape, dtype=dtype, device=device)
     except torch.OutOfMemoryError as e:

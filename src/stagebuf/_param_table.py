@@ -26,23 +26,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._buffers import StagingBuffer, fill_host, make_buffer
+from ._buffers import fill_host, make_buffer
 from ._constants import ALIGN
 from ._convert import torch_dtype
-from ._errors import InvalidArgumentError, ReadOnlyAttributeError, UnknownFieldError
-from ._guard import SlotRing, empty_stats, slot_count
+from ._errors import InvalidArgumentError, UnknownFieldError
+from ._guard import slot_count
 from ._memory import alloc_device, alloc_host
 from ._probe import capabilities
+from ._ring import Ring
+from ._sealed import Sealed
 from ._tier import Tier
 from ._types import DeviceLike
-
-_FIELD_READ_ONLY = {
-    "gpu": "it is a view of the device arena at a fixed address, written by sync(); "
-    "write .np (or .cpu) and call table.sync()",
-    "name": "fields are named at construction; make a new DeviceParamTable to rename one",
-    "dtype": "fields are typed at construction; make a new DeviceParamTable for another dtype",
-    "offset": "it is the field's place in the packed arena, fixed at construction",
-}
 
 
 class _Fields(Mapping[str, "ParamField"]):
@@ -69,60 +63,44 @@ class _Fields(Mapping[str, "ParamField"]):
         return f"fields({', '.join(self._d)})"
 
 
-class ParamField:
+class ParamField(Sealed):
     """One field of a DeviceParamTable: ``.np``/``.cpu`` on the host, ``.gpu`` on the device.
 
     ``field.np = values`` copies ``values`` into the host view (like
     ``field.np[:] = values``, with stagebuf's value checks); the other attributes
     are read-only.
+
+    Attributes
+    ----------
+    name : str
+    dtype : torch.dtype
+    offset : int
+        Byte offset in the table's packed arena.
+    cpu, np : torch.Tensor, numpy.ndarray
+        The host values (one per row), written by the host.
+    gpu : torch.Tensor
+        The device values, at a fixed address, written by ``table.sync()``.
     """
 
-    __slots__ = ("name", "dtype", "offset", "cpu", "np", "gpu")
-
-    name: str
-    dtype: torch.dtype
-    offset: int
-    cpu: torch.Tensor
-    np: np.ndarray
-    gpu: torch.Tensor
+    _COPY_IN = ("np", "cpu")
 
     def __init__(self, name: str, dtype: torch.dtype, offset: int, cpu: torch.Tensor, gpu: torch.Tensor):
-        init = object.__setattr__
-        init(self, "name", name)
-        init(self, "dtype", dtype)
-        init(self, "offset", offset)
-        init(self, "cpu", cpu)
-        init(self, "np", cpu.numpy())
-        init(self, "gpu", gpu)
+        self.name = name
+        self.dtype = dtype
+        self.offset = offset
+        self.cpu = cpu
+        self.np = cpu.numpy()
+        self.gpu = gpu
+        self._freeze()
 
-    def __setattr__(self, attr: str, value: Any) -> None:
-        if attr in ("np", "cpu"):
-            fill_host(self.np, value, self.dtype, f"table[{self.name!r}].{attr}")
-            return
-        what = _FIELD_READ_ONLY.get(
-            attr, "a field has no other attributes; write its values through .np or .cpu"
-        )
-        raise ReadOnlyAttributeError(f"ParamField.{attr} is read-only: {what}")
-
-    def __delattr__(self, attr: str) -> None:
-        raise ReadOnlyAttributeError(f"ParamField.{attr} cannot be deleted: a field's attributes are fixed")
+    def _copy_in(self, name: str, value: Any) -> None:
+        fill_host(self.np, value, self.dtype, f"table[{self.name!r}].{name}")
 
     def __repr__(self) -> str:
         return f"ParamField({self.name!r}, dtype={self.dtype}, rows={self.cpu.shape[0]})"
 
 
-_TABLE_READ_ONLY = {
-    "num_rows": "the arenas are sized at construction; make a new DeviceParamTable(num_rows, ...)",
-    "device": "the device arena lives on the device the table was made for; make a new table",
-    "nbytes": "it is the packed arena's size, fixed at construction",
-    "max_concurrency": "the staging slots are made at construction; make a new table with "
-    "max_concurrency=...",
-    "tier": "it is the staging slots' tier; set STAGEBUF_TIER before making the table",
-    "fields": "fields are fixed at construction; write values with table[name].np[...] = values",
-}
-
-
-class DeviceParamTable:
+class DeviceParamTable(Sealed):
     """Per-row parameters (e.g. sampling temperature, top-k) mirrored on the device."""
 
     def __init__(
@@ -158,11 +136,13 @@ class DeviceParamTable:
         self._host_np = self._host.numpy()
         self._shadow = np.zeros(self.nbytes, np.uint8)  # the device arena starts zero-filled too
         self._dev = alloc_device((self.nbytes,), torch.uint8, self.device)
-        self._slots: list[StagingBuffer] = [
-            make_buffer(self.nbytes, torch.uint8, self.device) for _ in range(self.max_concurrency)
-        ]
-        self._ring = SlotRing(self.max_concurrency, self.device, "auto", self.tier, "param table slot")
-        self._stats = {**empty_stats(), "skipped": 0, "syncs": 0}
+        self._ring = Ring(
+            self.max_concurrency,
+            lambda: make_buffer(self.nbytes, torch.uint8, self.device),
+            "auto",
+            "param table slot",
+        )
+        self._syncs = {"skipped": 0, "syncs": 0}
         self._fields: dict[str, ParamField] = {}
         for name, dtype, o in layout:
             n = self.num_rows * torch.empty((), dtype=dtype).element_size()
@@ -170,38 +150,22 @@ class DeviceParamTable:
                 name, dtype, o, self._host[o : o + n].view(dtype), self._dev[o : o + n].view(dtype)
             )
         self._fields_view = _Fields(self._fields)
-        self._sealed = True
+        self._freeze()
 
     @property
     def tier(self) -> Tier:
         """The tier of the staging slots (the lowest, if a run-time fallback split them)."""
-        return max(s.tier for s in self._slots)
+        return self._ring.tier
 
     @property
     def fields(self) -> Mapping[str, ParamField]:
         """name -> ParamField, read-only (``table.fields[name]`` is ``table[name]``)."""
         return self._fields_view
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_") or "_sealed" not in self.__dict__:  # private, or constructing
-            object.__setattr__(self, name, value)
-            return
+    def _why(self, name: str) -> str:
         if name in self._fields:
-            raise ReadOnlyAttributeError(
-                f"DeviceParamTable.{name}: fields are not attributes; write the "
-                f"values with table[{name!r}].np[...] = values"
-            )
-        what = _TABLE_READ_ONLY.get(
-            name,
-            "a table's attributes are fixed at construction; write "
-            "field values with table[name].np[...] = values",
-        )
-        raise ReadOnlyAttributeError(f"DeviceParamTable.{name} is read-only: {what}")
-
-    def __delattr__(self, name: str) -> None:
-        raise ReadOnlyAttributeError(
-            f"DeviceParamTable.{name} cannot be deleted: a table's attributes are fixed"
-        )
+            return f"fields are not attributes; write the values with table[{name!r}].np[...] = values"
+        return super()._why(name)
 
     def __getitem__(self, name: str) -> ParamField:
         return self._fields_view[name]
@@ -225,26 +189,25 @@ class DeviceParamTable:
         Returns True when a copy was issued, False when the device already held
         the host values.
         """
-        self._stats["syncs"] += 1
+        self._syncs["syncs"] += 1
         if not force and not self.changed():
-            self._stats["skipped"] += 1
+            self._syncs["skipped"] += 1
             return False
         ring = self._ring
         cur = ring.next()
-        slot = self._slots[cur]
+        slot = ring.bufs[cur]
         np.copyto(slot.np, self._host_np)
         np.copyto(self._shadow, self._host_np)
         slot._copy_rows(self._dev, self.nbytes)  # the device arena was made to fit the slots
         ring.take(cur)
         ring.mark()  # the slot's one reader, the copy, is enqueued
         if slot.tier is not Tier.HOST:
-            self._stats["transfers"] += 1
-            self._stats["bytes"] += self.nbytes
+            ring.count(self.nbytes)
         return True
 
     def stats(self) -> dict[str, int]:
         """transfers, bytes, growths, guard_waits, skipped (syncs with nothing to upload), syncs."""
-        return {**self._stats, "guard_waits": self._ring.guard.waits}
+        return {**self._ring.stats(), **self._syncs}
 
     def __repr__(self) -> str:
         names = ", ".join(f"{n}: {str(f.dtype).replace('torch.', '')}" for n, f in self._fields.items())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,7 +11,8 @@ import torch
 from ._buffers import StagingBuffer, fill_host, make_buffer
 from ._convert import check_rows, host_array, numpy_dtype, shape_of, torch_dtype
 from ._errors import ArgumentTypeError, InvalidArgumentError
-from ._guard import SlotRing, empty_stats, slot_count
+from ._guard import GuardMode, slot_count
+from ._ring import Ring
 from ._sealed import Sealed
 from ._tier import Tier
 from ._types import DeviceLike, DTypeLike, HostData
@@ -35,7 +36,7 @@ class UvaBufferPool(Sealed):
         dtype: DTypeLike,
         max_concurrency: int | None = None,
         device: DeviceLike = None,
-        guard: str = "auto",
+        guard: GuardMode = "auto",
     ):
         self.size = size
         """The size as passed (an int or a tuple), as MRV2 keeps it; ``shape`` is the tuple."""
@@ -44,20 +45,22 @@ class UvaBufferPool(Sealed):
         self.dtype = torch_dtype(dtype)
         self._np_dtype = numpy_dtype(self.dtype)
         self.max_concurrency = slot_count(max_concurrency)
-        self._bufs: list[StagingBuffer] = [
-            make_buffer(self.shape, self.dtype, device) for _ in range(self.max_concurrency)
-        ]
-        self.device = self._bufs[0].device
-        self._ring = SlotRing(self.max_concurrency, self.device, guard, self.tier, "pool slot")
+        self._ring = Ring(
+            self.max_concurrency,
+            lambda: make_buffer(self.shape, self.dtype, device),
+            guard,
+            "pool slot",
+            quarantined=True,
+        )
+        self.device = self._ring.bufs[0].device
         self._published = -1
         """Rows the current slot last published (-1: none) (what a call with equal values may reuse)."""
-        self._stats = empty_stats()
         self._freeze()
 
     @property
     def tier(self) -> Tier:
         """The tier of the slots (the lowest one, if a run-time fallback split them)."""
-        return max(b.tier for b in self._bufs)
+        return self._ring.tier
 
     def _next(self, x: HostData, reuse: bool = False) -> tuple[StagingBuffer, int, bool]:
         """Write ``x`` into the next slot. A call that raises takes no slot and writes nothing.
@@ -73,26 +76,20 @@ class UvaBufferPool(Sealed):
         n = arr.shape[0]
         ring = self._ring
         if reuse and n <= self._published and ring.cur >= 0:
-            buf = self._bufs[ring.cur]
+            buf = ring.bufs[ring.cur]
             if buf.np[:n].tobytes() == arr.tobytes():
                 ring.touch()
                 return buf, n, True
         cur = ring.next()
-        buf = self._bufs[cur]
+        ring.poison_released()  # check mode: what the use max_concurrency back returned reads poison now
+        buf = ring.bufs[cur]
         if n > buf.shape[0]:
-            buf = self._grow(cur, n)
+            cap = 1 << (n - 1).bit_length()
+            buf = ring.grow(cur, lambda tier: make_buffer((cap, *trailing), self.dtype, self.device, tier))
         buf.np[:n] = arr
         ring.take(cur)
         self.__dict__["_published"] = n
         return buf, n, False
-
-    def _grow(self, cur: int, n: int) -> StagingBuffer:
-        cap = 1 << (n - 1).bit_length()
-        buf = self._bufs[cur] = make_buffer(
-            (cap, *self._trailing), self.dtype, self.device, self._bufs[cur].tier
-        )
-        self._stats["growths"] += 1
-        return buf
 
     def copy_to_uva(self, x: HostData) -> torch.Tensor:
         """Stage ``x`` in the next slot; the device tensor of its first len(x) rows.
@@ -131,11 +128,11 @@ class UvaBufferPool(Sealed):
             )
 
     def _count(self, n: int, buf: StagingBuffer) -> None:
-        self._stats["transfers"] += 1
-        self._stats["bytes"] += n * (buf.nbytes // max(buf.shape[0], 1))
+        self._ring.count(n * (buf.nbytes // max(buf.shape[0], 1)))
 
     def stats(self) -> dict[str, int]:
-        return {**self._stats, "guard_waits": self._ring.guard.waits}
+        """transfers, bytes, growths, guard_waits."""
+        return self._ring.stats()
 
 
 class UvaBackedTensor(Sealed):
@@ -160,15 +157,10 @@ class UvaBackedTensor(Sealed):
         self._gpu = self.pool.copy_to_uva(self.np)
         self._freeze()
 
-    _READ_ONLY: ClassVar[dict[str, str]] = {
-        "gpu": "copy_to_uva() sets it; write the host values through .np or .cpu",
-    }
+    _COPY_IN = ("np", "cpu")
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("np", "cpu") and "_sealed" in self.__dict__:
-            fill_host(self.np, value, self.dtype, f"UvaBackedTensor.{name}")  # copy in, checked
-            return
-        super().__setattr__(name, value)
+    def _copy_in(self, name: str, value: Any) -> None:
+        fill_host(self.np, value, self.dtype, f"UvaBackedTensor.{name}")  # copy in, checked
 
     @property
     def gpu(self) -> torch.Tensor:

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 
 from . import _uva
-from ._constants import ENV_TIER, ENV_WSL_PIN, check_mode, write_kernel
+from ._constants import ENV_TIER, ENV_WSL_PIN, check_mode, quarantine, write_kernel
 from ._errors import ArgumentTypeError, SettingValueError, TierUnavailableError, UnknownDeviceError, UvaError
 from ._log import logger, warn_once
 from ._memory import alloc_host
+from ._sealed import Sealed
 from ._tier import Tier
 from ._types import DeviceLike
 
@@ -69,7 +70,7 @@ def usable_devices() -> list[str]:
 
 
 @dataclass
-class Capabilities:
+class Capabilities(Sealed):
     """What one device can do, the tier chosen for it, and why.
 
     Made by the probe behind :func:`capabilities`; read it, do not build one. Every
@@ -349,10 +350,12 @@ def _cpu_cause(device: DeviceLike, forced: Tier | None) -> tuple[str, str | None
 def probe(device: DeviceLike = None) -> Capabilities:
     """Probe ``device`` now, bypassing the cache (``capabilities`` caches this).
 
-    Every setting is checked here, at start-up: ``STAGEBUF_TIER``, ``STAGEBUF_CHECK`` and
-    ``STAGEBUF_WRITE_KERNEL`` (a bad value raises SettingValueError naming the allowed values).
+    Every setting is checked here, at start-up: ``STAGEBUF_TIER``, ``STAGEBUF_CHECK``,
+    ``STAGEBUF_CHECK_QUARANTINE`` and ``STAGEBUF_WRITE_KERNEL`` (a bad value raises
+    SettingValueError naming the allowed values).
     """
     check_mode()
+    quarantine()
     write_kernel()
     forced = _forced_tier()
     dev = _resolve_device(device, forced)
@@ -400,6 +403,7 @@ def probe(device: DeviceLike = None) -> Capabilities:
             caps.tier = Tier.HOST
             reasons.append("Tier HOST: the CPU tensor is the device tensor.")
         caps.versions = _versions(dev)
+        caps._freeze()  # shared by every caller from here on: read-only
         return caps
 
     caps.pin_memory = _decide_pinned(caps)
@@ -436,6 +440,7 @@ def probe(device: DeviceLike = None) -> Capabilities:
         why = " ".join(r for r in reasons if r.startswith("No "))
         warn_once(("fallback", str(dev), best), f"tier {best.name} on {dev} instead of UVA: {why}")
     caps.versions = _versions(dev)
+    caps._freeze()  # shared by every caller from here on: read-only
     return caps
 
 

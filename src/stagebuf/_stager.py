@@ -24,8 +24,9 @@ from ._buffers import StagingBuffer, make_buffer
 from ._constants import ALIGN, POISON, check_mode
 from ._convert import _NUMPY_TO_TORCH, _TORCH_TO_NUMPY, host_array
 from ._errors import ArgumentTypeError, InvalidArgumentError, UsageError
-from ._guard import SlotRing, empty_stats, slot_count
+from ._guard import GuardMode, slot_count
 from ._memory import alloc_device
+from ._ring import Ring, poison
 from ._sealed import Sealed
 from ._tier import Tier
 from ._types import DeviceLike, DTypeLike, HostData
@@ -46,10 +47,14 @@ class _Slot:
     so that nothing a step stages is visible before the step is published.
     """
 
-    __slots__ = ("buf", "host", "cap", "views", "layout", "retired")
+    __slots__ = ("ring", "i", "static", "host", "cap", "views", "layout", "retired")
 
-    def __init__(self, buf: StagingBuffer, scratch: bool):
-        self.buf = buf
+    def __init__(self, ring: Ring, i: int, static: torch.Tensor | None):
+        self.ring, self.i = ring, i
+        self.static = static
+        """The static arena every step's tensors point into (``static=True``), else None."""
+        buf = ring.bufs[i]
+        scratch = not buf.tier.copies  # UVA and HOST: stage into scratch, publish at exit
         self.cap = buf.shape[0]
         self.host: np.ndarray = np.zeros(self.cap, np.uint8) if scratch else buf.np
         # The last step's stage() calls in order: (np dtype, shape, host view, device view,
@@ -59,6 +64,67 @@ class _Slot:
         """(offset, dtype, shape) -> (host view, device view); (arena address, dtype) -> typed arena."""
         self.retired: list[StagingBuffer] = []
         """Buffers a growth replaced: kept alive until the slot comes round again."""
+
+    @property
+    def buf(self) -> StagingBuffer:
+        """The slot's buffer (the ring's)."""
+        return self.ring.bufs[self.i]
+
+    @property
+    def dev_arena(self) -> torch.Tensor:
+        """The device memory this slot's tensors point into (the static arena, or the slot's own)."""
+        return self.buf.dev if self.static is None else self.static
+
+    def publish(self, buf: StagingBuffer, host: np.ndarray, used: int) -> bool:
+        """Make the first ``used`` bytes staged in ``buf`` visible where its tensors point (True: copied)."""
+        if host is not buf.np:
+            buf.np[:used] = host[:used]  # UVA and HOST: the device reads buf's memory from now on
+        dev = self.static
+        if dev is None:
+            if buf.tier.copies:
+                buf.uva(used)
+                return True
+            return False
+        if buf.tier is Tier.HOST:
+            dev[:used].numpy()[...] = buf.np[:used]
+            return False
+        # the static arena: one stream-ordered copy from the slot (read through UVA, or a copy)
+        src = buf.dev if buf.tier is Tier.UVA else buf.cpu
+        dev[:used].copy_(src[:used], non_blocking=True)
+        return True
+
+    def grow(self, nbytes: int, used: int, seq: int) -> None:
+        """Replace the arena with one that holds ``nbytes`` more (the old one stays alive until reuse)."""
+        cap = self.cap
+        if self.static is not None:
+            raise UsageError(
+                f"StepStager(static=True): step {seq} needs more than the {cap} bytes of its "
+                "static arena; growing would move the addresses a captured CUDA graph reads. "
+                f"Construct the stager with capacity >= {2 * cap + nbytes}."
+            )
+        buf = self.buf
+        if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise UsageError(
+                f"StepStager: step {seq} needs more than the slot's {cap} bytes while a "
+                "CUDA graph is being captured; growing would move addresses the graph reads. "
+                f"Construct the stager with capacity >= {2 * cap + nbytes}."
+            )
+        need = (used + ALIGN) + nbytes
+        new_cap = max(2 * cap, 1 << max(need - 1, 1).bit_length())
+        self.retired.append(buf)  # alive while tensors of this step may point into it
+        new = self.ring.grow(self.i, lambda tier: make_buffer(new_cap, torch.uint8, buf.device, tier))
+        self.cap = new_cap
+        self.host = new.np if new.tier.copies else np.zeros(new_cap, np.uint8)
+        self.views.clear()
+        self.layout.clear()
+
+    def poison(self) -> None:
+        """Check mode: what this slot published before is released, and nothing new is published yet."""
+        self.host.fill(POISON)
+        if self.static is not None:
+            self.static.fill_(POISON)
+        else:
+            poison(self.buf)
 
     def view(
         self, off: int, dtype: np.dtype, shape: tuple[int, ...], dev_arena: torch.Tensor
@@ -90,17 +156,18 @@ class Step:
     that reuses the slot, ``max_concurrency`` steps later; on every tier.
     """
 
-    __slots__ = ("_stager", "_slot", "_used", "_n", "_layout", "_retired", "seq", "done")
+    __slots__ = ("_slot", "_used", "_n", "_layout", "_retired", "seq", "done")
 
-    def __init__(self, stager: StepStager, slot: _Slot, seq: int):
-        self._stager = stager
+    def __init__(self, slot: _Slot, seq: int):
         self._slot = slot
         self._used = 0
         self._n = 0
         self._layout: list[_LayoutEntry] | None = slot.layout
         self._retired: list[tuple[StagingBuffer, np.ndarray, int]] = []
         self.seq = seq
+        """The step's number (0 for a stager's first)."""
         self.done = False
+        """Whether the step was published (or left by an exception); then ``stage()`` raises."""
 
     def __enter__(self) -> Step:
         return self
@@ -112,14 +179,29 @@ class Step:
             self.flush()
         else:
             self.done = True
-            self._stager._open = None
 
     def stage(self, x: HostData, dtype: DTypeLike | None = None) -> torch.Tensor:
-        """Write ``x`` (list, ndarray or CPU tensor; 1-D or 2-D) into this step's arena.
+        """Write ``x`` into this step's arena; the device tensor that holds it once the step is published.
 
-        Returns the device tensor that holds it once the step is published (on
-        leaving the ``with`` block). ``dtype`` defaults to the input's own
-        (int64/float64 for Python lists).
+        Parameters
+        ----------
+        x : list, tuple, numpy.ndarray or CPU tensor
+            1-D or 2-D host data.
+        dtype : torch.dtype, optional
+            Default: the input's own (int64/float64 for Python lists).
+
+        Returns
+        -------
+        torch.Tensor
+            On the stager's device; it shows ``x`` from the step's exit (or ``flush()``)
+            until the step that reuses its slot begins.
+
+        Raises
+        ------
+        UsageError
+            The step was already flushed, or a static arena is full.
+        ArgumentTypeError, InvalidArgumentError
+            Input that cannot be converted exactly; nothing is staged.
         """
         layout = self._layout
         i = self._n
@@ -150,9 +232,11 @@ class Step:
         end = off + arr.nbytes
         slot = self._slot
         if end > slot.cap:
-            self._grow(arr.nbytes)
+            self._retired.append((slot.buf, slot.host, self._used))
+            slot.grow(arr.nbytes, self._used, self.seq)
+            self._layout = None  # offsets restart in the new arena: record the layout next step
             off, end = 0, arr.nbytes
-        host, dev = slot.view(off, arr.dtype, arr.shape, self._stager._dev_arena(slot))
+        host, dev = slot.view(off, arr.dtype, arr.shape, slot.dev_arena)
         host[...] = arr
         self._used = end
         layout = self._layout
@@ -162,76 +246,48 @@ class Step:
         self._n += 1
         return dev
 
-    def _grow(self, nbytes: int) -> None:
-        st = self._stager
-        slot = self._slot
-        if st.static:
-            raise UsageError(
-                f"StepStager(static=True): step {self.seq} needs more than the {slot.cap} bytes of its "
-                "static arena; growing would move the addresses a captured CUDA graph reads. "
-                f"Construct the stager with capacity >= {2 * slot.cap + nbytes}."
-            )
-        if st.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise UsageError(
-                f"StepStager: step {self.seq} needs more than the slot's {slot.cap} bytes while a "
-                "CUDA graph is being captured; growing would move addresses the graph reads. "
-                f"Construct the stager with capacity >= {2 * slot.cap + nbytes}."
-            )
-        need = (self._used + ALIGN) + nbytes
-        cap = max(2 * slot.cap, 1 << max(need - 1, 1).bit_length())
-        new = make_buffer(cap, torch.uint8, st.device, slot.buf.tier)
-        self._retired.append((slot.buf, slot.host, self._used))
-        slot.retired.append(slot.buf)  # alive while tensors of this step may point into it
-        slot.buf, slot.cap = new, cap
-        slot.host = new.np if new.tier.copies else np.zeros(cap, np.uint8)
-        slot.views.clear()
-        slot.layout.clear()
-        self._layout = None  # offsets restart in the new arena: record the layout next step
-        self._used = 0
-        st._stats["growths"] += 1
-
     def flush(self) -> None:
         """Publish everything staged in this step: from now on the device sees it."""
         if self.done:
             return
-        st = self._stager
         slot = self._slot
         for buf, host, used in self._retired:  # a growth mid-step: earlier tensors stay valid
             if used:
-                st._publish(buf, host, used, buf.dev)
+                slot.publish(buf, host, used)
         used = self._used
-        if used:
-            buf = slot.buf
-            if st._static_dev is not None:
-                st._publish(buf, slot.host, used, st._static_dev)
-                copied = buf.tier is not Tier.HOST
-            elif slot.host is buf.np:  # the copy tiers: one copy of the used prefix
-                buf.uva(used)
-                copied = True
-            else:  # UVA and HOST: the device reads the slot's memory from now on
-                buf.np[:used] = slot.host[:used]
-                copied = False
-            if copied:
-                stats = st._stats
-                stats["transfers"] += 1
-                stats["bytes"] += used
+        if used and slot.publish(slot.buf, slot.host, used):
+            slot.ring.count(used)
         self.done = True
-        st._open = None
 
 
 class StepStager(Sealed):
-    """Coalesced per-step staging with a slot-reuse guard.
+    """Coalesced per-step staging with a slot-reuse guard: all of a step's arrays, one transfer.
 
-    ``capacity`` is in bytes per slot. ``guard`` is ``"auto"`` (wait where the
-    device reads host memory asynchronously: UVA and PINNED; off elsewhere),
-    ``"wait"``, ``"raise"`` or ``"off"``: see :mod:`stagebuf._guard`. A slot's
-    consumers count as enqueued when the next step begins, or at
-    ``mark_consumed()``.
+    Parameters
+    ----------
+    device : torch.device or str or int, optional
+        Default: the current accelerator, else the CPU.
+    capacity : int, default 1 MiB
+        Bytes per slot (a slot grows when a step needs more, unless ``static``).
+    max_concurrency : int, optional
+        Slots (steps in flight); default ``set_default_max_concurrency``'s value, at least 2.
+    guard : {"auto", "wait", "raise", "off"}, default "auto"
+        Before a slot is rewritten: ``wait`` for its readers, ``raise`` SlotInFlightError,
+        or ``off``; ``auto`` waits where the device reads host memory asynchronously
+        (UVA, PINNED). A slot's consumers count as enqueued when the next step begins,
+        or at ``mark_consumed()``.
+    static : bool, default False
+        Give every step the same device addresses (CUDA graphs): the slots rotate on
+        the host, and publishing copies the step into one fixed device arena (one copy
+        on every tier but HOST). Stage the same shapes in the same order as when the
+        graph was captured; the arena never grows.
 
-    ``static=True`` gives every step the same device addresses (for CUDA graphs):
-    the slots rotate on the host, and publishing copies the step into one fixed
-    device arena (one copy on every tier but HOST). Stage the same shapes in the
-    same order as when the graph was captured; the arena never grows.
+    Raises
+    ------
+    InvalidArgumentError, ArgumentTypeError
+        A bad ``capacity``, ``max_concurrency``, ``guard`` or ``static``.
+    TierUnavailableError, UnknownDeviceError
+        The device cannot be used (see ``capabilities``).
     """
 
     def __init__(
@@ -239,7 +295,7 @@ class StepStager(Sealed):
         device: DeviceLike = None,
         capacity: int = 1 << 20,
         max_concurrency: int | None = None,
-        guard: str = "auto",
+        guard: GuardMode = "auto",
         static: bool = False,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < ALIGN:
@@ -247,73 +303,72 @@ class StepStager(Sealed):
         if not isinstance(static, bool):
             raise ArgumentTypeError(f"static={static!r}; allowed: True or False")
         self.max_concurrency = slot_count(max_concurrency)
-        bufs = [make_buffer(capacity, torch.uint8, device) for _ in range(self.max_concurrency)]
         self.static = static
-        # UVA and HOST: stage into scratch, publish at exit (per slot: a fallback may mix tiers)
-        self._slots = [_Slot(b, not b.tier.copies) for b in bufs]
-        self.device = bufs[0].device
-        self._static_dev: torch.Tensor | None = None
-        if static:
-            self._static_dev = alloc_device((capacity,), torch.uint8, self.device)
+        # check mode quarantines released slots, except in a static stager (one device arena for all)
+        self._ring = ring = Ring(
+            self.max_concurrency,
+            lambda: make_buffer(capacity, torch.uint8, device),
+            guard,
+            "step slot",
+            quarantined=not static,
+        )
+        self.device = ring.bufs[0].device
+        arena = alloc_device((capacity,), torch.uint8, self.device) if static else None
+        self._slots = [_Slot(ring, i, arena) for i in range(len(ring.bufs))]  # a fallback may mix tiers
         self._check = check_mode()
-        self._ring = SlotRing(self.max_concurrency, self.device, guard, self.tier, "step slot")
         self._open: Step | None = None
-        self._stats = empty_stats()
         self._freeze()
 
     @property
     def tier(self) -> Tier:
-        return max(s.buf.tier for s in self._slots)
+        """The slots' tier (the lowest, if a run-time fallback split them)."""
+        return self._ring.tier
 
     @property
     def guard(self) -> str:
-        return self._ring.guard.mode
-
-    def _dev_arena(self, slot: _Slot) -> torch.Tensor:
-        """The device memory a slot's tensors point into (the static arena, or the slot's own)."""
-        return slot.buf.dev if self._static_dev is None else self._static_dev
-
-    def _publish(self, buf: StagingBuffer, host: np.ndarray, used: int, dev: torch.Tensor) -> None:
-        """Make the first ``used`` bytes staged in ``buf`` visible at ``dev``: one copy, or none."""
-        if host is not buf.np:
-            buf.np[:used] = host[:used]  # UVA and HOST: the device reads buf's memory from now on
-        if dev is buf.dev:
-            if buf.tier.copies:
-                buf.uva(used)
-        elif buf.tier is Tier.HOST:
-            dev[:used].numpy()[...] = buf.np[:used]
-        else:  # the static arena: one stream-ordered copy from the slot (read through UVA, or a copy)
-            src = buf.dev if buf.tier is Tier.UVA else buf.cpu
-            dev[:used].copy_(src[:used], non_blocking=True)
-
-    def _poison(self, slot: _Slot) -> None:
-        """Check mode: what this slot published before is released, and nothing new is published yet."""
-        slot.host.fill(POISON)
-        if self._static_dev is not None:
-            self._static_dev.fill_(POISON)
-        elif slot.buf.tier.copies:
-            slot.buf.dev.fill_(POISON)
-        else:
-            slot.buf.np.fill(POISON)
+        """The guard mode in effect: ``wait``, ``raise`` or ``off`` (``auto`` resolved)."""
+        return self._ring.mode
 
     def step(self) -> Step:
-        """Begin a step in the next slot (after the guard's check of that slot)."""
-        if self._open is not None:
+        """Begin a step in the next slot, once the guard says its readers are done.
+
+        Returns
+        -------
+        Step
+            A context manager: leaving it (or ``flush()``) publishes the step.
+
+        Raises
+        ------
+        UsageError
+            The previous step is still open.
+        SlotInFlightError
+            ``guard="raise"`` and the slot may still be read.
+        """
+        if self._open is not None and not self._open.done:
             raise UsageError(f"step {self._open.seq} is still open; flush it before step()")
         ring = self._ring
         cur = ring.next()
         slot = self._slots[cur]
         slot.retired.clear()
         if self._check:
-            self._poison(slot)
-        st = self._open = Step(self, slot, ring.take(cur))
+            slot.poison()
+            if ring.released != cur:
+                ring.poison_released()  # the tensors of the step max_concurrency back read poison now
+        st = self._open = Step(slot, ring.take(cur))
         return st
 
     def mark_consumed(self) -> None:
-        """The last step's consumers are enqueued: record the guard's event now."""
-        if self._open is not None:
+        """The last step's consumers are enqueued: record the guard's event now.
+
+        Raises
+        ------
+        UsageError
+            A step is still open.
+        """
+        if self._open is not None and not self._open.done:
             raise UsageError(f"step {self._open.seq} is still open; flush it first")
         self._ring.mark()
 
     def stats(self) -> dict[str, int]:
-        return {**self._stats, "guard_waits": self._ring.guard.waits, "steps": self._ring.seq}
+        """Counters: transfers, bytes, growths, guard_waits, steps."""
+        return self._ring.stats(steps=True)

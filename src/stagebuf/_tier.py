@@ -5,9 +5,10 @@ from __future__ import annotations
 import enum
 
 from ._errors import InvalidArgumentError
+from ._sealed import Sealed
 
 
-class Tier(enum.IntEnum):
+class Tier(Sealed, enum.IntEnum):
     """How host data reaches the device, best first: a lower value is a better tier.
 
     :func:`capabilities` chooses one per device; ``STAGEBUF_TIER`` (``uva``,
@@ -68,12 +69,22 @@ class Tier(enum.IntEnum):
             allowed = ", ".join(t.name.lower() for t in cls)
             raise InvalidArgumentError(f"{name}={value!r} is not a tier; allowed: {allowed}") from None
 
+    @classmethod
+    def _missing_(cls, value: object) -> Tier:
+        # Tier(value) for a value no tier has: the error names the values (and parse, for names)
+        allowed = ", ".join(f"{t.value} ({t.name})" for t in cls)
+        raise InvalidArgumentError(
+            f"Tier({value!r}): no tier has this value; allowed: {allowed}, or Tier.parse(name) for a name"
+        )
+
     def __str__(self) -> str:
         return self.name
 
 
-# Plain member attributes, not properties: the hot paths read them per staged array.
+# Plain member attributes, not properties: the hot paths read them per staged array. Then the
+# members are sealed: a tier is a process-wide constant, so no attribute of one may be assigned.
 for _t in Tier:
     _t.copies = _t in (Tier.PINNED, Tier.PAGEABLE)
     _t.async_host_reads = _t in (Tier.UVA, Tier.PINNED)
+    _t._freeze()
 del _t

@@ -58,7 +58,7 @@ from stagebuf._param_table import DeviceParamTable
 buffers_mod = importlib.import_module("stagebuf._buffers")
 guard_mod = importlib.import_module("stagebuf._guard")
 sw_api = importlib.import_module("stagebuf._staged_write.api")
-sw_plan = importlib.import_module("stagebuf._staged_write.plan")
+sw_plan = importlib.import_module("stagebuf._staged_write.launcher")
 pt_mod = importlib.import_module("stagebuf._param_table")
 
 HAS_CUDA = torch.cuda.is_available()

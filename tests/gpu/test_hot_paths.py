@@ -28,7 +28,8 @@ from stagebuf import (
     UvaBackedTensor,
     UvaBufferPool,
 )
-from stagebuf._staged_write import ENV_KERNEL, triton_usable
+from stagebuf._constants import ENV_KERNEL
+from stagebuf._staged_write.kernel import triton_usable
 
 pytestmark = pytest.mark.gpu
 

@@ -49,7 +49,7 @@ from hypothesis.stateful import (
 from helpers import FakeStream, force_tier, read_back
 from stagebuf import StepStager, Tier, UvaBackedTensor, UvaBufferPool
 from stagebuf import _guard as guard_mod
-from stagebuf._staged_write import plan as sw_plan
+from stagebuf._staged_write import launcher as sw_plan
 
 try:
     from stagebuf import FusedStagedWriter, StagedWriteError, StagedWriteTensor

@@ -496,6 +496,13 @@ CASES: list[Case] = [
         "x holds elements numpy reads as",
     ),
     Case(
+        COPY,
+        "int past 64 bits",
+        lambda c: c.pool.copy_to_uva([2**70]),
+        ValueError,
+        "x holds values in [1180591620717411303424, 1180591620717411303424], outside int32's range",
+    ),
+    Case(
         COPY, "list of mixed types (bool, int)", lambda c: c.pool.copy_to_uva([True, 2]), TypeError, "bools"
     ),
     # --- UvaBufferPool.copy_to_gpu

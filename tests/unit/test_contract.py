@@ -9,8 +9,12 @@ every tier must observe exactly what an independent model of the contract says:
 * it keeps its data until the step that reuses its slot begins
   (``max_concurrency`` steps later), then shows that step's data once published.
 
-With ``STAGEBUF_CHECK=1`` a slot is poisoned when a step begins in it, so both
-misuses read poison (all bits set: int -1) on every tier.
+With ``STAGEBUF_CHECK=1`` a slot is poisoned when a step begins in it, and a
+released slot (the step ``max_concurrency`` back) is poisoned and waits
+``STAGEBUF_CHECK_QUARANTINE`` (K) more steps before reuse, so both misuses read
+poison (all bits set: int -1) on every tier: reading too early, and reading a kept
+tensor after a later step was published (until K steps later). The same holds for
+a pool's results, ``max_concurrency`` changed calls later.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import pytest
 import torch
 
 from helpers import force_tier
-from stagebuf import StepStager
+from stagebuf import StepStager, UvaBufferPool
 
 HAS_CUDA = torch.cuda.is_available()
 CPU_TIERS = ["host", "pageable"]  # PAGEABLE here copies into a CPU tensor standing in for the device
@@ -57,14 +61,17 @@ def program(
     return out
 
 
-def model(check: bool) -> list[tuple[str, int, list[int]]]:
+def model(check: bool, k: int = 16) -> list[tuple[str, int, list[int]]]:
     poison = [-1] * 4
-    published = [[0] * 4 for _ in range(SLOTS)]  # what each slot's device side shows
+    size = SLOTS + (k if check else 0)  # physical slots: the quarantine's K more in check mode
+    published = [[0] * 4 for _ in range(size)]  # what each slot's device side shows
     out: list[tuple[str, int, list[int]]] = []
     for s in range(STEPS):
-        slot = s % SLOTS
+        slot = s % size
         if check:
             published[slot] = poison
+            if s >= SLOTS:
+                published[(slot - SLOTS) % size] = poison  # released: the step SLOTS back
         data = [100 * (s + 1) + i for i in range(4)]
         out.append(("inside", s, list(published[slot])))
         if s > 0:
@@ -75,7 +82,43 @@ def model(check: bool) -> list[tuple[str, int, list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("check", [False, True], ids=["plain", "STAGEBUF_CHECK=1"])
+def pool_program(
+    tier: str, monkeypatch: pytest.MonkeyPatch, device: str | None
+) -> list[tuple[int, list[int]]]:
+    """A pool's first result, kept and read after every later call (each with new values)."""
+    force_tier(monkeypatch, tier)
+    pool = UvaBufferPool(4, torch.int32, max_concurrency=SLOTS, device=device)
+    kept = pool.copy_to_uva(np.arange(4, dtype=np.int32) + 100)
+    out = []
+    for c in range(1, STEPS):
+        pool.copy_to_uva(np.arange(4, dtype=np.int32) + 100 * (c + 1))
+        out.append((c, _read(kept)))
+    return out
+
+
+def pool_model(check: bool, k: int = 16) -> list[tuple[int, list[int]]]:
+    size = SLOTS + (k if check else 0)
+    published = [[0] * 4 for _ in range(size)]
+    published[0] = [100 + i for i in range(4)]
+    out = []
+    for c in range(1, STEPS):
+        slot = c % size
+        if check and c >= SLOTS:
+            published[(slot - SLOTS) % size] = [-1] * 4
+        published[slot] = [100 * (c + 1) + i for i in range(4)]
+        out.append((c, list(published[0])))
+    return out
+
+
+MODES = [
+    pytest.param(None, id="plain"),
+    pytest.param(16, id="STAGEBUF_CHECK=1"),
+    pytest.param(0, id="STAGEBUF_CHECK=1-K=0"),
+    pytest.param(1, id="STAGEBUF_CHECK=1-K=1"),
+]
+
+
+@pytest.mark.parametrize("k", MODES)
 @pytest.mark.parametrize(
     ("tiers", "device"),
     [
@@ -83,15 +126,19 @@ def model(check: bool) -> list[tuple[str, int, list[int]]]:
         pytest.param(CUDA_TIERS, "cuda", id="cuda", marks=pytest.mark.gpu),
     ],
 )
-def test_every_tier_observes_the_same_contract(monkeypatch, tiers, device, check):
+def test_every_tier_observes_the_same_contract(monkeypatch, tiers, device, k):
     if device == "cuda" and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
+    check = k is not None
     if check:
         monkeypatch.setenv("STAGEBUF_CHECK", "1")
-    want = model(check)
+        if k != 16:
+            monkeypatch.setenv("STAGEBUF_CHECK_QUARANTINE", str(k))
+    want, want_pool = model(check, k or 0), pool_model(check, k or 0)
     for tier in tiers:
         got = program(tier, monkeypatch, device)
         assert got == want, f"tier {tier} differs from the contract"
+        assert pool_program(tier, monkeypatch, device) == want_pool, f"tier {tier}: the pool differs"
 
 
 @pytest.mark.parametrize("tier", TIERS)

@@ -331,6 +331,9 @@ def test_real_process_with_torch_and_numpy_only():
         ("STAGEBUF_CHECK", "no", "0, 1"),
         ("STAGEBUF_CHECK", "2", "0, 1"),
         ("STAGEBUF_WRITE_KERNEL", "cuda", "auto, scatter, triton"),
+        ("STAGEBUF_CHECK_QUARANTINE", "-1", "an int >= 0"),
+        ("STAGEBUF_CHECK_QUARANTINE", "many", "an int >= 0"),
+        ("STAGEBUF_CHECK_QUARANTINE", "1.5", "an int >= 0"),
     ],
 )
 def test_bad_settings_are_refused_at_start_up(monkeypatch, setting, value, allowed):
@@ -359,3 +362,12 @@ def test_doctor_reports_check_mode(value, shown):
     line = next(ln for ln in r.stdout.splitlines() if "STAGEBUF_CHECK " in ln)
     assert line.replace("│", " ").split()[-1] == shown.split()[-1]
     assert any("STAGEBUF_WRITE_KERNEL" in ln and "auto" in ln for ln in r.stdout.splitlines())
+
+
+@pytest.mark.parametrize("value, shown", [(None, "16"), ("0", "0"), ("64", "64")])
+def test_doctor_reports_the_quarantine(value, shown):
+    env = {} if value is None else {"STAGEBUF_CHECK_QUARANTINE": value}
+    r = doctor(env=env)
+    assert r.exit_code == 0
+    line = next(ln for ln in r.stdout.splitlines() if "STAGEBUF_CHECK_QUARANTINE" in ln)
+    assert f" {shown} (check mode" in line

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 import stagebuf
 from stagebuf import FusedStagedWriter, StagedWriteTensor
-from stagebuf._staged_write import ENV_KERNEL
+from stagebuf._constants import ENV_KERNEL
 from stagebuf._staged_write import kernel as sw_kernel
-from stagebuf._staged_write import plan as sw_plan
+from stagebuf._staged_write import launcher as sw_plan
 
 pytest.importorskip("triton")
 
@@ -64,14 +64,14 @@ def model_apply(a: np.ndarray, edits: list[Edit]) -> None:
         a[r, s : s + len(v)] = v
 
 
-def gathered(t: StagedWriteTensor, edits: list[Edit]) -> sw_plan._Gathered:
+def gathered(t: StagedWriteTensor, edits: list[Edit]) -> sw_plan.Gathered:
     """One target's edits as the apply path gathers them (rows distinct: the Triton kernel's contract)."""
     assert len({r for r, _, _ in edits}) == len(edits)
     rows = np.array([r for r, _, _ in edits], np.int64)
     starts = np.array([s for _, s, _ in edits], np.int64)
     lens = np.array([len(v) for _, _, v in edits], np.int64)
     vals = np.concatenate([v for _, _, v in edits]).astype(NP[t.dtype])
-    return sw_plan._Gathered(t, rows * t.row_stride + starts, lens, vals, False)
+    return sw_plan.Gathered(t._edits.target, rows * t.row_stride + starts, lens, vals, False)
 
 
 def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) -> None:
@@ -84,8 +84,8 @@ def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) ->
         model_apply(m, e)
     twins = [t.gpu.clone() for t in targets]
     sw_kernel._torch_twin(
-        [twins[targets.index(p.target)].view(-1) for p in parts],
-        [p.target.gpu.data_ptr() for p in parts],
+        [twins[[t.gpu.data_ptr() for t in targets].index(p.target.ptr)].view(-1) for p in parts],
+        [p.target.ptr for p in parts],
         torch.from_numpy(meta),
         torch.from_numpy(vals),
     )

@@ -31,7 +31,7 @@ from helpers import FakeStream
 from stagebuf import SlotInFlightError, StagedWriteTensor, StepStager, Tier, UvaBufferPool
 from stagebuf import _guard as guard_mod
 from stagebuf._guard import SlotRing, StepRuleError
-from stagebuf._staged_write import plan as sw_plan
+from stagebuf._staged_write import launcher as sw_plan
 
 CPU = torch.device("cpu")
 

@@ -12,10 +12,10 @@ stages a batch of edits from numpy arrays with a few array operations.
 
 Apply (one per call, whatever the number of edits):
 
-1. Gather and check every staged edit (numpy). A bad value raises
-   ``StagedWriteError`` naming the edit (its position and its row and start);
-   then nothing is written and every staged edit stays staged.
-2. Pack them into the next slot of the writer's own guarded ring (written in
+1. Gather and check every staged edit (numpy; ``edits.py``). A bad value raises
+   ``StagedWriteError`` naming every bad edit (``err.edits``); then nothing is
+   written and every staged edit stays staged (``discard_staged`` drops the bad).
+2. Pack them (``launcher.py``) into the next slot of the writer's own guarded ring (written in
    place: the slots are private): one host-to-device transfer on the copy
    tiers, none on UVA.
 3. Write them with one launch, the cheaper of two kernels for the batch:
@@ -24,7 +24,7 @@ Apply (one per call, whatever the number of edits):
      host, and one ATen ``index_copy_`` on the target's flat view;
    * ``triton``: one program per edit (``_staged_write_kernel``), reading
      (tensor, offset, length, source) per edit, so large edits move their
-     values only; several targets go through one launch via a pointer table.
+     values only; several targets go through one launch (each edit carries its target address).
 
    On the HOST tier the scatter is one numpy assignment into the target.
 
@@ -38,20 +38,6 @@ ops over the same packed layout: the oracle the kernel is tested against.
 
 from __future__ import annotations
 
-from .._constants import ENV_KERNEL
-from .api import ALLOWED_DTYPES, FusedStagedWriter, StagedWriteTensor
-from .kernel import MAX_BLOCK, MIN_BLOCK, triton_function, triton_usable
-from .plan import KERNELS, TRITON_MIN_ELEMS
+from .api import FusedStagedWriter, StagedWriteTensor
 
-__all__ = [
-    "ALLOWED_DTYPES",
-    "ENV_KERNEL",
-    "KERNELS",
-    "MAX_BLOCK",
-    "MIN_BLOCK",
-    "TRITON_MIN_ELEMS",
-    "FusedStagedWriter",
-    "StagedWriteTensor",
-    "triton_function",
-    "triton_usable",
-]
+__all__ = ["FusedStagedWriter", "StagedWriteTensor"]

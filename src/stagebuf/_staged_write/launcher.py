@@ -1,31 +1,29 @@
-"""Host planning of an apply: gather and check the staged edits, pack them into a slot, launch.
+"""The launcher of a writer's applies: one packed transfer and one launch per apply.
 
-``_Launcher`` owns a writer's guarded ring of byte arenas; an apply packs the
-destinations (or per-edit metadata) and the values into the next slot, publishes
-it with one copy on the copy tiers (none on UVA), and runs one kernel: ``scatter``
-(ATen ``index_copy_`` on the target's flat view), ``triton`` (``kernel.py``) or, on
-HOST, one numpy assignment.
+``_Launcher`` owns a writer's guarded ring of byte arenas. An apply packs the
+destinations (or per-edit metadata) and the values of the gathered batches
+(``edits.Gathered``) into the next slot, publishes it with one copy on the copy
+tiers (none on UVA), and runs one kernel: ``scatter`` (ATen ``index_copy_`` on the
+target's flat view), ``triton`` (``kernel.py``) or, on HOST, one numpy assignment.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from .._buffers import StagingBuffer, make_buffer
-from .._constants import ALIGN, WRITE_KERNELS, write_kernel
-from .._convert import _NUMPY_TO_TORCH, host_array
+from .._constants import ALIGN, WRITE_KERNELS, Kernel, write_kernel
+from .._convert import _NUMPY_TO_TORCH
 from .._errors import ArgumentTypeError, InvalidArgumentError, UsageError
-from .._guard import SlotRing, empty_stats
+from .._guard import GuardMode
 from .._log import warn_once
+from .._ring import Ring
 from .._tier import Tier
 from .kernel import _block_for, _launch_triton, _triton_error, triton_usable
-
-if TYPE_CHECKING:
-    from .api import StagedWriteTensor
 
 KERNELS = WRITE_KERNELS
 TRITON_MIN_ELEMS = 1 << 13
@@ -34,35 +32,37 @@ SCATTER_MAX_PARTS = 4
 """``auto`` writes up to this many targets with one ``index_copy_`` each (one packed transfer), more
 with one Triton launch: on the H200 one Triton launch costs several ATen launches (docs/DESIGN.md)."""
 _CAPACITY = 1 << 14
-_GUARD_MODE = "auto"
+_GUARD_MODE: GuardMode = "auto"
 """The staging slots' guard (tests force ``wait`` to exercise it on the CPU tiers)."""
 
 
-class _Batch:
-    """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked).
-
-    ``dst`` is each edit's flat offset in the target (``row * row_stride + start``).
-    """
-
-    __slots__ = ("dst", "lens", "vals", "checked")
-
-    def __init__(self, dst: Any, lens: Any, vals: Any, checked: bool):
-        self.dst, self.lens, self.vals, self.checked = dst, lens, vals, checked
+_ARANGE = np.arange(1024, dtype=np.int64)
 
 
-class _Gathered:
-    """One target's staged edits as arrays: first-element offsets, lengths, values."""
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
+    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
+
+
+class Target:
+    """What an apply writes: a target's flat device view, its numpy view on HOST, address, tier."""
+
+    __slots__ = ("flat", "flat_np", "ptr", "tier")
+
+    def __init__(self, tensor: torch.Tensor, tier: Tier):
+        self.flat = tensor.view(-1)
+        self.flat_np = self.flat.numpy() if tier is Tier.HOST else None
+        self.ptr = tensor.data_ptr()
+        self.tier = tier
+
+
+class Gathered:
+    """One target's staged edits as checked arrays: first-element offsets, lengths, values."""
 
     __slots__ = ("target", "dst", "lens", "vals", "dup", "width")
 
     def __init__(
-        self,
-        target: StagedWriteTensor,
-        dst: np.ndarray,
-        lens: np.ndarray,
-        vals: np.ndarray,
-        dup: bool,
-        width: int = 0,
+        self, target: Target, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray, dup: bool, width: int = 0
     ):
         self.target, self.dst, self.lens, self.vals, self.dup = target, dst, lens, vals, dup
         self.width = width
@@ -81,36 +81,10 @@ class _Gathered:
             dest = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
         vals = self.vals
         if self.dup:
-            rev = dest[::-1]
-            _, last = np.unique(rev, return_index=True)  # each destination's last staged element
+            _, last = np.unique(dest[::-1], return_index=True)  # each destination's last staged element
             keep = (n - 1) - last
             dest, vals = dest[keep], vals[keep]
         return dest, vals
-
-
-_ARANGE = np.arange(1024, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
-    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
-
-
-def _ints(x: Any, name: str) -> np.ndarray:
-    """A 1-D int64 array of the integers in ``x`` (bools and fractions are refused)."""
-    a = x if isinstance(x, np.ndarray) else host_array(x, None, name, ndims=(1,))
-    if a.ndim != 1:
-        raise InvalidArgumentError(
-            f"{name} has rank {a.ndim} (shape {a.shape}); allowed: a 1-D array of ints"
-        )
-    if a.dtype.kind not in "iu":
-        if a.dtype.kind == "f" and a.size and np.isfinite(a).all() and (a == np.trunc(a)).all():
-            pass  # integral floats are accepted, as elsewhere in stagebuf
-        elif a.size:
-            raise ArgumentTypeError(f"{name} has dtype {a.dtype}; allowed: an integer array")
-    if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
-        raise InvalidArgumentError(f"{name} holds values beyond int64")
-    return a.astype(np.int64, copy=False)
 
 
 # --- the launcher: one packed transfer, one launch --------------------------------------
@@ -131,39 +105,40 @@ class _Launcher:
         self.device = device
         self.n = max_concurrency
         self.capacity = max(capacity, ALIGN)
-        self.bufs: list[StagingBuffer] = []
         self.views: list[
             dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]
         ] = []
         self.bases: list[dict[Any, torch.Tensor]] = []
         """Per slot: its whole device arena viewed as each dtype (views are slices of these)."""
         self.retired: list[list[StagingBuffer]] = []
-        self.ring: SlotRing | None = None
-        self.stats_ = {**empty_stats(), "steps": 0}
+        self.ring: Ring | None = None
+        """Made at the first apply (a tensor that is never applied allocates no slots)."""
         self.forced = write_kernel()
 
     def stats(self) -> dict[str, int]:
         ring = self.ring
-        return {
-            **self.stats_,
-            "guard_waits": ring.waits if ring is not None else 0,
-            "steps": ring.seq if ring is not None else 0,
-        }
+        if ring is None:
+            return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0, "steps": 0}
+        return ring.stats(steps=True)
 
-    def _start(self) -> SlotRing:
-        self.bufs = [make_buffer(self.capacity, torch.uint8, self.device) for _ in range(self.n)]
+    def _start(self) -> Ring:
+        self.ring = Ring(
+            self.n,
+            lambda: make_buffer(self.capacity, torch.uint8, self.device),
+            _GUARD_MODE,
+            "staged-write slot",
+        )
         self.views = [{} for _ in range(self.n)]
         self.bases = [{} for _ in range(self.n)]
         self.retired = [[] for _ in range(self.n)]
-        tier = max(b.tier for b in self.bufs)
-        self.ring = SlotRing(self.n, self.device, _GUARD_MODE, tier, "staged-write slot")
         return self.ring
 
     def _slot(
         self, cur: int, idx: np.ndarray, vals: np.ndarray
     ) -> tuple[StagingBuffer, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]:
         """Slot ``cur``'s buffer and its views for this layout (made, and the slot grown, if needed)."""
-        buf = self.bufs[cur]
+        assert self.ring is not None
+        buf = self.ring.bufs[cur]
         key = (idx.shape, vals.dtype, vals.shape[0])
         v = self.views[cur].get(key)
         if v is not None:
@@ -179,10 +154,9 @@ class _Launcher:
                 )
             cap = 1 << max(used - 1, 1).bit_length()
             self.retired[cur].append(buf)  # read by this slot's last launch, until it comes round
-            buf = self.bufs[cur] = make_buffer(cap, torch.uint8, self.device, buf.tier)
+            buf = self.ring.grow(cur, lambda tier: make_buffer(cap, torch.uint8, self.device, tier))
             self.views[cur].clear()
             self.bases[cur].clear()
-            self.stats_["growths"] += 1
         elif len(self.views[cur]) >= 1024:
             self.views[cur].clear()
         # one slice per view, from whole-arena views of each dtype (a layout seen before is a lookup)
@@ -213,11 +187,10 @@ class _Launcher:
         ring.take(cur)
         if buf.tier.copies:
             buf.uva(used)
-            self.stats_["transfers"] += 1
-            self.stats_["bytes"] += used
+            ring.count(used)
         return d_idx, d_val
 
-    def kernel_for(self, parts: Sequence[_Gathered], n_elems: int) -> str:
+    def kernel_for(self, parts: Sequence[Gathered], n_elems: int) -> Kernel:
         if parts[0].target.tier is Tier.HOST:
             return "host"
         if parts[0].dup if len(parts) == 1 else any(p.dup for p in parts):
@@ -235,14 +208,14 @@ class _Launcher:
             return "scatter"
         return want
 
-    def apply(self, parts: Sequence[_Gathered]) -> str:
+    def apply(self, parts: Sequence[Gathered]) -> Kernel:
         """Write the gathered edits of ``parts``; the kernel's name."""
         n_elems = parts[0].vals.shape[0] if len(parts) == 1 else sum(p.vals.shape[0] for p in parts)
         kernel = self.kernel_for(parts, n_elems)
         if kernel == "host":
             for p in parts:
                 dest, vals = p.dest()
-                flat = p.target._flat_np
+                flat = p.target.flat_np
                 assert flat is not None  # set on every HOST-tier target; all parts share one device
                 flat[dest] = vals
             return kernel
@@ -255,12 +228,12 @@ class _Launcher:
                 vals = np.concatenate([v for _, v in pieces])
             d_dest, d_vals = self._pack(dest, vals)
             if len(parts) == 1:
-                parts[0].target._flat.index_copy_(0, d_dest, d_vals)
+                parts[0].target.flat.index_copy_(0, d_dest, d_vals)
             else:
                 a = 0
                 for p, (d, _) in zip(parts, pieces):
                     b = a + d.shape[0]
-                    p.target._flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
+                    p.target.flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
                     a = b
         else:
             meta, vals, longest = _edit_meta(parts)
@@ -271,7 +244,7 @@ class _Launcher:
         return kernel
 
 
-def _edit_meta(parts: Sequence[_Gathered]) -> tuple[np.ndarray, np.ndarray, int]:
+def _edit_meta(parts: Sequence[Gathered]) -> tuple[np.ndarray, np.ndarray, int]:
     """The Triton kernel's per-edit rows (target address, offset, length, source), values, longest edit."""
     metas, vals = [], []
     src = 0
@@ -279,7 +252,7 @@ def _edit_meta(parts: Sequence[_Gathered]) -> tuple[np.ndarray, np.ndarray, int]
     for p in parts:
         e = p.dst.shape[0]
         m = np.empty((e, 4), np.int64)
-        m[:, 0] = p.target.gpu.data_ptr()
+        m[:, 0] = p.target.ptr
         m[:, 1] = p.dst
         m[:, 2] = p.lens
         np.cumsum(p.lens, out=m[:, 3])
@@ -291,3 +264,55 @@ def _edit_meta(parts: Sequence[_Gathered]) -> tuple[np.ndarray, np.ndarray, int]
     if len(parts) == 1:
         return metas[0], vals[0], longest
     return np.concatenate(metas), np.concatenate(vals), longest
+
+
+def check_outputs(
+    device: torch.device,
+    verified: set[tuple[Any, ...]],
+    every: bool,
+    given: Any,
+    name: str,
+    expect: list[int],
+) -> None:
+    """Check vLLM's ``output_ptrs``/``output_strides`` (``given``) against ``expect``; no sync per call.
+
+    A sequence, or a CPU tensor, is compared every call. A device tensor's shape,
+    dtype and device are checked every call; its contents are read once per
+    distinct (tensor, version, expected values) and remembered in ``verified``, since reading
+    device memory on the host waits for the device. ``every`` (``STAGEBUF_CHECK=1``)
+    reads them every call.
+    """
+    if given is None:
+        return
+    key = None
+    if isinstance(given, torch.Tensor):
+        if given.dtype not in (torch.int64, torch.uint64, torch.int32) or given.numel() != len(expect):
+            raise InvalidArgumentError(
+                f"{name} is a tensor of shape {tuple(given.shape)}, dtype {given.dtype}; allowed: "
+                f"{len(expect)} integers (int64, uint64 or int32), one per tensor"
+            )
+        if given.device.type != "cpu":
+            if given.device != device:
+                raise InvalidArgumentError(
+                    f"{name} is on {given.device}; allowed: the CPU or this writer's {device}"
+                )
+            key = (name, given.data_ptr(), given._version, tuple(expect))
+            if key in verified and not every:
+                return
+        given = given.detach().cpu().reshape(-1).tolist()  # a sync only for a new device tensor
+    try:
+        got = [int(v) for v in given]
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(
+            f"{name} must be None or a sequence (or tensor) of ints, one per tensor; "
+            f"got {type(given).__name__}"
+        ) from None
+    if got != expect:
+        raise InvalidArgumentError(
+            f"{name}={got} does not match the tensors passed ({expect}); "
+            f"allowed: None, or exactly those values in the same order"
+        )
+    if key is not None:
+        if len(verified) >= 64:
+            verified.clear()
+        verified.add(key)

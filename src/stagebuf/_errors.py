@@ -124,8 +124,13 @@ class StagedWriteError(InvalidArgumentError):
         edit of ``tensor``; ``tensor.discard_staged(err.edits)`` drops exactly those.
     tensor : StagedWriteTensor or None
         The tensor whose edits they are.
-    position, index, start : int
-        The first bad edit: its position, row and start column.
+    position : int
+        The first bad edit's position (staging order, as ``pending_writes()`` lists
+        them); ``edits[0]``.
+    index : int
+        The first bad edit's row.
+    start : int
+        The first bad edit's start column.
     """
 
     def __init__(

@@ -66,18 +66,25 @@ class _Fields(Mapping[str, "ParamField"]):
 class ParamField(Sealed):
     """One field of a DeviceParamTable: ``.np``/``.cpu`` on the host, ``.gpu`` on the device.
 
-    ``field.np = values`` copies ``values`` into the host view (like
-    ``field.np[:] = values``, with stagebuf's value checks); the other attributes
-    are read-only.
+    Made by :class:`DeviceParamTable`, not by hand. ``field.np = values`` (or
+    ``.cpu``) copies ``values`` (one scalar, or one value per row) into the host
+    view, like ``field.np[:] = values`` with stagebuf's value checks: it raises
+    InvalidArgumentError for another shape or a value that does not fit the dtype,
+    and ArgumentTypeError for an unsupported type. The other attributes are
+    read-only (ReadOnlyAttributeError).
 
     Attributes
     ----------
     name : str
+        The field's name.
     dtype : torch.dtype
+        The field's element type.
     offset : int
         Byte offset in the table's packed arena.
-    cpu, np : torch.Tensor, numpy.ndarray
+    cpu : torch.Tensor
         The host values (one per row), written by the host.
+    np : numpy.ndarray
+        A numpy view of ``cpu``.
     gpu : torch.Tensor
         The device values, at a fixed address, written by ``table.sync()``.
     """
@@ -101,7 +108,63 @@ class ParamField(Sealed):
 
 
 class DeviceParamTable(Sealed):
-    """Per-row parameters (e.g. sampling temperature, top-k) mirrored on the device."""
+    """Per-row parameters (e.g. sampling temperature, top-k) mirrored on the device.
+
+    Every field holds ``num_rows`` values, packed with the others into one host
+    arena and one device arena at a fixed address. The host writes
+    ``table[name].np``; :meth:`sync` uploads the whole arena with one copy when a
+    value changed, from a snapshot in the next of ``max_concurrency`` staging slots,
+    so host writes after ``sync()`` never reach the copy in flight. The device
+    values keep their address for the table's life (CUDA graphs may read them).
+
+    ``table[name]`` and ``table.fields[name]`` are the field's :class:`ParamField`
+    (a name that is not a field raises UnknownFieldError, a KeyError);
+    ``name in table``, ``len(table)`` and iteration go over the field names. The
+    table's attributes are read-only: assigning one raises ReadOnlyAttributeError
+    saying how to write the values instead.
+
+    Parameters
+    ----------
+    num_rows : int
+        The values per field, >= 0.
+    fields : mapping of str to dtype
+        Field name (a non-empty str) -> its element type (a torch dtype, numpy dtype
+        or name: bool, uint8, int8, int16, int32, int64, float16, float32, float64),
+        in arena order; at least one field.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None (the default) is the
+        current accelerator, else the CPU.
+    max_concurrency : int or None, optional
+        The staging slot count, >= 1 (values below 2 are raised to 2); None (the
+        default) is :func:`set_default_max_concurrency`'s value.
+
+    Attributes
+    ----------
+    num_rows : int
+        The values per field.
+    nbytes : int
+        The packed arena's size in bytes (each field starts 16-byte aligned).
+    device : torch.device
+        The target device.
+    max_concurrency : int
+        The staging slot count (at least 2).
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``num_rows`` is not an int >= 0, ``fields`` is not a non-empty mapping, a
+        field name is not a non-empty str, or ``max_concurrency`` is not None or an
+        int >= 1.
+    ArgumentTypeError
+        If a field's dtype is not a supported dtype, or ``device`` is of a type that
+        is not accepted.
+    DeviceAllocationError
+        If the device runs out of memory for the arena or the staging slots.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    """
 
     def __init__(
         self,
@@ -110,10 +173,6 @@ class DeviceParamTable(Sealed):
         device: DeviceLike = None,
         max_concurrency: int | None = None,
     ):
-        """``num_rows`` rows of each field in ``fields`` (name -> dtype) on ``device``.
-
-        ``device=None`` is the current accelerator, else the CPU (as ``capabilities(None)``).
-        """
         if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or num_rows < 0:
             raise InvalidArgumentError(f"num_rows={num_rows!r} must be an int >= 0")
         if not isinstance(fields, Mapping) or not fields:
@@ -154,12 +213,15 @@ class DeviceParamTable(Sealed):
 
     @property
     def tier(self) -> Tier:
-        """The tier of the staging slots (the lowest, if a run-time fallback split them)."""
+        """The tier of the staging slots (the worst, if a run-time fallback split them)."""
         return self._ring.tier
 
     @property
     def fields(self) -> Mapping[str, ParamField]:
-        """name -> ParamField, read-only (``table.fields[name]`` is ``table[name]``)."""
+        """name -> ParamField, read-only, in arena order (``table.fields[name]`` is ``table[name]``).
+
+        Looking up a name that is not a field raises UnknownFieldError (a KeyError).
+        """
         return self._fields_view
 
     def _why(self, name: str) -> str:
@@ -168,6 +230,23 @@ class DeviceParamTable(Sealed):
         return super()._why(name)
 
     def __getitem__(self, name: str) -> ParamField:
+        """The field ``name``.
+
+        Parameters
+        ----------
+        name : str
+            A field name, as given to the constructor.
+
+        Returns
+        -------
+        ParamField
+            The field: write ``.np`` (or ``.cpu``), read ``.gpu`` after :meth:`sync`.
+
+        Raises
+        ------
+        UnknownFieldError
+            If ``name`` is not a field (a KeyError too); the message lists the fields.
+        """
         return self._fields_view[name]
 
     def __contains__(self, name: object) -> bool:
@@ -180,14 +259,37 @@ class DeviceParamTable(Sealed):
         return len(self._fields)
 
     def changed(self) -> bool:
-        """True when a host value differs from what was last uploaded."""
+        """Whether a host value differs from what was last uploaded (bitwise: a NaN equals itself).
+
+        Returns
+        -------
+        bool
+            True when :meth:`sync` would issue a copy.
+        """
         return self._host_np.tobytes() != self._shadow.tobytes()  # bitwise (a NaN equals itself)
 
     def sync(self, force: bool = False) -> bool:
         """Upload every field with one stream-ordered copy if a host value changed (or ``force``).
 
-        Returns True when a copy was issued, False when the device already held
-        the host values.
+        The host arena is snapshotted into the next staging slot (once the guard says
+        that slot's previous copy is done) and copied from there into the device arena
+        on the current stream: later host writes do not reach this copy.
+
+        Parameters
+        ----------
+        force : bool, optional
+            Upload even when nothing changed (default False).
+
+        Returns
+        -------
+        bool
+            True when a copy was issued, False when the device already held the host
+            values.
+
+        Raises
+        ------
+        CudaError
+            If recording or querying the guard's CUDA event fails.
         """
         self._syncs["syncs"] += 1
         if not force and not self.changed():
@@ -206,7 +308,16 @@ class DeviceParamTable(Sealed):
         return True
 
     def stats(self) -> dict[str, int]:
-        """transfers, bytes, growths, guard_waits, skipped (syncs with nothing to upload), syncs."""
+        """The table's counters.
+
+        Returns
+        -------
+        dict of str to int
+            ``transfers`` and ``bytes`` (uploads and their size; none on tier HOST),
+            ``growths`` (always 0: the arena never grows), ``guard_waits`` (times a
+            sync waited for a slot's previous copy), ``syncs`` (calls of
+            :meth:`sync`) and ``skipped`` (those with nothing to upload).
+        """
         return {**self._ring.stats(), **self._syncs}
 
     def __repr__(self) -> str:

@@ -21,13 +21,64 @@ from ._types import DeviceLike, DTypeLike, HostData
 class UvaBufferPool(Sealed):
     """``max_concurrency`` staging buffers used round-robin.
 
-    Reuse contract: each ``copy_to_uva``/``copy_to_gpu`` takes the next slot, so
-    the device readers of a slot must be done before the pool comes round to it
-    again (after ``max_concurrency`` more calls), growth included. The guard
-    checks this: ``guard="auto"`` (default) waits where the device reads host
-    memory asynchronously (UVA, PINNED), ``"raise"`` raises, ``"off"`` trusts
-    the caller. A slot's first dimension grows to the next power of two when an
+    Each ``copy_to_uva``/``copy_to_gpu`` call that changes the values takes the next
+    slot, so the device readers of a slot must be done before the pool comes round
+    to it again (after ``max_concurrency`` more such calls), growth included: a
+    tensor from ``copy_to_uva`` holds its data for that long. The guard checks this
+    (see ``guard``). A slot's first dimension grows to the next power of two when an
     input is longer; dtype, trailing dims and tier are kept.
+
+    ``STAGEBUF_CHECK=1`` (check mode) poisons a released slot (int -1, float NaN)
+    and keeps it poisoned for ``STAGEBUF_CHECK_QUARANTINE`` (default 16) more uses,
+    so a read past a tensor's lifetime reads poison. The attributes are read-only:
+    assigning one raises ReadOnlyAttributeError.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        A slot's shape: a row count, or a tuple whose first entry is the row count
+        (the rows grow on demand; the trailing dims are fixed).
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
+        float64).
+    max_concurrency : int or None, optional
+        The slot count, >= 1 (values below 2 are raised to 2); None (the default) is
+        :func:`set_default_max_concurrency`'s value.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None (the default) is the
+        default device.
+    guard : {"auto", "wait", "raise", "off"}, optional
+        Before a slot is rewritten: ``"wait"`` for its readers (counted in
+        ``stats()["guard_waits"]``), ``"raise"`` SlotInFlightError, or ``"off"``
+        (trust the caller); ``"auto"`` (the default) is ``"wait"`` where the device
+        reads host memory asynchronously (UVA, PINNED), else ``"off"``.
+
+    Attributes
+    ----------
+    shape : tuple of int
+        The shape the slots were made with (``size`` as a tuple).
+    dtype : torch.dtype
+        The element type.
+    max_concurrency : int
+        The slot count (at least 2).
+    device : torch.device
+        The target device.
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them, ``max_concurrency`` is not
+        None or an int >= 1, or ``guard`` is not one of the allowed modes.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
+        accepted.
+    DeviceAllocationError
+        If the device runs out of memory for the slots.
+    SetupError
+        As :func:`capabilities`: a bad setting (``STAGEBUF_CHECK`` and
+        ``STAGEBUF_CHECK_QUARANTINE`` included) or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
     """
 
     def __init__(
@@ -59,7 +110,7 @@ class UvaBufferPool(Sealed):
 
     @property
     def tier(self) -> Tier:
-        """The tier of the slots (the lowest one, if a run-time fallback split them)."""
+        """The tier of the slots (the worst one, if a run-time fallback split them)."""
         return self._ring.tier
 
     def _next(self, x: HostData, reuse: bool = False) -> tuple[StagingBuffer, int, bool]:
@@ -92,10 +143,47 @@ class UvaBufferPool(Sealed):
         return buf, n, False
 
     def copy_to_uva(self, x: HostData) -> torch.Tensor:
-        """Stage ``x`` in the next slot; the device tensor of its first len(x) rows.
+        """Stage ``x`` in the next slot; the device tensor of its first ``len(x)`` rows.
 
-        Values equal to the last call's (its first len(x) rows) reuse its slot: the same
-        device tensor comes back, with no copy and no new slot, on every tier.
+        The slot is published at return: a view of the slot's host memory on tiers UVA
+        and HOST (no copy), the slot's device buffer after one asynchronous copy (on the
+        current stream) on PINNED and PAGEABLE. Values equal to the last call's (its
+        first ``len(x)`` rows) reuse its slot: the same device tensor comes back, with
+        no copy and no new slot, on every tier. A call that raises takes no slot and
+        writes nothing.
+
+        Parameters
+        ----------
+        x : numpy.ndarray, torch.Tensor, list or tuple
+            Host data of the pool's rank and trailing shape (a CPU tensor, a numpy
+            array or a nested list), any number of rows; its values must fit ``dtype``
+            exactly.
+
+        Returns
+        -------
+        torch.Tensor
+            ``len(x)`` rows on ``device``. It holds ``x`` until the pool has taken
+            ``max_concurrency`` more slots (calls with unchanged values take none);
+            in check mode it reads poison from then on.
+
+        Raises
+        ------
+        ArgumentTypeError
+            If ``x`` is not a list, tuple, numpy array or CPU tensor, or its dtype is
+            not supported.
+        InvalidArgumentError
+            If ``x`` has another rank or trailing shape, is a tensor on another
+            device, or holds values ``dtype`` cannot represent (fractions, NaN or
+            out-of-range values into an integer dtype, say).
+        SlotInFlightError
+            With ``guard="raise"``, if the device may still read the next slot.
+        StepRuleError
+            In check mode, if the step clock would have released a slot the device may
+            still read (call :func:`begin_step` at the start of every step).
+        DeviceAllocationError
+            If growing the slot for a longer ``x`` runs out of device memory.
+        CudaError
+            If recording or querying the guard's CUDA event fails.
         """
         buf, n, reused = self._next(x, reuse=True)
         if reused:
@@ -105,7 +193,45 @@ class UvaBufferPool(Sealed):
         return buf.uva(n)
 
     def copy_to_gpu(self, x: HostData, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Stage ``x`` and copy it into device memory (``out`` or a new tensor)."""
+        """Stage ``x`` in the next slot and copy it into device memory (``out`` or a new tensor).
+
+        The copy is issued on the current stream (asynchronously from pinned memory);
+        the result is device memory of its own, not a view of the slot, so it stays
+        valid however often the pool comes round. On tier HOST the copy is a CPU copy.
+
+        Parameters
+        ----------
+        x : numpy.ndarray, torch.Tensor, list or tuple
+            Host data of the pool's rank and trailing shape, as for
+            :meth:`copy_to_uva`.
+        out : torch.Tensor or None, optional
+            The destination: exactly ``(len(x), *shape[1:])`` of ``dtype`` on
+            ``device``; None (the default) allocates one.
+
+        Returns
+        -------
+        torch.Tensor
+            ``out``, or the new tensor, holding ``x``.
+
+        Raises
+        ------
+        ArgumentTypeError
+            If ``x`` is not a list, tuple, numpy array or CPU tensor (or of an
+            unsupported dtype), or ``out`` is not None or a tensor.
+        InvalidArgumentError
+            If ``x`` has another rank or trailing shape, is a tensor on another
+            device, or holds values ``dtype`` cannot represent; or if ``out`` has
+            another shape, dtype or device.
+        SlotInFlightError
+            With ``guard="raise"``, if the device may still read the next slot.
+        StepRuleError
+            In check mode, if the step clock would have released a slot the device may
+            still read.
+        DeviceAllocationError
+            If growing the slot, or allocating the result, runs out of device memory.
+        CudaError
+            If recording or querying the guard's CUDA event fails.
+        """
         arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=self.shape[1:])
         if out is not None:
             self._check_out(out, arr.shape[0])
@@ -131,7 +257,16 @@ class UvaBufferPool(Sealed):
         self._ring.count(n * (buf.nbytes // max(buf.shape[0], 1)))
 
     def stats(self) -> dict[str, int]:
-        """transfers, bytes, growths, guard_waits."""
+        """The pool's counters.
+
+        Returns
+        -------
+        dict of str to int
+            ``transfers`` (host-to-device copies: ``copy_to_uva`` on PINNED and
+            PAGEABLE, ``copy_to_gpu`` on every tier but HOST), ``bytes`` (their
+            size), ``growths`` (slots replaced by larger ones) and ``guard_waits``
+            (times the guard waited for the device).
+        """
         return self._ring.stats()
 
 
@@ -139,7 +274,57 @@ class UvaBackedTensor(Sealed):
     """A host tensor that is the source of truth, published to the device on request.
 
     ``.cpu``/``.np`` are written by the host; ``copy_to_uva(n)`` publishes the
-    first ``n`` rows (all when None) through a pool and sets ``.gpu``.
+    first ``n`` rows (all when None) through a :class:`UvaBufferPool` and sets
+    ``.gpu``. Publishing snapshots the host rows into a pool slot, so host writes
+    after it do not reach ``.gpu``; publishing unchanged values takes no slot and
+    returns the same tensor. ``.gpu`` holds its data for ``max_concurrency`` more
+    publishes that change the values (in check mode it reads poison after).
+
+    Assigning ``.np`` or ``.cpu`` copies the values in (one scalar, or an array of
+    the tensor's shape), with stagebuf's value checks: InvalidArgumentError for
+    another shape or a value that does not fit the dtype, ArgumentTypeError for an
+    unsupported type. Assigning any other attribute raises ReadOnlyAttributeError.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape: a row count, or a tuple whose first entry is the row count.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
+        float64).
+    max_concurrency : int or None, optional
+        The pool's slot count, as for :class:`UvaBufferPool`.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None (the default) is the
+        default device.
+
+    Attributes
+    ----------
+    cpu : torch.Tensor
+        The host values (zero-filled at construction), written by the host.
+    np : numpy.ndarray
+        A numpy view of ``cpu``.
+    dtype : torch.dtype
+        The element type.
+    pool : UvaBufferPool
+        The pool that publishes the rows (``guard="auto"``).
+    device : torch.device
+        The target device.
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them, or ``max_concurrency`` is
+        not None or an int >= 1.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
+        accepted.
+    DeviceAllocationError
+        If the device runs out of memory for the pool's slots.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
     """
 
     def __init__(
@@ -164,18 +349,42 @@ class UvaBackedTensor(Sealed):
 
     @property
     def gpu(self) -> torch.Tensor:
-        """The device tensor of the last ``copy_to_uva()``."""
+        """The device tensor of the last ``copy_to_uva()`` (at first: the zeros published at construction)."""
         return self._gpu
 
     @property
     def tier(self) -> Tier:
+        """The pool's tier (the worst one, if a run-time fallback split its slots)."""
         return self.pool.tier
 
     def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
-        """Publish the first ``n`` rows (all when None); the device tensor, also kept as ``.gpu``."""
+        """Publish the first ``n`` rows (all when None); the device tensor, also kept as ``.gpu``.
+
+        Parameters
+        ----------
+        n : int or None, optional
+            The row count, ``0 <= n <= rows``; None (the default) is every row.
+
+        Returns
+        -------
+        torch.Tensor
+            The first ``n`` rows on ``device``, as :meth:`UvaBufferPool.copy_to_uva`
+            returns them (the same tensor again when the values did not change).
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``n`` is not None or an int in ``[0, rows]``.
+        StepRuleError
+            In check mode, if the step clock would have released a slot the device may
+            still read.
+        CudaError
+            If recording or querying the guard's CUDA event fails.
+        """
         src = self.np if n is None else self.np[: check_rows(n, self.np.shape[0])]
         gpu = self.__dict__["_gpu"] = self.pool.copy_to_uva(src)  # (a plain store: no __setattr__ hook)
         return gpu
 
     def stats(self) -> dict[str, int]:
+        """The pool's counters, as :meth:`UvaBufferPool.stats`: transfers, bytes, growths, guard_waits."""
         return self.pool.stats()

@@ -151,9 +151,20 @@ class _Slot:
 class Step:
     """One step's staging. Use as a context manager; ``flush()`` ends it early.
 
-    Tensors returned by ``stage()`` hold their data from the moment the step is
-    published (leaving the block, or ``flush()``) until the stager begins the step
-    that reuses the slot, ``max_concurrency`` steps later; on every tier.
+    Made by :meth:`StepStager.step`. Tensors returned by ``stage()`` hold their data
+    from the moment the step is published (leaving the block, or ``flush()``) until
+    the stager begins the step that reuses the slot, ``max_concurrency`` steps later;
+    on every tier. Read before then, they show the slot's old contents (poison in
+    check mode). Leaving the block by an exception publishes nothing and ends the
+    step.
+
+    Attributes
+    ----------
+    seq : int
+        The step's number (0 for a stager's first).
+    done : bool
+        Whether the step was published (or left by an exception); then ``stage()``
+        raises.
     """
 
     __slots__ = ("_slot", "_used", "_n", "_layout", "_retired", "seq", "done")
@@ -187,8 +198,9 @@ class Step:
         ----------
         x : list, tuple, numpy.ndarray or CPU tensor
             1-D or 2-D host data.
-        dtype : torch.dtype, optional
-            Default: the input's own (int64/float64 for Python lists).
+        dtype : torch.dtype, numpy.dtype, type, str or None, optional
+            The element type; None (the default) is the input's own (int64 or float64
+            for Python lists).
 
         Returns
         -------
@@ -199,9 +211,17 @@ class Step:
         Raises
         ------
         UsageError
-            The step was already flushed, or a static arena is full.
-        ArgumentTypeError, InvalidArgumentError
-            Input that cannot be converted exactly; nothing is staged.
+            If the step was already flushed (or left), or it needs more than the arena
+            holds and the arena cannot grow: a static stager, or a CUDA graph is being
+            captured.
+        ArgumentTypeError
+            If ``x`` is not a list, tuple, numpy array or CPU tensor, or ``dtype`` (or
+            ``x``'s dtype) is not supported; nothing is staged.
+        InvalidArgumentError
+            If ``x`` is not 1-D or 2-D, is a tensor on another device, or holds
+            values ``dtype`` cannot represent exactly; nothing is staged.
+        DeviceAllocationError
+            If growing the slot runs out of device memory.
         """
         layout = self._layout
         i = self._n
@@ -247,7 +267,13 @@ class Step:
         return dev
 
     def flush(self) -> None:
-        """Publish everything staged in this step: from now on the device sees it."""
+        """Publish everything staged in this step: from now on the device sees it.
+
+        One copy on tiers PINNED and PAGEABLE (on the current stream), a host copy on
+        UVA and HOST; a static stager copies into its fixed device arena. The step is
+        then done: ``stage()`` raises and a second ``flush()`` does nothing. Leaving
+        the ``with`` block calls it.
+        """
         if self.done:
             return
         slot = self._slot
@@ -282,12 +308,29 @@ class StepStager(Sealed):
         on every tier but HOST). Stage the same shapes in the same order as when the
         graph was captured; the arena never grows.
 
+    Attributes
+    ----------
+    max_concurrency : int
+        The slot count (at least 2).
+    static : bool
+        Whether every step gets the same device addresses.
+    device : torch.device
+        The target device.
+
     Raises
     ------
-    InvalidArgumentError, ArgumentTypeError
-        A bad ``capacity``, ``max_concurrency``, ``guard`` or ``static``.
-    TierUnavailableError, UnknownDeviceError
-        The device cannot be used (see ``capabilities``).
+    InvalidArgumentError
+        If ``capacity`` is not an int >= 16, ``max_concurrency`` is not None or an
+        int >= 1, or ``guard`` is not one of the allowed modes.
+    ArgumentTypeError
+        If ``static`` is not a bool, or ``device`` is of a type that is not accepted.
+    DeviceAllocationError
+        If the device runs out of memory for the slots (or the static arena).
+    SetupError
+        As :func:`capabilities`: a bad setting (``STAGEBUF_CHECK`` and
+        ``STAGEBUF_CHECK_QUARANTINE`` included) or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
     """
 
     def __init__(
@@ -340,9 +383,14 @@ class StepStager(Sealed):
         Raises
         ------
         UsageError
-            The previous step is still open.
+            If the previous step is still open.
         SlotInFlightError
-            ``guard="raise"`` and the slot may still be read.
+            With ``guard="raise"``, if the device may still read the slot.
+        StepRuleError
+            In check mode, if the step clock would have released a slot the device may
+            still read (call :func:`begin_step` at the start of every step).
+        CudaError
+            If recording or querying the guard's CUDA event fails.
         """
         if self._open is not None and not self._open.done:
             raise UsageError(f"step {self._open.seq} is still open; flush it before step()")
@@ -358,17 +406,26 @@ class StepStager(Sealed):
         return st
 
     def mark_consumed(self) -> None:
-        """The last step's consumers are enqueued: record the guard's event now.
+        """Say that the last step's consumers are enqueued: the clock's next event protects its slot.
 
         Raises
         ------
         UsageError
-            A step is still open.
+            If a step is still open.
         """
         if self._open is not None and not self._open.done:
             raise UsageError(f"step {self._open.seq} is still open; flush it first")
         self._ring.mark()
 
     def stats(self) -> dict[str, int]:
-        """Counters: transfers, bytes, growths, guard_waits, steps."""
+        """The stager's counters.
+
+        Returns
+        -------
+        dict of str to int
+            ``transfers`` (published steps that copied: every non-empty step on
+            PINNED and PAGEABLE, and on UVA with ``static=True``), ``bytes`` (their
+            size), ``growths`` (slots replaced by larger ones), ``guard_waits`` (times
+            the guard waited for the device) and ``steps`` (steps begun).
+        """
         return self._ring.stats(steps=True)

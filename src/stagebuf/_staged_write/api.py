@@ -67,12 +67,38 @@ class StagedWriteTensor(Sealed):
         Keep the tensor in pinned host memory that kernels read through UVA (tier UVA
         only; elsewhere it is a device tensor, logged once).
 
+    Attributes
+    ----------
+    gpu : torch.Tensor
+        The target tensor, at a fixed address (zero-filled at construction).
+    shape : tuple of int
+        Its shape.
+    dtype : torch.dtype
+        Its element type.
+    device : torch.device
+        The target device.
+    tier : Tier
+        The device's tier (``capabilities(device).tier``).
+    rows : int
+        The row count (``num_rows`` too).
+    cols : int
+        Values per row (1 for a 1-D target).
+
     Raises
     ------
     InvalidArgumentError
-        A size of another rank, or a dtype that is not allowed.
-    TierUnavailableError, UnknownDeviceError
-        The device cannot be used (see ``capabilities``).
+        If ``size`` is not an int >= 0 or a tuple of one or two of them, ``dtype`` is
+        not one of the allowed dtypes, or ``max_concurrency`` is not None or an int
+        >= 1.
+    ArgumentTypeError
+        If ``device`` is of a type that is not accepted.
+    DeviceAllocationError
+        If the device runs out of memory for the tensor.
+    SetupError
+        As :func:`capabilities`: a bad setting (``STAGEBUF_WRITE_KERNEL`` included)
+        or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
 
     Notes
     -----
@@ -162,8 +188,13 @@ class StagedWriteTensor(Sealed):
 
         Raises
         ------
-        InvalidArgumentError, ArgumentTypeError
-            A bad row, start or column range (or bad non-list values); nothing is staged.
+        InvalidArgumentError
+            If ``index`` or ``start`` is not an int in range, the edit ends past the
+            row, or non-list ``values`` are not 1-D or do not fit the dtype; nothing is
+            staged.
+        ArgumentTypeError
+            If non-list ``values`` are of an unsupported type or dtype; nothing is
+            staged.
         """
         self._edits.stage_write(index, start, values)
 
@@ -179,8 +210,13 @@ class StagedWriteTensor(Sealed):
 
         Raises
         ------
-        InvalidArgumentError, ArgumentTypeError
-            A bad row, or a value that is not one number; nothing is staged.
+        InvalidArgumentError
+            If ``index`` is not an int in ``[0, rows)``, ``value`` is a list or tuple
+            or an array that is not 0-d, or a numpy value does not fit the dtype;
+            nothing is staged.
+        ArgumentTypeError
+            If ``value`` is a bool, not a number, or an array of an unsupported dtype;
+            nothing is staged.
         """
         self._edits.stage_write_elem(index, value)
 
@@ -202,9 +238,14 @@ class StagedWriteTensor(Sealed):
 
         Raises
         ------
-        InvalidArgumentError, ArgumentTypeError
-            Everything is checked now, with numpy; a bad edit raises naming its
-            position, and nothing of the batch is staged.
+        InvalidArgumentError
+            If the arrays' lengths disagree, a row, start or length is out of range, an
+            edit ends past its row, or a value does not fit the dtype. Everything is
+            checked now, with numpy; a bad edit raises naming its position, and nothing
+            of the batch is staged.
+        ArgumentTypeError
+            If an argument is of an unsupported type or dtype (``rows``, ``starts`` and
+            ``lengths`` must hold integers); nothing of the batch is staged.
         """
         self._edits.stage_writes(rows, starts, values, lengths)
 
@@ -232,8 +273,11 @@ class StagedWriteTensor(Sealed):
 
         Raises
         ------
-        InvalidArgumentError, ArgumentTypeError
-            A position that is not a staged edit's; nothing is dropped.
+        InvalidArgumentError
+            If a position is not a staged edit's (outside ``[0, num_staged)``);
+            nothing is dropped.
+        ArgumentTypeError
+            If ``positions`` is not an iterable of ints; nothing is dropped.
         """
         self._edits.discard(positions)
 
@@ -243,8 +287,15 @@ class StagedWriteTensor(Sealed):
         Raises
         ------
         StagedWriteError
-            A staged list value does not fit the dtype: nothing is written, every
-            staged edit stays staged, and ``err.edits`` names every bad one.
+            If a staged list value is not a number or does not fit the dtype exactly:
+            nothing is written, every staged edit stays staged, and ``err.edits`` names
+            every bad one (``discard_staged(err.edits)``, then apply again).
+        UsageError
+            If a staging slot must grow while a CUDA graph is being captured.
+        DeviceAllocationError
+            If the device runs out of memory for the staging slots.
+        CudaError
+            If recording or querying the guard's CUDA event fails.
         """
         g = self._edits.gather()
         if g is None:
@@ -257,7 +308,16 @@ class StagedWriteTensor(Sealed):
         self._edits.clear()
 
     def stats(self) -> dict[str, int]:
-        """This tensor's staging counters: transfers, bytes, growths, guard_waits, steps."""
+        """This tensor's staging counters (of ``apply_write()``; a fused apply counts on its writer).
+
+        Returns
+        -------
+        dict of str to int
+            ``transfers`` and ``bytes`` (host-to-device copies of packed edits and
+            their size: on PINNED and PAGEABLE), ``growths`` (slots replaced by larger
+            ones), ``guard_waits`` (times an apply waited for a slot's last launch)
+            and ``steps`` (applies that packed a slot: none on HOST).
+        """
         return self._launcher.stats()
 
     def __repr__(self) -> str:
@@ -270,8 +330,40 @@ class StagedWriteTensor(Sealed):
 class FusedStagedWriter(Sealed):
     """Applies the staged edits of several StagedWriteTensors of one dtype: one transfer, one launch.
 
-    ``max_writes`` is the expected number of edits per apply (it sizes the staging
-    slots; a larger apply grows them).
+    The writer owns its staging slots (made at the first apply that packs one); the
+    tensors' own slots are not used.
+
+    Parameters
+    ----------
+    device : torch.device, str, int or None, optional
+        The device of the tensors, as for :func:`capabilities`; None (the default) is
+        the default device.
+    max_writes : int, optional
+        The expected number of edits per apply, >= 1 (default 1024): it sizes the
+        staging slots; a larger apply grows them.
+    max_concurrency : int or None, optional
+        The staging slot count, >= 1 (values below 2 are raised to 2); None (the
+        default) is :func:`set_default_max_concurrency`'s value.
+
+    Attributes
+    ----------
+    device : torch.device
+        The target device.
+    max_concurrency : int
+        The staging slot count (at least 2).
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``max_writes`` is not an int >= 1, or ``max_concurrency`` is not None or
+        an int >= 1.
+    ArgumentTypeError
+        If ``device`` is of a type that is not accepted.
+    SetupError
+        As :func:`capabilities`: a bad setting (``STAGEBUF_CHECK`` and
+        ``STAGEBUF_WRITE_KERNEL`` included) or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
     """
 
     def __init__(self, device: DeviceLike = None, max_writes: int = 1024, max_concurrency: int | None = None):
@@ -288,12 +380,17 @@ class FusedStagedWriter(Sealed):
 
     @property
     def kernel(self) -> Kernel:
-        """The kernel the last apply ran: ``scatter`` or ``triton`` (``host`` on the CPU)."""
+        """The kernel the last apply ran: ``scatter`` or ``triton`` (``host`` on tier HOST).
+
+        ``scatter`` before the first apply. ``STAGEBUF_WRITE_KERNEL`` (``auto``,
+        ``scatter`` or ``triton``) chooses where Triton can run (else ``scatter``);
+        overlapping edits always use ``scatter``.
+        """
         return self._kernel
 
     @property
     def max_writes(self) -> int:
-        """Edits per apply the slots are sized for (grows to the next power of two when exceeded)."""
+        """Edits per apply the slots were sized for (an apply with more sets the next power of two)."""
         return self._max_writes
 
     @staticmethod
@@ -306,9 +403,45 @@ class FusedStagedWriter(Sealed):
     ) -> None:
         """Apply and clear the staged edits of ``tensors`` (one dtype, this device) at once.
 
-        ``output_ptrs`` and ``output_strides`` (vLLM's call shape: each tensor's
-        ``data_ptr()`` and row stride, as a sequence or a tensor) are optional; when
-        given they are checked against the tensors.
+        All or nothing: every tensor's edits are gathered and checked before anything
+        is written, then they go out in one packed transfer and one launch. A tensor
+        listed twice is applied once; with nothing staged nothing happens.
+
+        Parameters
+        ----------
+        tensors : iterable of StagedWriteTensor
+            The tensors, all of one dtype and on this writer's device (a list, not a
+            single tensor).
+        output_ptrs : sequence of int, torch.Tensor or None, optional
+            vLLM's call shape: each tensor's ``gpu.data_ptr()``, in the order of
+            ``tensors``; checked against them when given. A device tensor's contents
+            are read once per tensor version (every call in check mode), since that
+            read waits for the device.
+        output_strides : sequence of int, torch.Tensor or None, optional
+            Each tensor's row stride (``row_stride``), checked as ``output_ptrs``.
+
+        Raises
+        ------
+        ArgumentTypeError
+            If ``tensors`` is not an iterable of StagedWriteTensor (a single one
+            included), or ``output_ptrs``/``output_strides`` is not a sequence (or
+            tensor) of ints.
+        InvalidArgumentError
+            If the tensors mix dtypes or one is on another device, or
+            ``output_ptrs``/``output_strides`` does not match the tensors (values,
+            length, a tensor's dtype, or a device other than the CPU or this one).
+        StagedWriteError
+            If a staged list value is not a number or does not fit the dtype exactly:
+            nothing is written on any tensor and every staged edit stays staged.
+            ``err.tensor`` is the first tensor with a bad edit and ``err.edits`` its
+            bad edits' positions in ``err.tensor.pending_writes()``; call
+            ``err.tensor.discard_staged(err.edits)``, then apply again.
+        UsageError
+            If a staging slot must grow while a CUDA graph is being captured.
+        DeviceAllocationError
+            If the device runs out of memory for the staging slots.
+        CudaError
+            If recording or querying the guard's CUDA event fails.
         """
         if isinstance(tensors, StagedWriteTensor) or not isinstance(tensors, Iterable):
             raise ArgumentTypeError(
@@ -364,7 +497,17 @@ class FusedStagedWriter(Sealed):
             t._edits.clear()
 
     def stats(self) -> dict[str, int]:
-        """The stager's counters (transfers, bytes, growths, guard_waits, steps) and max_writes growths."""
+        """The writer's counters.
+
+        Returns
+        -------
+        dict of str to int
+            ``transfers`` and ``bytes`` (host-to-device copies of packed edits and
+            their size: on PINNED and PAGEABLE), ``growths`` (staging slots replaced
+            by larger ones), ``guard_waits`` (times an apply waited for a slot's last
+            launch), ``steps`` (applies that packed a slot: none on HOST) and
+            ``edit_growths`` (times an apply's edits exceeded ``max_writes``).
+        """
         return {**self._launcher.stats(), "edit_growths": self._edit_growths}
 
     def __repr__(self) -> str:

@@ -44,7 +44,7 @@ def torch_dtype(dtype: DTypeLike, name: str = "dtype") -> torch.dtype:
     elif dtype is not None:
         try:
             np_dt = np.dtype(dtype)
-        except TypeError:
+        except (TypeError, ValueError):  # (a tensor, say, raises ValueError)
             np_dt = None
         if np_dt is not None and np_dt in _NUMPY_TO_TORCH:
             return _NUMPY_TO_TORCH[np_dt]

@@ -36,6 +36,8 @@ GUARD_MODES: tuple[GuardMode, ...] = ("auto", "wait", "raise", "off")
 
 
 _DEFAULT_MAX_CONCURRENCY = DEFAULT_MAX_CONCURRENCY
+MAX_SLOTS = 1024
+"""The most slots one ring may have (each is a buffer; an engine keeps a few steps in flight)."""
 
 
 def set_default_max_concurrency(n: int) -> None:
@@ -57,8 +59,10 @@ def set_default_max_concurrency(n: int) -> None:
         If ``n`` is not an int >= 1 (a ``bool`` is refused).
     """
     global _DEFAULT_MAX_CONCURRENCY
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise InvalidArgumentError(f"n={n!r} must be an int >= 1 (values below 2 are raised to 2)")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SLOTS:
+        raise InvalidArgumentError(
+            f"n={n!r} must be an int in [1, {MAX_SLOTS}] (values below 2 are raised to 2)"
+        )
     _DEFAULT_MAX_CONCURRENCY = max(2, n)
 
 
@@ -66,8 +70,14 @@ def slot_count(max_concurrency: int | None) -> int:
     """The slot count of a ring: ``max_concurrency``, or the default; at least 2."""
     if max_concurrency is None:
         return _DEFAULT_MAX_CONCURRENCY
-    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-        raise InvalidArgumentError(f"max_concurrency={max_concurrency!r} must be None or an int >= 1")
+    if (
+        isinstance(max_concurrency, bool)
+        or not isinstance(max_concurrency, int)
+        or not 1 <= max_concurrency <= MAX_SLOTS
+    ):
+        raise InvalidArgumentError(
+            f"max_concurrency={max_concurrency!r} must be None or an int in [1, {MAX_SLOTS}]"
+        )
     return max(2, max_concurrency)
 
 
@@ -335,7 +345,7 @@ class SlotRing:
         what: str = "slot",
         quarantine: int = 0,
     ):
-        if mode not in GUARD_MODES:
+        if not isinstance(mode, str) or mode not in GUARD_MODES:
             raise InvalidArgumentError(f"guard={mode!r}; allowed: {', '.join(GUARD_MODES)}")
         if mode == "auto":
             mode = "wait" if tier.async_host_reads else "off"

@@ -29,7 +29,7 @@ import torch
 from ._buffers import fill_host, make_buffer
 from ._constants import ALIGN
 from ._convert import torch_dtype
-from ._errors import InvalidArgumentError, UnknownFieldError
+from ._errors import ArgumentTypeError, InvalidArgumentError, UnknownFieldError
 from ._guard import slot_count
 from ._memory import alloc_device, alloc_host
 from ._probe import capabilities
@@ -50,7 +50,7 @@ class _Fields(Mapping[str, "ParamField"]):
     def __getitem__(self, name: str) -> ParamField:
         try:
             return self._d[name]
-        except KeyError:
+        except (KeyError, TypeError):  # (an unhashable key is no field name either)
             raise UnknownFieldError(f"no field {name!r}; fields: {', '.join(self._d)}") from None
 
     def __iter__(self) -> Iterator[str]:
@@ -250,7 +250,10 @@ class DeviceParamTable(Sealed):
         return self._fields_view[name]
 
     def __contains__(self, name: object) -> bool:
-        return name in self._fields
+        try:
+            return name in self._fields
+        except TypeError:  # unhashable: not a field name
+            return False
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._fields)
@@ -292,6 +295,8 @@ class DeviceParamTable(Sealed):
             If recording or querying the guard's CUDA event fails.
         """
         self._syncs["syncs"] += 1
+        if not isinstance(force, (bool, np.bool_)):
+            raise ArgumentTypeError(f"force={force!r}; allowed: True or False")
         if not force and not self.changed():
             self._syncs["skipped"] += 1
             return False

@@ -12,6 +12,7 @@ from ._buffers import StagingBuffer, fill_host, make_buffer
 from ._convert import check_rows, host_array, numpy_dtype, shape_of, torch_dtype
 from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._guard import GuardMode, slot_count
+from ._memory import alloc_host
 from ._ring import Ring
 from ._sealed import Sealed
 from ._tier import Tier
@@ -335,7 +336,7 @@ class UvaBackedTensor(Sealed):
         device: DeviceLike = None,
     ):
         self.dtype = torch_dtype(dtype)
-        self.cpu = torch.zeros(shape_of(size), dtype=self.dtype)
+        self.cpu = alloc_host(shape_of(size), self.dtype, pinned=False)
         self.np = self.cpu.numpy()
         self.pool = UvaBufferPool(size, self.dtype, max_concurrency, device)
         self.device = self.pool.device

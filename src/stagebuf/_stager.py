@@ -148,7 +148,7 @@ class _Slot:
         return v
 
 
-class Step:
+class Step(Sealed):
     """One step's staging. Use as a context manager; ``flush()`` ends it early.
 
     Made by :meth:`StepStager.step`. Tensors returned by ``stage()`` hold their data
@@ -167,18 +167,35 @@ class Step:
         raises.
     """
 
-    __slots__ = ("_slot", "_used", "_n", "_layout", "_retired", "seq", "done")
+    _slot: _Slot
+    _c: list[int]
+    _layout: list[_LayoutEntry] | None
+    _retired: list[tuple[StagingBuffer, np.ndarray, int]]
+    _seq: int
+    _done: bool
 
     def __init__(self, slot: _Slot, seq: int):
-        self._slot = slot
-        self._used = 0
-        self._n = 0
-        self._layout: list[_LayoutEntry] | None = slot.layout
-        self._retired: list[tuple[StagingBuffer, np.ndarray, int]] = []
-        self.seq = seq
+        # one dict update instead of a sealed __setattr__ per attribute (a Step is made every step);
+        # the per-call state is a list (``_c``: calls so far, bytes used), changed in place per stage()
+        self.__dict__.update(
+            _slot=slot,
+            _c=[0, 0],
+            _layout=slot.layout,
+            _retired=[],
+            _seq=seq,
+            _done=False,
+            _sealed=True,
+        )
+
+    @property
+    def seq(self) -> int:
         """The step's number (0 for a stager's first)."""
-        self.done = False
+        return self._seq
+
+    @property
+    def done(self) -> bool:
         """Whether the step was published (or left by an exception); then ``stage()`` raises."""
+        return self._done
 
     def __enter__(self) -> Step:
         return self
@@ -189,7 +206,7 @@ class Step:
         if exc_type is None:
             self.flush()
         else:
-            self.done = True
+            self.__dict__["_done"] = True
 
     def stage(self, x: HostData, dtype: DTypeLike | None = None) -> torch.Tensor:
         """Write ``x`` into this step's arena; the device tensor that holds it once the step is published.
@@ -224,21 +241,22 @@ class Step:
             If growing the slot runs out of device memory.
         """
         layout = self._layout
-        i = self._n
-        if type(x) is np.ndarray and layout is not None and i < len(layout) and not self.done:
+        c = self._c
+        i = c[0]
+        if type(x) is np.ndarray and layout is not None and i < len(layout) and not self._done:
             e = layout[i]
             if x.shape == e[1] and x.dtype == e[0] and (dtype is None or dtype is e[5]):
                 e[2][...] = x  # the same array as last time in this slot: just write it
-                self._n = i + 1
-                self._used = e[4]
+                c[0] = i + 1
+                c[1] = e[4]
                 return e[3]
         return self._stage(x, dtype)
 
     def _stage(self, x: HostData, dtype: DTypeLike | None) -> torch.Tensor:
-        if self.done:
-            raise UsageError(f"step {self.seq} was already flushed; begin a new step()")
+        if self._done:
+            raise UsageError(f"step {self._seq} was already flushed; begin a new step()")
         to_numpy: dict[Any, np.dtype] = _TORCH_TO_NUMPY  # keyed by torch dtypes: other dtype-likes miss
-        want = None if dtype is None else to_numpy.get(dtype)
+        want = to_numpy.get(dtype) if isinstance(dtype, torch.dtype) else None
         if (
             type(x) is np.ndarray
             and x.ndim in (1, 2)
@@ -248,22 +266,24 @@ class Step:
             arr = x
         else:
             arr = host_array(x, dtype, "x")
-        off = (self._used + ALIGN - 1) & -ALIGN
+        c = self._c
+        used = c[1]
+        off = (used + ALIGN - 1) & -ALIGN
         end = off + arr.nbytes
         slot = self._slot
         if end > slot.cap:
-            self._retired.append((slot.buf, slot.host, self._used))
-            slot.grow(arr.nbytes, self._used, self.seq)
-            self._layout = None  # offsets restart in the new arena: record the layout next step
+            self._retired.append((slot.buf, slot.host, used))
+            slot.grow(arr.nbytes, used, self._seq)
+            self.__dict__["_layout"] = None  # offsets restart in the new arena: record it next step
             off, end = 0, arr.nbytes
         host, dev = slot.view(off, arr.dtype, arr.shape, slot.dev_arena)
         host[...] = arr
-        self._used = end
+        c[1] = end
         layout = self._layout
         if layout is not None:
-            del layout[self._n :]
+            del layout[c[0] :]
             layout.append((arr.dtype, arr.shape, host, dev, end, _NUMPY_TO_TORCH[arr.dtype]))
-        self._n += 1
+        c[0] += 1
         return dev
 
     def flush(self) -> None:
@@ -274,16 +294,16 @@ class Step:
         then done: ``stage()`` raises and a second ``flush()`` does nothing. Leaving
         the ``with`` block calls it.
         """
-        if self.done:
+        if self._done:
             return
         slot = self._slot
         for buf, host, used in self._retired:  # a growth mid-step: earlier tensors stay valid
             if used:
                 slot.publish(buf, host, used)
-        used = self._used
+        used = self._c[1]
         if used and slot.publish(slot.buf, slot.host, used):
             slot.ring.count(used)
-        self.done = True
+        self.__dict__["_done"] = True
 
 
 class StepStager(Sealed):
@@ -392,7 +412,7 @@ class StepStager(Sealed):
         CudaError
             If recording or querying the guard's CUDA event fails.
         """
-        if self._open is not None and not self._open.done:
+        if self._open is not None and not self._open._done:
             raise UsageError(f"step {self._open.seq} is still open; flush it before step()")
         ring = self._ring
         cur = ring.next()

@@ -38,8 +38,8 @@ def test_growth_is_power_of_two_and_keeps_other_slots(any_tier):
     ta = pool.copy_to_uva(a)
     b = np.arange(22, dtype=np.float32).reshape(11, 2) * -1
     tb = pool.copy_to_uva(b)  # second slot grows 4 -> 16
-    assert [buf.shape for buf in pool._bufs] == [(4, 2), (16, 2)]
-    assert all(buf.dtype == torch.float32 and buf.tier is any_tier for buf in pool._bufs)
+    assert [buf.shape for buf in pool._ring.bufs] == [(4, 2), (16, 2)]
+    assert all(buf.dtype == torch.float32 and buf.tier is any_tier for buf in pool._ring.bufs)
     np.testing.assert_array_equal(ta.cpu().numpy(), a)  # the other slot is untouched
     np.testing.assert_array_equal(tb.cpu().numpy(), b)
     assert pool.stats()["growths"] == 1
@@ -143,7 +143,7 @@ def test_random_copy_streams_match_numpy(cpu_tier, depth, lengths, seed):
         slot = i % depth
         if n > model_cap[slot]:
             model_cap[slot] = 1 << (n - 1).bit_length()
-        assert [b.shape[0] for b in pool._bufs] == model_cap
+        assert [b.shape[0] for b in pool._ring.bufs] == model_cap
         for t, want in results[-depth:]:
             np.testing.assert_array_equal(t.cpu().numpy(), want)
         for t, want in results[1::2]:  # copy_to_gpu results are never overwritten

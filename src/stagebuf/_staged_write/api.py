@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._buffers import UvaBuffer
@@ -121,6 +122,8 @@ class StagedWriteTensor(Sealed):
             raise InvalidArgumentError(
                 f"size={size!r} has rank {len(shape)}; allowed: 1 (n) or 2 (rows, cols)"
             )
+        if not isinstance(uva_instead_of_gpu, (bool, np.bool_)):
+            raise ArgumentTypeError(f"uva_instead_of_gpu={uva_instead_of_gpu!r}; allowed: True or False")
         self.shape = shape
         self.dtype = _dtype(dtype)
         caps = capabilities(device)

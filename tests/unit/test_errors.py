@@ -1,10 +1,12 @@
 """One exception base: everything stagebuf raises for its own conditions is a StagebufError,
-and keeps the builtin parent that ``except`` clauses written before it expect."""
+and keeps the builtin parent that ``except`` clauses written before it expect.
+
+That nothing else escapes a misuse of a public object is checked by behaviour, in
+``test_misuse.py`` (it replaced a scan of the source for ``raise Name(...)``, which missed
+``buf.device = x`` raising a bare AttributeError from a helper).
+"""
 
 from __future__ import annotations
-
-import ast
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,37 +20,6 @@ from stagebuf import (
     StepStager,
     UvaBufferPool,
 )
-
-SRC = Path(stagebuf.__file__).resolve().parent
-BUILTINS = {
-    "ValueError",
-    "TypeError",
-    "RuntimeError",
-    "AttributeError",
-    "KeyError",
-    "IndexError",
-    "Exception",
-}
-
-
-def _raised_names() -> list[tuple[str, int, str]]:
-    """(file, line, exception name) of every ``raise Name(...)`` in the package."""
-    out = []
-    for path in sorted(SRC.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
-                f = node.exc.func
-                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-                out.append((str(path.relative_to(SRC)), node.lineno, name))
-    return out
-
-
-def test_no_bare_builtin_exception_is_raised():
-    raised = _raised_names()
-    assert len(raised) > 50  # the scan sees the package's raises
-    # a module's __getattr__ raises AttributeError by the language's protocol: the one exception
-    bare = [r for r in raised if r[2] in BUILTINS and r[:1] != ("__init__.py",)]
-    assert bare == []
 
 
 def test_every_exported_exception_has_the_base():

@@ -29,7 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 from ._async_copy import async_copy_to_gpu
-from ._buffers import HostBuffer, NonUvaBuffer, PinnedBuffer, StagingBuffer, UvaBuffer, make_buffer
+from ._buffers import HostBuffer, NonUvaBuffer, PinnedBuffer, StagingBuffer, UvaBuffer
+from ._capabilities import Capabilities
 from ._errors import (
     ArgumentTypeError,
     CudaError,
@@ -48,10 +49,10 @@ from ._errors import (
     UvaError,
 )
 from ._guard import begin_step, set_default_max_concurrency
+from ._make import make_buffer
 from ._param_table import DeviceParamTable, ParamField
 from ._pool import UvaBackedTensor, UvaBufferPool
 from ._probe import (
-    Capabilities,
     capabilities,
     is_pin_memory_available,
     is_uva_available,

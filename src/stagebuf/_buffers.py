@@ -35,40 +35,18 @@ import numpy as np
 import torch
 
 from . import _uva
-from ._constants import ENV_TIER
-from ._convert import check_rows, host_array, shape_of, torch_dtype
+from ._capabilities import Capabilities, _device_type, _unavailable, usable_tiers
+from ._convert import check_rows, fill_host, shape_of, torch_dtype
 from ._errors import (
     ArgumentTypeError,
     InvalidArgumentError,
-    PinnedAllocationError,
-    TierUnavailableError,
     UsageError,
-    UvaError,
 )
-from ._log import warn_once
 from ._memory import alloc_device, alloc_host
-from ._probe import Capabilities, capabilities, usable_tiers
+from ._probe import capabilities
 from ._sealed import Sealed
 from ._tier import Tier
 from ._types import DeviceLike, DTypeLike
-
-
-def fill_host(dst: np.ndarray, value: Any, dtype: torch.dtype, name: str) -> None:
-    """``dst[...] = value``, checked first: ``value`` has ``dst``'s shape, or is one scalar.
-
-    The values go through the same checks as every other host input
-    (``convert.host_array``): a fraction, NaN or an out-of-range value into an
-    integer dtype raises ValueError naming ``name``; nothing is written then.
-    """
-    if isinstance(value, (bool, int, float, np.generic)):
-        value = np.asarray(value)
-    arr = host_array(value, dtype, name, ndims=(0, dst.ndim))
-    if arr.ndim and arr.shape != dst.shape:
-        raise InvalidArgumentError(
-            f"{name}: a value of shape {arr.shape} was given; expected shape {dst.shape} "
-            "(or one scalar for every element)"
-        )
-    np.copyto(dst, arr)
 
 
 class StagingBuffer(Sealed):
@@ -248,63 +226,12 @@ class StagingBuffer(Sealed):
         return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype}, device={self.device})"
 
 
-def _unavailable(want: Tier, caps: Capabilities, who: str) -> TierUnavailableError:
-    """The error for an explicit request of tier ``want`` that cannot work on ``caps.device``."""
-    allowed = [t.name.lower() for t in usable_tiers(caps)]
-    head = "UVA is not available" if want is Tier.UVA else f"tier {want.name} is not available"
-    hint = None
-    if caps.device_type == "cpu" and want is not Tier.PAGEABLE:
-        cause = f"{who} needs an accelerator, but the target device is the CPU because {caps.cpu_cause}"
-        fix = f"pass an accelerator device, or use stagebuf.make_buffer() (tier {caps.tier.name} here)"
-        hint = caps.cpu_fix
-        if hint:
-            fix += f"; or {hint}"
-    elif caps.forced is not None and want < caps.tier:
-        cause = (
-            f"{who} was asked for, but {ENV_TIER}={caps.forced} forces tier {caps.tier.name} "
-            "and nothing better is used in this process"
-        )
-        fix = f"unset {ENV_TIER} or set it to {want.name.lower()}, or ask for an allowed tier"
-    elif want is Tier.HOST:
-        cause = (
-            f"{who} was asked for, but tier HOST means no accelerator and the target device is {caps.device}"
-        )
-        fix = "pass device='cpu', or ask for an allowed tier"
-    else:
-        found = " ".join(r for r in caps.reasons if r.startswith("No ")) or " ".join(caps.reasons)
-        cause = f"{who} was asked for, but the probe found: {found}"
-        fix = f"use stagebuf.make_buffer() (tier {caps.tier.name} here) or ask for an allowed tier"
-    return TierUnavailableError(
-        f"{head} on {caps.device}",
-        setting="tier",
-        value=want.name.lower(),
-        cause=cause,
-        allowed=allowed,
-        fix=fix,
-        hint=hint,
-    )
-
-
 def _checked_caps(want: Tier, device: DeviceLike, who: str) -> Capabilities:
     """The capabilities of ``device``, if tier ``want`` may be asked for there; else raise."""
     caps = capabilities(device)
     if want not in usable_tiers(caps):
         raise _unavailable(want, caps, who)
     return caps
-
-
-def _device_type(device: DeviceLike, who: str) -> str:
-    """The type of ``device`` (a str, an int or a torch.device), or raise saying what is allowed."""
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise ArgumentTypeError(
-            f"{who}: device={device!r} is a {type(device).__name__}; allowed: None or 'cpu'"
-        )
-    try:
-        return torch.device(device).type
-    except (RuntimeError, ValueError, TypeError, OverflowError):
-        raise InvalidArgumentError(
-            f"{who}: device={device!r} is not a device; allowed: None or 'cpu'"
-        ) from None
 
 
 class HostBuffer(StagingBuffer):
@@ -480,81 +407,3 @@ class UvaBuffer(StagingBuffer):
         self.np = self.cpu.numpy()
         self.dev = _uva.device_view(self.cpu, self.device)
         self._freeze()
-
-
-BUFFER_CLASSES: dict[Tier, type[StagingBuffer]] = {
-    Tier.UVA: UvaBuffer,
-    Tier.PINNED: PinnedBuffer,
-    Tier.PAGEABLE: NonUvaBuffer,
-    Tier.HOST: HostBuffer,
-}
-
-
-def make_buffer(
-    size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None, tier: Tier | str | None = None
-) -> StagingBuffer:
-    """A buffer of the tier chosen for ``device``, or of ``tier``.
-
-    An allocation that fails at run time (memlock exhausted, WSL cap, a device view
-    refused) falls back to the next tier that can work, with one warning per process;
-    an explicit ``tier`` that cannot work here at all raises instead.
-
-    Parameters
-    ----------
-    size : int or sequence of int
-        The shape: a row count, or a tuple whose first entry is the row count.
-    dtype : torch.dtype, numpy.dtype, type or str
-        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
-        float64).
-    device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None is the default device.
-    tier : Tier, str or None, optional
-        The tier to use (``"uva"``, ``"pinned"``, ``"pageable"``, ``"host"`` or a
-        Tier); None (the default) is ``capabilities(device).tier``. On the CPU the
-        allowed tiers are PAGEABLE and HOST; on an accelerator, the chosen tier and
-        every worse copy tier.
-
-    Returns
-    -------
-    StagingBuffer
-        A :class:`UvaBuffer`, :class:`PinnedBuffer`, :class:`NonUvaBuffer` or
-        :class:`HostBuffer`: of the tier asked for, or a worse one after a run-time
-        fallback.
-
-    Raises
-    ------
-    TierUnavailableError
-        If ``tier`` is given and cannot work on the device; the message lists the
-        allowed tiers. Also as :func:`capabilities`.
-    InvalidArgumentError
-        If ``tier`` names no tier, or ``size`` is not an int >= 0 or a tuple of them.
-    ArgumentTypeError
-        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
-        accepted.
-    DeviceAllocationError
-        If the device runs out of memory.
-    SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
-    """
-    if tier is None:
-        caps = capabilities(device)
-        want = caps.tier
-    else:
-        want = Tier.parse(tier)
-        caps = _checked_caps(want, device, f"make_buffer(tier={want.name.lower()!r})")
-    last = want if caps.device_type == "cpu" else Tier.PAGEABLE  # CPU tiers never fail to pin
-    t = want
-    while True:
-        try:
-            return BUFFER_CLASSES[t](size, dtype, caps.device)
-        except (PinnedAllocationError, UvaError) as e:
-            # no pinned memory: PINNED would fail the same way, so go straight to PAGEABLE
-            nxt = Tier.PAGEABLE if isinstance(e, PinnedAllocationError) else Tier(t + 1)
-            if t >= last:
-                raise
-            warn_once(
-                ("runtime-fallback", str(caps.device), nxt),
-                f"a {t.name} buffer could not be made on {caps.device} "
-                f"({e}); falling back to tier {nxt.name} for it",
-            )
-            t = nxt

@@ -66,7 +66,7 @@ def write_kernel() -> WriteKernelSetting:
     from ._errors import SettingValueError
 
     raise SettingValueError(
-        f"{ENV_KERNEL}={raw!r}; allowed: {', '.join(WRITE_KERNELS)}",
+        f"{ENV_KERNEL}={raw!r} is not a staged-write kernel",
         setting=ENV_KERNEL,
         value=str(raw),
         allowed=WRITE_KERNELS,
@@ -90,7 +90,7 @@ def quarantine() -> int:
     from ._errors import SettingValueError
 
     raise SettingValueError(
-        f"{ENV_QUARANTINE}={raw!r}; allowed: an int >= 0 (extra slots a released slot waits in, "
+        f"{ENV_QUARANTINE}={raw!r} is not a slot count (the extra slots a released slot waits in, "
         f"poisoned, in check mode; default {DEFAULT_QUARANTINE})",
         setting=ENV_QUARANTINE,
         value=raw,

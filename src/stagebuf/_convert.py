@@ -131,6 +131,24 @@ def host_array(
     return cast_checked(arr, numpy_dtype(dtype), name)
 
 
+def fill_host(dst: np.ndarray, value: Any, dtype: torch.dtype, name: str) -> None:
+    """``dst[...] = value``, checked first: ``value`` has ``dst``'s shape, or is one scalar.
+
+    The values go through the same checks as every other host input
+    (``convert.host_array``): a fraction, NaN or an out-of-range value into an
+    integer dtype raises ValueError naming ``name``; nothing is written then.
+    """
+    if isinstance(value, (bool, int, float, np.generic)):
+        value = np.asarray(value)
+    arr = host_array(value, dtype, name, ndims=(0, dst.ndim))
+    if arr.ndim and arr.shape != dst.shape:
+        raise InvalidArgumentError(
+            f"{name}: a value of shape {arr.shape} was given; expected shape {dst.shape} "
+            "(or one scalar for every element)"
+        )
+    np.copyto(dst, arr)
+
+
 def _from_sequence(x: Sequence[Any], dtype: DTypeLike | None, name: str) -> np.ndarray:
     if len(x) == 0:
         return np.empty(0, dtype=numpy_dtype(dtype) if dtype is not None else np.int64)

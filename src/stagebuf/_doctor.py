@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 import torch
 
+from ._capabilities import Capabilities, torch_build
 from ._constants import (
     ENV_CHECK,
     ENV_KERNEL,
@@ -31,7 +32,7 @@ from ._constants import (
     write_kernel,
 )
 from ._errors import SetupError
-from ._probe import Capabilities, capabilities, torch_build
+from ._probe import capabilities
 
 EXIT_OK = 0
 EXIT_SETUP = 2

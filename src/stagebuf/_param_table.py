@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._buffers import fill_host, make_buffer
 from ._constants import ALIGN
-from ._convert import torch_dtype
+from ._convert import fill_host, torch_dtype
 from ._errors import ArgumentTypeError, InvalidArgumentError, UnknownFieldError
 from ._guard import slot_count
+from ._make import make_buffer
 from ._memory import alloc_device, alloc_host
 from ._probe import capabilities
 from ._ring import Ring

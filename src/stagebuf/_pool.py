@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._buffers import StagingBuffer, fill_host, make_buffer
-from ._convert import check_rows, host_array, numpy_dtype, shape_of, torch_dtype
+from ._buffers import StagingBuffer
+from ._convert import check_rows, fill_host, host_array, numpy_dtype, shape_of, torch_dtype
 from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._guard import GuardMode, slot_count
+from ._make import make_buffer
 from ._memory import alloc_host
 from ._ring import Ring
 from ._sealed import Sealed

@@ -1,15 +1,11 @@
 """``StepStager``: all of a step's arrays in one host arena, moved with one transfer.
 
-Each slot is one byte arena (a staging buffer of the chosen tier). ``stage``
-writes an array at the next 16-byte-aligned offset and returns the device
-tensor at the matching offset of the slot's device side. Leaving the
-``step()`` block publishes the used prefix, the same moment on every tier: one
-copy on PINNED and PAGEABLE; on UVA and HOST, where the device reads the slot's
-own memory, ``stage`` writes a scratch arena that publishing copies in (a host
-memcpy). ``STAGEBUF_CHECK=1`` poisons a slot's memory when a step begins in it,
-so a tensor read before its step is published, or after its slot came round
-again, reads poison (int -1, float NaN) on every tier. ``static=True`` keeps one
-device address for every step (CUDA graphs).
+``stage`` writes each array at the next 16-byte-aligned offset of the slot (a byte
+arena of the ring's tier) and returns the device tensor at the same offset. Leaving
+``step()`` publishes the used prefix, at the same moment on every tier: one copy on
+PINNED and PAGEABLE; on UVA and HOST a host memcpy from the scratch arena ``stage``
+wrote. Check mode poisons a slot when a step begins in it and quarantines released
+slots (:mod:`stagebuf._ring`). ``static=True`` keeps one device address (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -20,11 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._buffers import StagingBuffer, make_buffer
+from ._buffers import StagingBuffer
 from ._constants import ALIGN, POISON, check_mode
 from ._convert import _NUMPY_TO_TORCH, _TORCH_TO_NUMPY, host_array
 from ._errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ._guard import GuardMode, slot_count
+from ._make import make_buffer
 from ._memory import alloc_device
 from ._ring import Ring, poison
 from ._sealed import Sealed

@@ -334,6 +334,7 @@ def test_real_process_with_torch_and_numpy_only():
         ("STAGEBUF_CHECK_QUARANTINE", "-1", "an int >= 0"),
         ("STAGEBUF_CHECK_QUARANTINE", "many", "an int >= 0"),
         ("STAGEBUF_CHECK_QUARANTINE", "1.5", "an int >= 0"),
+        ("STAGEBUF_WSL_PIN_MEMORY", "maybe", "0, 1"),
     ],
 )
 def test_bad_settings_are_refused_at_start_up(monkeypatch, setting, value, allowed):
@@ -371,3 +372,14 @@ def test_doctor_reports_the_quarantine(value, shown):
     assert r.exit_code == 0
     line = next(ln for ln in r.stdout.splitlines() if "STAGEBUF_CHECK_QUARANTINE" in ln)
     assert f" {shown} (check mode" in line
+
+
+@pytest.mark.parametrize(
+    "setting, value", [("STAGEBUF_WRITE_KERNEL", "x"), ("STAGEBUF_CHECK_QUARANTINE", "-1")]
+)
+def test_a_bad_setting_names_its_allowed_values_once(monkeypatch, setting, value):
+    monkeypatch.setenv(setting, value)
+    stagebuf.reset_capabilities()
+    with pytest.raises(stagebuf.SetupError) as e:
+        stagebuf.capabilities()
+    assert str(e.value).count("allowed:") == 1

@@ -13,6 +13,7 @@ import torch
 import stagebuf
 from helpers import fake_accelerator, no_accelerator
 from stagebuf import Tier, TierUnavailableError, capabilities
+from stagebuf import _capabilities as capabilities_mod
 from stagebuf import _probe as caps_mod
 from stagebuf import _uva as uva_mod
 from stagebuf._log import reset_warnings
@@ -213,7 +214,7 @@ CAUSES = [
 @pytest.mark.parametrize(("cuda", "cause", "fix"), CAUSES)
 def test_device_missing_names_the_build(monkeypatch, cuda, cause, fix):
     no_accelerator(monkeypatch, cuda)
-    assert caps_mod.torch_build() == ("CPU build" if cuda is None else "CUDA 13.0 build")
+    assert capabilities_mod.torch_build() == ("CPU build" if cuda is None else "CUDA 13.0 build")
     with pytest.raises(TierUnavailableError) as ei:
         capabilities("cuda")
     e = ei.value
@@ -285,14 +286,14 @@ def test_meta_device_is_refused():
 
 
 def test_usable_tiers_on_the_cpu(cpu_tier):
-    assert caps_mod.usable_tiers(capabilities("cpu")) == [Tier.PAGEABLE, Tier.HOST]
+    assert capabilities_mod.usable_tiers(capabilities("cpu")) == [Tier.PAGEABLE, Tier.HOST]
 
 
 def test_usable_tiers_follow_the_forced_tier(fake_gpu):
-    assert caps_mod.usable_tiers(_probe()) == [Tier.UVA, Tier.PINNED, Tier.PAGEABLE]
+    assert capabilities_mod.usable_tiers(_probe()) == [Tier.UVA, Tier.PINNED, Tier.PAGEABLE]
     fake_gpu.setenv("STAGEBUF_TIER", "pinned")
     stagebuf.reset_capabilities()
-    assert caps_mod.usable_tiers(_probe()) == [Tier.PINNED, Tier.PAGEABLE]
+    assert capabilities_mod.usable_tiers(_probe()) == [Tier.PINNED, Tier.PAGEABLE]
 
 
 def test_forced_better_tier_error_lists_what_works(fake_gpu):

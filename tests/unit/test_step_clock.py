@@ -30,7 +30,8 @@ import stagebuf
 from helpers import FakeStream
 from stagebuf import SlotInFlightError, StagedWriteTensor, StepStager, Tier, UvaBufferPool
 from stagebuf import _guard as guard_mod
-from stagebuf._guard import SlotRing, StepRuleError
+from stagebuf._errors import StepRuleError
+from stagebuf._ring import SlotRing
 from stagebuf._staged_write import launcher as sw_plan
 
 CPU = torch.device("cpu")

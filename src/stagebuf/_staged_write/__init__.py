@@ -38,6 +38,7 @@ ops over the same packed layout: the oracle the kernel is tested against.
 
 from __future__ import annotations
 
-from .api import FusedStagedWriter, StagedWriteTensor
+from .api import StagedWriteTensor
+from .fused import FusedStagedWriter
 
 __all__ = ["FusedStagedWriter", "StagedWriteTensor"]

@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._buffers import StagingBuffer, make_buffer
+from .._buffers import StagingBuffer
 from .._constants import ALIGN, WRITE_KERNELS, Kernel, write_kernel
 from .._convert import _NUMPY_TO_TORCH
 from .._errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from .._guard import GuardMode
 from .._log import warn_once
+from .._make import make_buffer
 from .._ring import Ring
 from .._tier import Tier
 from .kernel import _block_for, _launch_triton, _triton_error, triton_usable

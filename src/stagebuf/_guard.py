@@ -80,11 +80,6 @@ def slot_count(max_concurrency: int | None) -> int:
     return max(2, max_concurrency)
 
 
-def empty_stats() -> dict[str, int]:
-    """A ring's counters at zero."""
-    return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0}
-
-
 class Event(Protocol):
     def record(self) -> None: ...
     def query(self) -> bool: ...

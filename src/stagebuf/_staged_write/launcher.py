@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .._buffers import StagingBuffer
-from .._constants import ALIGN, WRITE_KERNELS, Kernel, write_kernel
+from .._constants import ALIGN, Kernel, write_kernel
 from .._convert import _NUMPY_TO_TORCH
 from .._errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from .._guard import GuardMode
@@ -26,7 +26,6 @@ from .._ring import Ring
 from .._tier import Tier
 from .kernel import _block_for, _launch_triton, _triton_error, triton_usable
 
-KERNELS = WRITE_KERNELS
 TRITON_MIN_ELEMS = 1 << 13
 """``auto`` uses the Triton kernel from this many staged elements on (measured: docs/DESIGN.md)."""
 SCATTER_MAX_PARTS = 4

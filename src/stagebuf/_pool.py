@@ -134,7 +134,8 @@ class UvaBufferPool(Sealed):
                 ring.touch()
                 return buf, n, True
         cur = ring.next()
-        ring.poison_released()  # check mode: what the use max_concurrency back returned reads poison now
+        if ring.poisons:  # check mode: what the use max_concurrency back returned reads poison now
+            ring.poison_released()
         buf = ring.bufs[cur]
         if n > buf.shape[0]:
             cap = 1 << (n - 1).bit_length()
@@ -256,7 +257,9 @@ class UvaBufferPool(Sealed):
             )
 
     def _count(self, n: int, buf: StagingBuffer) -> None:
-        self._ring.count(n * (buf.nbytes // max(buf.shape[0], 1)))
+        c = self._ring.counts  # (Ring.count inlined: this is the publish path)
+        c["transfers"] += 1
+        c["bytes"] += n * (buf.nbytes // max(buf.shape[0], 1))
 
     def stats(self) -> dict[str, int]:
         """The pool's counters.

@@ -327,3 +327,8 @@ class StagedWriteTensor(Sealed):
             f"StagedWriteTensor(shape={self.shape}, dtype={self.dtype}, device={self.device}, "
             f"tier={self.tier.name}, staged={self.num_staged})"
         )
+
+
+def edits_of(t: StagedWriteTensor) -> Edits:
+    """``t``'s staged edits, for :class:`FusedStagedWriter` (which gathers and clears them)."""
+    return t._edits

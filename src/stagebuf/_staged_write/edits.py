@@ -20,7 +20,7 @@ import torch
 from .._convert import host_array, numpy_dtype, unfit
 from .._errors import ArgumentTypeError, InvalidArgumentError, StagedWriteError
 from .launcher import Gathered, Target, _arange
-from .values import checked, list_values
+from .values import Bad, checked, list_values
 
 _NP_INTS = frozenset(np.dtype(c).type for c in "bBhHiIlLqQ")
 """numpy's integer scalar types (taken as a start column like a Python int)."""
@@ -357,7 +357,7 @@ class Edits:
 
         Nothing changes when it raises: every staged edit stays staged.
         """
-        bad: list[tuple[int, int, int, str]] = []
+        bad: Bad = []
         if not self._batches:  # the common case: list edits only
             if not self._dst:
                 return None
@@ -366,14 +366,16 @@ class Edits:
             if e <= 32:  # a few edits: the overlap and length checks are cheaper in Python
                 w = ll[0] if ll.count(ll[0]) == e else 0
                 n = self.full_lens(e, w) if w else np.array(ll, np.int64)
-                v = self._list_values(_Batch(dl, ll, self._vals, False), n, 0, bad)
-                self._raise(bad)
+                v = list_values(self._vals, dl, n, self.np_dtype, bad)
+                if bad:
+                    self._raise(bad)
                 stride = self.row_stride
                 dup = e > 1 and len({d // stride for d in dl} if stride != 1 else set(dl)) != e
                 return Gathered(self.target, np.array(dl, np.int64), n, v, dup, w)
             n = np.array(ll, np.int64)
-            v = self._list_values(_Batch(dl, ll, self._vals, False), n, 0, bad)
-            self._raise(bad)
+            v = list_values(self._vals, dl, n, self.np_dtype, bad)
+            if bad:
+                self._raise(bad)
             return self._with_overlaps(np.array(dl, np.int64), n, v)
         batches = self._all_batches() if self._dst else [*self._batches]
         dsts, lens, vals = [], [], []
@@ -385,21 +387,21 @@ class Edits:
                 vals.append(b.vals)
             else:
                 lens_b = np.array(b.lens, np.int64)
-                vals.append(self._list_values(b, lens_b, pos, bad))
+                vals.append(list_values(b.vals, b.dst, lens_b, self.np_dtype, bad, pos))
                 dsts.append(np.array(b.dst, np.int64))
                 lens.append(lens_b)
             pos += len(b.dst)
-        self._raise(bad)
+        if bad:
+            self._raise(bad)
         if len(batches) == 1:
             d, n, v = dsts[0], lens[0], vals[0]
         else:
             d, n, v = (np.concatenate(x) for x in (dsts, lens, vals))
         return self._with_overlaps(d, n, v)
 
-    def _raise(self, bad: list[tuple[int, int, int, str]]) -> None:
-        if not bad:
-            return
-        pos, row, start, why = bad[0]
+    def _raise(self, bad: Bad) -> None:
+        pos, flat, why = bad[0]
+        row, start = divmod(flat, self.row_stride)
         more = (
             f"; {len(bad) - 1} more bad edit(s), at positions {[b[0] for b in bad[1:]][:8]}"
             if len(bad) > 1
@@ -423,15 +425,6 @@ class Edits:
                 return int(b.lens[pos])
             pos -= len(b.lens)
         return 0
-
-    def _list_values(
-        self, b: _Batch, lens: np.ndarray, pos: int, bad: list[tuple[int, int, int, str]]
-    ) -> np.ndarray:
-        found: list[tuple[int, int, str]] = []
-        v = list_values(b.vals, b.dst, lens, self.np_dtype, found)
-        for k, dst, why in found:
-            bad.append((pos + k, *divmod(dst, self.row_stride), why))
-        return v
 
     def _with_overlaps(self, d: np.ndarray, n: np.ndarray, v: np.ndarray) -> Gathered:
         """The gathered edits, noting whether two share a row (then they may overlap)."""

@@ -11,7 +11,7 @@ from .._guard import slot_count
 from .._probe import capabilities
 from .._sealed import Sealed
 from .._types import DeviceLike
-from .api import StagedWriteTensor
+from .api import StagedWriteTensor, edits_of
 from .edits import int_in
 from .launcher import _Launcher, check_outputs
 
@@ -160,18 +160,19 @@ class FusedStagedWriter(Sealed):
             strides = [t.row_stride for t in tensors]
             check_outputs(self.device, self._verified, self._check, output_strides, "output_strides", strides)
         parts = []
-        for t in targets:  # every tensor is checked before anything is written
+        edits = [edits_of(t) for t in targets]
+        for t, e in zip(targets, edits):  # every tensor is checked before anything is written
             try:
-                g = t._edits.gather()
-            except StagedWriteError as e:
+                g = e.gather()
+            except StagedWriteError as err:
                 i = next(k for k, u in enumerate(tensors) if u is t)
                 raise StagedWriteError(
-                    f"tensors[{i}]: {e}; nothing was written to any tensor",
-                    e.position,
-                    e.index,
-                    e.start,
-                    e.edits,
-                    e.tensor,
+                    f"tensors[{i}]: {err}; nothing was written to any tensor",
+                    err.position,
+                    err.index,
+                    err.start,
+                    err.edits,
+                    err.tensor,
                 ) from None
             if g is not None:
                 parts.append(g)
@@ -182,8 +183,8 @@ class FusedStagedWriter(Sealed):
             self._max_writes = 1 << (n - 1).bit_length()
             self._edit_growths += 1
         self._kernel = self._launcher.apply(parts)
-        for t in targets:
-            t._edits.clear()
+        for e in edits:
+            e.clear()
 
     def stats(self) -> dict[str, int]:
         """The writer's counters.

@@ -17,7 +17,7 @@ import torch
 from .._convert import _NUMPY_TO_TORCH, cast_checked, exact_ints, host_array, unfit
 
 Bad = list[tuple[int, int, str]]
-"""Bad list edits found by ``list_values``: (edit number in the batch, its flat offset, why)."""
+"""Bad list edits found by ``list_values``: (edit number, its flat offset, why)."""
 
 
 def checked(values: Any, target: np.dtype, name: str) -> np.ndarray:
@@ -36,13 +36,16 @@ def checked(values: Any, target: np.dtype, name: str) -> np.ndarray:
     return cast_checked(arr, target, name)
 
 
-def list_values(vals: list[Any], dst: Any, lens: np.ndarray, target: np.dtype, bad: Bad) -> np.ndarray:
+def list_values(
+    vals: list[Any], dst: Any, lens: np.ndarray, target: np.dtype, bad: Bad, pos: int = 0
+) -> np.ndarray:
     """The values of list-staged edits (``lens[k]`` values each) as ``target``, checked in bulk.
 
     The batch is read as one array; where that cannot be trusted per edit (it is
     not numeric, a value does not fit, an edit may be all bools, or int64 values may
     have gone through float64), each edit is read on its own, and each bad one is
-    added to ``bad`` (its values become zeros in the result, which is then unused).
+    added to ``bad`` as ``(pos + k, flat offset, why)`` for the batch's ``k``-th edit
+    (its values become zeros in the result, which is then unused).
     """
     try:
         a = np.array(vals)
@@ -52,7 +55,8 @@ def list_values(vals: list[Any], dst: Any, lens: np.ndarray, target: np.dtype, b
         # ints (or bools among them): one range check, and a bool scan only where an edit
         # could be all bools (every value 0 or 1); Python's min/max beat numpy's on short lists
         lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
-        fits = target.kind == "f" or _int_range(target, lo, hi)
+        r = _INT_RANGES.get(target)
+        fits = r[0] <= lo and hi <= r[1] if r is not None else target.kind == "f"
         if fits and (lo > 1 or hi < 0 or not _maybe_bool_edit(vals, a, lens)):
             return a.astype(target, copy=False)
     elif (
@@ -69,22 +73,18 @@ def list_values(vals: list[Any], dst: Any, lens: np.ndarray, target: np.dtype, b
     for k, n in enumerate(lens.tolist()):
         got, why = _edit_values(vals[a0 : a0 + n], target)
         if got is None:
-            bad.append((k, int(dst[k]), why))
+            bad.append((pos + k, int(dst[k]), why))
             got = np.zeros(n, target)
         out.append(got)
         a0 += n
     return np.concatenate(out) if out else np.zeros(0, target)
 
 
-_INT_RANGES: dict[np.dtype, tuple[int, int]] = {}
-
-
-def _int_range(target: np.dtype, lo: Any, hi: Any) -> bool:
-    r = _INT_RANGES.get(target)
-    if r is None:
-        info = np.iinfo(target)
-        r = _INT_RANGES[target] = (int(info.min), int(info.max))
-    return bool(r[0] <= lo and hi <= r[1])
+_INT_RANGES: dict[np.dtype, tuple[int, int]] = {
+    np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max))
+    for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+}
+"""Every integer target's range (a float target has none)."""
 
 
 def _inexact(a: np.ndarray, target: np.dtype) -> bool:

@@ -1,0 +1,190 @@
+"""``python -m benchmarks.compare``: is a change slower than the noise? Bench reports, cell by cell.
+
+Give the reports of the code before a change and after it, run on one machine and
+interleaved (before, after, before, after: drift then falls on both sides). Per
+cell (a strategy at a size, an engine setup's prep or buffer time, a vs-vLLM
+cell) the ratio is the median of every after sample over the median of every
+before sample. The noise of a cell is how far the same code moved between its own
+runs: the largest ratio of two run medians on one side (needs two runs of a side).
+
+A cell is *slower beyond noise* when every after run's median is above every
+before run's median and the ratio exceeds 1 plus the cell's noise. Peers (vLLM's
+classes, the baselines, the floor) run the same code on both sides, so their
+count of such cells is the rate at which noise alone flags a cell.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+Samples = list[float]
+
+
+@dataclass
+class Cell:
+    """One measured quantity in both sets: its runs' samples (µs), before and after."""
+
+    key: str
+    ours: bool
+    before: list[Samples]
+    after: list[Samples]
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(s for r in self.after for s in r) / statistics.median(
+            s for r in self.before for s in r
+        )
+
+    @property
+    def noise(self) -> float | None:
+        """The largest ratio between two run medians of one side, minus 1 (None: one run a side)."""
+        spreads = [max(m) / min(m) - 1 for m in (_medians(self.before), _medians(self.after)) if len(m) > 1]
+        return max(spreads) if spreads else None
+
+    @property
+    def slower(self) -> bool:
+        """Every after run above every before run, by more than the cell's noise."""
+        separated = min(_medians(self.after)) > max(_medians(self.before))
+        return separated and self.ratio > 1 + (self.noise or 0.0)
+
+    @property
+    def faster(self) -> bool:
+        separated = max(_medians(self.after)) < min(_medians(self.before))
+        return separated and 1 / self.ratio > 1 + (self.noise or 0.0)
+
+
+def _medians(runs: list[Samples]) -> list[float]:
+    return [statistics.median(r) for r in runs]
+
+
+def cells_of(report: dict[str, Any], metric: str) -> Iterator[tuple[str, bool, Samples]]:
+    """Every cell of one report: (key, ours, samples in µs)."""
+    sample_key = metric.replace("_us", "_samples_us")
+    for wl, strategies in report.get("results", {}).items():
+        for name, entry in strategies.items():
+            ours = entry.get("kind") == "stagebuf"
+            for size, row in entry.get("sizes", {}).items():
+                if row.get(sample_key):
+                    yield f"{wl} {name} {size}", ours, list(row[sample_key])
+    engine = report.get("engine", {})
+    for setup, runs in engine.get("runs", {}).items():
+        for part in ("prep_us", "buffer_us"):
+            samples = [r[part] for r in runs if part in r]
+            if samples:
+                yield f"engine {setup} {part[:-3]}", setup.startswith("stagebuf"), samples
+    for cell, per in report.get("vs_vllm", {}).get("raw_us", {}).items():
+        for name, samples in per.items():
+            if samples:
+                yield f"vs_vllm {cell} {name}", name.startswith("stagebuf"), list(samples)
+
+
+def pair(before: list[dict[str, Any]], after: list[dict[str, Any]], metric: str) -> list[Cell]:
+    """The cells every report of both sets measured, in the first report's order."""
+    sides: list[list[dict[str, tuple[bool, Samples]]]] = [
+        [{k: (o, s) for k, o, s in cells_of(r, metric)} for r in reports] for reports in (before, after)
+    ]
+    first = sides[0][0]
+    common = [k for k in first if all(k in run for side in sides for run in side)]
+    return [
+        Cell(k, first[k][0], [run[k][1] for run in sides[0]], [run[k][1] for run in sides[1]]) for k in common
+    ]
+
+
+def summary(cells: list[Cell]) -> dict[str, Any]:
+    """Per group (ours, peers): cells, their median and geometric-mean ratio, slower and faster counts."""
+    out: dict[str, Any] = {}
+    for name, group in (("ours", [c for c in cells if c.ours]), ("peers", [c for c in cells if not c.ours])):
+        if not group:
+            continue
+        ratios = [c.ratio for c in group]
+        out[name] = {
+            "cells": len(group),
+            "median_ratio": round(statistics.median(ratios), 3),
+            "geomean_ratio": round(statistics.geometric_mean(ratios), 3),
+            "slower_beyond_noise": [c.key for c in group if c.slower],
+            "faster_beyond_noise": [c.key for c in group if c.faster],
+        }
+    return out
+
+
+def _load(paths: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [json.loads(Path(p).read_text()) for p in paths]
+
+
+@click.command()
+@click.option("--before", "before", multiple=True, required=True, help="An old-code report (repeatable).")
+@click.option("--after", "after", multiple=True, required=True, help="A new-code report (repeatable).")
+@click.option(
+    "--metric",
+    type=click.Choice(["e2e_us", "host_us"]),
+    default="e2e_us",
+    show_default=True,
+    help="Which time of the micro, decode and writes cells (the engine and vs-vLLM cells have one).",
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write cells and summary.")
+@click.option("--all", "show_all", is_flag=True, help="Print every cell, not only the 25 largest ratios.")
+def main(
+    before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path: str | None, show_all: bool
+) -> None:
+    """Compare bench reports of the code before and after a change, cell by cell."""
+    b, a = _load(before), _load(after)
+    cells = pair(b, a, metric)
+    if not cells:
+        raise click.ClickException("no cell is in every report")
+    console = Console(width=None if Console().is_terminal else 160)
+    table = Table("cell", "ours", "before µs", "after µs", "after/before", "noise", "verdict")
+    shown = sorted(cells, key=lambda c: -c.ratio)
+    for c in shown if show_all else shown[:25]:
+        verdict = "SLOWER" if c.slower else "faster" if c.faster else ""
+        table.add_row(
+            c.key,
+            "yes" if c.ours else "",
+            f"{statistics.median(_medians(c.before)):.1f}",
+            f"{statistics.median(_medians(c.after)):.1f}",
+            f"{c.ratio:.3f}",
+            "-" if c.noise is None else f"{c.noise:.3f}",
+            verdict,
+        )
+    console.print(table)
+    s = summary(cells)
+    for name, g in s.items():
+        console.print(
+            f"{name}: {g['cells']} cells, median after/before {g['median_ratio']}, geometric mean "
+            f"{g['geomean_ratio']}; slower beyond noise {len(g['slower_beyond_noise'])}, "
+            f"faster {len(g['faster_beyond_noise'])}",
+            highlight=False,
+        )
+    if json_path:
+        data = {
+            "before": [{"commit": r.get("commit"), "started_utc": r.get("started_utc")} for r in b],
+            "after": [{"commit": r.get("commit"), "started_utc": r.get("started_utc")} for r in a],
+            "metric": metric,
+            "summary": s,
+            "cells": [
+                {
+                    "cell": c.key,
+                    "ours": c.ours,
+                    "before_medians_us": _medians(c.before),
+                    "after_medians_us": _medians(c.after),
+                    "ratio": round(c.ratio, 4),
+                    "noise": None if c.noise is None else round(c.noise, 4),
+                    "slower": c.slower,
+                    "faster": c.faster,
+                }
+                for c in cells
+            ],
+        }
+        Path(json_path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

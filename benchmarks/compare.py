@@ -3,8 +3,9 @@
 Give the reports of the code before a change and after it, run on one machine and
 interleaved (before, after, before, after: drift then falls on both sides). Per
 cell (a strategy at a size, an engine setup's prep or buffer time, a vs-vLLM
-cell) the ratio is the median of every after sample over the median of every
-before sample. The noise of a cell is how far the same code moved between its own
+cell) a side's time is the geometric mean of its runs' medians (a run moves as a
+whole: one process lands in a faster or slower state of the machine), and the
+ratio is after over before. The noise of a cell is how far the same code moved between its own
 runs: the largest ratio of two run medians on one side (needs two runs of a side).
 
 A cell is *slower beyond noise* when every after run's median is above every
@@ -40,9 +41,8 @@ class Cell:
 
     @property
     def ratio(self) -> float:
-        return statistics.median(s for r in self.after for s in r) / statistics.median(
-            s for r in self.before for s in r
-        )
+        """The geometric mean of the after runs' medians over that of the before runs'."""
+        return _center(self.after) / _center(self.before)
 
     @property
     def noise(self) -> float | None:
@@ -64,6 +64,11 @@ class Cell:
 
 def _medians(runs: list[Samples]) -> list[float]:
     return [statistics.median(r) for r in runs]
+
+
+def _center(runs: list[Samples]) -> float:
+    """One side's time: the geometric mean of its runs' medians (a run is one process's repeats)."""
+    return statistics.geometric_mean(_medians(runs))
 
 
 def cells_of(report: dict[str, Any], metric: str) -> Iterator[tuple[str, bool, Samples]]:
@@ -148,8 +153,8 @@ def main(
         table.add_row(
             c.key,
             "yes" if c.ours else "",
-            f"{statistics.median(_medians(c.before)):.1f}",
-            f"{statistics.median(_medians(c.after)):.1f}",
+            f"{_center(c.before):.1f}",
+            f"{_center(c.after):.1f}",
             f"{c.ratio:.3f}",
             "-" if c.noise is None else f"{c.noise:.3f}",
             verdict,

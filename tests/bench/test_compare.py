@@ -2,8 +2,8 @@
 
 Reports are built from the committed H200 run with every sample scaled: a cell scaled
 past its noise on every after run must read SLOWER, an unchanged one never, and a
-cell whose runs overlap never. The pairing and the medians are recomputed here with
-plain Python.
+cell whose runs overlap never. The pairing and the ratio (geometric means of run
+medians) are recomputed here with plain Python.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def test_a_cell_slower_on_every_run_by_more_than_its_noise_is_flagged(base: dict
     after = [_scaled(base, 1.3, key), _scaled(base, 1.5, key)]
     c = {x.key: x for x in C.pair(before, after, "e2e_us")}[key]
     assert c.noise == pytest.approx(1.5 / 1.3 - 1)  # the after side moved more than the before side
+    assert c.ratio == pytest.approx((1.3 * 1.5) ** 0.5 / 1.02**0.5)
     assert c.slower and c.ratio > 1 + c.noise
     s = C.summary(list(C.pair(before, after, "e2e_us")))
     assert s["ours"]["slower_beyond_noise"] == [key]

@@ -148,20 +148,18 @@ class _Slot:
 class Step(Sealed):
     """One step's staging. Use as a context manager; ``flush()`` ends it early.
 
-    Made by :meth:`StepStager.step`. Tensors returned by ``stage()`` hold their data
-    from the moment the step is published (leaving the block, or ``flush()``) until
-    the stager begins the step that reuses the slot, ``max_concurrency`` steps later;
-    on every tier. Read before then, they show the slot's old contents (poison in
-    check mode). Leaving the block by an exception publishes nothing and ends the
-    step.
+    Made by :meth:`StepStager.step`. Tensors returned by ``stage()`` hold their data from
+    the moment the step is published (leaving the block, or ``flush()``) until the stager
+    begins the step that reuses the slot, ``max_concurrency`` steps later, on every tier.
+    Read before then, they show the slot's old contents (poison in check mode). Leaving the
+    block by an exception publishes nothing and ends the step.
 
     Attributes
     ----------
     seq : int
         The step's number (0 for a stager's first).
     done : bool
-        Whether the step was published (or left by an exception); then ``stage()``
-        raises.
+        Whether the step was published or left by an exception (then ``stage()`` raises).
     """
 
     _slot: _Slot

@@ -89,10 +89,6 @@ class SlotRing:
         # known to be enqueued), to catch the step clock releasing a slot whose readers still run
         self._exact: list[int] | None = [-1] * size if self.active and check_mode() else None
 
-    @property
-    def guard(self) -> SlotRing:
-        return self  # stats read ``ring.guard.waits`` and ``ring.guard.mode``
-
     def mark(self) -> None:
         """The current use's consumers are enqueued: the next event recorded protects its slot."""
         if self.active and self.cur >= 0 and not self._last_marked:

@@ -1,0 +1,399 @@
+"""The nano-vllm workload: nano-vllm's own input preparation against stagebuf's, on its own scheduler's trace.
+
+nano-vllm-fork 20260210 (``nanovllm_pkg``) is run as released: its ``Scheduler`` and
+``BlockManager`` schedule a stream of ``Sequence`` arrivals (varied prompt lengths,
+shared prefixes that hit the prefix cache, finishes by EOS or ``max_tokens``, and
+preemption when the KV cache runs short; CFG pairs in a CFG trace), and each step its
+``ModelRunner`` prepares the step as ``run`` does: ``prepare_prefill`` or
+``prepare_decode``, then ``prepare_sample``. The forward pass is a stand-in
+(``torch.cuda._sleep`` on a busy GPU, nothing on an idle one); the "sampled" tokens are
+drawn on the host from the trace's seed, so every setup sees the same trace.
+
+Setups: ``own`` (nano-vllm's code: pinned memory and ``.cuda()``; on a machine without
+CUDA, ``nanovllm_pkg.own_path_on_cpu``) and ``stagebuf_<tier>`` (the same runner after
+``stagebuf.nanovllm.attach``, on a forced tier). ``check()`` compares, every step, every
+tensor the runner hands the model and the sampler and the attention context; with
+``graphs`` it also runs ``run_model`` on captured graphs of a stand-in model (real CUDA
+graphs on a GPU, captured by nano-vllm's own ``capture_cudagraph``; replayed eagerly on
+the CPU) and compares the graphs' static inputs and outputs. ``graph_writes()`` counts
+the device-side writes into the graphs' inputs that ``run_model`` does per decode step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import nanovllm_pkg as P
+from .engine import _wait, sleep_cycles_for, stagebuf_tier
+
+# --- the trace -----------------------------------------------------------------------------------
+
+
+@dataclass
+class TraceConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    max_model_len: int = 4096
+    num_kvcache_blocks: int = 2048
+    block_size: int = 256
+    running: int = 256
+    """Sequences the trace keeps submitted (waiting or running) once ramped up."""
+    arrivals_per_step: int = 8
+    prompt: tuple[int, int] = (16, 1200)
+    output: tuple[int, int] = (32, 400)
+    shared_prefix: float = 0.3
+    """The share of prompts that begin with one of a few 512-token prefixes (prefix-cache hits)."""
+    eos_rate: float = 0.002
+    """Chance that a sampled token is the EOS token (a finish before max_tokens)."""
+    cfg: bool = False
+    """Every request a CFG pair (cfg_scale > 1: a conditional and an unconditional sequence)."""
+    steps: int = 200
+    vocab: int = 32000
+    seed: int = 0
+
+
+EOS = 2
+
+
+class Trace:
+    """nano-vllm's own scheduler on a seeded stream of requests; ``next()`` gives each step's batch."""
+
+    def __init__(self, cfg: TraceConfig, work: Path):
+        self.nano = n = P.load()
+        self.cfg = cfg
+        self.config = P.config(
+            work / "model",
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+            kvcache_block_size=cfg.block_size,
+            num_kvcache_blocks=cfg.num_kvcache_blocks,
+            eos=EOS,
+        )
+        n.sequence.Sequence.block_size = cfg.block_size  # as every nano-vllm run has it (256)
+        self.scheduler = n.scheduler.Scheduler(self.config)
+        self.rng = np.random.default_rng(cfg.seed)
+        self.prefixes = [self.rng.integers(3, cfg.vocab, 512).tolist() for _ in range(3)]
+        self.submitted = 0
+        self.steps = 0
+        self.preempted = 0
+        self.finished = 0
+        self.prefill_steps = 0
+        self.prefix_hits = 0
+        self.scheduler_error: str | None = None
+        self.reprefills = 0
+        self._real_preempt = self.scheduler.preempt
+        self.scheduler.preempt = self._preempt
+
+    def _preempt(self, seq: Any) -> None:
+        self.preempted += 1
+        self._real_preempt(seq)
+
+    def _params(self) -> Any:
+        r = self.rng
+        return self.nano.sampling_params.SamplingParams(
+            temperature=float(r.choice([0.6, 1.0, 1.3])),
+            max_tokens=int(r.integers(*self.cfg.output)),
+            cfg_scale=float(r.choice([1.5, 3.0])) if self.cfg.cfg else 1.0,
+            top_k=[None, 20, 50][int(r.integers(3))],
+            top_p=[None, 0.9, 1.0][int(r.integers(3))],
+            repetition_penalty=[1.0, 1.1, 1.3][int(r.integers(3))],
+        )
+
+    def _prompt(self) -> list[int]:
+        r = self.rng
+        body = r.integers(3, self.cfg.vocab, int(r.integers(*self.cfg.prompt))).tolist()
+        if r.random() < self.cfg.shared_prefix:
+            return self.prefixes[int(r.integers(len(self.prefixes)))] + body
+        return body
+
+    def _arrive(self) -> None:
+        s = self.scheduler
+        seq_cls = self.nano.sequence.Sequence
+        room = self.cfg.running - (len(s.waiting) + len(s.running)) // (2 if self.cfg.cfg else 1)
+        for _ in range(max(0, min(self.cfg.arrivals_per_step, room))):
+            sp = self._params()
+            if self.cfg.cfg:  # as LLMEngine.add_request pairs them
+                uncond = seq_cls(self._prompt()[:64], sp, is_unconditional=True)
+                cond = seq_cls(self._prompt(), sp, is_unconditional=False, conditional_seq=uncond)
+                uncond.paired_seq = cond
+                s.add(cond)
+                s.add(uncond)
+            else:
+                s.add(seq_cls(self._prompt(), sp))
+            self.submitted += 1
+
+    def next(self) -> tuple[list[Any], bool] | None:
+        """The next step's (sequences, is_prefill), as the scheduler decides; None once all finished."""
+        self._arrive()
+        if self.scheduler.is_finished():
+            return None
+        try:
+            seqs, is_prefill = self.scheduler.schedule()
+        except IndexError as e:  # nano-vllm 20260210: a preempted sequence left in `running` (see note)
+            self.scheduler_error = f"step {self.steps}: {type(e).__name__} in Scheduler.schedule: {e}"
+            return None
+        self.prefill_steps += is_prefill
+        if is_prefill:
+            self.prefix_hits += sum(s.num_cached_tokens > 0 for s in seqs)
+            self.reprefills += sum(s.num_completion_tokens > 0 for s in seqs)
+        return seqs, is_prefill
+
+    def post(self, seqs: list[Any]) -> None:
+        """nano-vllm's postprocess with this step's "sampled" tokens (one per sequence, per pair in CFG)."""
+        n = len(seqs) // 2 if is_cfg(seqs) else len(seqs)
+        toks = self.rng.integers(3, self.cfg.vocab, n)
+        toks[self.rng.random(n) < self.cfg.eos_rate] = EOS
+        before = sum(s.is_finished for s in seqs)
+        self.scheduler.postprocess(seqs, toks.tolist())
+        self.finished += sum(s.is_finished for s in seqs) - before
+        self.steps += 1
+
+
+def is_cfg(seqs: list[Any]) -> bool:
+    """What ``ModelRunner.run`` decides: a CFG batch."""
+    return bool(seqs[0].cfg_scale > 1.0 and seqs[0].paired_seq is not None)
+
+
+# --- runners, graphs and one prepared step -------------------------------------------------------
+
+
+class StandIn(torch.nn.Module):
+    """A stand-in model whose output depends on every input the graph reads (tokens, positions, context)."""
+
+    def __init__(self, nano: Any, hidden: int):
+        super().__init__()
+        self.ctx = nano.context
+        self.hidden = hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        c = self.ctx.get_context()
+        h = input_ids.float() * 7 + positions.float() * 3 + c.slot_mapping.float()
+        if not c.is_prefill:
+            h = h + c.context_lens.float() * 5 + c.block_tables.float().sum(1) * 11
+        return h[:, None].expand(-1, self.hidden) + torch.arange(self.hidden, device=h.device)
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.ctx.get_context()
+        return x[c.cu_seqlens_q[1:] - 1] if c.is_prefill else x.clone()
+
+
+class _EagerGraph:
+    """A captured graph's stand-in on the CPU: replay() runs the model on the static inputs."""
+
+    def __init__(self, runner: Any, bs: int):
+        self.r, self.bs = runner, bs
+
+    def replay(self) -> None:
+        r, bs, gv = self.r, self.bs, self.r.graph_vars
+        ctx = P.load().context
+        ctx.set_context(False, slot_mapping=gv["slot_mapping"][:bs], context_lens=gv["context_lens"][:bs],
+                        block_tables=gv["block_tables"][:bs])  # fmt: skip
+        gv["outputs"][:bs] = r.model(gv["input_ids"][:bs], gv["positions"][:bs])
+
+
+def capture(runner: Any) -> None:
+    """Graphs of the runner's stand-in model: nano-vllm's ``capture_cudagraph`` on a GPU; on the CPU
+    the same static inputs, with graphs that replay eagerly."""
+    if torch.cuda.is_available():
+        with torch.device("cuda"):
+            runner.capture_cudagraph()
+        return
+    cfg = runner.config
+    max_bs = min(cfg.max_num_seqs, 512)
+    blocks = -(-cfg.max_model_len // runner.block_size)
+    runner.graph_bs = [1, 2, 4, 8, *range(16, max_bs + 1, 16)]
+    runner.graph_vars = {
+        "input_ids": torch.zeros(max_bs, dtype=torch.int64),
+        "positions": torch.zeros(max_bs, dtype=torch.int64),
+        "slot_mapping": torch.zeros(max_bs, dtype=torch.int32),
+        "context_lens": torch.zeros(max_bs, dtype=torch.int32),
+        "block_tables": torch.zeros(max_bs, blocks, dtype=torch.int32),
+        "outputs": torch.zeros(max_bs, cfg.hf_config.hidden_size),
+    }
+    runner.graphs = {bs: _EagerGraph(runner, bs) for bs in runner.graph_bs}
+
+
+def make_runner(trace: Trace, setup: str, graphs: bool = False) -> Any:
+    """A runner of ``setup`` ("own", or "stagebuf_<tier>", attached on that tier) for ``trace``."""
+    import stagebuf.nanovllm as sn
+
+    cfg = replace(trace.config, enforce_eager=not graphs) if graphs else replace(trace.config, enforce_eager=True)
+    r = P.runner(cfg, StandIn(trace.nano, cfg.hf_config.hidden_size))
+    if setup == "own":
+        P.own_buffers(r)
+    if graphs:
+        with own_context(setup):
+            capture(r)
+    if setup != "own":
+        with stagebuf_tier(setup.split("_", 1)[1]):
+            sn.attach(r)
+            r.prepare_block_tables([_Probe()])  # builds the stager on the forced tier
+    return r
+
+
+class _Probe:
+    block_table = [0]
+
+
+def own_context(setup: str) -> Any:
+    """Where nano-vllm's own path runs: as it is on a GPU, through ``own_path_on_cpu`` on a CPU."""
+    return P.own_path_on_cpu() if setup == "own" and not torch.cuda.is_available() else nullcontext()
+
+
+def prepare(runner: Any, seqs: list[Any], is_prefill: bool) -> tuple[Any, ...]:
+    """What ``ModelRunner.run`` prepares: (input_ids, positions), the sampling arrays."""
+    ids, pos = runner.prepare_prefill(seqs) if is_prefill else runner.prepare_decode(seqs)
+    return ids, pos, runner.prepare_sample(seqs, is_cfg_batch=is_cfg(seqs))
+
+
+FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "context_lens", "block_tables")
+SAMPLE = ("temperatures", "cfg_scales", "top_ks", "top_ps", "repetition_penalties")
+
+
+def snapshot(nano: Any, prepared: tuple[Any, ...]) -> dict[str, Any]:
+    """Every tensor the model and sampler get, and the attention context, copied to the host."""
+    ids, pos, sample = prepared
+    c = nano.context.get_context()
+
+    def host(t: Any) -> Any:
+        return None if t is None else (t.dtype, tuple(t.shape), t.cpu().clone())
+
+    out = {"input_ids": host(ids), "positions": host(pos), "is_prefill": c.is_prefill,
+           "max_seqlen_q": c.max_seqlen_q, "max_seqlen_k": c.max_seqlen_k}  # fmt: skip
+    out.update({k: host(getattr(c, k)) for k in FIELDS})
+    out.update({k: host(t) for k, t in zip(SAMPLE, sample)})
+    return out
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    bad = []
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, tuple) and isinstance(y, tuple):
+            if x[:2] != y[:2] or not torch.equal(x[2], y[2]):
+                bad.append(k)
+        elif x != y:
+            bad.append(k)
+    return bad
+
+
+def check(
+    setup: str,
+    cfg: TraceConfig,
+    work: Path,
+    graphs: bool = False,
+    tamper: Callable[[Any, int], None] | None = None,
+) -> dict[str, Any]:
+    """nano-vllm's own path and ``setup`` in lockstep on one trace; every input compared every step."""
+    trace = Trace(cfg, work)
+    nano = trace.nano
+    own = make_runner(trace, "own", graphs)
+    mine = make_runner(trace, setup, graphs)
+    mismatches: list[str] = []
+    compared = 0
+    with stagebuf_tier(setup.split("_", 1)[1]):
+        for i in range(cfg.steps):
+            step = trace.next()
+            if step is None:
+                break
+            seqs, pre = step
+            with own_context("own"):
+                a = snapshot(nano, prepared := prepare(own, seqs, pre))
+                out_a = _run(own, prepared, pre) if graphs else None
+            nano.context.reset_context()
+            b = snapshot(nano, prepared := prepare(mine, seqs, pre))
+            if tamper is not None:
+                tamper(mine, i)
+                b = snapshot(nano, (prepared[0], prepared[1], prepared[2]))
+            out_b = _run(mine, prepared, pre) if graphs else None
+            nano.context.reset_context()
+            bad = differences(a, b)
+            if graphs:
+                if not torch.equal(out_a.cpu(), out_b.cpu()):  # type: ignore[union-attr]
+                    bad.append("logits")
+                if not pre:
+                    for k in ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables"):
+                        if not torch.equal(own.graph_vars[k].cpu(), mine.graph_vars[k].cpu()):
+                            bad.append(f"graph_vars[{k}]")
+            mismatches += [f"step {i} ({'prefill' if pre else 'decode'}, {len(seqs)} seqs): {k}" for k in bad]
+            compared += 1
+            trace.post(seqs)
+            if len(mismatches) > 20:
+                break
+    return {"setup": setup, "steps": compared, "prefill_steps": trace.prefill_steps,
+            "prefix_hits": trace.prefix_hits,
+            "preempted": trace.preempted, "reprefills": trace.reprefills,
+            "scheduler_error": trace.scheduler_error, "finished": trace.finished, "submitted": trace.submitted,
+            "graphs": graphs, "mismatches": mismatches}  # fmt: skip
+
+
+def _run(runner: Any, prepared: tuple[Any, ...], is_prefill: bool) -> torch.Tensor:
+    out: torch.Tensor = runner.run_model(prepared[0], prepared[1], is_prefill)
+    return out.clone()
+
+
+# --- device-side writes into the graph inputs ----------------------------------------------------
+
+
+class GraphWrites(TorchDispatchMode):
+    """Counts the ops that write a graph's static inputs from device memory (copies, fills), not transfers."""
+
+    WRITES = {"copy_", "fill_", "zero_", "index_put_", "index_copy_", "masked_fill_"}
+
+    def __init__(self, gv: dict[str, torch.Tensor]):
+        super().__init__()
+        self.ptrs = {gv[k].untyped_storage().data_ptr() for k in ("input_ids", "positions", "slot_mapping",
+                                                                  "context_lens", "block_tables")}  # fmt: skip
+        self.copies = 0
+        self.fills = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.__name__.split(".")[0]
+        if name in self.WRITES and isinstance(args[0], torch.Tensor):
+            dst = args[0]
+            if dst.untyped_storage().data_ptr() in self.ptrs:
+                if name == "copy_":
+                    src = args[1]
+                    self.copies += int(isinstance(src, torch.Tensor) and src.device == dst.device)
+                else:
+                    self.fills += 1
+        return func(*args, **(kwargs or {}))
+
+
+def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> dict[str, Any]:
+    """Per graph-replayed decode step of ``setup``: device-to-device copies and fills into the graph
+    inputs (run_model's own; nano-vllm's transfers from host memory are not counted)."""
+    trace = Trace(cfg, work)
+    r = make_runner(trace, setup, graphs=True)
+    copies, fills, n = 0, 0, 0
+    with stagebuf_tier(None if setup == "own" else setup.split("_", 1)[1]), own_context(setup):
+        for _ in range(steps):
+            step = trace.next()
+            if step is None:
+                break
+            seqs, pre = step
+            if pre or len(seqs) > 512:
+                prepare(r, seqs, pre)
+                trace.nano.context.reset_context()
+                trace.post(seqs)
+                continue
+            with GraphWrites(r.graph_vars) as w:
+                p = prepare(r, seqs, pre)
+                r.run_model(p[0], p[1], False)
+            trace.nano.context.reset_context()
+            copies, fills, n = copies + w.copies, fills + w.fills, n + 1
+            trace.post(seqs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {"setup": setup, "decode_steps": n, "d2d_copies_per_step": copies / max(n, 1),
+            "fills_per_step": fills / max(n, 1), "real_graphs": torch.cuda.is_available()}  # fmt: skip

@@ -192,16 +192,18 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
 class Setup:
     """One configuration: whose buffer layer, which tier, which API."""
 
-    layer: str  # "vllm", "stagebuf", or "plugin" (stagebuf through its vLLM plugin)
-    tier: str  # vllm: "uva" or "nopin"; stagebuf: uva, pinned, pageable, host
+    layer: str  # "vllm", "stagebuf", "plugin" (stagebuf through its vLLM plugin, =1) or "step" (=step)
+    tier: str  # vllm: "uva" or "nopin"; stagebuf: uva, pinned, pageable, host; "floor": the floor
     api: str = "dropin"  # stagebuf only: "dropin" or "own"
 
     @property
     def name(self) -> str:
-        if self.layer == "vllm":
-            return f"vllm_{self.tier}"
+        if self.layer in ("vllm", "floor"):
+            return f"{self.layer}_{self.tier}" if self.layer == "vllm" else "floor"
         if self.layer == "plugin":
             return f"stagebuf_plugin_{self.tier}"
+        if self.layer == "step":
+            return f"stagebuf_step_{self.tier}"
         return f"stagebuf_{self.api}_{self.tier}"
 
 
@@ -236,15 +238,15 @@ def stagebuf_tier(tier: str | None) -> Iterator[None]:
 
 
 def modules(setup: Setup, device: torch.device) -> vllm_mrv2.Mrv2:
-    if setup.layer == "plugin":
-        return plugin_modules(device)
+    if setup.layer in ("plugin", "step"):
+        return plugin_modules(device, "step" if setup.layer == "step" else "1")
     return vllm_mrv2.load(setup.layer, pin=setup.tier != "nopin", device=device)
 
 
 _PLUGIN: dict[str, Any] = {}
 
 
-def plugin_modules(device: torch.device) -> vllm_mrv2.Mrv2:
+def plugin_modules(device: torch.device, mode: str = "1") -> vllm_mrv2.Mrv2:
     """MRV2's modules as vLLM would run them with stagebuf's plugin on: vLLM 0.33.0 importable under
     its own names (``vllm_mrv2.as_installed``), the plugin run by vLLM's own loader (or, where
     stagebuf is not installed and so has no entry point, by calling it as the loader would), then
@@ -255,23 +257,25 @@ def plugin_modules(device: torch.device) -> vllm_mrv2.Mrv2:
 
     got = _PLUGIN.get("mods")
     if got is not None:
-        if got[1] != str(device):
-            raise ValueError(f"the plugin's modules are loaded for {got[1]}, not {device}")
+        if got[1:] != (str(device), mode):
+            raise ValueError(f"the plugin's modules are loaded for {got[1:]}, not {(str(device), mode)}")
         return got[0]  # type: ignore[no-any-return]
     cm = vllm_mrv2.as_installed(device)
     inst = cm.__enter__()
     try:
         import sys
 
-        with env_var("STAGEBUF_VLLM", "1"):
+        with env_var("STAGEBUF_VLLM", mode):
             if any(e.name == "stagebuf" for e in entry_points(group="vllm.general_plugins")):
                 sys.modules["vllm.plugins"].load_general_plugins()
             else:
                 _vllm.register()
         mods = {n: inst.load(n) for n in ("block_table", "states", "input_batch", "sample.states")}
         bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
-        if bu.StagedWriteTensor is not __import__("stagebuf").StagedWriteTensor:
-            raise RuntimeError(f"the plugin left vLLM's layer in place: {_vllm.plan().why}")
+        with env_var("STAGEBUF_VLLM", mode):
+            carried = _vllm.plan()
+        if carried.action != "patched" or carried.mode != mode:
+            raise RuntimeError(f"the plugin did not carry out {mode}: {carried.why}")
     except BaseException:
         cm.__exit__(None, None, None)
         raise
@@ -287,7 +291,7 @@ def plugin_modules(device: torch.device) -> vllm_mrv2.Mrv2:
         layer="plugin",
         pin=True,
     )
-    _PLUGIN["mods"] = (m, str(device))
+    _PLUGIN["mods"] = (m, str(device), mode)
     _PLUGIN["cm"] = cm
     return m
 
@@ -349,15 +353,30 @@ class Engine:
                 setattr(o, n, self.params[n])  # vLLM's code writes .np and reads .gpu, as before
             self.params.sync()
         self.qsl_np = np.zeros(cfg.max_num_reqs + 1, np.int32)
+        self.runner: Any = None
+        self.h2d = m.async_tensor_h2d
+        if setup.layer == "step":  # vLLM's model runner, as the plugin patched it
+            import sys
+
+            mr = sys.modules["vllm.v1.worker.gpu.model_runner"]
+            self.runner = mr.GPUModelRunner(None, device)
+            self.h2d = mr.async_tensor_h2d
         self.step_no = 0
         self.last: dict[str, torch.Tensor] = {}
 
     # the step, as GPUModelRunner runs it; returns (host preparation µs, buffer work µs)
     def prepare(self, plan: StepPlan) -> tuple[float, float]:
+        if self.runner is None:
+            return self._prepare(plan, time.perf_counter())
+        # step mode: inside the model runner's execute_model, which the plugin wraps
+        t0 = time.perf_counter()
+        got: tuple[float, float] = self.runner.execute_model(lambda: self._prepare(plan, t0))
+        return got
+
+    def _prepare(self, plan: StepPlan, t0: float) -> tuple[float, float]:
         clock = time.perf_counter
         rs, bt, ss, dev = self.req_states, self.block_tables, self.sampling, self.device
-        h2d = self.m.async_tensor_h2d
-        t0 = clock()
+        h2d = self.h2d
         buf = 0.0
         for rid in plan.finished:
             rs.remove_request(rid)

@@ -424,7 +424,38 @@ _INSTALLED = (
     "vllm.v1.worker.gpu.states",
     "vllm.v1.worker.gpu.input_batch",
     "vllm.v1.worker.gpu.sample.states",
+    "vllm.v1.worker.gpu.model_runner",
 )
+
+
+def _runner_stand_in(h2d: Callable[..., torch.Tensor]) -> types.ModuleType:
+    """``vllm.v1.worker.gpu.model_runner`` for the harness: vLLM's own ``async_tensor_h2d`` bound as the
+    model runner binds it, and a ``GPUModelRunner`` with vLLM 0.33's ``execute_model`` and
+    ``prepare_inputs`` signatures (the real module needs the whole of vLLM). Its ``execute_model``
+    runs ``scheduler_output()``: the harness passes its step (``engine.Engine.prepare``) as a callable,
+    so stagebuf's step-mode wrapper runs around the harness's step as around vLLM's."""
+    mod = types.ModuleType("vllm.v1.worker.gpu.model_runner")
+
+    class GPUModelRunner:
+        def __init__(self, vllm_config: Any, device: torch.device):
+            self.device = device
+
+        def execute_model(
+            self, scheduler_output: Any, intermediate_tensors: Any = None, dummy_run: bool = False,
+            skip_attn_for_dummy_run: bool = False, is_profile: bool = False, context_len: int = 0,
+            valid_dummy_state_slots: bool = False, randomize_inputs: bool = False,
+        ) -> Any:  # fmt: skip
+            return scheduler_output()
+
+        def prepare_inputs(
+            self, scheduler_output: Any, batch_req_state: Any, batch_desc: Any, num_active_loras: int
+        ) -> Any:
+            raise NotImplementedError("vllm_mrv2: the harness prepares inputs in engine.Engine.prepare")
+
+    GPUModelRunner.__module__ = mod.__name__
+    mod.GPUModelRunner = GPUModelRunner  # type: ignore[attr-defined]
+    mod.async_tensor_h2d = h2d  # type: ignore[attr-defined]
+    return mod
 
 
 class _Imports(dict):  # type: ignore[type-arg]
@@ -486,12 +517,17 @@ def as_installed(device: torch.device | None = None, pin: bool = True) -> Iterat
             parent, _, child = n.rpartition(".")
             if parent:
                 setattr(sys.modules[parent], child, pkg)
+        sys.modules["vllm"].__version__ = VERSION  # type: ignore[attr-defined]  # as vllm/__init__ sets it
         envs = sys.modules["vllm.envs"] = _Envs("vllm.envs")
         sys.modules["vllm"].envs = envs  # type: ignore[attr-defined]
         sys.modules["vllm"].plugins = _module(  # type: ignore[attr-defined]
             "vllm.plugins", root / "vllm/plugins/__init__.py", imports, real=True
         )
         inst = Installed(root, imports)
+        mr = sys.modules["vllm.v1.worker.gpu.model_runner"] = _runner_stand_in(
+            imports["vllm.utils.torch_utils"].async_tensor_h2d
+        )
+        sys.modules["vllm.v1.worker.gpu"].model_runner = mr  # type: ignore[attr-defined]
         bu = inst.load("buffer_utils")
         if dev.type == "cpu":  # as vLLM's CPU worker does
             bu.UvaBuffer = _module(

@@ -25,13 +25,17 @@ is built, and several times in one process; ``register`` is idempotent.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._constants import ENV_VLLM, env_flag
+from . import _vllm_step
+from ._constants import ENV_VLLM
+from ._errors import SettingValueError
 from ._log import logger
 
 TESTED = ("0.33.0",)
@@ -66,12 +70,48 @@ API: dict[str, dict[str, tuple[str, ...]]] = {
 REPLACED = tuple(API)
 
 
-def setting() -> bool:
-    """Whether ``STAGEBUF_VLLM`` switches the plugin on; a value other than 0/1 raises SettingValueError."""
-    return env_flag(
-        ENV_VLLM,
-        f"set {ENV_VLLM}=1 to make stagebuf vLLM's MRV2 buffer layer, or 0 (or unset it) for vLLM's own",
+MODES = ("0", "1", "step")
+"""``STAGEBUF_VLLM``'s values: off, class replacement, class replacement and step staging."""
+
+
+def mode() -> str:
+    """``STAGEBUF_VLLM``: ``"0"`` (unset or empty too), ``"1"`` or ``"step"``; else SettingValueError."""
+    raw = os.environ.get(ENV_VLLM)
+    v = "0" if raw is None or raw.strip() == "" else raw.strip()
+    if v in MODES:
+        return v
+    raise SettingValueError(
+        f"{ENV_VLLM}={raw!r} is not a valid setting",
+        setting=ENV_VLLM,
+        value=raw,
+        allowed=MODES,
+        fix=f"set {ENV_VLLM}=1 to make stagebuf vLLM's MRV2 buffer layer, {ENV_VLLM}=step to also stage "
+        "each step's inputs in one transfer, or 0 (or unset it) for vLLM's own",
     )
+
+
+def setting() -> bool:
+    """Whether ``STAGEBUF_VLLM`` switches the plugin on (``1`` or ``step``); a bad value raises."""
+    return mode() != "0"
+
+
+def _not_used() -> str | None:
+    """Why vLLM would not run the plugin's patch in this environment (None: it would).
+
+    As vLLM 0.33 decides: ``VLLM_PLUGINS`` (when set, the general plugins it names are the
+    only ones loaded) and ``VLLM_USE_V2_MODEL_RUNNER=0`` (the V1 model runner, which does not
+    use MRV2's buffer layer).
+    """
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and "stagebuf" not in allowed.split(","):
+        return f"VLLM_PLUGINS={allowed!r} does not name stagebuf: vLLM does not load the plugin"
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if v2 is not None and v2.strip() not in ("", "1"):
+        return (
+            f"VLLM_USE_V2_MODEL_RUNNER={v2!r}: vLLM runs its V1 model runner, which does not use MRV2's "
+            "buffer layer"
+        )
+    return None
 
 
 def _params(obj: Any) -> tuple[str, ...]:
@@ -79,10 +119,13 @@ def _params(obj: Any) -> tuple[str, ...]:
     return tuple(p for p in sig.parameters if p != "self")
 
 
-def api_of(module: Any) -> dict[str, dict[str, tuple[str, ...]]]:
-    """The API of a ``buffer_utils`` module in the shape of :data:`API` (only the names in it)."""
+ApiTable = dict[str, dict[str, tuple[str, ...]]]
+
+
+def api_of(module: Any, api: ApiTable | None = None) -> ApiTable:
+    """The API of ``module`` in the shape of ``api`` (default :data:`API`; only the names in it)."""
     out: dict[str, dict[str, tuple[str, ...]]] = {}
-    for name, methods in API.items():
+    for name, methods in (api or API).items():
         obj = getattr(module, name, None)
         if obj is None:
             continue
@@ -98,11 +141,12 @@ def api_of(module: Any) -> dict[str, dict[str, tuple[str, ...]]]:
     return out
 
 
-def api_differences(module: Any) -> list[str]:
-    """What differs between ``module``'s API and :data:`API` (empty: the same)."""
-    have = api_of(module)
+def api_differences(module: Any, api: ApiTable | None = None) -> list[str]:
+    """What differs between ``module``'s API and ``api`` (default :data:`API`; empty: the same)."""
+    api = api or API
+    have = api_of(module, api)
     diffs = []
-    for name, methods in API.items():
+    for name, methods in api.items():
         if name not in have:
             diffs.append(f"{name} is missing")
             continue
@@ -122,8 +166,37 @@ def vllm_version() -> str | None:
         from importlib import metadata
 
         return metadata.version("vllm")
-    except Exception:
-        return None
+    except Exception:  # no metadata: an imported vllm's own __version__, if any
+        v = getattr(sys.modules.get("vllm"), "__version__", None)
+        return v if isinstance(v, str) else None
+
+
+STEP_TARGET = "vllm.v1.worker.gpu.model_runner"
+
+STEP_API: dict[str, dict[str, tuple[str, ...]]] = {
+    "GPUModelRunner": {
+        "execute_model": (
+            "scheduler_output", "intermediate_tensors", "dummy_run", "skip_attn_for_dummy_run",
+            "is_profile", "context_len", "valid_dummy_state_slots", "randomize_inputs",
+        ),
+        "prepare_inputs": ("scheduler_output", "batch_req_state", "batch_desc", "num_active_loras"),
+    },
+    "async_tensor_h2d": {"": ("data", "device", "dtype", "out")},
+}  # fmt: skip
+"""What step mode patches in ``model_runner`` (besides :data:`API`), as in the tested vLLM versions.
+
+Step mode relies on vLLM 0.33's order in ``execute_model``: every staged-write apply,
+sampler publish and ``async_tensor_h2d`` of the step comes before its
+``async_tensor_h2d(query_start_loc_np, out=...)``, and no kernel reads their targets before
+it. It is on only for the vLLM versions in :data:`TESTED`.
+"""
+
+STEP_CLASSES = {
+    "UvaBackedTensor": _vllm_step.StepBackedTensor,
+    "StagedWriteTensor": _vllm_step.StepStagedWriteTensor,
+    "FusedStagedWriter": _vllm_step.StepFusedStagedWriter,
+}
+"""Step mode's classes in place of stagebuf's own (the other names of :data:`API` are as for ``1``)."""
 
 
 @dataclass
@@ -133,31 +206,55 @@ class Plan:
     Attributes
     ----------
     enabled : bool
-        Whether ``STAGEBUF_VLLM=1``.
+        Whether ``STAGEBUF_VLLM`` is ``1`` or ``step``.
     action : str
-        ``"patch"`` (it would replace vLLM's layer), ``"patched"`` (:func:`register`
-        already did in this process), ``"leave"`` (vLLM's layer stays: its API differs
-        from :data:`API`, or it cannot be imported) or ``"off"``.
+        ``"patch"`` (it would patch vLLM), ``"patched"`` (:func:`register` already did
+        in this process), ``"leave"`` (vLLM's layer stays: its API differs from
+        :data:`API`, or it cannot be imported) or ``"off"`` (not asked for, or vLLM
+        would not run the patch: ``VLLM_PLUGINS``, ``VLLM_USE_V2_MODEL_RUNNER=0``).
     why : str
         One sentence saying why.
     replacements : list of tuple
         For ``"patch"``: ``(module, attribute, vLLM's object, stagebuf's object)`` for
         every binding to replace; empty otherwise.
+    mode : str
+        The mode carried out: ``"0"``, ``"1"`` or ``"step"`` (``"1"`` where ``step`` was
+        asked for and vLLM's model runner differs from :data:`STEP_API`).
+    requested : str
+        ``STAGEBUF_VLLM``'s mode.
     """
 
     enabled: bool
     action: str
     why: str
     replacements: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
+    mode: str = "0"
+    requested: str = "0"
+
+    @property
+    def patches(self) -> list[str]:
+        """What is (or would be) patched: ``module.attribute`` per binding, deduplicated, in order."""
+        seen: dict[str, None] = {}
+        for mod, attr, _old, _new in self.replacements:
+            name = getattr(mod, "__name__", None) or getattr(mod, "__qualname__", "?")
+            seen.setdefault(f"{name}.{attr}", None)
+        return list(seen)
 
     def as_dict(self) -> dict[str, Any]:
-        """``enabled``, ``action`` and ``why`` as a dict (what ``stagebuf doctor`` reports).
+        """``enabled``, ``action``, ``why``, ``mode``, ``requested`` and ``patches`` (what doctor reports).
 
         Returns
         -------
         dict of str to Any
         """
-        return {"enabled": self.enabled, "action": self.action, "why": self.why}
+        return {
+            "enabled": self.enabled,
+            "action": self.action,
+            "why": self.why,
+            "mode": self.mode,
+            "requested": self.requested,
+            "patches": self.patches,
+        }
 
 
 _lock = threading.Lock()
@@ -165,55 +262,10 @@ _done: dict[str, Any] = {}
 """Per process: the plan that was carried out (register() is idempotent)."""
 
 
-def plan(module: Any | None = None) -> Plan:
-    """What :func:`register` would do now, and why; changes nothing.
-
-    vLLM's ``buffer_utils`` is imported only when ``STAGEBUF_VLLM=1``. After
-    :func:`register` ran in this process, the answer is what it did.
-
-    Parameters
-    ----------
-    module : module, optional
-        The ``buffer_utils`` module to compare with :data:`API` instead of importing
-        vLLM's (tests pass a stand-in).
-
-    Returns
-    -------
-    Plan
-        ``action`` ``"off"``, ``"leave"``, ``"patch"`` or ``"patched"``, with the reason.
-
-    Raises
-    ------
-    SetupError
-        (a ``ValueError`` too) If ``STAGEBUF_VLLM`` is set to anything but ``0``,
-        ``1`` or the empty string; the message names the allowed values.
-    """
-    if not setting():
-        return Plan(False, "off", f"{ENV_VLLM} is not set to 1: vLLM uses its own buffer layer")
-    done = _done.get("plan")
-    if done is not None:  # register() ran in this process: what it did
-        return Plan(True, "patched", done.why) if done.action == "patch" else done
-    if module is None:
-        try:
-            import importlib
-
-            module = importlib.import_module(TARGET)
-        except Exception as e:
-            return Plan(True, "leave", f"{TARGET} cannot be imported ({type(e).__name__}: {e})"[:300])
-    diffs = api_differences(module)
-    version = vllm_version()
-    if diffs:
-        return Plan(
-            True,
-            "leave",
-            f"vLLM {version or '?'}'s {TARGET} differs from the API stagebuf was tested with "
-            f"(vLLM {', '.join(TESTED)}): {'; '.join(diffs)}; vLLM's own layer stays in place",
-        )
-    import stagebuf
-
-    originals = {n: getattr(module, n) for n in REPLACED}
-    mine = {n: getattr(stagebuf, n) for n in REPLACED}
-    reps: list[tuple[Any, str, Any, Any]] = [(module, n, originals[n], mine[n]) for n in REPLACED]
+def _bindings(module: Any, mine: dict[str, Any]) -> list[tuple[Any, str, Any, Any]]:
+    """``module``'s names in ``mine``, and every ``vllm.*`` module's binding of the same objects."""
+    originals = {n: getattr(module, n) for n in mine}
+    reps: list[tuple[Any, str, Any, Any]] = [(module, n, originals[n], mine[n]) for n in mine]
     by_id = {id(v): n for n, v in originals.items()}
     for mod_name, mod in list(sys.modules.items()):  # consumers that bound the names already
         if mod is module or mod is None or not (mod_name == "vllm" or mod_name.startswith("vllm.")):
@@ -222,11 +274,106 @@ def plan(module: Any | None = None) -> Plan:
             n = by_id.get(id(val))
             if n is not None and val is originals[n]:
                 reps.append((mod, attr, val, mine[n]))
+    return reps
+
+
+def _step_replacements(
+    version: str | None, runner: Any | None
+) -> tuple[list[tuple[Any, str, Any, Any]], str]:
+    """Step mode's model-runner patches, or none and why not."""
+    if version not in TESTED:
+        return (
+            [],
+            f"step mode needs a tested vLLM ({', '.join(TESTED)}), not {version or 'an unknown version'}",
+        )
+    if runner is None:
+        try:
+            runner = importlib.import_module(STEP_TARGET)
+        except Exception as e:
+            return [], f"{STEP_TARGET} cannot be imported ({type(e).__name__}: {e})"[:300]
+    diffs = api_differences(runner, STEP_API)
+    if diffs:
+        return [], f"{STEP_TARGET} differs from the tested one: {'; '.join(diffs)}"
+    cls = runner.GPUModelRunner
+    return [
+        (runner, "async_tensor_h2d", runner.async_tensor_h2d, _vllm_step.wrap_h2d(runner.async_tensor_h2d)),
+        (cls, "execute_model", cls.execute_model, _vllm_step.wrap_execute_model(cls.execute_model)),
+    ], ""
+
+
+def plan(module: Any | None = None, runner: Any | None = None, version: str | None = None) -> Plan:
+    """What :func:`register` would do now, and why; changes nothing.
+
+    vLLM's modules are imported only when ``STAGEBUF_VLLM`` is ``1`` or ``step`` (the model
+    runner only for ``step``). After :func:`register` ran in this process, the answer is
+    what it did.
+
+    Parameters
+    ----------
+    module : module, optional
+        The ``buffer_utils`` module to compare with :data:`API` instead of importing
+        vLLM's (tests pass a stand-in).
+    runner : module, optional
+        The ``model_runner`` module to compare with :data:`STEP_API` (step mode).
+    version : str, optional
+        The vLLM version to assume (default: the installed one's metadata).
+
+    Returns
+    -------
+    Plan
+        ``action`` ``"off"``, ``"leave"``, ``"patch"`` or ``"patched"``, with the reason.
+
+    Raises
+    ------
+    SettingValueError
+        (a ``ValueError`` too) If ``STAGEBUF_VLLM`` is not ``0``, ``1``, ``step`` or
+        empty; the message names the allowed values.
+    """
+    requested = mode()
+    if requested == "0":
+        return Plan(False, "off", f"{ENV_VLLM} is not set to 1 or step: vLLM uses its own buffer layer")
+    done = _done.get("plan")
+    if done is not None:  # register() ran in this process: what it did
+        if done.action == "patch":
+            return Plan(True, "patched", done.why, done.replacements, done.mode, done.requested)
+        return done  # type: ignore[no-any-return]
+    unused = _not_used()
+    if unused:
+        return Plan(True, "off", unused, requested=requested)
+    if module is None:
+        try:
+            module = importlib.import_module(TARGET)
+        except Exception as e:
+            why = f"{TARGET} cannot be imported ({type(e).__name__}: {e})"[:300]
+            return Plan(True, "leave", why, requested=requested)
+    diffs = api_differences(module)
+    version = version or vllm_version()
+    if diffs:
+        return Plan(
+            True,
+            "leave",
+            f"vLLM {version or '?'}'s {TARGET} differs from the API stagebuf was tested with "
+            f"(vLLM {', '.join(TESTED)}): {'; '.join(diffs)}; vLLM's own layer stays in place",
+            requested=requested,
+        )
+    import stagebuf
+
+    mine = {n: getattr(stagebuf, n) for n in REPLACED}
     why = (
         f"vLLM {version or '?'}'s MRV2 buffer layer ({TARGET}) matches the API stagebuf was tested "
         f"with (vLLM {', '.join(TESTED)})"
     )
-    return Plan(True, "patch", why, reps)
+    carried = "1"
+    step: list[tuple[Any, str, Any, Any]] = []
+    if requested == "step":
+        step, why_not = _step_replacements(version, runner)
+        if step:
+            carried = "step"
+            mine.update(STEP_CLASSES)
+            why += "; step mode: the step's staged writes, sampler publishes and per-step copies in one batch"
+        else:
+            why += f"; {why_not}: class replacement only ({ENV_VLLM}=1's behaviour)"
+    return Plan(True, "patch", why, _bindings(module, mine) + step, carried, requested)
 
 
 def _apply(p: Plan) -> None:
@@ -243,33 +390,45 @@ def _apply(p: Plan) -> None:
 
 def _announce(caps: Any) -> None:
     """The plugin's one log line of this process, with the tier stagebuf chose and why."""
-    if _done.pop("announce", None) is None:
+    p = _done.pop("announce", None)
+    if p is None:
         return
     reason = next((r for r in reversed(caps.reasons) if r.startswith("Tier ")), "")
+    what = (
+        "MRV2's buffer layer is stagebuf's, and each step's inputs are staged in one batch"
+        if p.mode == "step"
+        else "MRV2's buffer layer is stagebuf's"
+    )
+    fallback = "" if p.mode == p.requested else f" (step mode asked for, not carried out: {p.why})"
     logger.warning(
-        "vLLM plugin on (%s=1): MRV2's buffer layer is stagebuf's, tier %s on %s. %s",
+        "vLLM plugin on (%s=%s): %s, tier %s on %s.%s %s",
         ENV_VLLM,
+        p.mode,
+        what,
         caps.tier.name,
         caps.device,
+        fallback,
         reason,
     )
 
 
 def register() -> None:
-    """vLLM's general-plugin entry point: make stagebuf MRV2's buffer layer if ``STAGEBUF_VLLM=1``.
+    """vLLM's general-plugin entry point: make stagebuf MRV2's buffer layer if ``STAGEBUF_VLLM`` asks.
 
     Idempotent: vLLM calls it several times per process, and only the first call
     acts. If vLLM's API differs from :data:`API`, or vLLM cannot be imported, it
     logs one line saying why and leaves vLLM's layer whole. Otherwise it replaces
-    every binding of the names in :data:`API` at once (nothing is ever half-patched) and
-    logs one line with the tier when stagebuf first decides one in the process.
+    every binding of the names in :data:`API` at once (nothing is ever half-patched),
+    with ``step`` also the model runner's :data:`STEP_API` (or, where that differs, only
+    what ``1`` patches, said in the log line), and logs one line with the tier when
+    stagebuf first decides one in the process.
 
     Raises
     ------
-    SetupError
-        (a ``ValueError`` too) If ``STAGEBUF_VLLM`` is set to anything but ``0``,
-        ``1`` or the empty string; the message names the allowed values. vLLM then
-        stops at start-up, before anything is replaced.
+    SettingValueError
+        (a ``ValueError`` too) If ``STAGEBUF_VLLM`` is not ``0``, ``1``, ``step`` or
+        empty; the message names the allowed values. vLLM then stops at start-up,
+        before anything is replaced.
     """
     on = setting()  # a bad value raises before anything is looked at
     if not on:
@@ -285,7 +444,7 @@ def register() -> None:
         _apply(p)
         from . import _probe
 
-        _done["announce"] = True
+        _done["announce"] = p
         _probe.on_decision.append(_announce)
         for caps in list(_probe._cache.values())[:1]:  # a tier already decided in this process
             _announce(caps)
@@ -302,6 +461,7 @@ def unregister() -> None:
         _done.pop("announce", None)
         if p is None or p.action != "patch":
             return
+        _vllm_step.reset()
         for mod, attr, old, _new in reversed(p.replacements):
             setattr(mod, attr, old)
         from . import _probe

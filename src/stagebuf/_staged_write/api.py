@@ -30,7 +30,7 @@ from .._sealed import Sealed
 from .._tier import Tier
 from .._types import DeviceLike, DTypeLike, HostData
 from .edits import Edits
-from .launcher import _CAPACITY, Target, _Launcher
+from .launcher import _CAPACITY, Gathered, Target, _Launcher
 
 ALLOWED_DTYPES = (torch.int32, torch.int64, torch.float32)
 
@@ -302,8 +302,12 @@ class StagedWriteTensor(Sealed):
         g = self._edits.gather()
         if g is None:
             return
-        self._kernel = self._launcher.apply([g])
+        self._kernel = self._write([g])
         self._edits.clear()
+
+    def _write(self, parts: list[Gathered]) -> Kernel:
+        """Write checked edits (the launcher's packed transfer and launch; step mode defers them)."""
+        return self._launcher.apply(parts)
 
     def clear_staged_writes(self) -> None:
         """Drop every staged edit without applying it."""

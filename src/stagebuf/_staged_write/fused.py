@@ -13,7 +13,7 @@ from .._sealed import Sealed
 from .._types import DeviceLike
 from .api import StagedWriteTensor, edits_of
 from .edits import int_in
-from .launcher import _Launcher, check_outputs
+from .launcher import Gathered, _Launcher, check_outputs
 
 
 class FusedStagedWriter(Sealed):
@@ -182,9 +182,13 @@ class FusedStagedWriter(Sealed):
         if n > self._max_writes:
             self._max_writes = 1 << (n - 1).bit_length()
             self._edit_growths += 1
-        self._kernel = self._launcher.apply(parts)
+        self._kernel = self._write(parts)
         for e in edits:
             e.clear()
+
+    def _write(self, parts: list[Gathered]) -> Kernel:
+        """Write checked edits (the launcher's packed transfer and launch; step mode defers them)."""
+        return self._launcher.apply(parts)
 
     def stats(self) -> dict[str, int]:
         """The writer's counters.

@@ -22,8 +22,8 @@ the device-side writes into the graphs' inputs that ``run_model`` does per decod
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -227,7 +227,11 @@ def make_runner(trace: Trace, setup: str, graphs: bool = False) -> Any:
     """A runner of ``setup`` ("own", or "stagebuf_<tier>", attached on that tier) for ``trace``."""
     import stagebuf.nanovllm as sn
 
-    cfg = replace(trace.config, enforce_eager=not graphs) if graphs else replace(trace.config, enforce_eager=True)
+    cfg = (
+        replace(trace.config, enforce_eager=not graphs)
+        if graphs
+        else replace(trace.config, enforce_eager=True)
+    )
     r = P.runner(cfg, StandIn(trace.nano, cfg.hf_config.hidden_size))
     if setup == "own":
         P.own_buffers(r)
@@ -236,13 +240,8 @@ def make_runner(trace: Trace, setup: str, graphs: bool = False) -> Any:
             capture(r)
     if setup != "own":
         with stagebuf_tier(setup.split("_", 1)[1]):
-            sn.attach(r)
-            r.prepare_block_tables([_Probe()])  # builds the stager on the forced tier
+            sn.attach(r)  # builds its stagers on the forced tier
     return r
-
-
-class _Probe:
-    block_table = [0]
 
 
 def own_context(setup: str) -> Any:
@@ -333,7 +332,8 @@ def check(
     return {"setup": setup, "steps": compared, "prefill_steps": trace.prefill_steps,
             "prefix_hits": trace.prefix_hits,
             "preempted": trace.preempted, "reprefills": trace.reprefills,
-            "scheduler_error": trace.scheduler_error, "finished": trace.finished, "submitted": trace.submitted,
+            "scheduler_error": trace.scheduler_error, "finished": trace.finished,
+            "submitted": trace.submitted,
             "graphs": graphs, "mismatches": mismatches}  # fmt: skip
 
 
@@ -352,8 +352,8 @@ class GraphWrites(TorchDispatchMode):
 
     def __init__(self, gv: dict[str, torch.Tensor]):
         super().__init__()
-        self.ptrs = {gv[k].untyped_storage().data_ptr() for k in ("input_ids", "positions", "slot_mapping",
-                                                                  "context_lens", "block_tables")}  # fmt: skip
+        keys = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
+        self.ptrs = {gv[k].untyped_storage().data_ptr() for k in keys}
         self.copies = 0
         self.fills = 0
 
@@ -397,3 +397,280 @@ def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> d
         torch.cuda.synchronize()
     return {"setup": setup, "decode_steps": n, "d2d_copies_per_step": copies / max(n, 1),
             "fills_per_step": fills / max(n, 1), "real_graphs": torch.cuda.is_available()}  # fmt: skip
+
+
+def check_in_flight(setup: str, cfg: TraceConfig, work: Path, busy_cycles: int) -> dict[str, Any]:
+    """``setup`` with the device busy and two steps in flight, against nano-vllm's own path run alone.
+
+    Pass 1 runs nano-vllm's own path on the trace and keeps every step's inputs (it is not safe
+    with steps in flight: its pinned buffers are rewritten while their copies may be queued).
+    Pass 2 replays the same trace (seeded) on ``setup``: each step's forward stand-in sleeps
+    ``busy_cycles`` before a stand-in reads every input (into pinned host memory), and the
+    step is compared two steps later, once its own event is done.
+    """
+    want: list[dict[str, Any]] = []
+    trace = Trace(cfg, work)
+    own = make_runner(trace, "own")
+    with own_context("own"):
+        while len(want) < cfg.steps and (step := trace.next()) is not None:
+            want.append(snapshot(trace.nano, prepare(own, step[0], step[1])))
+            trace.nano.context.reset_context()
+            trace.post(step[0])
+    trace = Trace(cfg, work)
+    mine = make_runner(trace, setup)
+    pending: list[tuple[int, Any, dict[str, Any]]] = []
+    mismatches: list[str] = []
+    cuda = torch.cuda.is_available()
+
+    def late_read(d: dict[str, Any]) -> dict[str, Any]:
+        """A device-side copy of each input, read after the stand-in forward, then to pinned memory."""
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, torch.Tensor):
+                host = torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda)
+                host.copy_(v.clone(), non_blocking=True)
+                out[k] = (v.dtype, tuple(v.shape), host)
+            else:
+                out[k] = v
+        return out
+
+    def compare(i: int, ev: Any, got: dict[str, Any]) -> None:
+        if ev is not None:
+            ev.synchronize()
+        mismatches.extend(f"step {i}: {k}" for k in differences(want[i], got))
+
+    with stagebuf_tier(setup.split("_", 1)[1]):
+        for i in range(len(want)):
+            step = trace.next()
+            assert step is not None
+            ids, pos, sample = prepare(mine, step[0], step[1])
+            c = trace.nano.context.get_context()
+            raw: dict[str, Any] = {"input_ids": ids, "positions": pos, "is_prefill": c.is_prefill}
+            raw.update(max_seqlen_q=c.max_seqlen_q, max_seqlen_k=c.max_seqlen_k)
+            raw.update({k: getattr(c, k) for k in FIELDS})
+            raw.update(dict(zip(SAMPLE, sample)))
+            if cuda and busy_cycles:
+                torch.cuda._sleep(busy_cycles)
+            got = late_read(raw)
+            ev = None
+            if cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+            trace.nano.context.reset_context()
+            pending.append((i, ev, got))
+            if len(pending) > 2:
+                compare(*pending.pop(0))
+            trace.post(step[0])
+        for p in pending:
+            compare(*p)
+    return {"setup": setup, "steps": len(want), "busy_cycles": busy_cycles, "mismatches": mismatches[:20]}
+
+
+# --- the timed workload --------------------------------------------------------------------------
+
+
+def setups(cuda: bool, have_uva: bool, have_pinned: bool) -> list[str]:
+    if not cuda:
+        return ["own", "stagebuf_host", "stagebuf_pageable"]
+    tiers = [t for t, ok in (("uva", have_uva), ("pinned", have_pinned), ("pageable", True)) if ok]
+    return ["own", *(f"stagebuf_{t}" for t in tiers)]
+
+
+def run_lockstep(
+    names: list[str], cfg: TraceConfig, work: Path, busy_cycles: int, warmup: int
+) -> dict[str, Any]:
+    """One timed run of the trace by every setup in lockstep (as ``engine.run_lockstep``): per step, each
+    setup in a rotating order prepares the same batch (timed: prepare_prefill or prepare_decode, then
+    prepare_sample), then its forward stand-in; busy: two steps in flight per setup."""
+    import stagebuf
+
+    trace = Trace(cfg, work)
+    runners = [make_runner(trace, s) for s in names]
+    cuda = torch.cuda.is_available()
+    times: dict[str, dict[str, list[float]]] = {s: {"prefill": [], "decode": []} for s in names}
+    prev: list[Any] = [None] * len(names)
+    clock = time.perf_counter
+    k = len(names)
+    i = 0
+    while i < cfg.steps and (step := trace.next()) is not None:
+        seqs, pre = step
+        for j in range(k):
+            e = (i + j) % k
+            name, r = names[e], runners[e]
+            if cuda and not busy_cycles:
+                done = torch.cuda.Event()
+                done.record()
+                _wait(done)
+            with own_context(name):
+                t0 = clock()
+                if name != "own":
+                    stagebuf.begin_step()
+                prepare(r, seqs, pre)
+                t1 = clock()
+            trace.nano.context.reset_context()
+            if cuda and busy_cycles:
+                torch.cuda._sleep(busy_cycles)
+                ev = torch.cuda.Event()
+                ev.record()
+                if prev[e] is not None:
+                    _wait(prev[e])
+                prev[e] = ev
+            if i >= warmup:
+                times[name]["prefill" if pre else "decode"].append((t1 - t0) * 1e6)
+        trace.post(seqs)
+        i += 1
+    if cuda:
+        torch.cuda.synchronize()
+    return {
+        s: {f"{kind}_us": float(np.median(v)) if v else None for kind, v in d.items()}
+        | {f"{kind}_steps": len(v) for kind, v in d.items()}
+        for s, d in times.items()
+    }
+
+
+def bench(
+    repeats: int = 3,
+    steps: int = 200,
+    warmup: int = 30,
+    busy_ms: float = 3.0,
+    cfg: TraceConfig | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The whole workload: identical-input checks (lockstep, graphs, in flight), graph-input writes,
+    then interleaved timed repeats, idle and busy (busy on a GPU only)."""
+    import tempfile
+
+    import stagebuf
+
+    cuda = torch.cuda.is_available()
+    have = {"uva": False, "pinned": False}
+    if cuda:
+        caps = stagebuf.capabilities()
+        have = {"uva": caps.tier is stagebuf.Tier.UVA, "pinned": caps.tier <= stagebuf.Tier.PINNED}
+    names = setups(cuda, have["uva"], have["pinned"])
+    cfg = cfg or TraceConfig(steps=steps)
+    cycles = sleep_cycles_for(busy_ms, torch.device("cuda")) if cuda else 0
+    modes = (False, True) if cuda else (False,)
+    out: dict[str, Any] = {
+        "nanovllm_version": f"{P.DIST} {P.VERSION}",
+        "trace": {k: v for k, v in vars(cfg).items() if k != "steps"},
+        "steps": cfg.steps, "warmup": warmup, "repeats": repeats, "busy_ms": busy_ms if cuda else 0,
+        "setups": names, "checks": [], "graph_writes": {}, "runs": {},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for s in names[1:]:
+            for graphs in (False, True):
+                r = check(s, replace(cfg, steps=min(cfg.steps, 120)), work, graphs=graphs)
+                out["checks"].append(r)
+                log(
+                    f"nanovllm check {s} graphs={graphs}: {r['steps']} steps, "
+                    f"{len(r['mismatches'])} mismatches"
+                )
+            if cuda:
+                r = check_in_flight(s, replace(cfg, steps=min(cfg.steps, 120)), work, cycles)
+                r["graphs"] = "in flight"
+                out["checks"].append(r)
+                log(f"nanovllm in-flight check {s}: {len(r['mismatches'])} mismatches")
+        for s in names:
+            out["graph_writes"][s] = graph_writes(s, replace(cfg, steps=60), work)
+        for rep in range(repeats):
+            for busy in modes:
+                res = run_lockstep(names, cfg, work, cycles if busy else 0, warmup)
+                for name, r in res.items():
+                    out["runs"].setdefault(f"{name}|{'busy' if busy else 'idle'}", []).append(r)
+            log(f"nanovllm: repeat {rep + 1}/{repeats} done")
+    out["medians"] = {
+        k: {m: float(np.median([r[m] for r in v if r[m] is not None] or [float("nan")]))
+            for m in ("prefill_us", "decode_us")}
+        for k, v in out["runs"].items()
+    }  # fmt: skip
+    out["identical_inputs"] = all(not c["mismatches"] for c in out["checks"])
+    return out
+
+
+def _entry(description: str, value: float | None, op: str, goal: float, missing: str = "") -> dict[str, Any]:
+    """A target in the bench report's form (as ``engine._entry``), workload "nanovllm"."""
+    e: dict[str, Any] = {"description": description, "workload": "nanovllm", "op": op, "target": goal}
+    if value is None or value != value:
+        e.update(measured=None, passed=None,
+                 skipped=f"not measured in this run{': ' + missing if missing else ''}")  # fmt: skip
+        return e
+    ok = value <= goal if op == "<=" else value == goal if op == "==" else value >= goal
+    e.update(measured=round(value, 4), passed=ok)
+    return e
+
+
+def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The nano-vllm targets: ratios of medians of one run (worst of idle and busy), graph-input copies."""
+    res = res or {}
+    meds = res.get("medians", {})
+
+    def ratio(num: str, kind: str) -> float | None:
+        rs = [meds[f"{num}|{m}"][kind] / meds[f"own|{m}"][kind] for m in ("idle", "busy")
+              if f"{num}|{m}" in meds and f"own|{m}" in meds]  # fmt: skip
+        return max(rs) if rs else None
+
+    out = {
+        "nanovllm_decode_uva_vs_own": _entry(
+            "nano-vllm decode step, host preparation (prepare_decode + prepare_sample): stagebuf UVA / "
+            "nano-vllm's own (pinned), worst of idle and busy GPU",
+            ratio("stagebuf_uva", "decode_us"), "<=", 0.15, "needs a GPU with UVA"),
+        "nanovllm_prefill_uva_vs_own": _entry(
+            "nano-vllm prefill step, host preparation (prepare_prefill + prepare_sample): stagebuf UVA / "
+            "nano-vllm's own, worst of idle and busy GPU",
+            ratio("stagebuf_uva", "prefill_us"), "<=", 0.35, "needs a GPU with UVA"),
+        "nanovllm_decode_pageable_vs_own": _entry(
+            "nano-vllm decode step, host preparation: stagebuf PAGEABLE (no pinned memory) / nano-vllm's own "
+            "with pinned memory, worst of idle and busy GPU",
+            ratio("stagebuf_pageable", "decode_us"), "<=", 0.25, "needs a GPU"),
+    }  # fmt: skip
+    gw = res.get("graph_writes", {})
+    mine = [v["d2d_copies_per_step"] for k, v in gw.items() if k != "own" and v.get("decode_steps")]
+    real = any(v.get("real_graphs") for v in gw.values())
+    out["nanovllm_graph_copies"] = _entry(
+        "nano-vllm graph-replayed decode step with stagebuf attached: device-to-device copies into the "
+        "graph's static inputs (nano-vllm's own run_model: 5 copies and 3 fills), worst tier",
+        max(mine) if mine and real else None,
+        "==",
+        0,
+        "needs a GPU (CUDA graphs)",
+    )
+    return out
+
+
+def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The nano-vllm results as (title, header, rows) tables, for the console and Markdown."""
+    res = report.get("nanovllm") or {}
+    meds = res.get("medians", {})
+    if not meds:
+        return []
+    modes = [m for m in ("idle", "busy") if any(k.endswith(f"|{m}") for k in meds)]
+    head = ["setup"] + [f"{kind} {m}" for kind in ("prefill", "decode") for m in modes]
+    rows = []
+    for s in res.get("setups", []):
+        cells = [s]
+        for kind in ("prefill_us", "decode_us"):
+            for m in modes:
+                v = meds.get(f"{s}|{m}", {}).get(kind)
+                cells.append("-" if v is None or v != v else f"{v:.1f}")
+        rows.append(cells)
+    checks = res.get("checks", [])
+    n_ok = sum(1 for c in checks if not c["mismatches"])
+    steps = sum(c["steps"] for c in checks)
+    title = (
+        f"nanovllm: {res.get('nanovllm_version')} input preparation, host µs per step (median of "
+        f"{res.get('repeats')} interleaved runs of {res.get('steps', 0) - res.get('warmup', 0)} steps); "
+        f"identical inputs: {n_ok}/{len(checks)} checks, {steps} steps"
+    )
+    gw = res.get("graph_writes", {})
+    grows = [
+        [s, f"{v['decode_steps']}", f"{v['d2d_copies_per_step']:.1f}", f"{v['fills_per_step']:.1f}",
+         "CUDA graphs" if v.get("real_graphs") else "replayed eagerly (CPU)"]
+        for s, v in gw.items()
+    ]  # fmt: skip
+    return [
+        (title, head, rows),
+        ("nanovllm: writes into the graph inputs per graph-replayed decode step",
+         ["setup", "decode steps", "device-to-device copies", "fills", "graphs"], grows),
+    ]  # fmt: skip

@@ -66,7 +66,9 @@ def _pip_download(dest: str, *args: str) -> None:
         raise Unavailable(f"pip download {args[-1]} failed (is the package registry reachable?): {e}") from e
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise Unavailable(f"pip download {args[-1]} failed (is the package registry reachable?): {tail[0][:300]}")
+        raise Unavailable(
+            f"pip download {args[-1]} failed (is the package registry reachable?): {tail[0][:300]}"
+        )
 
 
 def _unzip(wheel: Path, dest: Path) -> None:
@@ -84,7 +86,7 @@ def _installed() -> bool:
 
 
 def fetch(quiet: bool = True) -> Path:
-    """The folder holding nano-vllm's package (``pkg/nanovllm``) and xxhash; fetched once; raises Unavailable."""
+    """The folder holding nano-vllm (``pkg/nanovllm``) and xxhash; fetched once; raises Unavailable."""
     root = cache_dir()
     pkg = root / "pkg"
     if not (pkg / "nanovllm" / "engine" / "model_runner.py").is_file():
@@ -149,7 +151,9 @@ def _stand_ins() -> dict[str, types.ModuleType]:
 
     def unused(what: str) -> Any:
         def f(*a: Any, **k: Any) -> Any:
-            raise NotImplementedError(f"nanovllm_pkg: {what} is a stand-in (input preparation never calls it)")
+            raise NotImplementedError(
+                f"nanovllm_pkg: {what} is a stand-in (input preparation never calls it)"
+            )
 
         return f
 
@@ -168,7 +172,9 @@ def _stand_ins() -> dict[str, types.ModuleType]:
         return fn if fn is not None else (lambda f: f)
 
     out = {
-        "transformers": module("transformers", AutoConfig=AutoConfig, AutoTokenizer=Unused, Qwen3Config=Unused),
+        "transformers": module(
+            "transformers", AutoConfig=AutoConfig, AutoTokenizer=Unused, Qwen3Config=Unused
+        ),
         "flash_attn": module(
             "flash_attn",
             flash_attn_varlen_func=unused("flash_attn_varlen_func"),

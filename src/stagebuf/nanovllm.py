@@ -10,8 +10,8 @@ attention context (``nanovllm.utils.context``):
 * the arrays of a ``prepare_prefill`` or ``prepare_decode`` call go in one
   :class:`~stagebuf.StepStager` step: one transfer per call on PINNED and PAGEABLE,
   none on UVA and HOST; built in bulk with numpy;
-* the five sampling arrays live in one :class:`~stagebuf.DeviceParamTable`, rows by
-  batch position: one copy when a value changed, none while the batch stays the same;
+* the sampling arrays that ``prepare_sample`` hands on go in one step of a second
+  stager;
 * a decode that ``run_model`` would replay as a captured CUDA graph is written from a
   guarded host slot straight into the graph's static inputs, and ``run_model`` replays
   without its device-to-device copies;
@@ -21,7 +21,7 @@ The tensors keep nano-vllm's values, dtypes and shapes, and its rules, including
 ``prepare_sample``'s: top-k is handed on when a sequence has one > 0, top-p and the
 repetition penalty when a sequence has one equal to 1.0. What differs is lifetime: a
 returned tensor holds its values until the call ``max_concurrency`` calls later
-(sampling arrays and graph inputs: until the next call), as nano-vllm's engine uses them.
+(graph inputs: until the next decode), as nano-vllm's engine uses them.
 
 ``attach`` accepts a ``ModelRunner`` (built with its model or not: it needs only the
 runner's ``config`` and ``block_size``), an ``LLM`` or ``LLMEngine`` (its
@@ -33,6 +33,7 @@ are accepted; anything else raises :class:`NanoVllmVersionError` and changes not
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from importlib import metadata
@@ -98,10 +99,8 @@ def _distribution(cls: type) -> tuple[str, str]:
                 found.append((dist.metadata["Name"], dist.version))
     if not found:
         for name in metadata.packages_distributions().get(top, []):
-            try:
+            with contextlib.suppress(metadata.PackageNotFoundError):  # a stale record
                 found.append((name, metadata.version(name)))
-            except metadata.PackageNotFoundError:  # pragma: no cover - a stale record
-                pass
     return found[0] if found else ("unknown", "")
 
 
@@ -148,10 +147,12 @@ def _check(cls: type) -> None:
 
 
 def _prep(runner: Any) -> Prep:
-    p = runner.__dict__.get(_STATE)
+    p: Prep | None = runner.__dict__.get(_STATE)
     if p is None:
         p = runner.__dict__[_STATE] = Prep(runner)
-        logger.info("stagebuf.nanovllm: %s prepares its inputs on tier %s", type(runner).__name__, p.stager.tier)
+        logger.info(
+            "stagebuf.nanovllm: %s prepares its inputs on tier %s", type(runner).__name__, p.stager.tier
+        )
     return p
 
 
@@ -285,7 +286,7 @@ def is_attached(target: Any) -> bool:
 
 
 def stats(target: Any) -> dict[str, Any]:
-    """What an attached runner did: its tier, the stager's and table's counters, graph-input copies.
+    """What an attached runner did: its tier, its two stagers' counters, graph-input copies.
 
     Raises
     ------
@@ -304,7 +305,7 @@ def stats(target: Any) -> dict[str, Any]:
         "prepared": True,
         "tier": prep.stager.tier.name,
         "stager": prep.stager.stats(),
-        "sampling_table": prep.params.stats(),
+        "sampler": prep.sampler.stats(),
         "graph_input_copies": 0 if g is None else g.copies,
     }
 

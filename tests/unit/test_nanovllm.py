@@ -1,0 +1,328 @@
+"""stagebuf.nanovllm on nano-vllm-fork 20260210's real code, on the CPU tiers (HOST, PAGEABLE).
+
+nano-vllm is fetched from the package registry at test time (``benchmarks.nanovllm_pkg``; no
+nano-vllm code is committed) and run as released: its Scheduler and BlockManager drive the
+traces, its ModelRunner's own ``prepare_*`` and ``run_model`` are the reference. On a machine
+without CUDA nano-vllm's own path cannot run (``pin_memory=True`` raises); the reference then
+runs under ``nanovllm_pkg.own_path_on_cpu``: the same code, with ``pin_memory`` dropped and
+``.cuda()`` a CPU copy. Every step compares every tensor the runner hands the model and the
+sampler, and the attention context (``benchmarks.nanovllm_engine.check``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from benchmarks import nanovllm_engine as NE
+from benchmarks import nanovllm_pkg as P
+from benchmarks.engine import stagebuf_tier
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import stagebuf
+import stagebuf.nanovllm as sn
+
+TIERS = ["stagebuf_host", "stagebuf_pageable"]
+
+
+@pytest.fixture(scope="module")
+def nano() -> P.Nano:
+    why = P.available()
+    if why:
+        pytest.skip(f"needs {P.DIST} {P.VERSION} from the package registry (pip download --no-deps): {why}")
+    return P.load()
+
+
+@pytest.fixture
+def work(tmp_path: Path, nano: P.Nano) -> Path:
+    return tmp_path
+
+
+SMALL = NE.TraceConfig(max_num_seqs=64, running=64, max_num_batched_tokens=4096, steps=80)
+
+TRACES = {
+    # about 256 running sequences, arrivals, shared prefixes, finishes by EOS and max_tokens
+    "busy": NE.TraceConfig(steps=150),
+    "cfg": dataclasses.replace(SMALL, cfg=True, running=32),
+    "graphs": SMALL,
+    # a KV cache of 20 blocks: the scheduler preempts, and the preempted sequence is prefilled again
+    "preempt": dataclasses.replace(SMALL, num_kvcache_blocks=20, arrivals_per_step=4, seed=1, steps=300),
+}
+
+
+@pytest.mark.parametrize("setup", TIERS)
+@pytest.mark.parametrize("trace", list(TRACES))
+def test_identical_inputs_on_nanovllms_scheduler_trace(setup: str, trace: str, work: Path) -> None:
+    r = NE.check(setup, TRACES[trace], work, graphs=trace == "graphs")
+    assert r["mismatches"] == [], r
+    assert r["steps"] == TRACES[trace].steps
+    assert r["prefill_steps"] > 0 and r["steps"] - r["prefill_steps"] > 0
+    assert r["prefix_hits"] > 0 and r["finished"] > 0
+    assert r["scheduler_error"] is None
+    if trace == "preempt":
+        assert r["preempted"] > 0 and r["reprefills"] > 0
+
+
+def test_the_check_finds_a_difference(work: Path) -> None:
+    """It can fail: one slot of one step's context changed after preparation is reported."""
+
+    def tamper(runner: Any, i: int) -> None:
+        if i == 5:
+            c = P.load().context.get_context()
+            c.slot_mapping[0] += 1
+
+    r = NE.check("stagebuf_host", dataclasses.replace(SMALL, steps=10), work, tamper=tamper)
+    assert (
+        len(r["mismatches"]) == 1
+        and r["mismatches"][0].startswith("step 5 ")
+        and "slot_mapping" in r["mismatches"][0]
+    ), r
+
+
+def test_identical_inputs_in_check_mode(work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """STAGEBUF_CHECK=1 poisons every slot as its step begins: nothing reads a slot before publication."""
+    monkeypatch.setenv("STAGEBUF_CHECK", "1")
+    stagebuf.reset_capabilities()
+    r = NE.check("stagebuf_pageable", dataclasses.replace(SMALL, steps=40), work, graphs=True)
+    assert r["mismatches"] == [], r
+
+
+def test_nanovllms_scheduler_raises_index_error_after_a_preemption(work: Path) -> None:
+    """A finding about nano-vllm-fork 20260210, not stagebuf: with a small KV cache its decode
+    scheduling preempts another sequence (``self.preempt(other_seq)``) without taking it out of
+    ``running``; a later step's ``BlockManager.may_append`` reads its emptied block table and
+    raises IndexError. Up to that step the inputs are identical."""
+    cfg = dataclasses.replace(SMALL, num_kvcache_blocks=30, arrivals_per_step=4, seed=0, steps=300)
+    trace = NE.Trace(cfg, work)
+    left = []
+    while (step := trace.next()) is not None:
+        left += [s for s in trace.scheduler.running if s.status.name == "WAITING" and not s.block_table]
+        trace.post(step[0])
+    assert trace.preempted >= 1 and left, "no preempted sequence was left in running"
+    assert trace.scheduler_error is not None and "IndexError" in trace.scheduler_error
+    r = NE.check("stagebuf_host", cfg, work)
+    assert r["mismatches"] == [] and r["preempted"] >= 1 and "IndexError" in (r["scheduler_error"] or "")
+
+
+# --- without pinned memory -----------------------------------------------------------------------
+
+
+def test_own_path_fails_without_pinned_memory_and_stagebuf_gives_its_inputs(work: Path) -> None:
+    """On a machine without a pinned-memory allocator (here: this CPU-only torch, whose
+    ``pin_memory=True`` raises RuntimeError as it does there), nano-vllm cannot even build its
+    runner's buffers, nor prepare a step. With the ModelRunner class attached it builds, and every
+    step gets the inputs nano-vllm's own code computes (``own_path_on_cpu``)."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has pinned memory: tests/gpu/test_gpu_nanovllm.py simulates its absence")
+    nano = P.load()
+    mr = nano.model_runner.ModelRunner
+    trace = NE.Trace(dataclasses.replace(SMALL, steps=60), work)
+    bare = P.runner(trace.config)
+    with pytest.raises(RuntimeError, match="pin"):
+        bare._allocate_sample_buffers()
+    seqs, pre = trace.next() or ([], True)
+    with pytest.raises(RuntimeError, match="pin"):
+        bare.prepare_prefill(seqs)
+
+    ref = P.runner(trace.config)
+    P.own_buffers(ref)
+    sn.attach(mr)
+    try:
+        r = P.runner(trace.config)
+        r._allocate_sample_buffers()  # what __init__ calls: pinning fails, logged once, not raised
+        assert sn.is_attached(r) and not hasattr(r, "_cpu_input_ids")
+        nano.context.reset_context()
+        steps = 0
+        while steps < 60:
+            with P.own_path_on_cpu():
+                a = NE.snapshot(nano, NE.prepare(ref, seqs, pre))
+            b = NE.snapshot(nano, NE.prepare(r, seqs, pre))
+            assert NE.differences(a, b) == [], f"step {steps}"
+            trace.post(seqs)
+            steps += 1
+            nxt = trace.next()
+            if nxt is None:
+                break
+            seqs, pre = nxt
+        assert steps == 60 and trace.prefill_steps > 0
+    finally:
+        sn.detach(mr)
+    assert not sn.is_attached(mr)
+
+
+# --- attach and detach ---------------------------------------------------------------------------
+
+
+class _Engine:
+    def __init__(self, runner: Any):
+        self.model_runner = runner
+
+
+def test_attach_and_detach_are_idempotent(work: Path) -> None:
+    nano = P.load()
+    mr = nano.model_runner.ModelRunner
+    trace = NE.Trace(SMALL, work)
+    r = P.runner(trace.config)
+    own = r.prepare_decode.__func__
+    assert own is mr.prepare_decode and not sn.is_attached(r)
+    sn.attach(r)
+    sn.attach(r)
+    assert sn.is_attached(r) and r.prepare_decode.__func__ is not own
+    first = r.__dict__["_stagebuf_prep"]
+    sn.attach(_Engine(r))  # an LLM reaches its model_runner
+    assert r.__dict__["_stagebuf_prep"] is first
+    assert sn.stats(r)["tier"] in ("HOST", "PAGEABLE")
+    sn.detach(_Engine(r))
+    sn.detach(r)
+    assert not sn.is_attached(r) and r.prepare_decode.__func__ is own
+    assert "_stagebuf_prep" not in r.__dict__ and sn.stats(r) == {"attached": False, "prepared": False}
+    sn.attach(mr)
+    sn.attach(mr)
+    assert sn.is_attached(r) and mr.prepare_decode is not own
+    sn.detach(mr)
+    sn.detach(mr)
+    assert mr.prepare_decode is own and not sn.is_attached(mr)
+
+
+def test_attach_refuses_what_is_not_nanovllm() -> None:
+    for bad in (object(), 3, _Engine(object()), int):
+        with pytest.raises(stagebuf.ArgumentTypeError, match="target=") as e:
+            sn.attach(bad)
+        assert isinstance(e.value, TypeError) and "ModelRunner" in str(e.value)
+
+
+def test_an_untested_version_is_refused_and_nothing_is_attached(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nano = P.load()
+    r = P.runner(NE.Trace(SMALL, work).config)
+    assert sn._distribution(type(r)) == (P.DIST, P.VERSION)
+    monkeypatch.setattr(sn, "_distribution", lambda cls: ("nano-vllm-fork", "20990101"))
+    for target in (r, nano.model_runner.ModelRunner):
+        with pytest.raises(sn.NanoVllmVersionError) as e:
+            sn.attach(target)
+        assert isinstance(e.value, stagebuf.StagebufError)
+        assert "20990101" in str(e.value) and "nano-vllm-fork 20260210" in str(e.value)
+        assert e.value.allowed == ("nano-vllm-fork 20260210",)
+        assert not sn.is_attached(target)
+    assert "_stagebuf_prep" not in r.__dict__
+
+
+def test_a_changed_model_runner_is_refused(work: Path) -> None:
+    mr = P.load().model_runner.ModelRunner
+
+    class Changed(mr):  # type: ignore[misc, valid-type]
+        def prepare_sample(self, seqs: Any, is_cfg_batch: bool = False, extra: int = 0) -> Any:
+            return None
+
+    Changed.__module__ = mr.__module__
+    with pytest.raises(sn.NanoVllmVersionError, match="prepare_sample"):
+        sn.attach(Changed)
+    assert not sn.is_attached(Changed)
+
+
+def test_status_reports_installation_and_tested_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = sn.status()
+    assert s["tested_versions"] == ["nano-vllm-fork 20260210"]
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        if name == "nano-vllm-fork":
+            return versions[0]
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(sn.metadata, "version", version)
+    versions = ["20260210"]
+    assert sn.status()["installed"] and sn.status()["tested"]
+    versions = ["20250101"]
+    s = sn.status()
+    assert s["installed"] and not s["tested"] and "not tested" in s["note"]
+
+
+# --- prepare_sample's flags and random batches ---------------------------------------------------
+
+
+def _seqs(nano: P.Nano, prompts: list[list[int]], params: list[Any], cached_bm: Any) -> list[Any]:
+    seqs = [nano.sequence.Sequence(p, sp) for p, sp in zip(prompts, params)]
+    for s in seqs:
+        cached_bm.allocate(s)
+    return seqs
+
+
+def _pair(work: Path, setup: str) -> tuple[Any, Any, Any]:
+    trace = NE.Trace(SMALL, work)
+    return trace, NE.make_runner(trace, "own"), NE.make_runner(trace, setup)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    data=st.lists(
+        st.tuples(
+            st.integers(1, 700),  # prompt length
+            st.booleans(),  # starts with the shared 256-token prefix
+            st.sampled_from([None, 1, 40]),
+            st.sampled_from([None, 0.5, 1.0]),
+            st.sampled_from([1.0, 1.2, 0.9]),
+            st.sampled_from([1.0, 2.5]),
+            st.integers(0, 3),  # decode tokens appended
+        ),
+        min_size=1,
+        max_size=24,
+    ),
+    setup=st.sampled_from(TIERS),
+)
+def test_random_batches_match_nanovllms_own(work: Path, data: list[tuple[Any, ...]], setup: str) -> None:
+    """Random prompts (some sharing a prefix: cache hits), sampling parameters (the flags) and decode
+    lengths, through nano-vllm's own BlockManager: prefill, decode, block tables and sampling match."""
+    nano = P.load()
+    trace, own, mine = _pair(work, setup)
+    bm = trace.scheduler.block_manager
+    rng = np.random.default_rng(len(data))
+    prefix = rng.integers(3, 1000, 256).tolist()
+    prompts = [(prefix if shared else []) + rng.integers(3, 1000, n).tolist() for n, shared, *_ in data]
+    sp = nano.sampling_params.SamplingParams
+    params = [sp(top_k=k, top_p=p, repetition_penalty=r, cfg_scale=c) for _, _, k, p, r, c, _ in data]
+    seqs = _seqs(nano, prompts, params, bm)
+    cfg_batch = len(seqs) >= 2 and data[0][5] > 1.0
+
+    def both(call: Any) -> None:
+        with stagebuf_tier(setup.split("_", 1)[1]):
+            with P.own_path_on_cpu():
+                a = NE.snapshot(nano, call(own))
+            b = NE.snapshot(nano, call(mine))
+        assert NE.differences(a, b) == []
+
+    both(lambda r: (*r.prepare_prefill(seqs), r.prepare_sample(seqs, cfg_batch)))
+    for i, s in enumerate(seqs):
+        for t in range(data[i][6]):
+            s.append_token(7 + t)
+            bm.may_append(s)
+    both(lambda r: (*r.prepare_decode(seqs), r.prepare_sample(seqs, cfg_batch)))
+    both(lambda r: (r.prepare_block_tables(seqs), None, (None,) * 5))
+
+
+def test_prepare_samples_flags_follow_nanovllm_exactly(work: Path) -> None:
+    """top-k is handed on when one is > 0; top-p and the repetition penalty when one *equals* 1.0
+    (nano-vllm 20260210, model_runner.py lines 318-322): so top_p=0.9 alone gives None."""
+    nano = P.load()
+    trace, own, mine = _pair(work, "stagebuf_host")
+    sp = nano.sampling_params.SamplingParams
+    cases = [
+        ([sp(top_p=0.9, repetition_penalty=1.2)], (False, False, False)),
+        ([sp(top_k=5, top_p=1.0, repetition_penalty=1.0)], (True, True, True)),
+        ([sp(top_p=0.9), sp(top_p=1.0)], (False, True, True)),
+        ([sp()], (False, False, True)),
+    ]
+    for params, (k, p, r) in cases:
+        seqs = [nano.sequence.Sequence([1, 2, 3], x) for x in params]
+        with P.own_path_on_cpu():
+            a = own.prepare_sample(seqs)
+        b = mine.prepare_sample(seqs)
+        assert [x is not None for x in a[2:]] == [k, p, r] == [x is not None for x in b[2:]]
+        for x, y in zip(a, b):
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y))

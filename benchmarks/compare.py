@@ -6,7 +6,8 @@ cell (a strategy at a size, an engine setup's prep or buffer time, a vs-vLLM
 cell) a side's time is the geometric mean of its runs' medians (a run moves as a
 whole: one process lands in a faster or slower state of the machine), and the
 ratio is after over before. The noise of a cell is how far the same code moved between its own
-runs: the largest ratio of two run medians on one side (needs two runs of a side).
+runs: the largest ratio of two run medians on one side (needs two runs of a side: with one
+run a side there is no noise to judge by, so the command warns and flags no cell).
 
 A cell is *slower beyond noise* when every after run's median is above every
 before run's median and the ratio exceeds 1 plus the cell's noise. Peers (vLLM's
@@ -52,14 +53,18 @@ class Cell:
 
     @property
     def slower(self) -> bool:
-        """Every after run above every before run, by more than the cell's noise."""
+        """Every after run above every before run, by more than the cell's noise (never without one)."""
+        if self.noise is None:
+            return False  # one run a side: nothing says how far the same code moves
         separated = min(_medians(self.after)) > max(_medians(self.before))
-        return separated and self.ratio > 1 + (self.noise or 0.0)
+        return separated and self.ratio > 1 + self.noise
 
     @property
     def faster(self) -> bool:
+        if self.noise is None:
+            return False
         separated = max(_medians(self.after)) < min(_medians(self.before))
-        return separated and 1 / self.ratio > 1 + (self.noise or 0.0)
+        return separated and 1 / self.ratio > 1 + self.noise
 
 
 def _medians(runs: list[Samples]) -> list[float]:
@@ -121,6 +126,13 @@ def summary(cells: list[Cell]) -> dict[str, Any]:
     return out
 
 
+ONE_RUN_WARNING = (
+    "warning: one run a side: a cell's noise (how far the same code moves between runs) is unknown, "
+    "so no cell is judged slower or faster; give two or more --before and --after reports "
+    "(interleaved: before, after, before, after)"
+)
+
+
 def _load(paths: tuple[str, ...]) -> list[dict[str, Any]]:
     return [json.loads(Path(p).read_text()) for p in paths]
 
@@ -146,6 +158,8 @@ def main(
     if not cells:
         raise click.ClickException("no cell is in every report")
     console = Console(width=None if Console().is_terminal else 160)
+    if len(b) < 2 and len(a) < 2:
+        click.echo(ONE_RUN_WARNING, err=True)
     table = Table("cell", "ours", "before µs", "after µs", "after/before", "noise", "verdict")
     shown = sorted(cells, key=lambda c: -c.ratio)
     for c in shown if show_all else shown[:25]:

@@ -55,8 +55,12 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch, allocations: bool = False)
     monkeypatch.setattr(uva_mod, "load_cudart", lambda: object())
     monkeypatch.setattr(uva_mod, "device_view", lambda host, dev: host)  # a live alias
     if allocations:
-        monkeypatch.setattr(buffers_mod, "alloc_host", lambda shape, dt, pinned: torch.zeros(shape, dtype=dt))
-        monkeypatch.setattr(buffers_mod, "alloc_device", lambda shape, dt, d: torch.zeros(shape, dtype=dt))
+        monkeypatch.setattr(
+            buffers_mod, "alloc_host", lambda shape, dt, pinned, tier=None: torch.zeros(shape, dtype=dt)
+        )
+        monkeypatch.setattr(
+            buffers_mod, "alloc_device", lambda shape, dt, d, tier=None: torch.zeros(shape, dtype=dt)
+        )
     return monkeypatch
 
 

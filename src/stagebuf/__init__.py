@@ -35,6 +35,7 @@ from ._errors import (
     ArgumentTypeError,
     CudaError,
     DeviceAllocationError,
+    HostAllocationError,
     InvalidArgumentError,
     PinnedAllocationError,
     ReadOnlyAttributeError,
@@ -44,6 +45,7 @@ from ._errors import (
     StagedWriteError,
     StepRuleError,
     TierUnavailableError,
+    UnknownAttributeError,
     UnknownFieldError,
     UsageError,
     UvaError,
@@ -71,6 +73,7 @@ __all__ = [
     "DeviceAllocationError",
     "DeviceParamTable",
     "FusedStagedWriter",
+    "HostAllocationError",
     "HostBuffer",
     "InvalidArgumentError",
     "NonUvaBuffer",
@@ -89,6 +92,7 @@ __all__ = [
     "StepStager",
     "Tier",
     "TierUnavailableError",
+    "UnknownAttributeError",
     "UnknownFieldError",
     "UsageError",
     "UvaBackedTensor",
@@ -110,4 +114,8 @@ def __getattr__(name: str) -> Any:
     # PIN_MEMORY is computed on first access so that import does not touch CUDA.
     if name == "PIN_MEMORY":
         return is_pin_memory_available()
-    raise AttributeError(f"module 'stagebuf' has no attribute {name!r}")
+    if name.startswith("__"):  # protocol probes (pickle, doctest, inspect) expect the plain error
+        raise AttributeError(f"module 'stagebuf' has no attribute {name!r}")
+    raise UnknownAttributeError(
+        f"module 'stagebuf' has no attribute {name!r}; its public names are stagebuf.__all__ and PIN_MEMORY"
+    )

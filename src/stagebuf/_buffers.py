@@ -36,6 +36,7 @@ import torch
 
 from . import _uva
 from ._capabilities import Capabilities, _device_type, _unavailable, usable_tiers
+from ._checked import host_view
 from ._convert import check_rows, fill_host, shape_of, torch_dtype
 from ._errors import (
     ArgumentTypeError,
@@ -263,8 +264,8 @@ class HostBuffer(StagingBuffer):
         if device is not None and _device_type(device, "HostBuffer") != "cpu":
             raise InvalidArgumentError(f"HostBuffer: device={device!r}; allowed: None or 'cpu'")
         self.device = torch.device("cpu")
-        self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
-        self.np = self.cpu.numpy()
+        self.cpu = alloc_host(self.shape, self.dtype, pinned=False, tier=self.tier)
+        self.np = host_view(self.cpu, f"{type(self).__name__}.np")
         self.dev = self.cpu
         self._freeze()
 
@@ -307,9 +308,9 @@ class NonUvaBuffer(StagingBuffer):
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         super().__init__(size, dtype)
         self.device = capabilities(device).device
-        self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
-        self.np = self.cpu.numpy()
-        self.dev = alloc_device(self.shape, self.dtype, self.device)
+        self.cpu = alloc_host(self.shape, self.dtype, pinned=False, tier=self.tier)
+        self.np = host_view(self.cpu, f"{type(self).__name__}.np")
+        self.dev = alloc_device(self.shape, self.dtype, self.device, self.tier)
         self._freeze()
 
     def uva(self, n: int | None = None) -> torch.Tensor:
@@ -357,9 +358,9 @@ class PinnedBuffer(NonUvaBuffer):
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         StagingBuffer.__init__(self, size, dtype)
         self.device = _checked_caps(Tier.PINNED, device, "PinnedBuffer").device
-        self.cpu = alloc_host(self.shape, self.dtype, pinned=True)
-        self.np = self.cpu.numpy()
-        self.dev = alloc_device(self.shape, self.dtype, self.device)
+        self.cpu = alloc_host(self.shape, self.dtype, pinned=True, tier=self.tier)
+        self.np = host_view(self.cpu, f"{type(self).__name__}.np")
+        self.dev = alloc_device(self.shape, self.dtype, self.device, self.tier)
         self._freeze()
 
 
@@ -403,7 +404,7 @@ class UvaBuffer(StagingBuffer):
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         super().__init__(size, dtype)
         self.device = _checked_caps(Tier.UVA, device, "UvaBuffer").device
-        self.cpu = alloc_host(self.shape, self.dtype, pinned=True)
-        self.np = self.cpu.numpy()
+        self.cpu = alloc_host(self.shape, self.dtype, pinned=True, tier=self.tier)
+        self.np = host_view(self.cpu, f"{type(self).__name__}.np")
         self.dev = _uva.device_view(self.cpu, self.device)
         self._freeze()

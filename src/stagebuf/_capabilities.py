@@ -49,6 +49,33 @@ def _cuda_missing_cause() -> tuple[str, str]:
     )
 
 
+def _device_missing(dev: torch.device) -> str | None:
+    """Why torch cannot use accelerator ``dev`` here, or None when it can."""
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return _cuda_missing_cause()[0]
+        n = torch.cuda.device_count()
+        return None if dev.index is None or dev.index < n else f"torch sees only {n} CUDA device(s)"
+    if dev.type == "meta":
+        return "a meta tensor holds no data, so nothing staged there could be read"
+    available = getattr(getattr(torch, dev.type, None), "is_available", None)
+    if callable(available) and not available():
+        return f"torch.{dev.type}.is_available() is False (torch is a {torch_build()})"
+    try:  # a device type torch parses but has no backend for here (xla without torch_xla, say)
+        torch.empty(0, device=dev)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0].rstrip(".")[:200]
+        return f"torch cannot allocate memory on {dev.type} here (no {dev.type} backend is loaded): {first}"
+    return None
+
+
+def _device_hint(dev: torch.device) -> str | None:
+    """What to do about a missing ``dev``, beyond choosing another device."""
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return _cuda_missing_cause()[1]
+    return None
+
+
 def usable_devices() -> list[str]:
     """The devices this machine can stage to, CPU first (for error messages)."""
     out = ["cpu"]

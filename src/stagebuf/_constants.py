@@ -74,26 +74,45 @@ def write_kernel() -> WriteKernelSetting:
     )
 
 
+def kernel_on_host(device: str) -> str:
+    """Why ``STAGEBUF_WRITE_KERNEL=triton`` does not apply on tier HOST (the probe logs it once)."""
+    return (
+        f"{ENV_KERNEL}=triton does not apply on {device}: on tier HOST a staged write is one numpy "
+        f"assignment, no kernel. Fix: unset {ENV_KERNEL} (or target an accelerator)."
+    )
+
+
 ENV_QUARANTINE = "STAGEBUF_CHECK_QUARANTINE"
 """Check mode: how many steps (or changed pool calls) a released slot stays poisoned before reuse."""
 DEFAULT_QUARANTINE = 16
+MAX_QUARANTINE = 1024
+"""The largest ``STAGEBUF_CHECK_QUARANTINE``: each ring keeps that many extra slots in check mode."""
+
+
+def quarantine_cost(k: int) -> str:
+    """What a quarantine of ``k`` costs, in words (doctor and the setting's error say it)."""
+    return (
+        f"each pool, backed tensor and stager keeps {k} extra slots in check mode, {k} times its "
+        f"slot size: {k} MiB more for a 1 MiB StepStager"
+    )
 
 
 def quarantine() -> int:
-    """``STAGEBUF_CHECK_QUARANTINE`` (default 16): an int >= 0, else SettingValueError."""
+    """``STAGEBUF_CHECK_QUARANTINE`` (default 16): an int in [0, MAX_QUARANTINE], else SettingValueError."""
     raw = os.environ.get(ENV_QUARANTINE)
     if raw is None or not raw.strip():
         return DEFAULT_QUARANTINE
     v = raw.strip()
-    if v.isdigit() and len(v) <= 6:
+    if v.isascii() and v.isdigit() and int(v) <= MAX_QUARANTINE:
         return int(v)
     from ._errors import SettingValueError
 
     raise SettingValueError(
-        f"{ENV_QUARANTINE}={raw!r} is not a slot count (the extra slots a released slot waits in, "
-        f"poisoned, in check mode; default {DEFAULT_QUARANTINE})",
+        f"{ENV_QUARANTINE}={raw!r} is not a slot count in [0, {MAX_QUARANTINE}]",
         setting=ENV_QUARANTINE,
         value=raw,
-        allowed=("an int >= 0",),
+        cause=f"it is how many more uses a released slot stays poisoned in check mode (default "
+        f"{DEFAULT_QUARANTINE}); at the limit, {quarantine_cost(MAX_QUARANTINE)}",
+        allowed=(f"an int in [0, {MAX_QUARANTINE}]",),
         fix=f"unset {ENV_QUARANTINE} (default {DEFAULT_QUARANTINE}) or set it to an int such as 16",
     )

@@ -1,9 +1,11 @@
 """``stagebuf doctor``: what this machine can do, the tier chosen, and why.
 
-It never ends in a traceback for a setting that cannot work here (``STAGEBUF_TIER``
-or ``--device``): it prints one screen naming the setting, the cause, the allowed
-values and the fix, and exits with status 2 (``--json``: an object with ``error``
-and ``fix``). Only a bug in stagebuf may end in a traceback.
+It never ends in a traceback for a setting that cannot work here (any ``STAGEBUF_*``
+setting, ``STAGEBUF_VLLM`` included, or ``--device``): it prints one screen naming the
+setting, the cause, the allowed values and the fix, and exits with status 2
+(``--json``: an object with ``error`` and ``fix``). Only a bug in stagebuf may end in a
+traceback; a reader that closes the pipe early (``stagebuf doctor | head -1``) ends it
+quietly.
 
 ``rich`` draws the table where it is installed; without it the same report is
 plain text (``render_text``). It needs nothing beyond
@@ -27,12 +29,24 @@ from ._constants import (
     ENV_QUARANTINE,
     ENV_TIER,
     ENV_VLLM,
+    ENV_WSL_PIN,
+    MAX_QUARANTINE,
     check_mode,
     quarantine,
+    quarantine_cost,
     write_kernel,
 )
 from ._errors import SetupError
 from ._probe import capabilities
+from ._tier import Tier
+
+
+def stagebuf_version() -> str:
+    """This stagebuf's version (``stagebuf.__version__``)."""
+    from . import __version__
+
+    return __version__
+
 
 EXIT_OK = 0
 EXIT_SETUP = 2
@@ -44,7 +58,7 @@ class Problem:
     """A setting that stops the probe, explained for a person and for a machine."""
 
     setting: str
-    """``STAGEBUF_TIER`` or ``--device``."""
+    """The environment variable (``STAGEBUF_TIER``, ``STAGEBUF_VLLM``, ...) or ``--device``."""
     value: str
     error: str
     """What was asked and why it cannot work here, in one sentence."""
@@ -60,6 +74,7 @@ class Problem:
             "cause": self.cause,
             "allowed": list(self.allowed),
             "fix": self.fix,
+            "stagebuf": stagebuf_version(),
             "torch": torch.__version__,
             "torch_build": torch_build(),
             "cuda_available": torch.cuda.is_available(),
@@ -81,11 +96,18 @@ def _problem(e: SetupError) -> Problem:
 
 
 def diagnose(device: str | None = None) -> Capabilities | Problem:
-    """The capabilities of ``device``, or the Problem that stops the probe."""
+    """The capabilities of ``device``, or the Problem that stops the probe or the vLLM plugin.
+
+    The probe checks every setting but ``STAGEBUF_VLLM``, which the plugin's ``plan()`` checks.
+    """
     try:
-        return capabilities(device)
+        caps = capabilities(device)
+        from . import _vllm
+
+        _vllm.plan()
     except SetupError as e:
         return _problem(e)
+    return caps
 
 
 # --- the report ------------------------------------------------------------------------------
@@ -104,11 +126,59 @@ def build_text(build: str) -> str:
     return build
 
 
+def kernel_in_use(caps: Capabilities) -> tuple[str, str | None]:
+    """The staged-write kernel a tensor on ``caps.device`` would use, and why it is not the setting's."""
+    setting = write_kernel()
+    if caps.tier is Tier.HOST:
+        why = "tier HOST: a staged write is one numpy assignment, no kernel"
+        return "host", (why if setting == "triton" else None)
+    if setting == "triton":
+        from ._staged_write.kernel import triton_usable
+
+        if not triton_usable(caps.device):
+            where = "the CPU without TRITON_INTERPRET=1" if caps.device.type == "cpu" else str(caps.device)
+            return "scatter", f"Triton cannot run on {where}: the scatter kernel is used (logged once)"
+    return setting, None
+
+
+def settings(caps: Capabilities) -> list[dict[str, Any]]:
+    """Every stagebuf setting: its name, raw value (None: unset), the value in effect, and a note.
+
+    (Each was checked by the probe or the plugin: a bad value is the problem screen instead.)
+    """
+    kernel, kernel_why = kernel_in_use(caps)
+    k = quarantine()
+    wsl_pin = os.environ.get(ENV_WSL_PIN)
+    out = [
+        (ENV_TIER, caps.forced or "auto", "a cap on the tier" if caps.forced else "the best tier that works"),
+        (ENV_CHECK, "1" if check_mode() else "0", "check mode on" if check_mode() else "check mode off"),
+        (
+            ENV_QUARANTINE,
+            str(k),
+            f"check mode: a released slot stays poisoned {k} more uses, at most {MAX_QUARANTINE}; "
+            + quarantine_cost(k),
+        ),
+        (
+            ENV_KERNEL,
+            write_kernel(),
+            f"the staged-write kernel; in use: {kernel}" + (f" ({kernel_why})" if kernel_why else ""),
+        ),
+        (
+            ENV_WSL_PIN,
+            "1" if (wsl_pin or "").strip() == "1" else "0",
+            "pinned memory under WSL2" + ("" if caps.wsl else "; not WSL: no effect"),
+        ),
+        (ENV_VLLM, os.environ.get(ENV_VLLM) or "0", "the vLLM plugin: see its rows"),
+    ]
+    return [{"name": n, "value": os.environ.get(n), "effective": eff, "note": note} for n, eff, note in out]
+
+
 def rows(caps: Capabilities) -> list[tuple[str, str]]:
     """The report's (item, value) rows, shared by the rich and the plain renderings."""
     v = caps.versions
     device = f"{caps.device}" + (f" ({v['device_name']})" if "device_name" in v else "")
-    return [
+    out = [
+        ("stagebuf", stagebuf_version()),
         ("torch", v.get("torch", torch.__version__)),
         ("torch build", build_text(caps.torch_build or torch_build())),
         ("CUDA runtime (torch)", v.get("cuda_runtime", "none")),
@@ -122,57 +192,61 @@ def rows(caps: Capabilities) -> list[tuple[str, str]]:
         ("UVA probe", "passed" if caps.uva else "not available"),
         (f"forced by {ENV_TIER}", caps.forced or "no"),
         ("chosen tier", caps.tier.name),
-        # (both were checked by the probe: a bad value is the problem screen instead)
-        (ENV_CHECK, "1: check mode on" if check_mode() else "off"),
-        (ENV_QUARANTINE, f"{quarantine()} (check mode: steps a released slot stays poisoned)"),
-        (ENV_KERNEL, f"{write_kernel()} (the staged-write kernel)"),
     ]
+    for st in settings(caps):
+        if st["name"] == ENV_TIER:
+            continue  # the two rows above
+        out.append((st["name"], f"{st['effective']} ({st['note']})"))
+    return out
+
+
+_ACTIONS = {
+    "patch": "would replace MRV2's buffer layer",
+    "patched": "replaced MRV2's buffer layer",
+    "leave": "would leave vLLM as it is",
+    "off": "vLLM uses its own buffer layer",
+}
+
+
+def _plain(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if v is None:
+        return "-"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_plain(x)}" for k, x in v.items()) or "-"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_plain(x) for x in v) or "-"
+    return str(v)
 
 
 def vllm_rows() -> list[tuple[str, str]]:
-    """vLLM and the plugin: installed or not, its version, switched on or not, what it would do.
+    """vLLM and the plugin: vLLM's version, then every item of the plugin's ``plan().as_dict()``.
 
-    vLLM is imported only when ``STAGEBUF_VLLM=1`` (to check its buffer layer's API).
+    vLLM is imported only when ``STAGEBUF_VLLM`` switches the plugin on (to check its buffer
+    layer's API). A bad ``STAGEBUF_VLLM`` raises SettingValueError (``run`` explains it).
     """
     from . import _vllm
 
     version = _vllm.vllm_version()
-    raw = os.environ.get(ENV_VLLM)
-    try:
-        on = _vllm.setting()
-    except SetupError as e:
-        return [("vLLM", version or "not installed"), ("vLLM plugin", f"invalid setting: {e}")]
     rows_ = [("vLLM", f"{version} (tested: {', '.join(_vllm.TESTED)})" if version else "not installed")]
-    if not on:
-        state = f"off ({ENV_VLLM}={raw!r})" if raw is not None else f"off ({ENV_VLLM} unset)"
-        rows_.append(("vLLM plugin", state + "; set STAGEBUF_VLLM=1 to make stagebuf MRV2's buffer layer"))
-        return rows_
-    if version is None:
-        rows_.append(("vLLM plugin", "on, but vLLM is not installed: nothing to do"))
-        return rows_
-    p = _vllm.plan()
-    verb = {"patch": "would replace MRV2's buffer layer", "patched": "replaced MRV2's buffer layer"}
-    rows_.append(("vLLM plugin", f"on: {verb.get(p.action, 'would leave vLLM as it is')}: {p.why}"))
+    for key, value in _vllm.plan().as_dict().items():
+        text = _plain(value)
+        if key == "action" and value in _ACTIONS:
+            text += f" ({_ACTIONS[value]})"
+        rows_.append((f"vLLM plugin {key}", text))
     return rows_
 
 
 def vllm_report() -> dict[str, Any]:
-    """The vLLM part of ``doctor --json``."""
+    """The vLLM part of ``doctor --json``: vLLM's version, and every item of ``plan().as_dict()``."""
     from . import _vllm
 
-    out: dict[str, Any] = {"installed": _vllm.vllm_version() is not None, "version": _vllm.vllm_version()}
+    version = _vllm.vllm_version()
+    out: dict[str, Any] = {"installed": version is not None, "version": version}
     out["tested"] = list(_vllm.TESTED)
     out["setting"] = os.environ.get(ENV_VLLM)
-    try:
-        on = _vllm.setting()
-    except SetupError as e:
-        out.update(enabled=None, action="invalid", why=str(e))
-        return out
-    if on and out["installed"]:
-        out.update(_vllm.plan().as_dict())
-    else:
-        why = "vLLM is not installed" if on else f"{ENV_VLLM} is not set to 1"
-        out.update(enabled=on, action="off" if not on else "none", why=why)
+    out.update(_vllm.plan().as_dict())
     return out
 
 
@@ -218,7 +292,9 @@ def render(caps: Capabilities, console: Any = None) -> None:
         print(render_text(caps), file=getattr(console, "file", None) or sys.stdout)
         return
     console_cls, table_cls = rich
-    console = console or console_cls()
+    if console is None:
+        console = console_cls()
+        console.on_broken_pipe = _broken_pipe  # rich's hook (it would exit 1): run() ends quietly
     t = table_cls(title="stagebuf doctor", show_header=True, header_style="bold")
     t.add_column("item")
     t.add_column("value", overflow="fold")
@@ -233,21 +309,43 @@ def render(caps: Capabilities, console: Any = None) -> None:
 
 
 def to_json(caps: Capabilities) -> str:
-    return json.dumps({**caps.as_dict(), "vllm": vllm_report()}, indent=2)
+    report = {"stagebuf": stagebuf_version(), **caps.as_dict(), "settings": settings(caps)}
+    return json.dumps({**report, "vllm": vllm_report()}, indent=2, default=str)
+
+
+def _broken_pipe() -> None:
+    raise BrokenPipeError
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null, so that the interpreter's last flush is silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (a test's StringIO)
+        pass
 
 
 def run(device: str | None = None, as_json: bool = False, out: TextIO | None = None) -> int:
-    """Probe, print the report (or the problem) and return the exit status."""
+    """Probe, print the report (or the problem) and return the exit status.
+
+    A reader that stops early (``stagebuf doctor | head -1``) ends the printing quietly; the
+    status is the report's all the same.
+    """
     out = out or sys.stdout
     found = diagnose(device)
-    if isinstance(found, Problem):
-        text = json.dumps(found.as_dict(), indent=2) if as_json else render_problem_text(found)
-        print(text, file=out)
-        return EXIT_SETUP
-    if as_json:
-        print(to_json(found), file=out)
-    elif out is sys.stdout:
-        render(found)
-    else:
-        print(render_text(found), file=out)
-    return EXIT_OK
+    status = EXIT_SETUP if isinstance(found, Problem) else EXIT_OK
+    try:
+        if isinstance(found, Problem):
+            text = json.dumps(found.as_dict(), indent=2) if as_json else render_problem_text(found)
+            print(text, file=out)
+        elif as_json:
+            print(to_json(found), file=out)
+        elif out is sys.stdout:
+            render(found)
+        else:
+            print(render_text(found), file=out)
+        out.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+    return status

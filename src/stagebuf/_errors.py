@@ -1,7 +1,8 @@
 """Every exception stagebuf raises, under one base: ``except stagebuf.StagebufError`` catches them all.
 
-Each keeps a builtin parent as well (``ValueError``, ``TypeError`` or
-``RuntimeError``), so an ``except`` clause written for the builtin still works.
+Each keeps a builtin parent as well (``ValueError``, ``TypeError``, ``RuntimeError``,
+``AttributeError``, ``KeyError`` or ``MemoryError``), so an ``except`` clause written for the
+builtin still works.
 """
 
 from __future__ import annotations
@@ -94,12 +95,27 @@ class UnknownDeviceError(SetupError, ValueError, RuntimeError):
     """A device that torch does not know (a RuntimeError too, as torch.device raises)."""
 
 
-class PinnedAllocationError(StagebufError, RuntimeError):
-    """Page-locked host memory could not be allocated (memlock limit, WSL cap, driver)."""
+class PinnedAllocationError(StagebufError, MemoryError, RuntimeError):
+    """Page-locked host memory could not be allocated (memlock limit, WSL cap, driver).
+
+    A ``MemoryError`` (and a ``RuntimeError``); the message names the bytes and the tier.
+    ``make_buffer`` falls back to tier PAGEABLE on it; the tier classes raise it.
+    """
 
 
-class DeviceAllocationError(StagebufError, RuntimeError):
-    """Device memory could not be allocated."""
+class DeviceAllocationError(StagebufError, MemoryError, RuntimeError):
+    """Device memory could not be allocated; the message names the bytes asked for and the device.
+
+    A ``MemoryError`` (and a ``RuntimeError``, as torch's out-of-memory error is).
+    """
+
+
+class HostAllocationError(StagebufError, MemoryError, RuntimeError):
+    """Plain host memory could not be allocated; the message names the bytes asked for and the tier.
+
+    A ``MemoryError`` (and a ``RuntimeError``, as torch's allocator error is). Nothing was
+    written: what was staged before the failing call is still staged.
+    """
 
 
 class UvaError(StagebufError, RuntimeError):
@@ -152,6 +168,14 @@ class StagedWriteError(InvalidArgumentError):
 
 class ReadOnlyAttributeError(StagebufError, AttributeError):
     """A write to an attribute that stagebuf would ignore (it is fixed at construction)."""
+
+
+class UnknownAttributeError(StagebufError, AttributeError):
+    """A read of an attribute that a public object (or the module ``stagebuf``) does not have.
+
+    The message names the object's public attributes and, where the name is close to one
+    (a field of a DeviceParamTable, say), what to write instead.
+    """
 
 
 class UnknownFieldError(StagebufError, KeyError):

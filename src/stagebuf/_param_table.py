@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._checked import host_view
 from ._constants import ALIGN
 from ._convert import fill_host, torch_dtype
 from ._errors import ArgumentTypeError, InvalidArgumentError, UnknownFieldError
@@ -96,7 +97,7 @@ class ParamField(Sealed):
         self.dtype = dtype
         self.offset = offset
         self.cpu = cpu
-        self.np = cpu.numpy()
+        self.np = host_view(cpu, f"table[{name!r}].np")
         self.gpu = gpu
         self._freeze()
 
@@ -191,10 +192,11 @@ class DeviceParamTable(Sealed):
         caps = capabilities(device)
         self.device = caps.device
         self.max_concurrency = slot_count(max_concurrency)
-        self._host = alloc_host((self.nbytes,), torch.uint8, pinned=False)
+        self._host = alloc_host((self.nbytes,), torch.uint8, pinned=False, tier=caps.tier)
         self._host_np = self._host.numpy()
-        self._shadow = np.zeros(self.nbytes, np.uint8)  # the device arena starts zero-filled too
-        self._dev = alloc_device((self.nbytes,), torch.uint8, self.device)
+        # the device arena starts zero-filled too
+        self._shadow = alloc_host((self.nbytes,), torch.uint8, pinned=False, tier=caps.tier).numpy()
+        self._dev = alloc_device((self.nbytes,), torch.uint8, self.device, caps.tier)
         self._ring = Ring(
             self.max_concurrency,
             lambda: make_buffer(self.nbytes, torch.uint8, self.device),
@@ -223,6 +225,11 @@ class DeviceParamTable(Sealed):
         Looking up a name that is not a field raises UnknownFieldError (a KeyError).
         """
         return self._fields_view
+
+    def _missing_hint(self, name: str) -> str | None:
+        if name in self.__dict__.get("_fields", {}):
+            return f"fields are not attributes: it is table[{name!r}]"
+        return None
 
     def _why(self, name: str) -> str:
         if name in self._fields:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ._buffers import StagingBuffer
+from ._checked import host_view
 from ._convert import check_rows, fill_host, host_array, numpy_dtype, shape_of, torch_dtype
 from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._guard import GuardMode, slot_count
@@ -340,9 +341,9 @@ class UvaBackedTensor(Sealed):
         device: DeviceLike = None,
     ):
         self.dtype = torch_dtype(dtype)
-        self.cpu = alloc_host(shape_of(size), self.dtype, pinned=False)
-        self.np = self.cpu.numpy()
         self.pool = UvaBufferPool(size, self.dtype, max_concurrency, device)
+        self.cpu = alloc_host(self.pool.shape, self.dtype, pinned=False, tier=self.pool.tier)
+        self.np = host_view(self.cpu, "UvaBackedTensor.np")
         self.device = self.pool.device
         self._gpu = self.pool.copy_to_uva(self.np)
         self._freeze()

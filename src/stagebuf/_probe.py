@@ -19,12 +19,14 @@ from . import _uva
 from ._capabilities import (
     Capabilities,
     _cuda_missing_cause,
+    _device_hint,
+    _device_missing,
     _forced_tier,
     _versions,
     torch_build,
     usable_devices,
 )
-from ._constants import ENV_TIER, ENV_WSL_PIN, check_mode, env_flag, quarantine, write_kernel
+from ._constants import ENV_TIER, ENV_WSL_PIN, check_mode, env_flag, kernel_on_host, quarantine, write_kernel
 from ._errors import ArgumentTypeError, TierUnavailableError, UnknownDeviceError, UvaError
 from ._log import logger, warn_once
 from ._memory import alloc_host
@@ -48,28 +50,6 @@ def _is_wsl() -> bool:
 def _memlock_limit() -> int | None:
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else int(soft)
-
-
-def _device_missing(dev: torch.device) -> str | None:
-    """Why torch cannot use accelerator ``dev`` here, or None when it can."""
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            return _cuda_missing_cause()[0]
-        n = torch.cuda.device_count()
-        return None if dev.index is None or dev.index < n else f"torch sees only {n} CUDA device(s)"
-    if dev.type == "meta":
-        return "a meta tensor holds no data, so nothing staged there could be read"
-    available = getattr(getattr(torch, dev.type, None), "is_available", None)
-    if callable(available) and not available():
-        return f"torch.{dev.type}.is_available() is False (torch is a {torch_build()})"
-    return None
-
-
-def _device_hint(dev: torch.device) -> str | None:
-    """What to do about a missing ``dev``, beyond choosing another device."""
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        return _cuda_missing_cause()[1]
-    return None
 
 
 def _alloc_pinned(nbytes: int) -> torch.Tensor:
@@ -218,6 +198,9 @@ def probe(device: DeviceLike = None) -> Capabilities:
         else:
             caps.tier = Tier.HOST
             reasons.append("Tier HOST: the CPU tensor is the device tensor.")
+            if write_kernel() == "triton":  # explained, as a setting that cannot apply here
+                reasons.append(kernel_on_host(str(dev)))
+                warn_once(("kernel-on-host", str(dev)), reasons[-1])
         caps.versions = _versions(dev)
         caps._freeze()  # shared by every caller from here on: read-only
         return caps

@@ -7,14 +7,15 @@ host-backed objects) copies the value into its host memory through
 public attribute raises ReadOnlyAttributeError, saying why it is fixed and what
 to do instead, instead of being accepted and silently ignored by the object's
 own code. Every message comes from one table, ``READ_ONLY``. Private attributes
-stay settable.
+stay settable. Reading an attribute the object does not have raises
+UnknownAttributeError (an AttributeError) listing the ones it has.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from ._errors import ReadOnlyAttributeError
+from ._errors import ReadOnlyAttributeError, UnknownAttributeError
 
 _COPY = "write its values through .np or .cpu"
 READ_ONLY: dict[str, dict[str, str]] = {
@@ -81,6 +82,25 @@ class Sealed:
             object.__delattr__(self, name)
             return
         raise ReadOnlyAttributeError(f"{type(self).__name__}.{name} cannot be deleted: {self._why('*')}")
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached when normal lookup fails: an attribute the object does not have
+        if name.startswith("__"):
+            raise AttributeError(name)  # protocol probes (copy, pickle, numpy) expect the plain error
+        if name.startswith("_"):
+            raise UnknownAttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        public = sorted(n for n in dir(type(self)) if not n.startswith("_"))
+        public += sorted(n for n in self.__dict__ if not n.startswith("_") and n not in public)
+        hint = self._missing_hint(name)
+        raise UnknownAttributeError(
+            f"{type(self).__name__} has no attribute {name!r}"
+            + (f"; {hint}" if hint else "")
+            + f". Its attributes: {', '.join(public)}"
+        )
+
+    def _missing_hint(self, name: str) -> str | None:
+        """What to write instead of reading the missing attribute ``name`` (None: nothing to say)."""
+        return None
 
     def _why(self, name: str) -> str:
         """Why ``name`` is fixed, from ``READ_ONLY`` (the first class along the MRO that says)."""

@@ -107,3 +107,22 @@ def test_the_command_writes_its_verdicts(base: dict[str, Any], tmp_path: Path) -
     data = json.loads(out.read_text())
     assert data["summary"]["ours"]["slower_beyond_noise"] == []
     assert all(c["faster"] for c in data["cells"])  # everything halved, far past 1 % noise
+
+
+def test_one_run_a_side_warns_and_flags_nothing(base: dict[str, Any], tmp_path: Path) -> None:
+    """Without a second run no noise is known: equal reports (ratio 1.000) and even a doubled one are not
+    flagged, and the command says why."""
+    paths = {}
+    for name, rep in (("b", base), ("a", _scaled(base, 2.0))):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(rep))
+    cells = C.pair([base], [_scaled(base, 2.0)], "e2e_us")
+    assert cells and all(c.noise is None and not c.slower and not c.faster for c in cells)
+    out = tmp_path / "cmp.json"
+    res = CliRunner().invoke(
+        C.main, ["--before", str(paths["b"]), "--after", str(paths["a"]), "--json", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    assert "one run a side" in res.output and "SLOWER" not in res.output
+    data = json.loads(out.read_text())
+    assert data["summary"]["ours"]["slower_beyond_noise"] == []

@@ -83,7 +83,9 @@ class Driver:
         self.injected = 0
 
     # memory.alloc_host as stagebuf._buffers calls it
-    def alloc_host(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    def alloc_host(
+        self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, tier: Tier | None = None
+    ) -> torch.Tensor:
         if pinned and self.pinned_fails:
             self.injected += 1
             if self.fake:  # the real call really fails on a CPU-only torch: no pinned allocator
@@ -98,7 +100,9 @@ class Driver:
     def alloc_pinned(self, nbytes: int) -> torch.Tensor:
         return self.alloc_host((nbytes,), torch.uint8, pinned=True)
 
-    def alloc_device(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def alloc_device(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tier: Tier | None = None
+    ) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         if self.oom_above is not None and nbytes > self.oom_above:
             self.injected += 1
@@ -522,7 +526,9 @@ def test_alloc_device_turns_out_of_memory_into_a_clear_error(monkeypatch):
 
 @pytest.mark.skipif(HAS_CUDA, reason="pinned memory works on a CUDA machine")
 def test_pinned_allocation_really_fails_without_an_accelerator():
-    with pytest.raises(PinnedAllocationError, match=r"pinned allocation of \(16,\) torch.int32 failed"):
+    with pytest.raises(
+        PinnedAllocationError, match=r"pinned allocation of \(16,\) torch.int32 \(64 bytes, 64 B\) failed"
+    ):
         memory_mod.alloc_host((16,), torch.int32, pinned=True)
 
 

@@ -14,11 +14,12 @@ call stages, and the row's ``apply`` call raises ``StagedWriteError`` naming the
 edit; the test then checks that nothing was written and every edit (the earlier
 one and the bad one) is still staged, and drops the bad one.
 
-docs/RELIABILITY.md holds this matrix as a table; regenerate it with
+docs/RELIABILITY.md holds this matrix as a table; regenerate it, from the checkout's root, with
 
-    PYTHONPATH=src python3 tests/unit/test_bad_inputs.py > /tmp/matrix.md
+    PYTHONPATH=src:tests .venv/bin/python tests/unit/test_bad_inputs.py --write
 
-(``test_doc_matrix_is_in_sync`` fails when the two differ).
+(without ``--write`` it prints the table; ``test_doc_matrix_is_in_sync`` fails when the two differ,
+``test_the_documented_command_runs`` runs the command the doc gives).
 """
 
 from __future__ import annotations
@@ -1313,13 +1314,35 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
+REGENERATE = "PYTHONPATH=src:tests .venv/bin/python tests/unit/test_bad_inputs.py --write"
+"""How docs/RELIABILITY.md says to regenerate its matrix (from the checkout's root)."""
+
+
+def test_the_documented_command_runs() -> None:
+    """The command docs/RELIABILITY.md gives, as written (the venv's Python: this one), printing the table."""
+    import shlex
+    import subprocess
+
+    text = " ".join(DOC.read_text().split())
+    assert f"`{REGENERATE}`" in text, f"{DOC.name} does not give the command {REGENERATE!r}"
+    env_part, *cmd = shlex.split(REGENERATE)
+    assert env_part.startswith("PYTHONPATH=") and cmd[0] == ".venv/bin/python" and cmd[-1] == "--write"
+    root = DOC.parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = env_part.split("=", 1)[1]
+    p = subprocess.run(
+        [sys.executable, *cmd[1:-1]], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == markdown()
+
+
 def test_doc_matrix_is_in_sync() -> None:
     text = DOC.read_text()
     assert BEGIN in text and END in text, f"{DOC} lacks the {BEGIN} ... {END} markers"
     in_doc = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     assert in_doc == markdown(), (
-        "docs/RELIABILITY.md's bad-input matrix is out of date: regenerate it with "
-        "`PYTHONPATH=src python3 tests/unit/test_bad_inputs.py --write`"
+        f"docs/RELIABILITY.md's bad-input matrix is out of date: regenerate it with `{REGENERATE}`"
     )
 
 

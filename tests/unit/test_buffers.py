@@ -196,7 +196,7 @@ def test_make_buffer_host_tier_on_an_accelerator_raises(fake_gpu):
 
 @pytest.mark.parametrize("tier", [None, "uva"])
 def test_runtime_pinned_failure_still_falls_back_once(fake_gpu, caplog, tier):
-    def alloc_host(shape, dtype, pinned):
+    def alloc_host(shape, dtype, pinned, tier=None):
         if pinned:
             raise PinnedAllocationError("pinned allocation failed: memlock exhausted")
         return torch.zeros(shape, dtype=dtype)

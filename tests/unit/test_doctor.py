@@ -30,7 +30,12 @@ BUILDS = [
 ]
 
 
-def doctor(*args: str, env: dict[str, str] | None = None):
+def doctor(*args: str, env: dict[str, str] | None = None, plain: bool = False):
+    """``stagebuf doctor args`` in this process; ``plain``: the plain-text report (one line per row)."""
+    if plain:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(doctor_mod, "_rich", lambda: None)
+            return invoke(main, ["doctor", *args], env=env)
     return invoke(main, ["doctor", *args], env=env)
 
 
@@ -136,6 +141,7 @@ def test_report_names_the_torch_build(monkeypatch, cuda, cause, fix):
     caps = capabilities()
     j = json.loads(doctor("--json").stdout)
     assert j.pop("vllm")["installed"] in (True, False)  # vLLM and the plugin: tests/unit/test_vllm_plugin.py
+    assert j.pop("stagebuf") == stagebuf.__version__ and len(j.pop("settings")) == len(_setting_names())
     assert j == json.loads(json.dumps(caps.as_dict()))
     assert j["torch_build"] == ("CPU build" if cuda is None else "CUDA 13.0 build")
     assert cause in j["cpu_cause"] and j["tier"] == "HOST"
@@ -331,9 +337,12 @@ def test_real_process_with_torch_and_numpy_only():
         ("STAGEBUF_CHECK", "no", "0, 1"),
         ("STAGEBUF_CHECK", "2", "0, 1"),
         ("STAGEBUF_WRITE_KERNEL", "cuda", "auto, scatter, triton"),
-        ("STAGEBUF_CHECK_QUARANTINE", "-1", "an int >= 0"),
-        ("STAGEBUF_CHECK_QUARANTINE", "many", "an int >= 0"),
-        ("STAGEBUF_CHECK_QUARANTINE", "1.5", "an int >= 0"),
+        ("STAGEBUF_CHECK_QUARANTINE", "-1", "an int in [0, 1024]"),
+        ("STAGEBUF_CHECK_QUARANTINE", "many", "an int in [0, 1024]"),
+        ("STAGEBUF_CHECK_QUARANTINE", "1.5", "an int in [0, 1024]"),
+        ("STAGEBUF_CHECK_QUARANTINE", "99999999999", "an int in [0, 1024]"),
+        ("STAGEBUF_CHECK_QUARANTINE", "1025", "an int in [0, 1024]"),
+        ("STAGEBUF_CHECK_QUARANTINE", "²", "an int in [0, 1024]"),
         ("STAGEBUF_WSL_PIN_MEMORY", "maybe", "0, 1"),
     ],
 )
@@ -355,23 +364,25 @@ def test_bad_settings_are_refused_at_start_up(monkeypatch, setting, value, allow
     assert j["setting"] == setting and j["value"] == value and ", ".join(j["allowed"]) == allowed
 
 
-@pytest.mark.parametrize("value, shown", [(None, "off"), ("0", "off"), ("", "off"), ("1", "check mode on")])
+@pytest.mark.parametrize("value, shown", [(None, "off"), ("0", "off"), ("", "off"), ("1", "on")])
 def test_doctor_reports_check_mode(value, shown):
     env = {} if value is None else {"STAGEBUF_CHECK": value}
     r = doctor(env=env)
     assert r.exit_code == 0
     line = next(ln for ln in r.stdout.splitlines() if "STAGEBUF_CHECK " in ln)
-    assert line.replace("│", " ").split()[-1] == shown.split()[-1]
+    assert f"(check mode {shown})" in line
     assert any("STAGEBUF_WRITE_KERNEL" in ln and "auto" in ln for ln in r.stdout.splitlines())
 
 
-@pytest.mark.parametrize("value, shown", [(None, "16"), ("0", "0"), ("64", "64")])
+@pytest.mark.parametrize("value, shown", [(None, "16"), ("0", "0"), ("64", "64"), ("1024", "1024")])
 def test_doctor_reports_the_quarantine(value, shown):
+    """Its value, its limit and what it costs in memory."""
     env = {} if value is None else {"STAGEBUF_CHECK_QUARANTINE": value}
-    r = doctor(env=env)
+    r = doctor(env=env, plain=True)
     assert r.exit_code == 0
     line = next(ln for ln in r.stdout.splitlines() if "STAGEBUF_CHECK_QUARANTINE" in ln)
     assert f" {shown} (check mode" in line
+    assert "at most 1024" in line and f"{shown} MiB more for a 1 MiB StepStager" in line
 
 
 @pytest.mark.parametrize(
@@ -383,3 +394,133 @@ def test_a_bad_setting_names_its_allowed_values_once(monkeypatch, setting, value
     with pytest.raises(stagebuf.SetupError) as e:
         stagebuf.capabilities()
     assert str(e.value).count("allowed:") == 1
+
+
+def test_a_bad_quarantine_says_its_limit_and_memory_cost(monkeypatch):
+    monkeypatch.setenv("STAGEBUF_CHECK_QUARANTINE", "999999")
+    stagebuf.reset_capabilities()
+    with pytest.raises(stagebuf.SetupError) as e:
+        stagebuf.capabilities()
+    msg = str(e.value)
+    assert "[0, 1024]" in msg and "1024 extra slots" in msg and "1 MiB StepStager" in msg, msg
+
+
+# --- what doctor shows: its version, every setting, the vLLM plugin's plan -----------------------------
+
+
+def test_version_is_shown_and_printed():
+    r = doctor(plain=True)
+    assert r.exit_code == 0
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("stagebuf  ")]
+    assert line.split()[-1] == stagebuf.__version__
+    j = json.loads(doctor("--json").stdout)
+    assert j["stagebuf"] == stagebuf.__version__
+    for flag in ("--version", "-V"):
+        v = invoke(main, [flag])
+        assert v.exit_code == 0 and v.stdout.strip() == f"stagebuf {stagebuf.__version__}", v.output
+    p = _run(["-m", "stagebuf", "--version"], {})
+    assert p.returncode == 0 and p.stdout.strip() == f"stagebuf {stagebuf.__version__}", p.stderr
+
+
+def _setting_names() -> list[str]:
+    from stagebuf import _constants
+
+    return [v for k, v in vars(_constants).items() if k.startswith("ENV_") and isinstance(v, str)]
+
+
+def test_every_setting_is_in_the_text_and_the_json():
+    names = _setting_names()
+    assert {"STAGEBUF_TIER", "STAGEBUF_CHECK", "STAGEBUF_CHECK_QUARANTINE", "STAGEBUF_WRITE_KERNEL"} <= set(
+        names
+    )
+    env = {"STAGEBUF_CHECK": "1", "STAGEBUF_CHECK_QUARANTINE": "3", "STAGEBUF_WRITE_KERNEL": "scatter"}
+    text = doctor(env=env, plain=True).stdout
+    for n in names:
+        assert n in text, n
+    j = json.loads(doctor("--json", env=env).stdout)
+    by_name = {s["name"]: s for s in j["settings"]}
+    assert set(by_name) == set(names)
+    assert by_name["STAGEBUF_CHECK"]["value"] == "1" and by_name["STAGEBUF_CHECK"]["effective"] == "1"
+    assert by_name["STAGEBUF_CHECK_QUARANTINE"]["effective"] == "3"
+    assert by_name["STAGEBUF_WRITE_KERNEL"]["value"] == "scatter"
+    assert by_name["STAGEBUF_TIER"]["value"] is None and by_name["STAGEBUF_TIER"]["effective"] == "auto"
+
+
+def test_the_plugin_rows_show_every_key_of_the_plan(monkeypatch):
+    """doctor renders whatever ``plan().as_dict()`` holds, in the text and the JSON."""
+    from stagebuf import _vllm
+
+    real = _vllm.plan
+
+    class Wider:
+        def __init__(self, p):
+            self.p = p
+
+        def as_dict(self):
+            return {**self.p.as_dict(), "mode": "step", "patches": ["a", "b"]}
+
+    monkeypatch.setattr(_vllm, "plan", lambda *a, **k: Wider(real(*a, **k)))
+    text = doctor(plain=True).stdout
+    assert re.search(r"vLLM plugin mode +step", text) and re.search(r"vLLM plugin patches +a, b", text), text
+    assert re.search(r"vLLM plugin action +off", text)
+    rep = json.loads(doctor("--json").stdout)["vllm"]
+    assert rep["mode"] == "step" and rep["patches"] == ["a", "b"] and rep["action"] == "off"
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "true"])
+def test_a_bad_vllm_setting_is_explained_with_exit_2(value):
+    r = doctor(env={"STAGEBUF_VLLM": value})
+    assert_explained(r, f"STAGEBUF_VLLM={value} cannot work", f"STAGEBUF_VLLM={value!r}", "allowed", "0, 1")
+    j = doctor_json(env={"STAGEBUF_VLLM": value})
+    assert j["setting"] == "STAGEBUF_VLLM" and j["value"] == value and "0" in j["allowed"]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_reader_that_closes_the_pipe_gets_no_traceback(as_json):
+    """``stagebuf doctor | head -1``: the reader is gone before doctor prints (closed at once here)."""
+    args = [sys.executable, "-m", "stagebuf", "doctor"] + (["--json"] if as_json else [])
+    r, w = os.pipe()
+    p = subprocess.Popen(args, stdout=w, stderr=subprocess.PIPE, text=True, env=_env({}))
+    os.close(w)
+    os.close(r)  # nothing reads: every write doctor makes meets a closed pipe
+    _, err = p.communicate(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert p.returncode == 0, err
+
+
+def test_the_triton_kernel_on_the_cpu_is_explained(monkeypatch, caplog):
+    """STAGEBUF_WRITE_KERNEL=triton cannot apply on tier HOST: the probe says why (a reason, one log line),
+    and doctor shows the kernel in use."""
+    monkeypatch.setenv("STAGEBUF_WRITE_KERNEL", "triton")
+    stagebuf.reset_capabilities()
+    with caplog.at_level("WARNING", logger="stagebuf"):
+        caps = capabilities("cpu")
+        stagebuf.StagedWriteTensor(4, torch.int32, "cpu")
+    assert caps.tier is Tier.HOST
+    said = [r.getMessage() for r in caplog.records if "STAGEBUF_WRITE_KERNEL=triton" in r.getMessage()]
+    assert len(said) == 1 and "numpy assignment" in said[0]
+    assert any("STAGEBUF_WRITE_KERNEL=triton does not apply" in r for r in caps.reasons)
+    monkeypatch.delenv("STAGEBUF_WRITE_KERNEL")
+    r = doctor(env={"STAGEBUF_WRITE_KERNEL": "triton", "STAGEBUF_TIER": "host"}, plain=True)
+    assert r.exit_code == 0
+    line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("STAGEBUF_WRITE_KERNEL"))
+    assert "in use: host" in line and "numpy assignment" in line, line
+
+
+def test_a_device_torch_has_no_backend_for_is_explained(caplog):
+    """``device='xla'`` without torch_xla: torch parses the name but cannot allocate there."""
+    if torch.device("xla").type == "xla" and _xla_works():
+        pytest.skip("torch has an xla backend here")
+    with caplog.at_level("WARNING", logger="stagebuf"), pytest.raises(stagebuf.TierUnavailableError) as e:
+        stagebuf.UvaBufferPool(4, torch.int32, device="xla")
+    assert "no xla backend" in str(e.value) and "allowed: " in str(e.value), str(e.value)
+    assert not [r for r in caplog.records if "memlock" in r.getMessage()]
+    assert_explained(doctor("--device", "xla"), "--device xla cannot be used", "no xla backend")
+
+
+def _xla_works() -> bool:
+    try:
+        torch.empty(0, device="xla")
+    except Exception:
+        return False
+    return True

@@ -84,6 +84,12 @@ def test_the_check_finds_a_difference(work: Path) -> None:
     ), r
 
 
+def test_the_two_pass_check_used_with_steps_in_flight(work: Path) -> None:
+    """check_in_flight's replay of the trace is the same trace (on the GPU it runs with a busy device)."""
+    r = NE.check_in_flight("stagebuf_pageable", dataclasses.replace(SMALL, steps=50), work, 0)
+    assert r["mismatches"] == [] and r["steps"] == 50, r
+
+
 def test_identical_inputs_in_check_mode(work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """STAGEBUF_CHECK=1 poisons every slot as its step begins: nothing reads a slot before publication."""
     monkeypatch.setenv("STAGEBUF_CHECK", "1")

@@ -41,6 +41,7 @@ from stagebuf import Capabilities, Tier, capabilities
 
 from . import baselines as BL
 from . import engine as E
+from . import nanovllm_engine as NV
 from . import vllm_mrv2
 from . import vs_vllm as V
 from . import workloads as W
@@ -48,7 +49,9 @@ from . import workloads as W
 WORKLOADS = ("micro", "decode", "writes")
 ENGINE = "engine"
 """vLLM 0.33.0's own MRV2 input path (engine.py) and the micro-benchmarks against its classes (vs_vllm.py)."""
-ALL_WORKLOADS = (*WORKLOADS, ENGINE)
+NANOVLLM = "nanovllm"
+"""nano-vllm-fork 20260210's input preparation, its own against stagebuf's (nanovllm_engine.py)."""
+ALL_WORKLOADS = (*WORKLOADS, ENGINE, NANOVLLM)
 UNITS = {"micro": "µs per step", "decode": "µs per step", "writes": "µs per apply"}
 SIZE_NAMES = {"micro": "N", "decode": "batch", "writes": "ExL"}
 """How a workload's size keys read: N, the batch, or "ExL" (E edits of L elements, e.g. "256x8")."""
@@ -1163,7 +1166,7 @@ def render(report: dict[str, Any], console: Console) -> None:
             last_of_l = wl == "writes" and (i + 1 == len(rows) or rows[i + 1][1] != cells[1])
             tab.add_row(*cells, end_section=last_of_l)
         console.print(tab)
-    for title, head, rows in E.tables(report):
+    for title, head, rows in [*E.tables(report), *NV.tables(report)]:
         tab = Table(title=title, title_justify="left")
         for i, h in enumerate(head):
             tab.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
@@ -1268,7 +1271,7 @@ def markdown(report: dict[str, Any]) -> str:
             cells = [f"`{name}`", labels[name].get("label", ""), *cells]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    for title, head, rows in E.tables(report):
+    for title, head, rows in [*E.tables(report), *NV.tables(report)]:
         lines += [f"#### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(r)) + " |" for r in rows]
         lines.append("")
@@ -1427,6 +1430,9 @@ def run(
     if ENGINE in cfg.workloads:
         report.update(engine_section(cfg, m.env.device, console))
         report["ratios"].update(E.targets(report["engine"], report["vs_vllm"]))
+    if NANOVLLM in cfg.workloads:
+        report["nanovllm"] = nanovllm_section(cfg, console)
+        report["ratios"].update(NV.targets(report["nanovllm"]))
     info = not_judged(cfg.quick, str(m.env.device))
     for entry in report["ratios"].values():  # the engine's targets too
         inform(entry, info)
@@ -1458,6 +1464,26 @@ def engine_section(cfg: BenchConfig, device: torch.device, console: Console) -> 
         raise W.BenchCheckError(f"engine: device inputs differ from vLLM's own layer: {bad[:3]}")
     micro = V.run(device, edits=cfg.edits, lengths=cfg.lengths, repeats=3, log=log)
     return {"engine": eng, "vs_vllm": micro}
+
+
+def nanovllm_section(cfg: BenchConfig, console: Console) -> dict[str, Any]:
+    """The nano-vllm workload (``--quick``: a 64-sequence trace, one repeat); ``skipped`` says why not."""
+    why = NV.P.available()
+    if why:
+        return {"skipped": why}
+
+    def log(msg: str) -> None:
+        console.print(escape(msg), highlight=False)
+
+    if cfg.quick:
+        trace = NV.TraceConfig(max_num_seqs=64, running=64, max_num_batched_tokens=4096, steps=60)
+        res = NV.bench(repeats=1, warmup=10, cfg=trace, log=log)
+    else:
+        res = NV.bench(repeats=max(3, cfg.repeats), log=log)
+    if not res["identical_inputs"]:
+        bad = [c for c in res["checks"] if c["mismatches"]]
+        raise W.BenchCheckError(f"nanovllm: inputs differ from nano-vllm's own: {bad[:2]}")
+    return res
 
 
 def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
@@ -1514,7 +1540,7 @@ def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
     "workloads",
     multiple=True,
     type=click.Choice(ALL_WORKLOADS),
-    help="Only these workloads (repeatable). Default: all (--quick: all but engine).",
+    help="Only these workloads (repeatable). Default: all (--quick: all but engine and nanovllm).",
 )
 @click.option("--sizes", default=None, help="micro: N values, comma-separated [64,512,4096,32768].")
 @click.option(

@@ -538,8 +538,6 @@ def bench(
 ) -> dict[str, Any]:
     """The whole workload: identical-input checks (lockstep, graphs, in flight), graph-input writes,
     then interleaved timed repeats, idle and busy (busy on a GPU only)."""
-    import tempfile
-
     import stagebuf
 
     cuda = torch.cuda.is_available()
@@ -551,6 +549,22 @@ def bench(
     cfg = cfg or TraceConfig(steps=steps)
     cycles = sleep_cycles_for(busy_ms, torch.device("cuda")) if cuda else 0
     modes = (False, True) if cuda else (False,)
+    threads = torch.get_num_threads()
+    if not cuda:  # as the bench's CPU runs: one thread, an engine's host thread
+        torch.set_num_threads(1)
+    try:
+        return _bench(names, cfg, cycles, modes, repeats, warmup, busy_ms, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bench(
+    names: list[str], cfg: TraceConfig, cycles: int, modes: tuple[bool, ...], repeats: int, warmup: int,
+    busy_ms: float, log: Callable[[str], None],
+) -> dict[str, Any]:  # fmt: skip
+    import tempfile
+
+    cuda = torch.cuda.is_available()
     out: dict[str, Any] = {
         "nanovllm_version": f"{P.DIST} {P.VERSION}",
         "trace": {k: v for k, v in vars(cfg).items() if k != "steps"},

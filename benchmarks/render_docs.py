@@ -21,6 +21,7 @@ from typing import Any
 
 from . import bench as B
 from . import engine as E
+from . import nanovllm_engine as NV
 from . import workloads as W
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ VS_VLLM_LEFT_OUT = ("pool|k1", "backed|k1")
 
 def current_targets() -> set[str]:
     """The targets the bench computes now; a report's others are left out of the tables."""
-    return set(B.TARGET_NEEDS) | set(E.targets(None, None))
+    return set(B.TARGET_NEEDS) | set(E.targets(None, None)) | set(NV.targets(None))
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -167,6 +168,13 @@ def _engine(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _nanovllm(report: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for title, head, rows in NV.tables(report):
+        out += [f"#### {title}", "", *_table(head, [[f"`{r[0]}`", *r[1:]] for r in rows])]
+    return out
+
+
 def _vs_vllm(report: dict[str, Any]) -> list[str]:
     med = (report.get("vs_vllm") or {}).get("median_us", {})
     if not med:
@@ -213,7 +221,7 @@ def _guard(report: dict[str, Any]) -> list[str]:
 def tables(report: dict[str, Any]) -> str:
     """The Markdown that goes between the markers, from one report (a ``--json`` file's contents)."""
     lines = [_run_line(report), ""]
-    for part in (_targets, _micro, _decode, _writes, _engine, _vs_vllm, _guard):
+    for part in (_targets, _micro, _decode, _writes, _engine, _nanovllm, _vs_vllm, _guard):
         lines += part(report)
     return "\n".join(lines).rstrip() + "\n"
 

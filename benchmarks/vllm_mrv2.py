@@ -217,6 +217,19 @@ def _constant(path: Path, name: str) -> Any:
 
 
 class _Logger:
+    """vLLM's ``init_logger``: its own MRV2 code logs through it, each line marked as vLLM's.
+
+    The first line in a process also says why a vLLM line appears at all: the bench and the tests
+    run vLLM's own classes as the baseline they compare with (vLLM's NonUvaBuffer, say, logs its
+    "falling back to device memory" where that baseline runs without pinned memory or on a CPU).
+    """
+
+    explained = False
+    WHY = (
+        " [from vLLM's own MRV2 code, which the bench and tests run as their baseline: it is about "
+        "vLLM's classes, not stagebuf's]"
+    )
+
     def __init__(self, name: str):
         self._log = logging.getLogger(name)
         self._once: set[str] = set()
@@ -227,7 +240,9 @@ class _Logger:
     def warning_once(self, msg: str, *args: Any, **kw: Any) -> None:
         if msg not in self._once:
             self._once.add(msg)
-            self._log.warning(msg, *args)
+            why = "" if _Logger.explained else self.WHY
+            _Logger.explained = True
+            self._log.warning(f"vLLM {VERSION}: {msg}{why}", *args)
 
     info_once = debug_once = warning_once
 

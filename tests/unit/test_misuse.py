@@ -656,3 +656,21 @@ def test_an_object_that_refuses_nothing_is_reported() -> None:
     outcomes = _calls(t, "()", "x") + _calls(t, "()", "n")
     assert len(outcomes) == 2 * len(BAD) and problems(outcomes) == []
     assert not [o for o in outcomes if o.kind == "raised"]
+
+
+@pytest.mark.parametrize("target", [n for n, t in TARGETS.items() if t.make is not None])
+def test_reading_a_missing_attribute_raises_a_stagebuf_error(cpu_tier: stagebuf.Tier, target: str) -> None:
+    """A typo'd attribute read is the package's error too (an AttributeError: getattr/hasattr still work)."""
+    obj = TARGETS[target].make()
+    with pytest.raises(StagebufError) as e:
+        obj.no_such_attribute  # noqa: B018
+    assert isinstance(e.value, AttributeError) and "'no_such_attribute'" in str(e.value)
+    assert not hasattr(obj, "no_such_attribute") and getattr(obj, "no_such_attribute", 7) == 7
+
+
+def test_a_missing_module_attribute_and_a_field_read_as_an_attribute_say_what_to_do() -> None:
+    with pytest.raises(stagebuf.UnknownAttributeError, match="stagebuf.__all__"):
+        stagebuf.UvaBuffers  # noqa: B018
+    table = stagebuf.DeviceParamTable(2, {"temperature": torch.float32}, device="cpu")
+    with pytest.raises(stagebuf.UnknownAttributeError, match=r"it is table\['temperature'\]"):
+        table.temperature  # noqa: B018

@@ -42,6 +42,7 @@ from stagebuf import Capabilities, Tier, capabilities
 from . import baselines as BL
 from . import engine as E
 from . import nanovllm_engine as NV
+from . import verdicts as VD
 from . import vllm_mrv2
 from . import vs_vllm as V
 from . import workloads as W
@@ -1225,6 +1226,11 @@ def render(report: dict[str, Any], console: Console) -> None:
     info = _info_why(report)
     if info:
         console.print(escape(f"info: not judged pass/fail. Why: {info}."), highlight=False)
+    missed = VD.misses(report)
+    if missed:
+        console.print("[bold]why each missed target missed[/]:")
+        for line in missed:
+            console.print(escape(f"  {line}"), highlight=False)
     if report["skipped"]:
         console.print("[bold]skipped[/]:")
         for s in report["skipped"]:
@@ -1318,6 +1324,9 @@ def markdown(report: dict[str, Any]) -> str:
     info = _info_why(report)
     if info:
         lines += [f"info: not judged pass/fail. Why: {info}.", ""]
+    missed = VD.misses(report)
+    if missed:
+        lines += ["Why each missed target missed:", "", *(f"- {m}" for m in missed), ""]
     if report.get("skipped"):
         lines += ["Skipped:", ""]
         lines += [
@@ -1436,6 +1445,7 @@ def run(
     info = not_judged(cfg.quick, str(m.env.device))
     for entry in report["ratios"].values():  # the engine's targets too
         inform(entry, info)
+    VD.attach(report["ratios"])  # a one-line reason on every missed target
     report["judged"] = info is None
     report["elapsed_s"] = round(time.perf_counter() - t0, 2)
     return report
@@ -1659,5 +1669,7 @@ def bench(
         except ImportError as e:
             raise click.ClickException(f"{PLOT_HINT} ({type(e).__name__}: {e})") from None
         console.print(f"wrote {plot_path}", highlight=False)
-    if strict and any(r.get("passed") is False for r in report["ratios"].values()):
-        raise SystemExit(3)
+    console.print(escape(VD.verdict(report, strict)), highlight=False)
+    code = VD.exit_status(report, strict)
+    if code:
+        raise SystemExit(code)

@@ -235,6 +235,9 @@ def vllm_rows() -> list[tuple[str, str]]:
         if key == "action" and value in _ACTIONS:
             text += f" ({_ACTIONS[value]})"
         rows_.append((f"vLLM plugin {key}", text))
+    from . import nanovllm  # the nano-vllm row: installed, and whether its version is tested
+
+    rows_.append(("nano-vllm", nanovllm.status()["note"]))
     return rows_
 
 
@@ -310,7 +313,9 @@ def render(caps: Capabilities, console: Any = None) -> None:
 
 def to_json(caps: Capabilities) -> str:
     report = {"stagebuf": stagebuf_version(), **caps.as_dict(), "settings": settings(caps)}
-    return json.dumps({**report, "vllm": vllm_report()}, indent=2, default=str)
+    from . import nanovllm
+
+    return json.dumps({**report, "vllm": vllm_report(), "nanovllm": nanovllm.status()}, indent=2, default=str)
 
 
 def _broken_pipe() -> None:

@@ -327,7 +327,7 @@ def status() -> dict[str, Any]:
             continue
         ok = version in TESTED.get(name, ())
         note = (
-            f"{name} {version}: tested; stagebuf.nanovllm.attach(llm) puts its input preparation on stagebuf"
+            f"{name} {version}, tested: stagebuf.nanovllm.attach(llm) puts its input preparation on stagebuf"
             if ok
             else f"{name} {version} is not tested; attach() refuses it (tested: {', '.join(tested)})"
         )
@@ -339,5 +339,5 @@ def status() -> dict[str, Any]:
         "version": None,
         "tested": False,
         "tested_versions": tested,
-        "note": f"not installed (pip install 'stagebuf[nanovllm]': {', '.join(tested)})",
+        "note": f"not installed (tested: {', '.join(tested)}; the nanovllm extra of stagebuf installs it)",
     }

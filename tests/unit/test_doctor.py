@@ -141,6 +141,7 @@ def test_report_names_the_torch_build(monkeypatch, cuda, cause, fix):
     caps = capabilities()
     j = json.loads(doctor("--json").stdout)
     assert j.pop("vllm")["installed"] in (True, False)  # vLLM and the plugin: tests/unit/test_vllm_plugin.py
+    assert j.pop("nanovllm")["tested_versions"] == ["nano-vllm-fork 20260210"]  # tests/unit/test_nanovllm.py
     assert j.pop("stagebuf") == stagebuf.__version__ and len(j.pop("settings")) == len(_setting_names())
     assert j == json.loads(json.dumps(caps.as_dict()))
     assert j["torch_build"] == ("CPU build" if cuda is None else "CUDA 13.0 build")

@@ -12,6 +12,7 @@ sampler, and the attention context (``benchmarks.nanovllm_engine.check``).
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -332,3 +333,12 @@ def test_prepare_samples_flags_follow_nanovllm_exactly(work: Path) -> None:
         assert [x is not None for x in a[2:]] == [k, p, r] == [x is not None for x in b[2:]]
         for x, y in zip(a, b):
             assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
+
+
+def test_doctor_shows_whether_nanovllm_is_installed_and_tested() -> None:
+    from stagebuf import _doctor
+
+    rows = dict(_doctor.vllm_rows())
+    assert rows["nano-vllm"] == sn.status()["note"] and "nano-vllm-fork 20260210" in rows["nano-vllm"]
+    j = json.loads(_doctor.to_json(stagebuf.capabilities()))
+    assert j["nanovllm"] == json.loads(json.dumps(sn.status()))

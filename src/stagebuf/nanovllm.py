@@ -44,7 +44,7 @@ from ._errors import ArgumentTypeError, SetupError
 from ._log import logger, warn_once
 from ._nanovllm_prep import Prep, run_model
 
-__all__ = ["TESTED", "NanoVllmVersionError", "attach", "detach", "is_attached", "status"]
+__all__ = ["TESTED", "NanoVllmVersionError", "attach", "detach", "is_attached", "stats", "status"]
 
 TESTED: dict[str, tuple[str, ...]] = {"nano-vllm-fork": ("20260210",)}
 """Distributions and versions of nano-vllm whose input preparation was run on stagebuf."""

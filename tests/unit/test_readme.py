@@ -31,7 +31,11 @@ from typing import Any
 import pytest
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-REQUIREMENTS = {"cuda": pytest.mark.gpu}
+REQUIREMENTS = {
+    "cuda": pytest.mark.gpu,
+    # an installed nano-vllm, its model and a GPU; tests/unit/test_nanovllm.py makes the same calls
+    "nanovllm": pytest.mark.skip(reason="needs nano-vllm installed, a model and a GPU"),
+}
 """What a ``<!-- requires: X -->`` comment may name, and the marker it gives the case."""
 MIN_BLOCKS = 7
 """The README has one example per public class (and the CUDA-graph one): fewer means a fence broke."""

@@ -212,6 +212,12 @@ def capture(runner: Any) -> None:
     max_bs = min(cfg.max_num_seqs, 512)
     blocks = -(-cfg.max_model_len // runner.block_size)
     runner.graph_bs = [1, 2, 4, 8, *range(16, max_bs + 1, 16)]
+    with torch.inference_mode():  # as nano-vllm's capture_cudagraph: inference tensors
+        _fake_graph_vars(runner, cfg, max_bs, blocks)
+    runner.graphs = {bs: _EagerGraph(runner, bs) for bs in runner.graph_bs}
+
+
+def _fake_graph_vars(runner: Any, cfg: Any, max_bs: int, blocks: int) -> None:
     runner.graph_vars = {
         "input_ids": torch.zeros(max_bs, dtype=torch.int64),
         "positions": torch.zeros(max_bs, dtype=torch.int64),
@@ -220,7 +226,6 @@ def capture(runner: Any) -> None:
         "block_tables": torch.zeros(max_bs, blocks, dtype=torch.int32),
         "outputs": torch.zeros(max_bs, cfg.hf_config.hidden_size),
     }
-    runner.graphs = {bs: _EagerGraph(runner, bs) for bs in runner.graph_bs}
 
 
 def make_runner(trace: Trace, setup: str, graphs: bool = False) -> Any:

@@ -90,6 +90,8 @@ class Prep:
         self.set_context = mod.set_context
         self.get_context = mod.get_context
         self.graph: _GraphInputs | None = None
+        if not runner.enforce_eager and getattr(runner, "graph_vars", None) is not None:
+            self.graph = _GraphInputs(runner.graph_vars, self.device)  # now, not in the first decode
         self.graph_ids: torch.Tensor | None = None
         """The input_ids tensor the last graph-mode decode returned (run_model replays for it)."""
 
@@ -255,17 +257,18 @@ class _GraphInputs:
         host = buf.np
         gv = self.gv
         off = 0
-        for name, a in zip(GRAPH_INPUTS, arrays):
-            dst = gv[name][: a.shape[0]]
-            end = off + a.nbytes
-            if buf.tier is Tier.HOST:
-                dst.numpy()[...] = a
-            else:
-                host[off:end] = a.reshape(-1).view(np.uint8)
-                src = buf.cpu[off:end].view(dst.dtype).view(dst.shape)
-                dst.copy_(src, non_blocking=True)
-                self.copies += 1
-            off = (end + 15) & -16
+        with torch.inference_mode():  # nano-vllm captures its graphs in inference mode
+            for name, a in zip(GRAPH_INPUTS, arrays):
+                dst = gv[name][: a.shape[0]]
+                end = off + a.nbytes
+                if buf.tier is Tier.HOST:
+                    dst.numpy()[...] = a
+                else:
+                    host[off:end] = a.reshape(-1).view(np.uint8)
+                    src = buf.cpu[off:end].view(dst.dtype).view(dst.shape)
+                    dst.copy_(src, non_blocking=True)
+                    self.copies += 1
+                off = (end + 15) & -16
         if buf.tier is not Tier.HOST:
             ring.count(off)
         t_ids = gv["input_ids"][:bs]

@@ -52,17 +52,24 @@ window's first deferred call joined (``async_tensor_h2d`` stages into it)."""
 class _Target:
     """A device tensor the batch writes, as 32-bit words."""
 
-    __slots__ = ("tensor", "words", "words_np", "ptr")
+    __slots__ = ("tensor", "words", "words_np", "ptr", "factor")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
         self.words = tensor.view(-1).view(torch.int32)
         self.words_np = self.words.numpy() if tensor.device.type == "cpu" else None
         self.ptr = tensor.data_ptr()
+        self.factor = tensor.element_size() // 4
+        """32-bit words per element."""
 
 
 class StepBatch:
-    """One device's deferred writes and copies of the current step (see the module docstring)."""
+    """One device's deferred writes and copies of the current step (see the module docstring).
+
+    Every write is kept as rows of the Triton kernel's metadata (target address, first word,
+    word count, source word) and its words: one-edit writes as a tuple each, several-edit
+    writes as an array block; the step's rows and words are packed once, at the flush.
+    """
 
     def __init__(self, device: torch.device, tier: Tier):
         self.device = device
@@ -71,12 +78,19 @@ class StepBatch:
         self.triton = tier is not Tier.HOST and triton_usable(device)
         self.step: Step | None = None
         self.targets: dict[int, _Target] = {}
-        self.items: list[tuple[_Target, np.ndarray, np.ndarray, np.ndarray]] = []
-        """Per deferred write: target, first word of each edit, word count of each edit, the words."""
-        self.wave_starts: list[int] = [0]
+        self.rows: list[tuple[int, int, int, int]] = []
+        self.blocks: list[np.ndarray] = []
+        self.words: list[np.ndarray] = []
+        self.nwords = 0
+        self.waves: list[tuple[list[tuple[int, int, int, int]], list[np.ndarray]]] = []
+        """Earlier waves of this batch (a target written twice starts a new one)."""
         self.in_wave: set[int] = set()
         self.launches = 0
         self.flushes = 0
+
+    @property
+    def pending(self) -> bool:
+        return self.nwords > 0
 
     def open_step(self) -> Step:
         st = self.step
@@ -90,17 +104,41 @@ class StepBatch:
             t = self.targets[tensor.data_ptr()] = _Target(tensor)
         return t
 
+    def _wave(self, ptr: int) -> None:
+        if ptr in self.in_wave:  # written already in this wave: a later launch keeps staging order
+            self.waves.append((self.rows, self.blocks))
+            self.rows, self.blocks, self.in_wave = [], [], set()
+        self.in_wave.add(ptr)
+
+    def add_whole(self, target: _Target, words: np.ndarray) -> None:
+        """Defer writing ``words`` (int32, flat) from the target's first word on."""
+        ptr = target.ptr
+        self._wave(ptr)
+        n = words.shape[0]
+        self.rows.append((ptr, 0, n, self.nwords))
+        self.words.append(words)
+        self.nwords += n
+
     def add(self, target: _Target, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray) -> None:
         """Defer writing ``vals`` (the target's dtype, flat) at element offsets ``dst``, ``lens`` each."""
-        f = vals.dtype.itemsize // 4
+        ptr = target.ptr
+        self._wave(ptr)
+        f = target.factor
         words = vals.view(np.int32) if vals.flags.c_contiguous else np.ascontiguousarray(vals).view(np.int32)
-        if f != 1:
-            dst, lens = dst * f, lens * f
-        if target.ptr in self.in_wave:  # written already in this wave: a later launch keeps order
-            self.wave_starts.append(len(self.items))
-            self.in_wave = set()
-        self.in_wave.add(target.ptr)
-        self.items.append((target, dst, lens, words))
+        e = dst.shape[0]
+        src = self.nwords
+        if e == 1:
+            self.rows.append((ptr, int(dst[0]) * f, int(lens[0]) * f, src))
+        else:
+            blk = np.empty((e, 4), np.int64)
+            blk[:, 0] = ptr
+            np.multiply(dst, f, out=blk[:, 1])
+            np.multiply(lens, f, out=blk[:, 2])
+            np.cumsum(blk[:, 2], out=blk[:, 3])
+            blk[:, 3] += src - blk[:, 2]
+            self.blocks.append(blk)
+        self.words.append(words)
+        self.nwords += words.shape[0]
 
     def add_gathered(self, tensor: torch.Tensor, g: Gathered) -> None:
         if g.dup:  # overlapping edits: one element per edit, each destination's last value
@@ -111,76 +149,72 @@ class StepBatch:
 
     def flush(self) -> None:
         """Publish the step's staging and write every deferred edit (see the module docstring)."""
-        items = self.items
-        if not items:
+        if not self.nwords:
             st = self.step
             if st is not None:
                 self.step = None
                 st.flush()
             return
         self.flushes += 1
-        waves = [*self.wave_starts, len(items)]
-        self.items, self.wave_starts, self.in_wave = [], [0], set()
-        if self.tier is Tier.HOST:
-            st = self.step
-            if st is not None:
-                self.step = None
-                st.flush()
-            for target, dst, lens, words in items:
-                flat = target.words_np
-                assert flat is not None
-                flat[_expand(dst, lens)] = words
-            return
+        waves = [*self.waves, (self.rows, self.blocks)]
+        words = self.words[0] if len(self.words) == 1 else np.concatenate(self.words)
+        self.rows, self.blocks, self.words, self.nwords, self.waves, self.in_wave = [], [], [], 0, [], set()
+        metas = []
+        for rows, blocks in waves:
+            parts = [np.array(rows, np.int64).reshape(-1, 4)] if rows else []
+            metas.append(parts[0] if not blocks else np.concatenate([*parts, *blocks]))
         st = self.open_step()
         self.step = None
+        if self.tier is Tier.HOST:
+            st.flush()
+            for meta in metas:
+                self._write_host(meta, words)
+            return
+        d_words = st.stage(words)
         if self.triton:
-            meta = _meta(items)
-            words = np.concatenate([it[3] for it in items]) if len(items) > 1 else items[0][3]
-            d_words = st.stage(words)
+            meta = metas[0] if len(metas) == 1 else np.concatenate(metas)
             d_meta = st.stage(meta)
             st.flush()
-            if len(waves) == 2:  # the common case: every target once
-                _launch_triton(self.device, d_meta, d_words, meta.shape[0], _block_for(int(meta[:, 2].max())))
+            row = 0
+            for m in metas:  # in order: a later wave rewrites what an earlier one wrote
+                k = m.shape[0]
+                launch_meta = d_meta if len(metas) == 1 else d_meta[row : row + k]
+                _launch_triton(self.device, launch_meta, d_words, k, _block_for(int(m[:, 2].max())))
                 self.launches += 1
-                return
-            rows = np.cumsum([0] + [it[1].shape[0] for it in items])
-            for a, b in zip(waves, waves[1:]):  # in order: a later wave rewrites what an earlier wrote
-                r0, r1 = int(rows[a]), int(rows[b])
-                longest = int(meta[r0:r1, 2].max())
-                _launch_triton(self.device, d_meta[r0:r1], d_words, r1 - r0, _block_for(longest))
-                self.launches += 1
+                row += k
             return
-        pieces = []
-        for target, dst, lens, words in items:
-            pieces.append((target, st.stage(_expand(dst, lens)), st.stage(words)))
+        staged = [self._scatter_plan(meta, st) for meta in metas]
         st.flush()
-        for target, d_dest, d_words in pieces:
-            target.words.index_copy_(0, d_dest, d_words)
-            self.launches += 1
+        for plan in staged:  # without Triton: one gather and one index_copy_ per target
+            for target, d_dest, d_src in plan:
+                target.words.index_copy_(0, d_dest, d_words[d_src])
+                self.launches += 2
+
+    def _per_target(self, meta: np.ndarray) -> list[tuple[_Target, np.ndarray, np.ndarray]]:
+        """Each target of ``meta``'s rows with the word index of every element and of its source."""
+        out = []
+        for ptr in dict.fromkeys(meta[:, 0].tolist()):
+            rows = meta[meta[:, 0] == ptr]
+            lens = rows[:, 2]
+            out.append((self.targets[ptr], _expand(rows[:, 1], lens), _expand(rows[:, 3], lens)))
+        return out
+
+    def _write_host(self, meta: np.ndarray, words: np.ndarray) -> None:
+        for target, dest, src in self._per_target(meta):
+            flat = target.words_np
+            assert flat is not None
+            flat[dest] = words[src]
+
+    def _scatter_plan(self, meta: np.ndarray, st: Step) -> list[tuple[_Target, torch.Tensor, torch.Tensor]]:
+        return [(t, st.stage(dest), st.stage(src)) for t, dest, src in self._per_target(meta)]
 
 
-def _expand(dst: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """The word index of every element of edits starting at ``dst``, ``lens`` long."""
-    if dst.shape[0] == 1:
-        return np.arange(int(dst[0]), int(dst[0]) + int(lens[0]), dtype=np.int64)
+def _expand(first: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The index of every element of runs starting at ``first``, ``lens`` long."""
+    if first.shape[0] == 1:
+        return np.arange(int(first[0]), int(first[0]) + int(lens[0]), dtype=np.int64)
     n = int(lens.sum())
-    return np.repeat(dst - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
-
-
-def _meta(items: list[tuple[_Target, np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
-    """The Triton kernel's rows (target address, first word, words, source word) of ``items``."""
-    counts = [it[1].shape[0] for it in items]
-    m = np.empty((sum(counts), 4), np.int64)
-    row = src = 0
-    for (target, dst, lens, words), k in zip(items, counts):
-        m[row : row + k, 0] = target.ptr
-        m[row : row + k, 1] = dst
-        m[row : row + k, 2] = lens
-        np.cumsum(lens, out=m[row : row + k, 3])
-        m[row : row + k, 3] += src - lens
-        src += words.shape[0]
-        row += k
-    return m
+    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
 
 
 _batches: dict[tuple[str, Tier], StepBatch] = {}
@@ -219,7 +253,7 @@ def close_window() -> None:
     """End the window now (the step's inputs are complete): flush, and stop deferring."""
     _WINDOW[0], _WINDOW[1] = False, None
     for b in _batches.values():
-        if b.items or b.step is not None:
+        if b.nwords or b.step is not None:
             b.flush()
 
 
@@ -295,6 +329,7 @@ class StepBackedTensor(UvaBackedTensor):
         self.device = caps.device
         self._fixed = alloc_device(shape, dt, caps.device)
         self._step_batch = batch(caps.device, caps.tier)
+        self._target = self._step_batch.target(self._fixed)
         self._views: dict[int, torch.Tensor] = {shape[0]: self._fixed}
         self._gpu = self._fixed
         self._freeze()
@@ -316,8 +351,7 @@ class StepBackedTensor(UvaBackedTensor):
         self._gpu = view
         if rows:
             b = self._step_batch
-            src = self.np[:rows].reshape(-1)
-            b.add(b.target(fixed), _ZERO, np.array([src.shape[0]], np.int64), src.copy())
+            b.add_whole(self._target, self.np[:rows].reshape(-1).view(np.int32).copy())
             _done(b)
         return view
 
@@ -325,9 +359,6 @@ class StepBackedTensor(UvaBackedTensor):
         if self._fixed is None:
             return super().stats()
         return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0}
-
-
-_ZERO = np.zeros(1, np.int64)
 
 
 def wrap_h2d(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -357,7 +388,7 @@ def wrap_h2d(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
             close_window()
             return original(data, device=device, dtype=dtype, out=out)
         vals = np.ascontiguousarray(arr.reshape(-1).astype(numpy_dtype(out.dtype), copy=False))
-        b.add(b.target(out), _ZERO, np.array([vals.shape[0]], np.int64), vals)
+        b.add_whole(b.target(out), vals.view(np.int32))
         close_window()  # the step's inputs are complete: its kernels come next
         return out
 

@@ -82,3 +82,45 @@ def test_identical_inputs_through_the_vllm_plugin(tier: str) -> None:
     finally:
         E.close_plugin_modules()
     assert r["steps"] == cfg.steps and r["mismatches"] == []
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("tier", ["host", "pageable"])
+def test_identical_inputs_in_step_mode(tier: str, groups: int) -> None:
+    """STAGEBUF_VLLM=step through vLLM's own plugin loader: every device-visible input equals vLLM's
+    own layer's, step by step, and each step is one publish of the step's batch (one transfer on
+    PAGEABLE) with one write launch (Triton's CPU interpreter; on HOST numpy writes, no launch)."""
+    from stagebuf import _vllm_step
+
+    cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:groups], **SMALL)
+    try:
+        r = E.check(E.Setup("step", tier), cfg, CPU)
+        b = next(b for (_, t), b in _vllm_step._batches.items() if t.name == tier.upper())
+        stats = b.stager.stats()
+    finally:
+        E.close_plugin_modules()
+    assert r["steps"] == cfg.steps and r["mismatches"] == []
+    if tier == "pageable":  # the sampler's two publishes at construction, then one per step
+        assert stats["transfers"] == cfg.steps + 2
+        assert b.launches == b.flushes == cfg.steps + 2
+
+
+def test_step_modes_deferral_is_what_the_check_sees() -> None:
+    """The check finds a step-mode batch that loses its last deferred write (so it can fail)."""
+    from stagebuf import _vllm_step
+
+    cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:2], **SMALL)
+    flush = _vllm_step.StepBatch.flush
+
+    def lossy(self: _vllm_step.StepBatch) -> None:
+        if len(self.rows) > 3 and _vllm_step._WINDOW[0] is False:
+            self.rows.pop()
+        flush(self)
+
+    try:
+        _vllm_step.StepBatch.flush = lossy  # type: ignore[method-assign]
+        r = E.check(E.Setup("step", "pageable"), cfg, CPU)
+    finally:
+        _vllm_step.StepBatch.flush = flush  # type: ignore[method-assign]
+        E.close_plugin_modules()
+    assert r["mismatches"] and r["mismatches"][0].startswith("step 0:")

@@ -69,3 +69,58 @@ def test_identical_inputs_through_the_vllm_plugin(tier: str) -> None:
     finally:
         E.close_plugin_modules()
     assert r["mismatches"] == []
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
+def test_identical_inputs_in_step_mode(tier: str, groups: int, busy: bool) -> None:
+    """STAGEBUF_VLLM=step through vLLM's plugin loader: vLLM's own layer's inputs, every step."""
+    _tier_ok(tier)
+    cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:groups], **CFG)
+    cycles = E.sleep_cycles_for(2.0, CUDA) if busy else 0
+    try:
+        r = E.check(E.Setup("step", tier), cfg, CUDA, busy_cycles=cycles)
+    finally:
+        E.close_plugin_modules()
+    assert r["mismatches"] == []
+
+
+@pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
+def test_no_sync_in_step_mode(tier: str) -> None:
+    """After warm-up, no call of a step-mode step synchronises (sync debug mode "error")."""
+    _tier_ok(tier)
+    cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:2], steps=50)
+    try:
+        err = E.sync_check(
+            E.Setup("step", tier), cfg, CUDA, warmup=20, busy_cycles=E.sleep_cycles_for(2.0, CUDA)
+        )
+    finally:
+        E.close_plugin_modules()
+    assert err is None
+
+
+@pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
+def test_step_mode_runs_ahead_of_a_busy_gpu(tier: str) -> None:
+    """Behind a kernel that runs for seconds, every step-mode preparation returns while it still runs:
+    nothing in a step waits for the device (a wait would find the long kernel done)."""
+    _tier_ok(tier)
+    cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:2], steps=40)
+    plans = E.make_trace(cfg)
+    try:
+        with E.stagebuf_tier(tier):
+            eng = E.Engine(E.Setup("step", tier), cfg, CUDA)
+        for plan in plans[:20]:  # warm-up: slots made, kernels compiled
+            eng.prepare(plan)
+            eng.finish(plan, 0)
+        torch.cuda.synchronize()
+        long = torch.cuda.Event()
+        torch.cuda._sleep(E.sleep_cycles_for(3000.0, CUDA))
+        long.record()
+        for plan in plans[20:22]:  # no more steps than slots: the guard has a free slot each time
+            eng.prepare(plan)  # (not the harness's finish: its pageable copy of num_sampled waits)
+        still_running = not long.query()
+        torch.cuda.synchronize()
+    finally:
+        E.close_plugin_modules()
+    assert still_running

@@ -1,0 +1,147 @@
+"""The vLLM plugin's step mode (``STAGEBUF_VLLM=step``), loaded by vLLM 0.33.0's own plugin loader.
+
+The model runner is the harness's stand-in (``benchmarks.vllm_mrv2``): vLLM's own
+``async_tensor_h2d`` bound where the model runner binds it, and ``GPUModelRunner`` with vLLM 0.33's
+``execute_model``/``prepare_inputs`` signatures. Identical inputs on vLLM's real MRV2 modules are
+tests/bench/test_engine.py's (CPU) and tests/gpu/test_gpu_engine.py's (GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from test_vllm_plugin import CPU, _installed, _load_plugins, _originals
+
+import stagebuf
+from stagebuf import _vllm, _vllm_step
+
+MR = "vllm.v1.worker.gpu.model_runner"
+
+
+@pytest.fixture
+def vllm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    with _installed(CPU, monkeypatch, tmp_path) as inst:
+        yield inst
+
+
+def _runner() -> tuple[Any, Any, Any]:
+    mr = sys.modules[MR]
+    return mr, mr.async_tensor_h2d, mr.GPUModelRunner.execute_model
+
+
+def test_step_mode_patches_the_layer_and_the_model_runner(vllm, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("STAGEBUF_VLLM", "step")
+    mr, h2d, execute = _runner()
+    with caplog.at_level(logging.WARNING, logger="stagebuf"):
+        _load_plugins()
+        stagebuf.capabilities()
+    bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
+    assert bu.StagedWriteTensor is _vllm_step.StepStagedWriteTensor
+    assert bu.UvaBackedTensor is _vllm_step.StepBackedTensor
+    assert bu.FusedStagedWriter is _vllm_step.StepFusedStagedWriter
+    assert bu.UvaBufferPool is stagebuf.UvaBufferPool
+    assert mr.async_tensor_h2d is not h2d and mr.async_tensor_h2d.__wrapped__ is h2d
+    assert mr.GPUModelRunner.execute_model.__wrapped__ is execute
+    p = _vllm.plan()
+    assert (p.action, p.mode, p.requested) == ("patched", "step", "step")
+    assert f"{MR}.async_tensor_h2d" in p.patches and "GPUModelRunner.execute_model" in p.patches
+    lines = [r.getMessage() for r in caplog.records if "vLLM plugin on" in r.getMessage()]
+    assert len(lines) == 1 and "STAGEBUF_VLLM=step" in lines[0] and "one batch" in lines[0]
+    _vllm.unregister()
+    assert (mr.async_tensor_h2d, mr.GPUModelRunner.execute_model) == (h2d, execute)
+    assert bu.StagedWriteTensor is not _vllm_step.StepStagedWriteTensor
+
+
+def test_a_changed_model_runner_falls_back_to_class_replacement(vllm, monkeypatch, caplog) -> None:
+    """A model runner whose prepare_inputs differs: vLLM's runner stays untouched, the layer is =1's,
+    and the one log line names the difference."""
+    monkeypatch.setenv("STAGEBUF_VLLM", "step")
+    mr, h2d, execute = _runner()
+
+    def prepare_inputs(self, scheduler_output, batch_req_state, batch_desc):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    monkeypatch.setattr(mr.GPUModelRunner, "prepare_inputs", prepare_inputs)
+    with caplog.at_level(logging.WARNING, logger="stagebuf"):
+        _load_plugins()
+        stagebuf.capabilities()
+    assert (mr.async_tensor_h2d, mr.GPUModelRunner.execute_model) == (h2d, execute)
+    bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
+    assert bu.StagedWriteTensor is stagebuf.StagedWriteTensor and bu.UvaBackedTensor is stagebuf.UvaBackedTensor
+    p = _vllm.plan()
+    assert (p.action, p.mode, p.requested) == ("patched", "1", "step")
+    lines = [r.getMessage() for r in caplog.records if "vLLM plugin" in r.getMessage()]
+    assert len(lines) == 1
+    want = "GPUModelRunner.prepare_inputs(scheduler_output, batch_req_state, batch_desc) instead of"
+    assert want in lines[0] and "class replacement only" in lines[0]
+
+
+def test_an_untested_vllm_version_falls_back_to_class_replacement(vllm, monkeypatch) -> None:
+    monkeypatch.setenv("STAGEBUF_VLLM", "step")
+    p = _vllm.plan(version="0.34.0")
+    assert (p.action, p.mode) == ("patch", "1")
+    assert "needs a tested vLLM (0.33.0), not 0.34.0" in p.why
+    assert not any(attr in ("async_tensor_h2d", "execute_model") for _m, attr, _o, _n in p.replacements)
+
+
+@pytest.mark.parametrize("value", ["2", "steps", "on", "true"])
+def test_other_values_are_refused_naming_the_allowed_ones(vllm, monkeypatch, value) -> None:
+    monkeypatch.setenv("STAGEBUF_VLLM", value)
+    before = _originals()
+    with pytest.raises(stagebuf.SetupError, match=r"allowed: 0, 1, step"):
+        _load_plugins()
+    assert _originals() == before
+
+
+@pytest.mark.parametrize(
+    ("env", "why"),
+    [
+        ({"VLLM_PLUGINS": "other"}, "VLLM_PLUGINS='other' does not name stagebuf"),
+        ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, "V1 model runner"),
+    ],
+)
+def test_the_plan_says_off_where_vllm_would_not_run_the_plugin(monkeypatch, env, why) -> None:
+    """As vLLM decides: VLLM_PLUGINS without stagebuf, or the V1 model runner (no vLLM needed)."""
+    monkeypatch.setenv("STAGEBUF_VLLM", "1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    p = _vllm.plan()
+    assert p.action == "off" and why in p.why
+
+
+def test_the_window_defers_until_the_out_copy(monkeypatch) -> None:
+    """Inside execute_model's window a staged write waits for the step's out= copy; outside, it writes
+    at once. HOST tier, stagebuf's own objects (no vLLM needed)."""
+    monkeypatch.setenv("STAGEBUF_TIER", "host")
+    stagebuf.reset_capabilities()
+    try:
+        t = _vllm_step.StepStagedWriteTensor((2, 4), torch.int32, device="cpu")
+        backed = _vllm_step.StepBackedTensor(3, torch.int64, device="cpu")
+        out = torch.zeros(3, dtype=torch.int32)
+        gpu_before = backed.gpu
+        h2d = _vllm_step.wrap_h2d(lambda *a, **k: pytest.fail("vLLM's own copy was not expected"))
+        with _vllm_step.window():
+            t.stage_write(1, 1, [7, 8])
+            t.apply_write()
+            backed.np[:] = [5, 6, 2**40]
+            backed.copy_to_uva()
+            idx = h2d(np.array([2, 0], np.int32), device="cpu", dtype=torch.int64)
+            assert t.gpu.sum().item() == 0 and backed.gpu.sum().item() == 0  # deferred
+            h2d(np.array([1, 2, 3], np.int32), out=out)  # the step's inputs are complete
+            assert t.gpu[1].tolist() == [0, 7, 8, 0] and backed.gpu.tolist() == [5, 6, 2**40]
+            assert out.tolist() == [1, 2, 3] and idx.tolist() == [2, 0] and idx.dtype == torch.int64
+            t.stage_write(0, 0, [1])
+            t.apply_write()  # after the window closed: at once
+            assert t.gpu[0, 0].item() == 1
+        assert backed.gpu.data_ptr() == gpu_before.data_ptr()  # one fixed address
+    finally:
+        _vllm_step.reset()
+        monkeypatch.delenv("STAGEBUF_TIER")
+        stagebuf.reset_capabilities()

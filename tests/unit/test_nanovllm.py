@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 import stagebuf
 import stagebuf.nanovllm as sn
 
-TIERS = ["stagebuf_host", "stagebuf_pageable"]
+# HOST needs a CPU device; on a GPU machine PAGEABLE targets the GPU (tests/gpu has the GPU tiers)
+TIERS = ["stagebuf_pageable"] if torch.cuda.is_available() else ["stagebuf_host", "stagebuf_pageable"]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_the_check_finds_a_difference(work: Path) -> None:
             c = P.load().context.get_context()
             c.slot_mapping[0] += 1
 
-    r = NE.check("stagebuf_host", dataclasses.replace(SMALL, steps=10), work, tamper=tamper)
+    r = NE.check(TIERS[0], dataclasses.replace(SMALL, steps=10), work, tamper=tamper)
     assert (
         len(r["mismatches"]) == 1
         and r["mismatches"][0].startswith("step 5 ")
@@ -112,7 +113,7 @@ def test_nanovllms_scheduler_raises_index_error_after_a_preemption(work: Path) -
         trace.post(step[0])
     assert trace.preempted >= 1 and left, "no preempted sequence was left in running"
     assert trace.scheduler_error is not None and "IndexError" in trace.scheduler_error
-    r = NE.check("stagebuf_host", cfg, work)
+    r = NE.check(TIERS[0], cfg, work)
     assert r["mismatches"] == [] and r["preempted"] >= 1 and "IndexError" in (r["scheduler_error"] or "")
 
 
@@ -317,7 +318,7 @@ def test_prepare_samples_flags_follow_nanovllm_exactly(work: Path) -> None:
     """top-k is handed on when one is > 0; top-p and the repetition penalty when one *equals* 1.0
     (nano-vllm 20260210, model_runner.py lines 318-322): so top_p=0.9 alone gives None."""
     nano = P.load()
-    trace, own, mine = _pair(work, "stagebuf_host")
+    trace, own, mine = _pair(work, TIERS[0])
     sp = nano.sampling_params.SamplingParams
     cases = [
         ([sp(top_p=0.9, repetition_penalty=1.2)], (False, False, False)),

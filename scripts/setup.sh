@@ -7,7 +7,11 @@
 #
 # The environment is ./.venv (STAGEBUF_VENV=dir picks another); an existing one is reused. It is made
 # with --system-site-packages, so a torch already installed on the machine (GPU images ship one) is
-# reused instead of downloaded; where there is none, the CPU wheel torch==2.13.0 is installed into it.
+# reused instead of downloaded. Where there is none, torch==2.13.0 is installed, and STAGEBUF_TORCH says
+# which build: cpu (torch==2.13.0+cpu from PyTorch's CPU index, https://download.pytorch.org/whl/cpu;
+# on macOS the package index's, a CPU build), cuda (the package index's torch: on Linux, PyPI's is a
+# CUDA build), or auto (the default: cuda where nvidia-smi lists a GPU, else cpu). pip's own
+# configuration (an index, a mirror, --find-links) applies as always.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${STAGEBUF_VENV:-.venv}
@@ -26,8 +30,28 @@ PY="$VENV/bin/python"
 if "$PY" -c "import torch" 2>/dev/null; then
   echo "setup: reusing torch $("$PY" -c 'import torch; print(torch.__version__)')"
 else
-  echo "setup: no torch found, installing torch==2.13.0 into $VENV"
-  "$PY" -m pip install -q torch==2.13.0
+  build=${STAGEBUF_TORCH:-auto}
+  if [ "$build" = auto ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then build=cuda; else build=cpu; fi
+  fi
+  case "$build" in
+    cpu)
+      echo "setup: no torch found; installing torch==2.13.0, the CPU build (STAGEBUF_TORCH=cuda for a" \
+        "CUDA build)"
+      if [ "$(uname -s)" = Darwin ]; then  # macOS wheels on the package index are CPU builds
+        "$PY" -m pip install -q torch==2.13.0
+      else  # +cpu: only PyTorch's CPU index has it; then torch's dependencies, from the usual index
+        "$PY" -m pip install -q --no-deps torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu
+        "$PY" -m pip install -q torch==2.13.0+cpu
+      fi ;;
+    cuda)
+      echo "setup: no torch found; installing torch==2.13.0 from the package index (on Linux a CUDA" \
+        "build; STAGEBUF_TORCH=cpu for the CPU build)"
+      "$PY" -m pip install -q torch==2.13.0 ;;
+    *)
+      echo "setup: STAGEBUF_TORCH=$build is not a torch build; allowed: auto, cpu, cuda" >&2
+      exit 2 ;;
+  esac
 fi
 extras=${1:-}
 if [ -n "$extras" ]; then spec=".[${extras}]"; else spec="."; fi

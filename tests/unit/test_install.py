@@ -1,0 +1,89 @@
+"""The README's "Install" section, checked: it installs from a checkout or a wheel ``python -m build``
+makes (stagebuf is on no package index), says how the torch build is chosen, and the wheel it names is
+the one the build makes, with the extras and entry points the README uses."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import stagebuf
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.index("\n## ", start + 3)
+    return text[start:end]
+
+
+def test_the_install_section_installs_from_a_checkout_or_a_built_wheel() -> None:
+    sec = _section("Install")
+    flat = " ".join(sec.split())
+    assert "not on a package index" in flat
+    commands = re.findall(r"pip install [^\n`]*", sec)
+    assert commands
+    for c in commands:  # every stagebuf install names a local path: nothing comes from an index
+        assert not re.search(r"pip install '?stagebuf\b", c), c
+    assert "`pip install .`" in sec and "pip install '.[cuda]'" in sec and "python -m build" in sec
+    wheel = f"dist/stagebuf-{stagebuf.__version__}-py3-none-any.whl"
+    assert f"pip install '{wheel}[cuda]'" in sec
+    # how a CUDA or a CPU torch is chosen
+    assert "https://download.pytorch.org/whl/cpu" in sec and "CUDA build" in flat and "CPU build" in flat
+    setup = " ".join(_section("From a checkout: two commands").split())
+    assert "STAGEBUF_TORCH=cpu" in setup and "nvidia-smi" in setup
+    script = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "STAGEBUF_TORCH" in script and "nvidia-smi" in script and "download.pytorch.org/whl/cpu" in script
+
+
+def test_the_wheel_the_readme_names_is_what_python_m_build_makes(tmp_path: Path) -> None:
+    """Built offline (``--no-isolation``: this environment's setuptools) from a copy of what a checkout
+    holds (so nothing is written into it), then run from the wheel alone."""
+    src = tmp_path / "checkout"
+    shutil.copytree(ROOT / "src", src / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    for f in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / f, src / f)
+    out = tmp_path / "dist"
+    p = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    name = f"stagebuf-{stagebuf.__version__}-py3-none-any.whl"
+    assert [w.name for w in out.glob("*.whl")] == [name]
+    with zipfile.ZipFile(out / name) as z:
+        files = set(z.namelist())
+        dist = f"stagebuf-{stagebuf.__version__}.dist-info"
+        meta = z.read(f"{dist}/METADATA").decode()
+        entry = z.read(f"{dist}/entry_points.txt").decode()
+    assert {"stagebuf/__init__.py", "stagebuf/py.typed", "stagebuf/_doctor.py"} <= files
+    assert not any(f.startswith(("benchmarks/", "tests/", "examples/")) for f in files)
+    for extra in ("cuda", "cli"):
+        assert f"Provides-Extra: {extra}" in meta
+    assert "Requires-Dist: torch>=2.1" in meta
+    assert "stagebuf = stagebuf._cli:main" in entry and "stagebuf._vllm:register" in entry
+    site = tmp_path / "site"
+    p = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
+         str(out / name)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    code = "import stagebuf, stagebuf._cli as cli; print(stagebuf.__file__); cli.main(['--version'])"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    where, version = p.stdout.strip().splitlines()
+    assert where.startswith(str(site)) and version == f"stagebuf {stagebuf.__version__}"

@@ -1,26 +1,12 @@
-"""stagebuf as vLLM's MRV2 buffer layer: an opt-in vLLM general plugin.
+"""stagebuf as vLLM's MRV2 buffer layer: an opt-in vLLM general plugin (entry point ``stagebuf``).
 
-The entry point ``stagebuf`` in the group ``vllm.general_plugins`` is :func:`register`.
-vLLM loads general plugins in every engine and worker process before the model runner
-is built, and several times in one process; ``register`` is idempotent.
-
-* **Opt-in.** ``STAGEBUF_VLLM=1`` switches it on; unset (or ``0``) leaves vLLM untouched;
-  any other value raises :class:`~stagebuf.SetupError` (a ``ValueError``) naming the allowed
-  values (vLLM then stops at start-up, which is what a mistyped setting should do).
-* **Version safety.** Before anything is replaced, the names and parameters of vLLM's
-  ``vllm.v1.worker.gpu.buffer_utils`` are compared with :data:`API`, the API of the
-  vLLM versions in :data:`TESTED`. If they differ, vLLM's layer stays whole and one
-  log line says what differed. Nothing is ever half-patched: every replacement is
-  computed first and applied together.
-* **What it replaces.** ``UvaBuffer``, ``NonUvaBuffer``, ``UvaBufferPool``,
-  ``UvaBackedTensor``, ``StagedWriteTensor``, ``FusedStagedWriter`` and
-  ``set_default_max_concurrency`` in ``buffer_utils``, and the same objects wherever a
-  module of ``vllm`` already imported bound them (``from ... import``), so the order in
-  which vLLM imported its modules does not matter.
-* **One log line per process** when on. The tier needs a probe of the device, which
-  initialises CUDA; the plugin does not do that in processes that never build a buffer
-  (vLLM's API server), so the line is logged when stagebuf first decides a tier in the
-  process, with the tier and why.
+``STAGEBUF_VLLM=1`` replaces the names of :data:`API` in ``vllm.v1.worker.gpu.buffer_utils``
+(and wherever a ``vllm`` module bound them); ``step`` also defers the step's input staging
+into one batch (``_vllm_step``, :data:`STEP_API`); unset or ``0`` leaves vLLM untouched; any
+other value raises SettingValueError. Every replacement is computed first and applied together,
+only where vLLM's API matches the tested one (else one log line says what differed), and
+:func:`register` is idempotent. The one log line per process comes when stagebuf first decides
+a tier there (the probe initialises CUDA, which vLLM's API server never needs).
 """
 
 from __future__ import annotations
@@ -302,32 +288,10 @@ def _step_replacements(
 
 
 def plan(module: Any | None = None, runner: Any | None = None, version: str | None = None) -> Plan:
-    """What :func:`register` would do now, and why; changes nothing.
+    """What :func:`register` would do now, and why; changes nothing (after it ran: what it did).
 
-    vLLM's modules are imported only when ``STAGEBUF_VLLM`` is ``1`` or ``step`` (the model
-    runner only for ``step``). After :func:`register` ran in this process, the answer is
-    what it did.
-
-    Parameters
-    ----------
-    module : module, optional
-        The ``buffer_utils`` module to compare with :data:`API` instead of importing
-        vLLM's (tests pass a stand-in).
-    runner : module, optional
-        The ``model_runner`` module to compare with :data:`STEP_API` (step mode).
-    version : str, optional
-        The vLLM version to assume (default: the installed one's metadata).
-
-    Returns
-    -------
-    Plan
-        ``action`` ``"off"``, ``"leave"``, ``"patch"`` or ``"patched"``, with the reason.
-
-    Raises
-    ------
-    SettingValueError
-        (a ``ValueError`` too) If ``STAGEBUF_VLLM`` is not ``0``, ``1``, ``step`` or
-        empty; the message names the allowed values.
+    ``module``, ``runner`` and ``version`` stand in for vLLM's ``buffer_utils``, ``model_runner``
+    and version (tests). Raises SettingValueError for a bad ``STAGEBUF_VLLM``.
     """
     requested = mode()
     if requested == "0":

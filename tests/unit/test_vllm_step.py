@@ -74,7 +74,9 @@ def test_a_changed_model_runner_falls_back_to_class_replacement(vllm, monkeypatc
         stagebuf.capabilities()
     assert (mr.async_tensor_h2d, mr.GPUModelRunner.execute_model) == (h2d, execute)
     bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
-    assert bu.StagedWriteTensor is stagebuf.StagedWriteTensor and bu.UvaBackedTensor is stagebuf.UvaBackedTensor
+    assert (
+        bu.StagedWriteTensor is stagebuf.StagedWriteTensor and bu.UvaBackedTensor is stagebuf.UvaBackedTensor
+    )
     p = _vllm.plan()
     assert (p.action, p.mode, p.requested) == ("patched", "1", "step")
     lines = [r.getMessage() for r in caplog.records if "vLLM plugin" in r.getMessage()]

@@ -38,11 +38,15 @@ from ._memory import alloc_device, alloc_host
 from ._pool import UvaBackedTensor
 from ._probe import capabilities
 from ._staged_write import FusedStagedWriter, StagedWriteTensor
-from ._staged_write.kernel import _block_for, _launch_triton, triton_usable
+from ._staged_write.kernel import MAX_BLOCK, _launch_triton, triton_usable
 from ._staged_write.launcher import Gathered
 from ._stager import Step, StepStager
 from ._tier import Tier
 from ._types import DeviceLike, DTypeLike
+
+_BLOCK = MAX_BLOCK
+"""Columns per Triton program: one value for every flush, so the kernel is compiled once (a new
+specialisation mid-run would load a module in the middle of a step)."""
 
 _WINDOW: list[Any] = [False, None]
 """Whether calls are deferred now (between execute_model's start and its flush), and the batch the
@@ -132,8 +136,12 @@ class StepBatch:
         else:
             blk = np.empty((e, 4), np.int64)
             blk[:, 0] = ptr
-            np.multiply(dst, f, out=blk[:, 1])
-            np.multiply(lens, f, out=blk[:, 2])
+            if f == 1:
+                blk[:, 1] = dst
+                blk[:, 2] = lens
+            else:
+                np.multiply(dst, f, out=blk[:, 1])
+                np.multiply(lens, f, out=blk[:, 2])
             np.cumsum(blk[:, 2], out=blk[:, 3])
             blk[:, 3] += src - blk[:, 2]
             self.blocks.append(blk)
@@ -170,19 +178,24 @@ class StepBatch:
             for meta in metas:
                 self._write_host(meta, words)
             return
-        d_words = st.stage(words)
-        if self.triton:
+        if self.triton:  # the rows (int64, as int32 pairs) and the words in one staged array
             meta = metas[0] if len(metas) == 1 else np.concatenate(metas)
-            d_meta = st.stage(meta)
+            head = 8 * meta.shape[0]
+            packed = np.empty(head + words.shape[0], np.int32)
+            packed[:head] = meta.reshape(-1).view(np.int32)
+            packed[head:] = words
+            region = st.stage(packed)
             st.flush()
+            d_meta, d_words = region[:head].view(torch.int64), region[head:]
             row = 0
             for m in metas:  # in order: a later wave rewrites what an earlier one wrote
                 k = m.shape[0]
-                launch_meta = d_meta if len(metas) == 1 else d_meta[row : row + k]
-                _launch_triton(self.device, launch_meta, d_words, k, _block_for(int(m[:, 2].max())))
+                launch_meta = d_meta if len(metas) == 1 else d_meta[4 * row : 4 * (row + k)]
+                _launch_triton(self.device, launch_meta, d_words, k, _BLOCK)
                 self.launches += 1
                 row += k
             return
+        d_words = st.stage(words)
         staged = [self._scatter_plan(meta, st) for meta in metas]
         st.flush()
         for plan in staged:  # without Triton: one gather and one index_copy_ per target
@@ -263,6 +276,7 @@ def reset() -> None:
         b.flush()
     _batches.clear()
     _by_key.clear()
+    _outs.clear()
     _WINDOW[0], _WINDOW[1] = False, None
 
 
@@ -370,29 +384,42 @@ def wrap_h2d(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
     ) -> torch.Tensor:
         if not _WINDOW[0]:
             return original(data, device=device, dtype=dtype, out=out)
-        key = out.device if out is not None else device
         arr = _host(data)
-        b = _WINDOW[1] or _by_key.get(key) or _batch_for(key)
+        b: StepBatch | None = _WINDOW[1]
+        if b is None:
+            key = out.device if out is not None else device
+            b = _by_key.get(key) or _batch_for(key)
         if b is None or arr is None:  # not a case step mode stages: vLLM's own copy, in order
             close_window()
             return original(data, device=device, dtype=dtype, out=out)
         if out is None:
             want = numpy_dtype(dtype) if dtype is not None else arr.dtype
             return b.open_step().stage(arr.astype(want, copy=False))
-        if (
-            not out.is_contiguous()
-            or numpy_dtype(out.dtype).itemsize % 4
-            or arr.size != out.numel()
-            or (dtype is not None and dtype != out.dtype)
-        ):
+        got = _outs.get((id(out), id(b)))
+        if got is None or got[0] is not out:
+            got = _outs[(id(out), id(b))] = (out, _out_layout(out, b))
+        layout = got[1]
+        if layout is None or arr.size != layout[1] or (dtype is not None and dtype != out.dtype):
             close_window()
             return original(data, device=device, dtype=dtype, out=out)
-        vals = np.ascontiguousarray(arr.reshape(-1).astype(numpy_dtype(out.dtype), copy=False))
-        b.add_whole(b.target(out), vals.view(np.int32))
+        vals = np.ascontiguousarray(arr.reshape(-1).astype(layout[0], copy=False))
+        b.add_whole(layout[2], vals.view(np.int32))
         close_window()  # the step's inputs are complete: its kernels come next
         return out
 
     return async_tensor_h2d
+
+
+_outs: dict[tuple[int, int], tuple[torch.Tensor, tuple[np.dtype, int, _Target] | None]] = {}
+"""Per ``out`` tensor of ``async_tensor_h2d`` and batch: its numpy dtype, size and batch target (None: not one
+step mode writes: not contiguous, or not whole 32-bit words)."""
+
+
+def _out_layout(out: torch.Tensor, b: StepBatch) -> tuple[np.dtype, int, _Target] | None:
+    dt = numpy_dtype(out.dtype)
+    if not out.is_contiguous() or dt.itemsize % 4:
+        return None
+    return dt, out.numel(), b.target(out)
 
 
 _by_key: dict[Any, StepBatch] = {}

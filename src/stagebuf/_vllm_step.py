@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._convert import numpy_dtype, shape_of, torch_dtype
+from ._convert import check_rows, numpy_dtype, shape_of, torch_dtype
 from ._memory import alloc_device, alloc_host
 from ._pool import UvaBackedTensor
 from ._probe import capabilities
@@ -357,10 +357,10 @@ class StepBackedTensor(UvaBackedTensor):
         if fixed is None:
             return super().copy_to_uva(n)
         rows = self.np.shape[0] if n is None else n
-        view = self._views.get(rows)
+        view = self._views.get(rows) if type(rows) is int else None  # (True == 1: no cache hit for a bool)
         if view is None:
-            if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= self.np.shape[0]:
-                return super().copy_to_uva(n)  # the parent raises its error
+            if type(rows) is not int or not 0 <= rows <= self.np.shape[0]:
+                rows = check_rows(n, self.np.shape[0])  # raises the parent's error, or an int-like n
             view = self._views[rows] = fixed[:rows]
         self._gpu = view
         if rows:

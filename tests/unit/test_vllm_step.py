@@ -147,3 +147,21 @@ def test_the_window_defers_until_the_out_copy(monkeypatch) -> None:
         _vllm_step.reset()
         monkeypatch.delenv("STAGEBUF_TIER")
         stagebuf.reset_capabilities()
+
+
+@pytest.mark.parametrize("bad", [True, 5, -1, 2.0, "2"])
+def test_a_step_backed_publish_refuses_a_bad_row_count(monkeypatch, bad) -> None:
+    """As UvaBackedTensor.copy_to_uva: n must be an int in [0, rows] (a bool is not one); nothing staged."""
+    monkeypatch.setenv("STAGEBUF_TIER", "host")
+    stagebuf.reset_capabilities()
+    try:
+        t = _vllm_step.StepBackedTensor(4, torch.int32, device="cpu")
+        t.np[:] = [1, 2, 3, 4]
+        with pytest.raises(stagebuf.InvalidArgumentError, match=r"n=.* must be an int in \[0, 4\]"):
+            t.copy_to_uva(bad)
+        assert t.gpu.tolist() == [0, 0, 0, 0] and not t._step_batch.pending
+        assert t.copy_to_uva(np.int64(2)).tolist() == [1, 2]
+    finally:
+        _vllm_step.reset()
+        monkeypatch.delenv("STAGEBUF_TIER")
+        stagebuf.reset_capabilities()

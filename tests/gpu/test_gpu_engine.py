@@ -100,21 +100,7 @@ def test_no_sync_in_step_mode(tier: str) -> None:
     assert err is None
 
 
-@pytest.mark.parametrize(
-    "tier",
-    [
-        pytest.param(
-            "uva",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="open: on UVA a step-mode step still waits behind a long kernel (seen on the H200; "
-                "the sync-debug test finds no synchronising call, so a guard wait is the suspect)",
-            ),
-        ),
-        "pinned",
-        "pageable",
-    ],
-)
+@pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
 def test_step_mode_runs_ahead_of_a_busy_gpu(tier: str) -> None:
     """Behind a kernel that runs for seconds, every step-mode preparation returns while it still runs:
     nothing in a step waits for the device (a wait would find the long kernel done)."""

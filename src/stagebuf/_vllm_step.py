@@ -39,7 +39,7 @@ from ._pool import UvaBackedTensor
 from ._probe import capabilities
 from ._staged_write import FusedStagedWriter, StagedWriteTensor
 from ._staged_write.kernel import MAX_BLOCK, _launch_triton, triton_usable
-from ._staged_write.launcher import Gathered
+from ._staged_write.launcher import Gathered, expand_runs
 from ._stager import Step, StepStager
 from ._tier import Tier
 from ._types import DeviceLike, DTypeLike
@@ -171,13 +171,15 @@ class StepBatch:
         for rows, blocks in waves:
             parts = [np.array(rows, np.int64).reshape(-1, 4)] if rows else []
             metas.append(parts[0] if not blocks else np.concatenate([*parts, *blocks]))
-        st = self.open_step()
-        self.step = None
-        if self.tier is Tier.HOST:
-            st.flush()
+        if self.tier is Tier.HOST:  # numpy writes; the step's staged arrays (if any) published
+            st_host, self.step = self.step, None
+            if st_host is not None:
+                st_host.flush()
             for meta in metas:
                 self._write_host(meta, words)
             return
+        st = self.open_step()
+        self.step = None
         if self.triton:  # the rows (int64, as int32 pairs) and the words in one staged array
             meta = metas[0] if len(metas) == 1 else np.concatenate(metas)
             head = 8 * meta.shape[0]
@@ -224,10 +226,7 @@ class StepBatch:
 
 def _expand(first: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """The index of every element of runs starting at ``first``, ``lens`` long."""
-    if first.shape[0] == 1:
-        return np.arange(int(first[0]), int(first[0]) + int(lens[0]), dtype=np.int64)
-    n = int(lens.sum())
-    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
+    return expand_runs(first, lens, int(lens.sum()))
 
 
 _batches: dict[tuple[str, Tier], StepBatch] = {}

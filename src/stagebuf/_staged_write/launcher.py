@@ -44,6 +44,11 @@ def _arange(n: int) -> np.ndarray:
     return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
 
 
+def expand_runs(first: np.ndarray, lens: np.ndarray, n: int) -> np.ndarray:
+    """The index of every element of runs starting at ``first``, ``lens`` long (``n`` in all)."""
+    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
+
+
 class Target:
     """What an apply writes: a target's flat device view, its numpy view on HOST, address, tier."""
 
@@ -77,8 +82,7 @@ class Gathered:
         elif self.width:  # every edit of one length: one broadcast add
             dest = (first[:, None] + _arange(self.width)).reshape(-1)
         else:
-            lens = self.lens
-            dest = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
+            dest = expand_runs(first, self.lens, n)
         vals = self.vals
         if self.dup:
             _, last = np.unique(dest[::-1], return_index=True)  # each destination's last staged element

@@ -1,26 +1,9 @@
 """Step mode of the vLLM plugin: a step's staged writes, publishes and copies in one transfer, one launch.
 
-vLLM's model runner applies its staged writes (``RequestState``, ``BlockTables``),
-publishes the sampler's per-request parameters and copies ``idx_mapping`` and
-``query_start_loc`` one object at a time: a transfer and a launch each. In step
-mode the objects are this module's subclasses, and every such call made between
-the start of ``execute_model`` and its ``async_tensor_h2d(..., out=...)`` (the
-``query_start_loc`` copy, the last before the first kernel reads the step's
-inputs) is *deferred* into the device's :class:`StepBatch`:
-
-* a staged-write apply adds its checked edits (``edits.gather``: a bad value still
-  raises at the apply, and nothing of it is deferred);
-* a ``UvaBackedTensor`` publish adds one edit that writes its host rows into its
-  *fixed* device tensor (``.gpu`` keeps one address, as a CUDA graph wants);
-* ``async_tensor_h2d(x)`` stages ``x`` in the batch's ``StepStager`` step and
-  returns its device view; with ``out=`` it adds an edit of ``out`` and flushes.
-
-Flushing packs every edit as 32-bit words (target address, first word, length,
-source) into the same stager step, publishes it (one copy on PINNED and PAGEABLE,
-none on UVA) and runs one Triton launch that writes them all (without Triton: one
-``index_copy_`` per target; on HOST: numpy). A target written twice in one batch
-starts a second wave (a second launch), so later writes still win. Outside the
-window each call adds and flushes at once: the same path, one call at a time.
+Between the start of ``execute_model`` and its ``async_tensor_h2d(..., out=...)`` (the
+``query_start_loc`` copy), the step-mode classes and ``async_tensor_h2d`` defer into the device's
+:class:`StepBatch`, flushed as one staged array and one Triton launch (docs/DESIGN.md, "Step mode").
+Outside that window each call adds and flushes at once: the same path, one call at a time.
 """
 
 from __future__ import annotations

@@ -32,8 +32,7 @@ _BLOCK = MAX_BLOCK
 specialisation mid-run would load a module in the middle of a step)."""
 
 _WINDOW: list[Any] = [False, None]
-"""Whether calls are deferred now (between execute_model's start and its flush), and the batch the
-window's first deferred call joined (``async_tensor_h2d`` stages into it)."""
+"""Whether calls are deferred now, and the batch the window's first deferred call joined."""
 
 
 class _Target:

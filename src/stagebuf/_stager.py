@@ -30,7 +30,6 @@ from ._types import DeviceLike, DTypeLike, HostData
 
 _MAX_CACHED_VIEWS = 4096
 
-
 _LayoutEntry = tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]
 """One stage() call of a step: (np dtype, shape, host view, device view, end offset, torch dtype)."""
 
@@ -54,9 +53,8 @@ class _Slot:
         scratch = not buf.tier.copies  # UVA and HOST: stage into scratch, publish at exit
         self.cap = buf.shape[0]
         self.host: np.ndarray = np.zeros(self.cap, np.uint8) if scratch else buf.np
-        # The last step's stage() calls in order: (np dtype, shape, host view, device view,
-        # end offset, torch dtype). A step that repeats it skips all checks and lookups.
         self.layout: list[_LayoutEntry] = []
+        """The last step's stage() calls, in order: a step that repeats them skips every check."""
         self.views: dict[tuple[Any, ...], Any] = {}
         """(offset, dtype, shape) -> (host view, device view); (arena address, dtype) -> typed arena."""
         self.retired: list[StagingBuffer] = []
@@ -148,18 +146,10 @@ class _Slot:
 class Step(Sealed):
     """One step's staging. Use as a context manager; ``flush()`` ends it early.
 
-    Made by :meth:`StepStager.step`. Tensors returned by ``stage()`` hold their data from
-    the moment the step is published (leaving the block, or ``flush()``) until the stager
-    begins the step that reuses the slot, ``max_concurrency`` steps later, on every tier.
-    Read before then, they show the slot's old contents (poison in check mode). Leaving the
-    block by an exception publishes nothing and ends the step.
-
-    Attributes
-    ----------
-    seq : int
-        The step's number (0 for a stager's first).
-    done : bool
-        Whether the step was published or left by an exception (then ``stage()`` raises).
+    Made by :meth:`StepStager.step`. Tensors returned by ``stage()`` hold their data from the
+    step's publication (leaving the block, or ``flush()``) until the step that reuses the slot
+    begins, ``max_concurrency`` steps later, on every tier; before, the slot's old contents
+    (poison in check mode). Leaving by an exception publishes nothing and ends the step.
     """
 
     _slot: _Slot
@@ -170,8 +160,7 @@ class Step(Sealed):
     _done: bool
 
     def __init__(self, slot: _Slot, seq: int):
-        # one dict update instead of a sealed __setattr__ per attribute (a Step is made every step);
-        # the per-call state is a list (``_c``: calls so far, bytes used), changed in place per stage()
+        # one dict update, not a sealed __setattr__ each; ``_c`` (stage() calls, bytes used) changes in place
         self.__dict__.update(
             _slot=slot,
             _c=[0, 0],
@@ -223,15 +212,13 @@ class Step(Sealed):
         Raises
         ------
         UsageError
-            If the step was already flushed (or left), or it needs more than the arena
-            holds and the arena cannot grow: a static stager, or a CUDA graph is being
-            captured.
+            If the step was already flushed (or left), or it needs more than the arena holds
+            and cannot grow (a static stager, or a CUDA graph is being captured).
         ArgumentTypeError
-            If ``x`` is not a list, tuple, numpy array or CPU tensor, or ``dtype`` (or
-            ``x``'s dtype) is not supported; nothing is staged.
+            If ``x`` or its dtype (or ``dtype``) is not supported; nothing is staged.
         InvalidArgumentError
-            If ``x`` is not 1-D or 2-D, is a tensor on another device, or holds
-            values ``dtype`` cannot represent exactly; nothing is staged.
+            If ``x`` is not 1-D or 2-D, is on another device, or holds values ``dtype``
+            cannot represent exactly; nothing is staged.
         DeviceAllocationError
             If growing the slot runs out of device memory.
         """
@@ -250,44 +237,56 @@ class Step(Sealed):
     def _stage(self, x: HostData, dtype: DTypeLike | None) -> torch.Tensor:
         if self._done:
             raise UsageError(f"step {self._seq} was already flushed; begin a new step()")
-        to_numpy: dict[Any, np.dtype] = _TORCH_TO_NUMPY  # keyed by torch dtypes: other dtype-likes miss
-        want = to_numpy.get(dtype) if isinstance(dtype, torch.dtype) else None
-        if (
-            type(x) is np.ndarray
-            and x.ndim in (1, 2)
-            and x.dtype in _NUMPY_TO_TORCH
-            and (dtype is None or x.dtype == want)
-        ):
-            arr = x
-        else:
+        want = _TORCH_TO_NUMPY.get(dtype) if isinstance(dtype, torch.dtype) else None
+        arr = x if type(x) is np.ndarray else None
+        fits = arr is not None and arr.ndim in (1, 2) and arr.dtype in _NUMPY_TO_TORCH
+        if arr is None or not fits or (dtype is not None and arr.dtype != want):
             arr = host_array(x, dtype, "x")
         c = self._c
-        used = c[1]
-        off = (used + ALIGN - 1) & -ALIGN
-        end = off + arr.nbytes
+        off = self._room(arr.nbytes)
         slot = self._slot
-        if end > slot.cap:
-            self._retired.append((slot.buf, slot.host, used))
-            slot.grow(arr.nbytes, used, self._seq)
-            self.__dict__["_layout"] = None  # offsets restart in the new arena: record it next step
-            off, end = 0, arr.nbytes
         host, dev = slot.view(off, arr.dtype, arr.shape, slot.dev_arena)
         host[...] = arr
-        c[1] = end
         layout = self._layout
         if layout is not None:
             del layout[c[0] :]
-            layout.append((arr.dtype, arr.shape, host, dev, end, _NUMPY_TO_TORCH[arr.dtype]))
+            layout.append((arr.dtype, arr.shape, host, dev, c[1], _NUMPY_TO_TORCH[arr.dtype]))
         c[0] += 1
         return dev
 
-    def flush(self) -> None:
-        """Publish everything staged in this step: from now on the device sees it.
+    def _room(self, nbytes: int) -> int:
+        """The offset of ``nbytes`` more in the slot's arena (grown if needed); they count as used."""
+        c, slot = self._c, self._slot
+        used = c[1]
+        off = (used + ALIGN - 1) & -ALIGN
+        if off + nbytes > slot.cap:
+            self._retired.append((slot.buf, slot.host, used))
+            slot.grow(nbytes, used, self._seq)
+            self.__dict__["_layout"] = None  # offsets restart in the new arena: record it next step
+            off = 0
+        c[1] = off + nbytes
+        return off
 
-        One copy on tiers PINNED and PAGEABLE (on the current stream), a host copy on
-        UVA and HOST; a static stager copies into its fixed device arena. The step is
-        then done: ``stage()`` raises and a second ``flush()`` does nothing. Leaving
-        the ``with`` block calls it.
+    def reserve(self, nbytes: int) -> tuple[np.ndarray, torch.Tensor, int]:
+        """``nbytes`` of this step's arena for the caller to fill before the flush: the host bytes,
+        the device arena, and the offset in it where the device reads them once published. Later
+        stage() calls of the step take the checked path (the layout is not replayed past it)."""
+        if type(nbytes) is not int or nbytes < 0:
+            raise InvalidArgumentError(f"nbytes={nbytes!r}; allowed: an int >= 0")
+        if self._done:
+            raise UsageError(f"step {self._seq} was already flushed; begin a new step()")
+        if self._layout is not None:
+            del self._layout[self._c[0] :]
+            self.__dict__["_layout"] = None
+        off = self._room(nbytes)
+        slot = self._slot
+        return slot.host[off : off + nbytes], slot.dev_arena, off
+
+    def flush(self) -> None:
+        """Publish everything staged in this step (leaving the ``with`` block calls it).
+
+        One copy on PINNED and PAGEABLE (current stream), a host copy on UVA and HOST; a static
+        stager copies into its device arena. Then ``stage()`` raises and ``flush()`` does nothing.
         """
         if self._done:
             return
@@ -406,8 +405,7 @@ class StepStager(Sealed):
         SlotInFlightError
             With ``guard="raise"``, if the device may still read the slot.
         StepRuleError
-            In check mode, if the step clock would have released a slot the device may
-            still read (call :func:`begin_step` at the start of every step).
+            In check mode, if the step clock would have released a slot still being read.
         CudaError
             If recording or querying the guard's CUDA event fails.
         """
@@ -427,10 +425,7 @@ class StepStager(Sealed):
     def mark_consumed(self) -> None:
         """Say that the last step's consumers are enqueued: the clock's next event protects its slot.
 
-        Raises
-        ------
-        UsageError
-            If a step is still open.
+        Raises ``UsageError`` if a step is still open.
         """
         if self._open is not None and not self._open.done:
             raise UsageError(f"step {self._open.seq} is still open; flush it first")

@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import stagebuf
 from stagebuf import SlotInFlightError, StepStager, Tier
 from stagebuf import _guard as guard_mod
 
@@ -61,6 +62,29 @@ def test_growth_keeps_earlier_tensors_valid(any_tier):
             step.stage(np.arange(10, dtype=np.int32))
             step.stage(np.arange(100, dtype=np.int64))
     assert stager.stats()["growths"] == 2  # the other slot grew once too
+
+
+def _read(arena: torch.Tensor, off: int, n: int) -> np.ndarray:
+    return arena[off : off + n].cpu().numpy()
+
+
+def test_reserve_is_published_with_the_step_and_never_overlaps_a_replayed_stage(any_tier):
+    """reserve(): bytes the caller writes, published with the step's stage() calls, on every tier;
+    a later step that replays the stage() calls before it keeps both intact, also through growth."""
+    stager = StepStager(capacity=256, max_concurrency=2)
+    for s, n in enumerate([8, 24, 40, 72, 300, 40]):  # each slot reserves more than before; 300 grows
+        a = np.arange(8, dtype=np.int32) + s
+        with stager.step() as step:
+            first = step.stage(a)
+            host, arena, off = step.reserve(n)
+            assert off % 16 == 0 and host.shape == (n,) and host.dtype == np.uint8
+            host[:] = np.arange(n, dtype=np.int64) % 251 ^ s
+            last = step.stage(a * 2)
+        np.testing.assert_array_equal(first.cpu().numpy(), a)
+        np.testing.assert_array_equal(_read(arena, off, n), np.arange(n) % 251 ^ s)
+        np.testing.assert_array_equal(last.cpu().numpy(), a * 2)
+    with pytest.raises(stagebuf.UsageError, match="already flushed"):
+        step.reserve(8)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

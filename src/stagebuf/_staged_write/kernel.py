@@ -13,12 +13,16 @@ from typing import Any
 
 import torch
 
+from .._log import warn_once
+
 MIN_BLOCK = 16
 MAX_BLOCK = 1024
 """Columns one Triton program writes per iteration (a power of two in [MIN_BLOCK, MAX_BLOCK])."""
 
 tl: Any = None  # triton.language, imported on first use (importing stagebuf stays cheap)
 _triton_error: list[str] = []
+_knobs: Any = None
+"""``triton.knobs.runtime`` (its launch hooks), once Triton is imported."""
 
 
 def _triton_available() -> bool:
@@ -33,6 +37,8 @@ def _triton_available() -> bool:
         _triton_error.append(f"{type(e).__name__}: {e}"[:200])
         return False
     tl = _tl
+    global _knobs
+    _knobs = _runtime_knobs()
     return True
 
 
@@ -98,16 +104,106 @@ def _launch_triton(
     n_edits: int,
     block: int,
 ) -> None:
+    """Launch the kernel over ``n_edits`` rows of ``meta`` (int64 device tensor) and ``content``."""
     if device.type == "cuda":
-        launch = _triton_kernel(interpret=False)[(n_edits,)]
-        warps = max(1, min(4, block // 128))
-        if torch.cuda.current_device() == device.index:
-            launch(meta, content, BLOCK=block, num_warps=warps)
-        else:
-            with torch.cuda.device(device):
-                launch(meta, content, BLOCK=block, num_warps=warps)
+        launch_at(
+            device,
+            meta.data_ptr(),
+            content.data_ptr(),
+            content.dtype,
+            n_edits,
+            block,
+            lambda: (meta, content),
+        )
     else:
         _triton_kernel(interpret=True)[(n_edits,)](meta, content, BLOCK=block)
+
+
+_compiled: dict[tuple[Any, ...], Any] = {}
+"""(device index, BLOCK, content dtype, both addresses 16-byte aligned) -> Triton's compiled kernel."""
+_direct: list[bool] = [True]
+"""Whether launches may skip Triton's dispatcher (off after a launcher that refused the call)."""
+
+
+def launch_at(
+    device: torch.device,
+    meta_addr: int,
+    content_addr: int,
+    dtype: torch.dtype,
+    n_edits: int,
+    block: int,
+    tensors: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Launch the kernel over metadata and content at these device addresses (CPU: the interpreter).
+
+    The first launch of each specialisation goes through Triton's dispatcher (``JITFunction``),
+    which compiles or looks up the kernel and returns it; later ones call that compiled
+    kernel's launcher directly, which skips the dispatcher's per-call work (on the H200
+    machine about 31 µs a launch against 7: docs/DESIGN.md). The key holds what Triton
+    specialises these arguments on (pointer alignment to 16 bytes) and ``tensors()``
+    makes the tensors the dispatcher needs. A launch hook (a profiler) or a launcher that
+    refuses the call sends every launch through the dispatcher.
+    """
+    if device.type != "cuda":
+        meta, content = tensors()
+        _triton_kernel(interpret=True)[(n_edits,)](meta, content, BLOCK=block)
+        return
+    key = (device.index, block, dtype, not (meta_addr | content_addr) & 15)
+    k = _compiled.get(key) if _direct[0] else None
+    current = torch.cuda.current_device() == device.index
+    if k is not None and current and not _hooked():
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        try:
+            k.run(
+                n_edits,
+                1,
+                1,
+                stream,
+                k.function,
+                k.packed_metadata,
+                None,
+                None,
+                None,
+                meta_addr,
+                content_addr,
+                block,
+            )
+            return
+        except TypeError as e:  # another Triton's launcher signature: the dispatcher from now on
+            _direct[0] = False
+            warn_once(("triton-direct",), f"staged-write launches go through Triton's dispatcher ({e})")
+    meta, content = tensors()
+    launch = _triton_kernel(interpret=False)[(n_edits,)]
+    warps = max(1, min(4, block // 128))
+    if current:
+        got = launch(meta, content, BLOCK=block, num_warps=warps)
+    else:
+        with torch.cuda.device(device):
+            got = launch(meta, content, BLOCK=block, num_warps=warps)
+    if current and _direct[0] and hasattr(got, "packed_metadata") and hasattr(got, "function"):
+        _compiled[key] = got
+
+
+def direct_launches(device: torch.device) -> bool:
+    """Whether launches on ``device`` skip Triton's dispatcher (CUDA, and no launch hook set)."""
+    return device.type == "cuda" and _direct[0] and _triton_available() and not _hooked()
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (Triton's ``HookChain`` with calls, or a hook function)."""
+    if _knobs is None:
+        return True
+    hook = _knobs.launch_enter_hook
+    return bool(getattr(hook, "calls", hook))
+
+
+def _runtime_knobs() -> Any:
+    try:
+        from triton import knobs
+
+        return knobs.runtime
+    except Exception:  # an older Triton without knobs: launches go through the dispatcher
+        return None
 
 
 def _torch_twin(

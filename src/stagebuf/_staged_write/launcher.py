@@ -24,13 +24,13 @@ from .._log import warn_once
 from .._make import make_buffer
 from .._ring import Ring
 from .._tier import Tier
-from .kernel import _block_for, _launch_triton, _triton_error, triton_usable
+from .kernel import _block_for, _triton_error, direct_launches, launch_at, triton_usable
 
 TRITON_MIN_ELEMS = 1 << 13
-"""``auto`` uses the Triton kernel from this many staged elements on (measured: docs/DESIGN.md)."""
+"""Where launches go through Triton's dispatcher (the CPU interpreter), ``auto`` uses the Triton
+kernel from this many staged elements on (docs/DESIGN.md)."""
 SCATTER_MAX_PARTS = 4
-"""``auto`` writes up to this many targets with one ``index_copy_`` each (one packed transfer), more
-with one Triton launch: on the H200 one Triton launch costs several ATen launches (docs/DESIGN.md)."""
+"""... or past this many targets; fewer get one ``index_copy_`` each (one packed transfer)."""
 _CAPACITY = 1 << 14
 _GUARD_MODE: GuardMode = "auto"
 """The staging slots' guard (tests force ``wait`` to exercise it on the CPU tiers)."""
@@ -137,31 +137,37 @@ class _Launcher:
         self.retired = [[] for _ in range(self.n)]
         return self.ring
 
+    def _buffer(self, cur: int, used: int) -> StagingBuffer:
+        """Slot ``cur``'s buffer, grown to hold ``used`` bytes if it is smaller."""
+        assert self.ring is not None
+        buf = self.ring.bufs[cur]
+        if used <= buf.shape[0]:
+            return buf
+        if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise UsageError(
+                "staged writes: a slot must grow while a CUDA graph is being captured; "
+                "apply once with the largest batch before capturing"
+            )
+        cap = 1 << max(used - 1, 1).bit_length()
+        self.retired[cur].append(buf)  # read by this slot's last launch, until it comes round
+        buf = self.ring.grow(cur, lambda tier: make_buffer(cap, torch.uint8, self.device, tier))
+        self.views[cur].clear()
+        self.bases[cur].clear()
+        return buf
+
     def _slot(
         self, cur: int, idx: np.ndarray, vals: np.ndarray
     ) -> tuple[StagingBuffer, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]:
         """Slot ``cur``'s buffer and its views for this layout (made, and the slot grown, if needed)."""
-        assert self.ring is not None
-        buf = self.ring.bufs[cur]
         key = (idx.shape, vals.dtype, vals.shape[0])
         v = self.views[cur].get(key)
         if v is not None:
-            return buf, v
+            return self.ring.bufs[cur], v  # type: ignore[union-attr]
         a_bytes = idx.nbytes
         off = (a_bytes + ALIGN - 1) & -ALIGN
         used = off + vals.nbytes
-        if used > buf.shape[0]:
-            if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise UsageError(
-                    "staged writes: a slot must grow while a CUDA graph is being captured; "
-                    "apply once with the largest batch before capturing"
-                )
-            cap = 1 << max(used - 1, 1).bit_length()
-            self.retired[cur].append(buf)  # read by this slot's last launch, until it comes round
-            buf = self.ring.grow(cur, lambda tier: make_buffer(cap, torch.uint8, self.device, tier))
-            self.views[cur].clear()
-            self.bases[cur].clear()
-        elif len(self.views[cur]) >= 1024:
+        buf = self._buffer(cur, used)
+        if len(self.views[cur]) >= 1024:
             self.views[cur].clear()
         # one slice per view, from whole-arena views of each dtype (a layout seen before is a lookup)
         bases = self.bases[cur]
@@ -180,6 +186,14 @@ class _Launcher:
         v = self.views[cur][key] = (h_idx, h_val, d_idx, d_val, used)
         return buf, v
 
+    def _publish(self, ring: Ring, cur: int, buf: StagingBuffer, used: int) -> None:
+        ring.take(cur)
+        if buf.tier.copies:
+            buf.uva(used)
+            c = ring.counts  # (Ring.count inlined: once per launch)
+            c["transfers"] += 1
+            c["bytes"] += used
+
     def _pack(self, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``idx`` and ``vals`` into the next slot and publish them; their device views."""
         ring = self.ring if self.ring is not None else self._start()
@@ -188,13 +202,29 @@ class _Launcher:
         buf, (h_idx, h_val, d_idx, d_val, used) = self._slot(cur, idx, vals)
         h_idx[...] = idx
         h_val[...] = vals
-        ring.take(cur)
-        if buf.tier.copies:
-            buf.uva(used)
-            c = ring.counts  # (Ring.count inlined: once per launch)
-            c["transfers"] += 1
-            c["bytes"] += used
+        self._publish(ring, cur, buf, used)
         return d_idx, d_val
+
+    def _launch_packed(self, meta: np.ndarray, vals: np.ndarray, block: int) -> None:
+        """Write the Triton rows and values into the next slot, publish them, launch at their addresses."""
+        ring = self.ring if self.ring is not None else self._start()
+        cur = ring.next()
+        self.retired[cur].clear()
+        off = (meta.nbytes + ALIGN - 1) & -ALIGN
+        used = off + vals.nbytes
+        buf = self._buffer(cur, used)
+        host = buf.np
+        host[: meta.nbytes].view(np.int64)[:] = meta.reshape(-1)
+        host[off:used].view(vals.dtype)[:] = vals
+        self._publish(ring, cur, buf, used)
+        dev = buf.dev
+        base = dev.data_ptr()
+        n, dtype = meta.shape[0], _NUMPY_TO_TORCH[vals.dtype]
+
+        def tensors() -> tuple[torch.Tensor, torch.Tensor]:
+            return dev[: meta.nbytes].view(torch.int64), dev[off:used].view(dtype)
+
+        launch_at(self.device, base, base + off, dtype, n, block, tensors)
 
     def kernel_for(self, parts: Sequence[Gathered], n_elems: int) -> Kernel:
         if parts[0].target.tier is Tier.HOST:
@@ -202,8 +232,9 @@ class _Launcher:
         if parts[0].dup if len(parts) == 1 else any(p.dup for p in parts):
             return "scatter"  # overlaps: de-duplicated on the host, then one scatter
         want = self.forced
-        if want == "auto":
-            want = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > SCATTER_MAX_PARTS else "scatter"
+        if want == "auto":  # launched directly, one Triton launch costs less than one index_copy_
+            big = n_elems >= TRITON_MIN_ELEMS or len(parts) > SCATTER_MAX_PARTS
+            want = "triton" if big or direct_launches(self.device) else "scatter"
         if want == "triton" and not triton_usable(self.device):
             if self.forced == "triton":
                 warn_once(
@@ -243,8 +274,7 @@ class _Launcher:
                     a = b
         else:
             meta, vals, longest = _edit_meta(parts)
-            d_meta, d_vals = self._pack(meta, vals)
-            _launch_triton(self.device, d_meta, d_vals, meta.shape[0], _block_for(longest))
+            self._launch_packed(meta, vals, _block_for(longest))
         assert self.ring is not None
         self.ring.mark()
         return kernel

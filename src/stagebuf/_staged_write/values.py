@@ -8,6 +8,7 @@ edit on its own, reporting every bad one.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,10 +48,17 @@ def list_values(
     added to ``bad`` as ``(pos + k, flat offset, why)`` for the batch's ``k``-th edit
     (its values become zeros in the result, which is then unused).
     """
-    try:
-        a = np.array(vals)
-    except (ValueError, TypeError, OverflowError):
-        a = None
+    a = None
+    if target.kind in "iu":  # ints read exactly, or refused (floats, strings, past 64 bits)
+        try:
+            a = np.frombuffer(array("q", vals), np.int64)
+        except (TypeError, OverflowError):
+            a = None
+    if a is None:
+        try:
+            a = np.array(vals)
+        except (ValueError, TypeError, OverflowError):
+            a = None
     if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and a.size:
         # ints (or bools among them): one range check, and a bool scan only where an edit
         # could be all bools (every value 0 or 1); Python's min/max beat numpy's on short lists

@@ -184,11 +184,6 @@ def launch_at(
         _compiled[key] = got
 
 
-def direct_launches(device: torch.device) -> bool:
-    """Whether launches on ``device`` skip Triton's dispatcher (CUDA, and no launch hook set)."""
-    return device.type == "cuda" and _direct[0] and _triton_available() and not _hooked()
-
-
 def _hooked() -> bool:
     """Whether a launch hook is set (Triton's ``HookChain`` with calls, or a hook function)."""
     if _knobs is None:

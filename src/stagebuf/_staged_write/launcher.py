@@ -24,13 +24,13 @@ from .._log import warn_once
 from .._make import make_buffer
 from .._ring import Ring
 from .._tier import Tier
-from .kernel import _block_for, _triton_error, direct_launches, launch_at, triton_usable
+from .kernel import _block_for, _triton_error, launch_at, triton_usable
 
 TRITON_MIN_ELEMS = 1 << 13
-"""Where launches go through Triton's dispatcher (the CPU interpreter), ``auto`` uses the Triton
-kernel from this many staged elements on (docs/DESIGN.md)."""
+"""``auto`` uses the Triton kernel from this many staged elements on (measured: docs/DESIGN.md)."""
 SCATTER_MAX_PARTS = 4
-"""... or past this many targets; fewer get one ``index_copy_`` each (one packed transfer)."""
+"""``auto`` writes up to this many targets with one ``index_copy_`` each (one packed transfer), more
+with one Triton launch (docs/DESIGN.md)."""
 _CAPACITY = 1 << 14
 _GUARD_MODE: GuardMode = "auto"
 """The staging slots' guard (tests force ``wait`` to exercise it on the CPU tiers)."""
@@ -232,9 +232,8 @@ class _Launcher:
         if parts[0].dup if len(parts) == 1 else any(p.dup for p in parts):
             return "scatter"  # overlaps: de-duplicated on the host, then one scatter
         want = self.forced
-        if want == "auto":  # launched directly, one Triton launch costs less than one index_copy_
-            big = n_elems >= TRITON_MIN_ELEMS or len(parts) > SCATTER_MAX_PARTS
-            want = "triton" if big or direct_launches(self.device) else "scatter"
+        if want == "auto":
+            want = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > SCATTER_MAX_PARTS else "scatter"
         if want == "triton" and not triton_usable(self.device):
             if self.forced == "triton":
                 warn_once(

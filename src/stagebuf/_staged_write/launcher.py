@@ -31,6 +31,8 @@ TRITON_MIN_ELEMS = 1 << 13
 SCATTER_MAX_PARTS = 4
 """``auto`` writes up to this many targets with one ``index_copy_`` each (one packed transfer), more
 with one Triton launch (docs/DESIGN.md)."""
+_PY_ROWS = 16
+"""Up to this many edits, an apply's Triton rows are built in Python (numpy's per-call cost is more)."""
 _CAPACITY = 1 << 14
 _GUARD_MODE: GuardMode = "auto"
 """The staging slots' guard (tests force ``wait`` to exercise it on the CPU tiers)."""
@@ -281,6 +283,16 @@ class _Launcher:
 
 def _edit_meta(parts: Sequence[Gathered]) -> tuple[np.ndarray, np.ndarray, int]:
     """The Triton kernel's per-edit rows (target address, offset, length, source), values, longest edit."""
+    if sum(p.dst.shape[0] for p in parts) <= _PY_ROWS:  # a few edits: rows in Python, one conversion
+        rows: list[int] = []
+        src = 0
+        for p in parts:
+            ptr = p.target.ptr
+            for d, n in zip(p.dst.tolist(), p.lens.tolist()):
+                rows += (ptr, d, n, src)
+                src += n
+        vals_ = parts[0].vals if len(parts) == 1 else np.concatenate([p.vals for p in parts])
+        return np.array(rows, np.int64).reshape(-1, 4), vals_, max(rows[2::4])
     metas, vals = [], []
     src = 0
     longest = 1

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from cuda.bindings import runtime as rt
 
+from stagebuf._staged_write import kernel as sw
+
 
 @triton.jit
 def _write(meta, content, out, N: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -42,6 +44,13 @@ def main() -> None:
     _, ev = rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming)
     raw = torch._C._cuda_getCurrentRawStream
     tev = torch.cuda.Event()
+    sw._triton_available()
+    dev0 = torch.device("cuda", torch.cuda.current_device())
+    row = torch.tensor(
+        [[x.data_ptr(), 0, 8, 0]], dtype=torch.int64, device=dev
+    )  # stagebuf's kernel: one edit
+    sw_jit = sw._triton_kernel(interpret=False)
+    sw.launch_at(dev0, row.data_ptr(), vals.data_ptr(), torch.int32, 1, 1024, lambda: (row, vals))
     ops: dict[str, Callable[[], object]] = {
         "add_": lambda: x.add_(1),
         "index_copy_ (8)": lambda: x.index_copy_(0, idx, vals),
@@ -52,6 +61,10 @@ def main() -> None:
         "copy pageable 1KB": lambda: d256.copy_(pag, non_blocking=True),
         "triton launch (jit)": lambda: _write[(1,)](idx, vals, x, N=8),
         "triton launch (compiled)": lambda: compiled(idx, vals, x, 8),
+        "staged-write kernel (dispatcher)": lambda: sw_jit[(1,)](row, vals, BLOCK=1024, num_warps=4),
+        "staged-write kernel (launch_at)": lambda: sw.launch_at(
+            dev0, row.data_ptr(), vals.data_ptr(), torch.int32, 1, 1024, lambda: (row, vals)
+        ),
         "cudaEventRecord (cuda-bindings)": lambda: rt.cudaEventRecord(ev, raw(0)),
         "torch.cuda.Event.record": lambda: tev.record(),
         "torch.cuda.current_stream": lambda: torch.cuda.current_stream(),

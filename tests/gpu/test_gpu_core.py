@@ -87,3 +87,47 @@ def test_zero_row_uva_pool_stays_uva(monkeypatch):
     assert pool.tier is Tier.UVA
     t = pool.copy_to_uva(np.arange(5, dtype=np.int32))  # grows from 0 rows
     assert pool.tier is Tier.UVA and t.tolist() == list(range(5))
+
+
+def test_direct_launches_write_as_the_dispatcher_and_a_launch_hook_sends_them_back_to_it():
+    """kernel.launch_at: the first launch compiles through Triton's dispatcher, later ones call the
+    compiled kernel directly; both write what the numpy model says, and a launch hook set later
+    sees the launches (they go through the dispatcher again)."""
+    import triton
+
+    from stagebuf._staged_write import kernel
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert kernel._triton_available()
+    out = torch.zeros(64, dtype=torch.int32, device=dev)
+    model = np.zeros(64, np.int32)
+    meta = torch.tensor(
+        [[out.data_ptr(), 0, 8, 0], [out.data_ptr(), 32, 8, 8]], dtype=torch.int64, device=dev
+    )
+    for k in range(3):
+        vals = torch.arange(16, dtype=torch.int32, device=dev) + 100 * k
+        kernel.launch_at(
+            dev, meta.data_ptr(), vals.data_ptr(), torch.int32, 2, 1024, lambda v=vals: (meta, v)
+        )
+        model[0:8], model[32:40] = np.arange(8) + 100 * k, np.arange(8, 16) + 100 * k
+        np.testing.assert_array_equal(out.cpu().numpy(), model)
+    assert any(key[0] == dev.index and key[2] is torch.int32 for key in kernel._compiled)
+    seen: list[object] = []
+    rt = triton.knobs.runtime
+    old = rt.launch_enter_hook
+    hook = lambda *a, **k: seen.append(a)  # noqa: E731
+    if hasattr(old, "add"):
+        old.add(hook)
+    else:
+        rt.launch_enter_hook = hook
+    try:
+        vals = torch.arange(16, dtype=torch.int32, device=dev) - 7
+        kernel.launch_at(dev, meta.data_ptr(), vals.data_ptr(), torch.int32, 2, 1024, lambda: (meta, vals))
+    finally:
+        if hasattr(old, "remove"):
+            old.remove(hook)
+        else:
+            rt.launch_enter_hook = old
+    model[0:8], model[32:40] = np.arange(8) - 7, np.arange(8, 16) - 7
+    np.testing.assert_array_equal(out.cpu().numpy(), model)
+    assert seen, "a launch hook did not see the launch: launch_at bypassed it"

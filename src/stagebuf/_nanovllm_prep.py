@@ -4,11 +4,16 @@ One :class:`Prep` per attached ``ModelRunner``. Each ``prepare_*`` returns what
 nano-vllm's own method returns (the same values, dtypes and shapes, and the same
 attention context through the runner's own ``set_context``):
 
-* ``prefill`` and ``decode``: every array of the call in one :class:`StepStager`
-  step, so one transfer per call on PINNED and PAGEABLE, none on UVA and HOST;
-* ``sample``: the sampling arrays it hands on in one step of a second stager (a
-  :class:`DeviceParamTable` of rows by batch position measured slower: 49.5 against
-  38.2 µs per call on HOST, 84.2 against 39.0 on PAGEABLE, 256 sequences, CPU machine);
+* ``prefill`` and ``decode``: every array of the call, and the sampling arrays of the
+  ``prepare_sample`` that ``run`` calls next, written into one host array and staged
+  in one :class:`StepStager` step: one ``stage()`` call and one transfer per engine step
+  on PINNED and PAGEABLE, none on UVA and HOST; the tensors are views of it (a
+  ``stage()`` per array cost more on the host than the numpy work of the call);
+* ``sample``: the arrays staged with that prefill or decode when it follows it for the
+  same batch, as in ``run``; otherwise (another batch, another ``is_cfg_batch``, a graph
+  decode) one step of a second stager (a :class:`DeviceParamTable` of rows by batch
+  position measured slower: 49.5 against 38.2 µs per call on HOST, 84.2 against 39.0
+  on PAGEABLE, 256 sequences, CPU machine);
 * ``decode`` on a runner with captured CUDA graphs: the arrays are written from a
   guarded host slot straight into the graphs' static inputs, padded as nano-vllm's
   ``run_model`` pads them, and :func:`run_model` replays without its device-to-device
@@ -18,7 +23,7 @@ attention context through the runner's own ``set_context``):
 from __future__ import annotations
 
 import sys
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any
 
 import numpy as np
@@ -49,24 +54,80 @@ def _fromiter(it: Any, dtype: type, n: int) -> np.ndarray:
     return np.fromiter(it, dtype, count=n)
 
 
-def _padded_tables(tables: list[list[int]], width: int | None = None) -> np.ndarray:
-    """``tables`` as an int32 array of ``width`` columns (their longest), right-padded with -1."""
-    lens = np.fromiter(map(len, tables), np.int64, count=len(tables))
-    w = int(lens.max(initial=0)) if width is None else width
-    out = np.full((len(tables), w), -1, np.int32)
+def _padded_tables(
+    tables: list[list[int]], width: int | None = None, out: np.ndarray | None = None
+) -> np.ndarray:
+    """``tables`` as int32 rows of ``width`` columns (their longest), right-padded with -1 (into ``out``:
+    as wide as it is)."""
+    n = len(tables)
+    lens = np.fromiter(map(len, tables), np.int64, count=n)
+    w = (int(lens.max(initial=0)) if width is None else width) if out is None else out.shape[1]
     total = int(lens.sum())
-    if total:
-        flat = np.fromiter(chain.from_iterable(tables), np.int64, count=total)
+    flat = np.fromiter(chain.from_iterable(tables), np.int64, count=total)
+    if out is None:
+        out = np.empty((n, w), np.int32)
+    if total == n * w:  # no padding
+        out[...] = flat.reshape(n, w)
+    else:
+        out.fill(-1)
         out[np.arange(w) < lens[:, None]] = flat
     return out
 
 
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each i, ``range(starts[i], starts[i] + lens[i])``, concatenated; and each value's row i."""
-    total = int(lens.sum())
-    row = np.repeat(np.arange(len(lens)), lens)
-    first = np.cumsum(lens) - lens
-    return np.arange(total, dtype=np.int64) - np.repeat(first - starts, lens), row
+def _pack(n64: int, n32: int, nf32: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One int64 host array for all of a step's arrays, staged whole (one stage() call): ``n64``
+    int64 values, then ``n32`` int32 and ``nf32`` float32 ones; returned with views of those two.
+
+    Its length is rounded up to a power of two: a stager slot then sees a few shapes again and
+    again (its views cached, its layout replayed) instead of a new one every step, which cost more
+    than the bytes the rounding adds (bench trace, HOST, CPU machine: 80.1 against 60.4 µs per
+    prefill step, hot)."""
+    n = n64 + (n32 + nf32 + 1) // 2
+    h = np.empty(1 << max(n - 1, 0).bit_length(), np.int64)
+    tail = h[n64:].view(np.int32)
+    return h, tail[:n32], tail[n32 : n32 + nf32].view(np.float32)
+
+
+def _unpack(
+    t: torch.Tensor, sizes64: list[int], sizes32: list[int], sizes_f32: list[int]
+) -> list[torch.Tensor]:
+    """The staged :func:`_pack` array ``t`` as its parts, in order: int64, int32, float32."""
+    n32, nf = sum(sizes32), sum(sizes_f32)
+    head = torch.split_with_sizes(t, [*sizes64, t.numel() - sum(sizes64)])
+    tail = head[-1].view(torch.int32)
+    mid = torch.split_with_sizes(tail, [*sizes32, nf, tail.numel() - n32 - nf])
+    out = [*head[:-1], *mid[:-2]]
+    if sizes_f32:
+        out += torch.split_with_sizes(mid[-2].view(torch.float32), sizes_f32)
+    return out
+
+
+def _fill_sample(target: list[Any], k32: np.ndarray, f32: np.ndarray) -> tuple[bool, ...]:
+    """prepare_sample's arrays of ``target`` written: top-k into ``k32``; temperature, cfg scale,
+    top-p and repetition penalty one after the other into ``f32``. Returns nano-vllm's flags, exactly:
+    top-k is handed on when one is > 0; top-p and the repetition penalty when one equals 1.0 (its
+    tests read "== 1.0" where "!= 1.0" looks meant)."""
+    m = len(target)
+    top_k = [s.top_k for s in target]
+    top_p = [s.top_p for s in target]
+    rep = [s.repetition_penalty for s in target]
+    k32[:] = [0 if k is None else k for k in top_k]
+    f32[:m] = [s.temperature for s in target]
+    f32[m : 2 * m] = [s.cfg_scale for s in target]
+    f32[2 * m : 3 * m] = [1.0 if p is None else p for p in top_p]
+    f32[3 * m :] = [1.0 if r is None else r for r in rep]
+    return (
+        any(k is not None and k > 0 for k in top_k),
+        any(p is not None and p == 1.0 for p in top_p),
+        any(r is not None and r == 1.0 for r in rep),
+    )
+
+
+def _sampled(parts: list[torch.Tensor], keep: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+    """prepare_sample's return from :func:`_unpack`'s last five parts (top-k, then the four float32)."""
+    top_k, temp, cfg, top_p, rep = parts[-5:]
+    k, p, r = keep
+    return temp, cfg, top_k if k else None, top_p if p else None, rep if r else None
 
 
 class Prep:
@@ -79,12 +140,14 @@ class Prep:
         max_tokens = int(cfg.max_num_batched_tokens)
         max_blocks = -(-int(cfg.max_model_len) // self.block_size)
         # one prefill at the batched-token budget, or one decode, fits a slot without growing
-        cap = 20 * max_tokens + 8 * (self.max_bs + 1) + 4 * self.max_bs * (max_blocks + 4) + 16 * 8
-        self.stager = StepStager(capacity=max(cap, 1 << 16))
+        # (with the sampling arrays, and _pack's rounding up to a power of two)
+        cap = 20 * max_tokens + 28 * (self.max_bs + 1) + 4 * self.max_bs * (max_blocks + 4) + 16 * 8
+        self.stager = StepStager(capacity=max(1 << (cap - 1).bit_length(), 1 << 16))
         self.device = self.stager.device
-        # its own ring: a second step per engine step on the first would reuse a slot still read
+        # for a prepare_sample that does not follow its prepare_prefill or prepare_decode (see sample()):
+        # its own ring, as a second step per engine step on the first would reuse a slot still read
         self.sampler = StepStager(
-            capacity=max(24 * self.max_bs + 16 * len(SAMPLING), 1 << 12), device=self.device
+            capacity=max(1 << (20 * self.max_bs + 16).bit_length(), 1 << 12), device=self.device
         )
         mod = sys.modules[type(runner).__module__]
         self.set_context = mod.set_context
@@ -94,50 +157,104 @@ class Prep:
             self.graph = _GraphInputs(runner.graph_vars, self.device)  # now, not in the first decode
         self.graph_ids: torch.Tensor | None = None
         """The input_ids tensor the last graph-mode decode returned (run_model replays for it)."""
+        self.rank0 = getattr(runner, "rank", 0) == 0
+        """Whether run() calls prepare_sample after each prepare_prefill or prepare_decode."""
+        self.pending: tuple[list[Any], bool, tuple[torch.Tensor | None, ...]] | None = None
+        """(seqs, is_cfg_batch, the arrays) staged with the last prefill or decode, for its prepare_sample."""
+        self._ar = np.arange(max(max_tokens, int(cfg.max_model_len)), dtype=np.int64)
+        self._in_block = np.arange(self.block_size, dtype=np.int32)
 
     # --- prefill and decode -------------------------------------------------------------------
 
     def block_tables(self, seqs: list[Any]) -> torch.Tensor:
+        self.pending = None  # a step of the stager in between: prepare_sample stages its own
         with self.stager.step() as st:
             out = st.stage(_padded_tables([s.block_table for s in seqs]))
         return out
 
-    def prefill(self, seqs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(seqs)
-        B = self.block_size
-        lens = _fromiter((s.num_tokens for s in seqs), np.int64, n)
-        cached = _fromiter((s.num_cached_tokens for s in seqs), np.int64, n)
-        q = lens - cached
-        ids: list[int] = []
-        for s in seqs:
-            ids += s.token_ids[s.num_cached_tokens :]
-        input_ids = np.array(ids, np.int64)
-        positions, _ = _ranges(cached, q)
-        cu_q = np.zeros(n + 1, np.int32)
-        cu_k = np.zeros(n + 1, np.int32)
-        np.cumsum(q, out=cu_q[1:])
-        np.cumsum(lens, out=cu_k[1:])
-        max_q = max(int(q.max(initial=0)), 0)
-        max_k = max(int(lens.max(initial=0)), 0)
-        tables = [s.block_table for s in seqs]
-        bt = _padded_tables(tables)
-        # slots of the tokens from the first uncached block on (none for a seq without blocks: warmup)
-        has = _fromiter(map(len, tables), np.int64, n) > 0
-        first = (cached // B) * B
-        m = np.where(has, lens - first, 0)
-        pos, row = _ranges(first, m)
-        slots = (bt[row, pos // B].astype(np.int64) * B + pos % B).astype(np.int32)
-        prefix = int(cu_k[-1]) > int(cu_q[-1])
+    def _next_sample(self, seqs: list[Any]) -> tuple[bool | None, list[Any]]:
+        """(is_cfg_batch, its sequences) of the prepare_sample that run() calls next, by run()'s own
+        rule for a CFG batch; (None, []) where run() calls none (a rank > 0) or the batch is empty."""
+        if not (self.rank0 and seqs):
+            return None, []
+        s = seqs[0]
+        cfg = bool(s.cfg_scale > 1.0 and s.paired_seq is not None)
+        return cfg, seqs[: len(seqs) // 2] if cfg else seqs
+
+    def _publish(
+        self, seqs: list[Any], h: np.ndarray, sizes: tuple[list[int], list[int]], cfg: bool | None,
+        keep: tuple[bool, ...],
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """Stage ``h`` (from :func:`_pack`) in one step; its parts, the sampling arrays kept pending."""
         with self.stager.step() as st:
-            t_bt = st.stage(bt) if prefix else None
-            t_ids = st.stage(input_ids)
-            t_pos = st.stage(positions)
-            t_cuq = st.stage(cu_q)
-            t_cuk = st.stage(cu_k)
-            t_slot = st.stage(slots)
+            t = st.stage(h)
+        m = sizes[1][-1]
+        parts = _unpack(t, sizes[0], sizes[1], [] if cfg is None else [m] * 4)
+        self.pending = None if cfg is None else (seqs, cfg, _sampled(parts, keep))
         self.graph_ids = None
-        self.set_context(True, t_cuq, t_cuk, max_q, max_k, t_slot, None, t_bt)
-        return t_ids, t_pos
+        return parts
+
+    def prefill(self, seqs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        B = self.block_size
+        ids: list[int] = []
+        lens: list[int] = []
+        cached: list[int] = []
+        blocks: list[int] = []  # each sequence's blocks from its first uncached one on
+        nslots: list[int] = []  # the slots written: every token of those blocks
+        for s in seqs:
+            length, c = s.num_tokens, s.num_cached_tokens
+            ids += s.token_ids[c:]
+            lens.append(length)
+            cached.append(c)
+            if s.block_table:  # warmup's sequences have no blocks, and no slots
+                first = c // B
+                blocks += s.block_table[first : -(-length // B)]
+                nslots.append(length - first * B)
+            else:
+                nslots.append(0)
+        n = len(seqs)
+        q = [k - c for k, c in zip(lens, cached)]
+        cu_q = list(accumulate(q, initial=0))
+        cu_k = list(accumulate(lens, initial=0))
+        nq, ns, nb = cu_q[-1], sum(nslots), len(blocks)
+        prefix = cu_k[-1] > nq  # prefix-cache hits: the attention reads the block tables
+        tables = [s.block_table for s in seqs] if prefix else []
+        w = max(map(len, tables)) if prefix else 0
+        cfg, target = self._next_sample(seqs)
+        m = len(target)
+        # int32: cu_seqlens_q, cu_seqlens_k, slot_mapping, block_tables, top-k; then the float32 four
+        sizes32 = [n + 1, n + 1, ns, n * w, m]
+        o_slot = 2 * n + 2
+        o_bt = o_slot + ns
+        o_k = o_bt + n * w
+        h, h32, f32 = _pack(2 * nq, o_k + m, 4 * m)
+        ar = self._ar
+        need = max(nq, ns, max(lens, default=0))
+        if len(ar) < need:
+            ar = self._ar = np.arange(2 * need, dtype=np.int64)
+        h[:nq] = np.fromiter(ids, np.int64, nq)
+        if n == 1:
+            h[nq : 2 * nq] = ar[cached[0] : lens[0]]
+        else:  # range(cached, length) per sequence: one arange less each sequence's offset
+            np.add(ar[:nq], np.repeat(np.subtract(cached, cu_q[:-1]), q), out=h[nq : 2 * nq])
+        h32[: n + 1] = cu_q
+        h32[n + 1 : o_slot] = cu_k
+        if ns:
+            # every slot of those blocks, row by row; of each sequence's rows, its first nslots
+            full = ((np.array(blocks, np.int32) * B)[:, None] + self._in_block).reshape(-1)
+            if nb * B - ns == -nslots[-1] % B:  # no block short but the last one: no gaps
+                h32[o_slot:o_bt] = full[:ns]
+            else:
+                rows = list(accumulate((-(-k // B) for k in nslots), initial=0))[:-1]
+                start = np.subtract(np.multiply(rows, B), list(accumulate(nslots, initial=0))[:-1])
+                np.take(full, ar[:ns] + np.repeat(start, nslots), out=h32[o_slot:o_bt])
+        if prefix:
+            _padded_tables(tables, out=h32[o_bt:o_k].reshape(n, w))
+        keep = (False,) * 3 if cfg is None else _fill_sample(target, h32[o_k:], f32)
+        parts = self._publish(seqs, h, ([nq, nq], sizes32), cfg, keep)
+        bt = parts[5].view(n, w) if prefix else None
+        self.set_context(True, parts[2], parts[3], max([0, *q]), max([0, *lens]), parts[4], None, bt)
+        return parts[0], parts[1]
 
     def _decode_arrays(self, seqs: list[Any]) -> tuple[np.ndarray, ...]:
         n = len(seqs)
@@ -152,47 +269,43 @@ class Prep:
     def decode(self, runner: Any, seqs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos, slots, ctx = self._decode_arrays(seqs)
         tables = [s.block_table for s in seqs]
-        graph = self._graph_for(runner, len(seqs), max(map(len, tables)))
+        n, w = len(seqs), max(map(len, tables))
+        graph = self._graph_for(runner, n, w)
         if graph is not None:
+            self.pending = None
             return graph.decode(self, ids, pos, slots, ctx, tables)
-        bt = _padded_tables(tables)
-        with self.stager.step() as st:
-            t_ids = st.stage(ids)
-            t_pos = st.stage(pos)
-            t_slot = st.stage(slots)
-            t_ctx = st.stage(ctx)
-            t_bt = st.stage(bt)
-        self.graph_ids = None
-        self.set_context(False, slot_mapping=t_slot, context_lens=t_ctx, block_tables=t_bt)
-        return t_ids, t_pos
+        cfg, target = self._next_sample(seqs)
+        m = len(target)
+        h, h32, f32 = _pack(2 * n, 2 * n + n * w + m, 4 * m)
+        h[:n] = ids
+        h[n : 2 * n] = pos
+        h32[:n] = slots
+        h32[n : 2 * n] = ctx
+        _padded_tables(tables, out=h32[2 * n : 2 * n + n * w].reshape(n, w))
+        keep = (False,) * 3 if cfg is None else _fill_sample(target, h32[2 * n + n * w :], f32)
+        parts = self._publish(seqs, h, ([n, n], [n, n, n * w, m]), cfg, keep)
+        self.set_context(
+            False, slot_mapping=parts[2], context_lens=parts[3], block_tables=parts[4].view(n, w)
+        )
+        return parts[0], parts[1]
 
     # --- sampling -------------------------------------------------------------------------------
 
     def sample(self, seqs: list[Any], is_cfg_batch: bool) -> tuple[torch.Tensor | None, ...]:
+        """The arrays staged with the prefill or eager decode just before, when it was of this
+        ``seqs`` list and ``is_cfg_batch`` is run()'s (as run() calls it); else staged now, on the
+        sampler's ring."""
+        p = self.pending
+        self.pending = None
+        if p is not None and p[0] is seqs and p[1] == is_cfg_batch:
+            return p[2]
         target = seqs[: len(seqs) // 2] if is_cfg_batch else seqs
-        n = len(target)
-        top_k = [s.top_k for s in target]
-        top_p = [s.top_p for s in target]
-        rep = [s.repetition_penalty for s in target]
-        cols = (
-            _fromiter((s.temperature for s in target), np.float32, n),
-            _fromiter((s.cfg_scale for s in target), np.float32, n),
-            _fromiter((0 if k is None else k for k in top_k), np.int32, n),
-            _fromiter((1.0 if p is None else p for p in top_p), np.float32, n),
-            _fromiter((1.0 if r is None else r for r in rep), np.float32, n),
-        )
-        # nano-vllm's flags, exactly: top-k is handed on when one is > 0; top-p and the repetition
-        # penalty when one equals 1.0 (its tests read "== 1.0" where "!= 1.0" looks meant)
-        keep = (
-            True,
-            True,
-            any(k is not None and k > 0 for k in top_k),
-            any(p is not None and p == 1.0 for p in top_p),
-            any(r is not None and r == 1.0 for r in rep),
-        )
+        m = len(target)
+        h, k32, f32 = _pack(0, m, 4 * m)
+        keep = _fill_sample(target, k32, f32)
         with self.sampler.step() as st:
-            out = tuple(st.stage(col) if k else None for col, k in zip(cols, keep))
-        return out
+            t = st.stage(h)
+        return _sampled(_unpack(t, [], [m], [m] * 4), keep)
 
     # --- CUDA graphs ----------------------------------------------------------------------------
 

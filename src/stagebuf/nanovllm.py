@@ -7,11 +7,12 @@ step's inputs in its ``ModelRunner``: ``prepare_prefill``, ``prepare_decode``,
 four methods and ``run_model``; they then return the same tensors, with the same
 attention context (``nanovllm.utils.context``):
 
-* the arrays of a ``prepare_prefill`` or ``prepare_decode`` call go in one
-  :class:`~stagebuf.StepStager` step: one transfer per call on PINNED and PAGEABLE,
-  none on UVA and HOST; built in bulk with numpy;
-* the sampling arrays that ``prepare_sample`` hands on go in one step of a second
-  stager;
+* the arrays of a ``prepare_prefill`` or ``prepare_decode`` call, and the sampling
+  arrays of the ``prepare_sample`` that nano-vllm's ``run`` calls next for the same
+  batch, go in one :class:`~stagebuf.StepStager` step: one transfer per engine step on
+  PINNED and PAGEABLE, none on UVA and HOST; built in bulk with numpy;
+* a ``prepare_sample`` called otherwise (another batch, another ``is_cfg_batch``, after
+  a graph-replayed decode) stages its arrays in one step of a second stager;
 * a decode that ``run_model`` would replay as a captured CUDA graph is written from a
   guarded host slot straight into the graph's static inputs, and ``run_model`` replays
   without its device-to-device copies;

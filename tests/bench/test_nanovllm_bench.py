@@ -40,6 +40,9 @@ def test_quick_run_checks_and_times_every_cpu_setup(report: dict) -> None:
     for s in nv["setups"]:
         med = nv["medians"][f"{s}|idle"]
         assert med["prefill_us"] > 0 and med["decode_us"] > 0
+    # the floor (the step's token lists into one array) is part of every setup's prefill
+    floor = nv["medians"]["floor|idle"]["prefill_us"]
+    assert 0 < floor < min(nv["medians"][f"{s}|idle"]["prefill_us"] for s in nv["setups"])
     assert nv["graph_writes"]["own"]["d2d_copies_per_step"] == 5.0
     assert nv["graph_writes"]["stagebuf_host"]["d2d_copies_per_step"] == 0.0
 
@@ -61,3 +64,4 @@ def test_tables_render(report: dict) -> None:
     assert titles[0].startswith("nanovllm: nano-vllm-fork 20260210") and "4/4 checks" in titles[0]
     md = R.tables(report)
     assert "#### nanovllm: nano-vllm-fork 20260210" in md and "`stagebuf_pageable`" in md
+    assert [r[0] for r in NV.tables(report)[0][2]][-1] == "floor (token lists into one array)"

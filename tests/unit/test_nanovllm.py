@@ -314,6 +314,100 @@ def test_random_batches_match_nanovllms_own(work: Path, data: list[tuple[Any, ..
     both(lambda r: (r.prepare_block_tables(seqs), None, (None,) * 5))
 
 
+def _same(nano: P.Nano, setup: str, own: Any, mine: Any, call: Any) -> None:
+    """``call`` on nano-vllm's own runner and on stagebuf's: every tensor and the context equal."""
+    with stagebuf_tier(setup.split("_", 1)[1]):
+        with P.own_path_on_cpu():
+            a = NE.snapshot(nano, call(own))
+        nano.context.reset_context()
+        b = NE.snapshot(nano, call(mine))
+        nano.context.reset_context()
+    assert NE.differences(a, b) == []
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    data=st.lists(
+        st.tuples(
+            st.integers(1, 900),  # prompt length
+            st.integers(0, 900),  # num_cached_tokens (capped at the length)
+            st.booleans(),  # has blocks (warmup's sequences have none)
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    setup=st.sampled_from(TIERS),
+)
+def test_prefill_with_any_cached_count_and_warmup_sequences(
+    work: Path, data: list[tuple[int, int, bool]], setup: str
+) -> None:
+    """A cached count anywhere in the prompt, on a block boundary or not (nano-vllm's BlockManager caches
+    whole blocks, its prepare_prefill takes any count: the slots start at the first uncached block), one
+    sequence or several (a block short in the middle of the slots), and warmup's sequences without
+    blocks: the prefill, its block tables and the sampling arrays match nano-vllm's."""
+    nano = P.load()
+    trace, own, mine = _pair(work, setup)
+    bm = trace.scheduler.block_manager
+    rng = np.random.default_rng(len(data))
+    seqs = []
+    for length, cached, blocks in data:
+        s = nano.sequence.Sequence(
+            rng.integers(3, 1000, length).tolist(), nano.sampling_params.SamplingParams()
+        )
+        if blocks:
+            bm.allocate(s)
+        s.num_cached_tokens = min(cached, length)
+        seqs.append(s)
+    _same(nano, setup, own, mine, lambda r: (*r.prepare_prefill(seqs), r.prepare_sample(seqs, False)))
+
+
+@pytest.mark.parametrize("setup", TIERS)
+def test_the_sampling_arrays_go_in_the_step_of_their_prefill_or_decode(work: Path, setup: str) -> None:
+    """prepare_sample called as run() calls it (the list its prepare_prefill or prepare_decode had, run()'s
+    CFG rule) returns the arrays staged in that step: one stager step per engine step, the sampler's ring
+    unused. Called otherwise (another list, the other flag, a second time, after prepare_block_tables, on a
+    rank > 0) it stages its own. Every array matches nano-vllm's (a CFG trace: both batch kinds)."""
+    nano = P.load()
+    trace = NE.Trace(dataclasses.replace(SMALL, cfg=True, running=32, steps=40), work)
+    own, mine = NE.make_runner(trace, "own"), NE.make_runner(trace, setup)
+    for _ in range(40):
+        step = trace.next()
+        assert step is not None
+        seqs, pre = step
+        _same(nano, setup, own, mine, lambda r, seqs=seqs, pre=pre: NE.prepare(r, seqs, pre))
+        trace.post(seqs)
+    st = sn.stats(mine)
+    assert st["stager"]["steps"] == 40 and st["sampler"]["steps"] == 0
+    seqs, pre = trace.next() or ([], True)
+    cfg = NE.is_cfg(seqs)
+    assert cfg  # a CFG batch: its sampling arrays are half the batch's
+
+    def then(r: Any, *before: str, batch: list[Any] = seqs, flag: bool = cfg) -> tuple[Any, ...]:
+        ids, pos = r.prepare_prefill(seqs) if pre else r.prepare_decode(seqs)
+        for name in before:
+            getattr(r, name)(seqs, **({"is_cfg_batch": cfg} if name == "prepare_sample" else {}))
+        return ids, pos, r.prepare_sample(batch, is_cfg_batch=flag)
+
+    others = [
+        lambda r: then(r, batch=list(seqs)),  # another list
+        lambda r: then(r, flag=not cfg),  # the other flag
+        lambda r: then(r, "prepare_sample"),  # a second time
+        lambda r: then(r, "prepare_block_tables"),  # a step of the stager in between
+    ]
+    for i, call in enumerate(others):
+        _same(nano, setup, own, mine, call)
+        assert sn.stats(mine)["sampler"]["steps"] == i + 1
+    one = seqs[:1]  # a CFG batch of one sequence: no sampling arrays (half of one is none)
+    _same(nano, setup, own, mine, lambda r: (*r.prepare_prefill(one), r.prepare_sample(one, True)))
+    assert sn.stats(mine)["sampler"]["steps"] == len(others)
+    rank1 = P.runner(trace.config, NE.StandIn(nano, trace.config.hf_config.hidden_size))
+    rank1.rank = 1  # run() calls prepare_sample on rank 0 only
+    with stagebuf_tier(setup.split("_", 1)[1]):
+        sn.attach(rank1)
+    _same(nano, setup, own, rank1, lambda r: NE.prepare(r, seqs, pre))
+    assert sn.stats(rank1)["sampler"]["steps"] == 1
+
+
 def test_prepare_samples_flags_follow_nanovllm_exactly(work: Path) -> None:
     """top-k is handed on when one is > 0; top-p and the repetition penalty when one *equals* 1.0
     (nano-vllm 20260210, model_runner.py lines 318-322): so top_p=0.9 alone gives None."""

@@ -10,6 +10,7 @@ slots (:mod:`stagebuf._ring`). ``static=True`` keeps one device address (CUDA gr
 
 from __future__ import annotations
 
+import math
 from types import TracebackType
 from typing import Any
 
@@ -129,12 +130,13 @@ class _Slot:
         if v is None:
             if len(self.views) >= _MAX_CACHED_VIEWS:
                 self.views.clear()
-            n = int(np.prod(shape, dtype=np.int64))
+            n = math.prod(shape)
             end = off + n * dtype.itemsize
             host = self.host[off:end].view(dtype).reshape(shape)
             base = self.views.get((dev_arena.data_ptr(), dtype))  # the whole arena as this dtype
             if base is None:
-                base = self.views[(dev_arena.data_ptr(), dtype)] = dev_arena.view(_NUMPY_TO_TORCH[dtype])
+                whole = dev_arena[: dev_arena.shape[0] // dtype.itemsize * dtype.itemsize]  # any capacity
+                base = self.views[(dev_arena.data_ptr(), dtype)] = whole.view(_NUMPY_TO_TORCH[dtype])
             first = off // dtype.itemsize
             dev = base[first : first + n]
             if len(shape) != 1:

@@ -64,6 +64,16 @@ def test_growth_keeps_earlier_tensors_valid(any_tier):
     assert stager.stats()["growths"] == 2  # the other slot grew once too
 
 
+def test_a_capacity_of_any_byte_count_stages_every_dtype(any_tier):
+    """A slot of 100 bytes (not a multiple of 8) stages int64 and float64 arrays too."""
+    stager = StepStager(capacity=100, max_concurrency=2)
+    for s in range(3):
+        with stager.step() as step:
+            got = [(step.stage(np.arange(4, dtype=dt) + s), np.arange(4, dtype=dt) + s) for dt in DTYPES[:-1]]
+        for t, want in got:
+            np.testing.assert_array_equal(t.cpu().numpy(), want)
+
+
 def _read(arena: torch.Tensor, off: int, n: int) -> np.ndarray:
     return arena[off : off + n].cpu().numpy()
 

@@ -13,14 +13,6 @@ import logging
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("doctor",)
-MOVED = {
-    "bench": "the bench runs from a checkout: bash scripts/setup.sh bench, then "
-    ".venv/bin/python -m benchmarks",
-    "demo": "the demo is an example in a checkout: .venv/bin/python examples/demo.py",
-}
-"""Commands of earlier versions, and where their work is now."""
-
 
 def _version() -> str:
     from . import __version__
@@ -49,12 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``stagebuf`` command; returns the exit status (2: a usage error, or a setting that cannot work)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    ap = _parser()
-    command = next((a for a in args if not a.startswith("-")), None)
-    if command in MOVED:
-        ap.error(f"{command!r} is not a command (allowed: {', '.join(COMMANDS)}); {MOVED[command]}")
-    ns = ap.parse_args(args)
+    ns = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(
         level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

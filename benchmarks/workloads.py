@@ -1,4 +1,4 @@
-"""The strategies and workloads that ``stagebuf bench`` times.
+"""The strategies and workloads that ``python -m benchmarks`` times.
 
 Three workloads, each a list of :class:`Strategy`; a strategy builds a
 :class:`Case` (one step to time, and a ``finish`` that checks the device data

@@ -35,7 +35,8 @@ class SetupError(StagebufError):
     same name (``allowed`` as a tuple), for ``stagebuf doctor`` and for callers that
     want the facts. A bad value of an environment setting (``STAGEBUF_TIER``,
     ``STAGEBUF_CHECK``, ``STAGEBUF_WRITE_KERNEL``, ``STAGEBUF_VLLM`` and the like) or
-    a device torch does not know raises a subclass that is a ``ValueError`` too.
+    a device torch does not know raises a subclass that is a ``ValueError`` too
+    (:class:`SettingValueError`, :class:`UnknownDeviceError`).
 
     Parameters
     ----------
@@ -87,8 +88,8 @@ class TierUnavailableError(SetupError, RuntimeError):
 
 
 class SettingValueError(SetupError, ValueError):
-    """An environment setting (STAGEBUF_TIER, STAGEBUF_CHECK, STAGEBUF_WRITE_KERNEL) holds a value it does
-    not take."""
+    """An environment setting (``STAGEBUF_TIER``, ``STAGEBUF_CHECK``, ``STAGEBUF_WRITE_KERNEL``,
+    ``STAGEBUF_VLLM`` and the like) holds a value it does not take."""
 
 
 class UnknownDeviceError(SetupError, ValueError, RuntimeError):

@@ -3,10 +3,16 @@ and keeps the builtin parent that ``except`` clauses written before it expect.
 
 That nothing else escapes a misuse of a public object is checked by behaviour, in
 ``test_misuse.py`` (it replaced a scan of the source for ``raise Name(...)``, which missed
-``buf.device = x`` raising a bare AttributeError from a helper).
+``buf.device = x`` raising a bare AttributeError from a helper). That every StagebufError
+subclass the package raises (or builds to raise) is exported is read from the source with
+``ast``, as ``test_layout.py`` reads the imports.
 """
 
 from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,3 +88,100 @@ def test_an_unknown_field_raises_the_same_error_both_ways(cpu_tier) -> None:
         assert isinstance(e.value, KeyError)
     assert table.fields["top_k"] is table["top_k"] and list(table.fields) == ["top_k"]
     assert len(table.fields) == 1 and "top_k" in table.fields
+
+
+# --- every error type the package makes is exported ------------------------------------------
+
+PKG = Path(__file__).resolve().parents[2] / "src" / "stagebuf"
+
+
+def _package_sources() -> dict[str, str]:
+    """Module name -> source, for every module of the package."""
+    out = {}
+    for p in sorted(PKG.rglob("*.py")):
+        parts = ("stagebuf", *p.relative_to(PKG).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p.read_text()
+    return out
+
+
+def _name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _made_name(node: ast.AST) -> str | None:
+    """The name that ``X(...)`` calls or ``raise X`` raises, if ``node`` is one of them."""
+    if isinstance(node, ast.Call):
+        return _name(node.func)
+    if isinstance(node, ast.Raise) and node.exc is not None:
+        return _name(node.exc)
+    return None
+
+
+def made_errors(sources: dict[str, str]) -> dict[str, str]:
+    """The StagebufError subclasses that ``sources`` raise or build (``raise X(...)``, ``raise X``, or
+    ``X(...)`` made to be raised by a caller), each with the module that defines it."""
+    defined: dict[str, tuple[str, set[str]]] = {}
+    made: set[str] = set()
+    for mod, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                defined[node.name] = (mod, {n for b in node.bases if (n := _name(b))})
+            elif n := _made_name(node):
+                made.add(n)
+    errors = {"StagebufError"}
+    while grown := {c for c, (_, bases) in defined.items() if bases & errors} - errors:
+        errors |= grown
+    return {c: defined[c][0] for c in sorted(errors & made)}
+
+
+def _all_of(source: str) -> set[str]:
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(_name(t) == "__all__" for t in targets) and node.value is not None:
+                return set(ast.literal_eval(node.value))
+    return set()
+
+
+def unexported(sources: dict[str, str]) -> list[str]:
+    """The errors of ``made_errors`` missing from their public module's ``__all__``: ``stagebuf``
+    for those defined in a private module, else the (public) module that defines them."""
+    out = []
+    for name, mod in made_errors(sources).items():
+        public = "stagebuf" if any(p.startswith("_") for p in mod.split(".")) else mod
+        if name not in _all_of(sources[public]):
+            out.append(f"{name} (defined in {mod}, not in {public}.__all__)")
+    return out
+
+
+def test_every_error_the_package_raises_is_exported() -> None:
+    sources = _package_sources()
+    made = made_errors(sources)
+    some = {"SettingValueError", "UnknownDeviceError", "StagedWriteError", "NanoVllmVersionError"}
+    assert some <= set(made), set(made)
+    assert not unexported(sources)
+    for name, mod in made.items():
+        public = stagebuf if mod.startswith("stagebuf._") else importlib.import_module(mod)
+        assert getattr(public, name) is getattr(importlib.import_module(mod), name), name
+
+
+def test_the_export_check_can_fail() -> None:
+    """An error dropped from ``__all__``, or a new one raised but not exported, is reported."""
+    sources = _package_sources()
+    line = '    "SettingValueError",\n'
+    assert sources["stagebuf"].count(line) == 1
+    cut = dict(sources, stagebuf=sources["stagebuf"].replace(line, ""))
+    assert unexported(cut) == ["SettingValueError (defined in stagebuf._errors, not in stagebuf.__all__)"]
+    late = (
+        "from ._errors import UsageError\n\nclass LateError(UsageError):\n    pass\n\nraise LateError('x')\n"
+    )
+    assert unexported(dict(sources, **{"stagebuf._late": late})) == [
+        "LateError (defined in stagebuf._late, not in stagebuf.__all__)"
+    ]
+    # built by a helper, raised by its caller
+    built = late.replace("raise LateError('x')", "def f():\n    return LateError('x')")
+    assert unexported(dict(sources, **{"stagebuf._late": built}))
+    unused = late.replace("raise LateError('x')", "")
+    assert not unexported(dict(sources, **{"stagebuf._late": unused}))

@@ -545,7 +545,7 @@ def test_a_bad_setting_raises_setting_value_error_at_the_first_probe(
         stagebuf.reset_capabilities()
         with pytest.raises(stagebuf.SetupError, match=f"{setting}={value!r}") as e:
             first_use()
-        assert type(e.value).__name__ == "SettingValueError" and isinstance(e.value, ValueError)
+        assert type(e.value) is stagebuf.SettingValueError and isinstance(e.value, ValueError)
         assert e.value.setting == setting and e.value.allowed
 
 

@@ -10,6 +10,7 @@ import contextlib
 import io
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,8 +18,10 @@ import torch
 
 import stagebuf
 from stagebuf import _buffers as buffers_mod
+from stagebuf import _guard as guard_mod
 from stagebuf import _probe as caps_mod
 from stagebuf import _uva as uva_mod
+from stagebuf._staged_write import launcher as sw_launcher
 
 
 def force_tier(monkeypatch: pytest.MonkeyPatch, tier: str) -> stagebuf.Tier:
@@ -74,7 +77,27 @@ def no_accelerator(monkeypatch: pytest.MonkeyPatch, cuda_version: str | None) ->
         monkeypatch.setattr(acc, "is_available", lambda: False)
 
 
-# --- fake device events (replace ``guard.make_event`` with ``FakeStream().event``) ---------
+# --- fake device events (``use_events(monkeypatch, FakeStream().event)``) ------------------
+
+
+def use_events(monkeypatch: pytest.MonkeyPatch, make: Callable[[torch.device], Any]) -> None:
+    """Rings made from now on take their events from ``make`` (None: no events), on fresh step clocks.
+
+    Replaces ``guard.make_event`` and empties the clocks (each keeps the factory it was made with);
+    ``monkeypatch`` puts both back.
+    """
+    monkeypatch.setattr(guard_mod, "make_event", make)
+    monkeypatch.setattr(guard_mod, "_clocks", {})
+
+
+def guard_staged_writes(monkeypatch: pytest.MonkeyPatch, mode: str = "wait") -> None:
+    """Staged writes whose slots are made from now on guard them with ``mode``.
+
+    Their guard is ``auto`` (``off`` on the CPU tiers); this wraps the launcher's ``Ring`` so that
+    the CPU tests exercise the guard; ``monkeypatch`` puts it back.
+    """
+    ring = sw_launcher.Ring
+    monkeypatch.setattr(sw_launcher, "Ring", lambda n, make, _auto, what: ring(n, make, mode, what))
 
 
 class FakeStream:

@@ -149,10 +149,7 @@ class _CudartEvent:
 
 
 def make_event(device: torch.device) -> Event | None:
-    """An event for ``device``, or None where work is synchronous (the CPU).
-
-    Tests replace this to fake an unfinished event on a CPU-only machine.
-    """
+    """An event for ``device``, or None where work is synchronous (the CPU)."""
     if device.type != "cuda":
         return None
     if device.index is None or device.index == torch.cuda.current_device():
@@ -253,12 +250,12 @@ class StepClock:
         self._done[i] = max(k, self._done[i])
 
 
-_clocks: dict[tuple[str, EventFactory], StepClock] = {}
+_clocks: dict[str, StepClock] = {}
 
 
 def step_clock(device: torch.device) -> StepClock:
-    """The clock shared by every ring on ``device`` (one per event factory: tests swap it)."""
-    key = (str(device), make_event)
+    """The clock shared by every ring on ``device``."""
+    key = str(device)
     clock = _clocks.get(key)
     if clock is None:
         clock = _clocks[key] = StepClock(device, make_event)

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import stagebuf
-from helpers import force_tier, read_back
+from helpers import force_tier, read_back, use_events
 from stagebuf import (
     DeviceAllocationError,
     FusedStagedWriter,
@@ -56,7 +56,6 @@ from stagebuf import _uva as uva_mod
 from stagebuf._param_table import DeviceParamTable
 
 buffers_mod = importlib.import_module("stagebuf._buffers")
-guard_mod = importlib.import_module("stagebuf._guard")
 sw_api = importlib.import_module("stagebuf._staged_write.api")
 sw_plan = importlib.import_module("stagebuf._staged_write.launcher")
 pt_mod = importlib.import_module("stagebuf._param_table")
@@ -166,7 +165,7 @@ def drv(request, monkeypatch) -> Iterator[Driver]:
     monkeypatch.setattr(uva_mod, "device_view", d.device_view)
     if fake:
         monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
-        monkeypatch.setattr(guard_mod, "make_event", lambda device: None)  # no events without a GPU
+        use_events(monkeypatch, lambda device: None)  # no events without a GPU
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         monkeypatch.setattr(sw_plan, "triton_usable", lambda device: False)  # no Triton without a GPU
         # copy_to checks that `out` is on the buffer's device; the fake's device memory is CPU memory
@@ -561,7 +560,7 @@ class _Event:
 @pytest.fixture
 def stuck_events(monkeypatch) -> type[_Event]:
     _Event.released = False
-    monkeypatch.setattr(guard_mod, "make_event", lambda device: _Event())
+    use_events(monkeypatch, lambda device: _Event())
     return _Event
 
 

@@ -46,10 +46,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from helpers import FakeStream, force_tier, read_back
+from helpers import FakeStream, force_tier, guard_staged_writes, read_back
 from stagebuf import StepStager, Tier, UvaBackedTensor, UvaBufferPool
 from stagebuf import _guard as guard_mod
-from stagebuf._staged_write import launcher as sw_plan
 
 try:
     from stagebuf import FusedStagedWriter, StagedWriteError, StagedWriteTensor
@@ -960,6 +959,7 @@ class SharedGuardMachine(TierMachine):
         if self.device == "cpu":  # fake events: a fresh step clock per example (test_fuzz undoes it)
             self.fake = FakeStream()
             guard_mod.make_event = self.fake.event
+            guard_mod._clocks = {}
         self.np_dtype = SW_NP[dtype]
         self.slots = max(2, depth)
         self.pools = [
@@ -1154,7 +1154,8 @@ def test_fuzz(
     if machine.label.startswith("shared_guard") and device == "cpu":
         # guards on the CPU: the machine installs fake events (undone here); staged writes wait too
         monkeypatch.setattr(guard_mod, "make_event", guard_mod.make_event)
-        monkeypatch.setattr(sw_plan, "_GUARD_MODE", "wait")
+        monkeypatch.setattr(guard_mod, "_clocks", guard_mod._clocks)
+        guard_staged_writes(monkeypatch, "wait")
     cls = type(
         f"{machine.__name__}_{tier}_{device or 'cuda'}", (machine,), {"tier_name": tier, "device": device}
     )

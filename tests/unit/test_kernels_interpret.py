@@ -1,8 +1,8 @@
 """The staged-write kernels on the CPU: Triton (through its interpreter) against its torch twin and numpy.
 
 ``_staged_write_kernel`` (one program per edit) runs under Triton's CPU
-interpreter on the packed layout ``_edit_meta`` builds; ``_torch_twin`` (the same
-kernel in plain torch ops) runs on the same layout. Both must equal a numpy
+interpreter on the packed layout ``_edit_meta`` builds; ``torch_twin`` (the same
+kernel in plain torch ops, here) runs on the same layout. Both must equal a numpy
 model that applies the edits by slicing. Then the whole apply path with a forced
 kernel (``STAGEBUF_WRITE_KERNEL=triton`` under ``TRITON_INTERPRET=1``, and
 ``scatter``) is compared with the numpy model. The interpreter is slow: sizes
@@ -10,6 +10,8 @@ stay small.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -74,6 +76,23 @@ def gathered(t: StagedWriteTensor, edits: list[Edit]) -> sw_plan.Gathered:
     return sw_plan.Gathered(t._edits.target, rows * t.row_stride + starts, lens, vals, False)
 
 
+def torch_twin(
+    flats: Sequence[torch.Tensor], addrs: Sequence[int], meta: torch.Tensor, content: torch.Tensor
+) -> None:
+    """The Triton kernel in plain torch ops, on the same packed layout: the oracle it is tested against.
+
+    ``flats[k]`` receives the edits whose meta row names the target address ``addrs[k]``.
+    """
+    n = content.shape[0]
+    tid, dst, ln, src = meta.unbind(1)
+    edit_of = torch.repeat_interleave(ln, output_size=n)
+    j = torch.arange(n, device=content.device) - (torch.cumsum(ln, 0) - ln)[edit_of]
+    dest, source, owner = dst[edit_of] + j, src[edit_of] + j, tid[edit_of]
+    for flat, addr in zip(flats, addrs):
+        sel = owner == addr
+        flat.index_copy_(0, dest[sel], content[source[sel]])
+
+
 def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) -> None:
     """Run the Triton kernel (interpreted) and the twin on one layout; both equal the numpy model."""
     parts = [gathered(t, e) for t, e in zip(targets, edits) if e]
@@ -83,7 +102,7 @@ def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) ->
     for m, e in zip(models, edits):
         model_apply(m, e)
     twins = [t.gpu.clone() for t in targets]
-    sw_kernel._torch_twin(
+    torch_twin(
         [twins[[t.gpu.data_ptr() for t in targets].index(p.target.ptr)].view(-1) for p in parts],
         [p.target.ptr for p in parts],
         torch.from_numpy(meta),

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagebuf
+from helpers import use_events
 from stagebuf import SlotInFlightError, StepStager, Tier
-from stagebuf import _guard as guard_mod
 
 DTYPES = [np.int8, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_]
 
@@ -166,7 +166,7 @@ def fake_events(monkeypatch):
         made.append(FakeEvent())
         return made[-1]
 
-    monkeypatch.setattr(guard_mod, "make_event", make)
+    use_events(monkeypatch, make)
     return made
 
 

@@ -1,6 +1,6 @@
 """The step clock: one event per step for every ring of a device, checked against a model.
 
-Events are faked (``guard.make_event`` is replaced): a ``FakeStream`` (helpers.py) hands out events
+Events are faked (``helpers.use_events``): a ``FakeStream`` (helpers.py) hands out events
 that complete in record order, only when one is synchronized (a guard wait) or
 when the test says the device caught up. Every ring on the CPU then runs its
 guard as it would on a GPU. Two models say what must happen:
@@ -27,12 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagebuf
-from helpers import FakeStream
+from helpers import FakeStream, guard_staged_writes, use_events
 from stagebuf import SlotInFlightError, StagedWriteTensor, StepStager, Tier, UvaBufferPool
-from stagebuf import _guard as guard_mod
 from stagebuf._errors import StepRuleError
 from stagebuf._ring import SlotRing
-from stagebuf._staged_write import launcher as sw_plan
 
 CPU = torch.device("cpu")
 
@@ -41,7 +39,7 @@ CPU = torch.device("cpu")
 def stream(monkeypatch) -> FakeStream:
     """Fake events for every ring made in this test (a new factory: a new step clock)."""
     s = FakeStream()
-    monkeypatch.setattr(guard_mod, "make_event", s.event)
+    use_events(monkeypatch, s.event)
     return s
 
 
@@ -170,7 +168,7 @@ def test_real_staged_write_applies_with_the_guard(monkeypatch, stream):
     """PAGEABLE on the CPU with its stager's guard forced on: applies are marked uses of the clock."""
     monkeypatch.setenv("STAGEBUF_TIER", "pageable")
     stagebuf.reset_capabilities()
-    monkeypatch.setattr(sw_plan, "_GUARD_MODE", "wait")
+    guard_staged_writes(monkeypatch, "wait")
     stager = StepStager(device="cpu", capacity=256, max_concurrency=2, guard="wait")
     t = StagedWriteTensor((4, 8), torch.int64, "cpu", max_concurrency=2)
     want = np.zeros((4, 8), np.int64)
@@ -277,7 +275,7 @@ def _use(r: RingModel, value: int) -> None:
 @given(data=st.data())
 def test_random_rings_match_the_models(cpu_tier, monkeypatch, data):
     stream = FakeStream()
-    monkeypatch.setattr(guard_mod, "make_event", stream.event)  # a fresh clock for each example
+    use_events(monkeypatch, stream.event)  # a fresh clock for each example
     rings: list[RingModel] = []
     kinds = data.draw(st.lists(st.sampled_from(["pool", "stager"]), min_size=1, max_size=3))
     kinds += data.draw(st.lists(st.just("write"), max_size=2))

@@ -32,8 +32,7 @@ Overlapping edits apply in staging order ("later wins"): when two edits share
 a row (a Python set for a few edits, else one scatter into a per-row marker
 array), the elements are
 de-duplicated on the host, keeping each destination's last staged value, and
-the scatter kernel runs. ``_torch_twin`` is the Triton kernel in plain torch
-ops over the same packed layout: the oracle the kernel is tested against.
+the scatter kernel runs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``StagedWriteTensor`` and ``FusedStagedWriter``: the public staged-write classes.
 
 The staged state and its checks live in ``edits.py``, the packed transfer and the
-kernel choice in ``launcher.py``, the Triton kernel and its torch twin in ``kernel.py``.
+kernel choice in ``launcher.py``, the Triton kernel in ``kernel.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The staged-write Triton kernel, its launcher, and its plain-torch twin (the test oracle).
+"""The staged-write Triton kernel and its launcher.
 
 One program per edit reads a packed metadata row (target base address, flat offset
 of the first element, length, source offset) and copies that edit's values, so
@@ -8,7 +8,7 @@ several targets go through one launch with no table to keep on the device.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -199,20 +199,3 @@ def _runtime_knobs() -> Any:
         return knobs.runtime
     except Exception:  # an older Triton without knobs: launches go through the dispatcher
         return None
-
-
-def _torch_twin(
-    flats: Sequence[torch.Tensor], addrs: Sequence[int], meta: torch.Tensor, content: torch.Tensor
-) -> None:
-    """The Triton kernel in plain torch ops, on the same packed layout (its test oracle).
-
-    ``flats[k]`` receives the edits whose meta row names the target address ``addrs[k]``.
-    """
-    n = content.shape[0]
-    tid, dst, ln, src = meta.unbind(1)
-    edit_of = torch.repeat_interleave(ln, output_size=n)
-    j = torch.arange(n, device=content.device) - (torch.cumsum(ln, 0) - ln)[edit_of]
-    dest, source, owner = dst[edit_of] + j, src[edit_of] + j, tid[edit_of]
-    for flat, addr in zip(flats, addrs):
-        sel = owner == addr
-        flat.index_copy_(0, dest[sel], content[source[sel]])

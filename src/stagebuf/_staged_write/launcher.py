@@ -19,7 +19,6 @@ from .._buffers import StagingBuffer
 from .._constants import ALIGN, Kernel, write_kernel
 from .._convert import _NUMPY_TO_TORCH
 from .._errors import ArgumentTypeError, InvalidArgumentError, UsageError
-from .._guard import GuardMode
 from .._log import warn_once
 from .._make import make_buffer
 from .._ring import Ring
@@ -34,8 +33,6 @@ with one Triton launch (docs/DESIGN.md)."""
 _PY_ROWS = 16
 """Up to this many edits, an apply's Triton rows are built in Python (numpy's per-call cost is more)."""
 _CAPACITY = 1 << 14
-_GUARD_MODE: GuardMode = "auto"
-"""The staging slots' guard (tests force ``wait`` to exercise it on the CPU tiers)."""
 
 
 _ARANGE = np.arange(1024, dtype=np.int64)
@@ -131,7 +128,7 @@ class _Launcher:
         self.ring = Ring(
             self.n,
             lambda: make_buffer(self.capacity, torch.uint8, self.device),
-            _GUARD_MODE,
+            "auto",
             "staged-write slot",
         )
         self.views = [{} for _ in range(self.n)]

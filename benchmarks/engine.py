@@ -253,7 +253,7 @@ def plugin_modules(device: torch.device, mode: str = "1") -> vllm_mrv2.Mrv2:
     MRV2's modules imported. Kept until ``close_plugin_modules()``."""
     from importlib.metadata import entry_points
 
-    from stagebuf import _vllm
+    from stagebuf._engines import vllm as _vllm
 
     got = _PLUGIN.get("mods")
     if got is not None:
@@ -298,7 +298,7 @@ def plugin_modules(device: torch.device, mode: str = "1") -> vllm_mrv2.Mrv2:
 
 def close_plugin_modules() -> None:
     """Undo ``plugin_modules``: vLLM's names out of ``sys.modules``, the plugin's patch undone."""
-    from stagebuf import _vllm
+    from stagebuf._engines import vllm as _vllm
 
     cm = _PLUGIN.pop("cm", None)
     _PLUGIN.pop("mods", None)

@@ -420,7 +420,7 @@ class RowCopyTable:
 def staged_write_tensor(shape: tuple[int, int], device: torch.device, kernel: str | None = None) -> Any:
     """A StagedWriteTensor on the tier STAGEBUF_TIER forces; ``kernel`` forces its apply kernel."""
     from stagebuf import StagedWriteTensor
-    from stagebuf._constants import ENV_KERNEL
+    from stagebuf._tiers.settings import ENV_KERNEL
 
     if kernel is None:
         return StagedWriteTensor(shape, torch.int32, device)

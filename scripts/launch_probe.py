@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from cuda.bindings import runtime as rt
 
-from stagebuf._staged_write import kernel as sw
+from stagebuf._rings.staged_write import kernel as sw
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import torch
 
 import stagebuf
 from helpers import force_tier
-from stagebuf._log import reset_warnings
+from stagebuf._common.log import reset_warnings
 
 HAS_CUDA = torch.cuda.is_available()
 CPU_TIERS = ["host", "pageable"]

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import stagebuf
-from stagebuf import _buffers as buffers_mod
-from stagebuf import _guard as guard_mod
-from stagebuf import _probe as caps_mod
-from stagebuf import _uva as uva_mod
-from stagebuf._staged_write import launcher as sw_launcher
+from stagebuf._bytes import buffers as buffers_mod
+from stagebuf._bytes import uva as uva_mod
+from stagebuf._rings import guard as guard_mod
+from stagebuf._rings.staged_write import launcher as sw_launcher
+from stagebuf._tiers import probe as caps_mod
 
 
 def force_tier(monkeypatch: pytest.MonkeyPatch, tier: str) -> stagebuf.Tier:

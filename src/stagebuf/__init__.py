@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._async_copy import async_copy_to_gpu
-from ._buffers import HostBuffer, NonUvaBuffer, PinnedBuffer, StagingBuffer, UvaBuffer
-from ._capabilities import Capabilities
-from ._errors import (
+from ._bytes.async_copy import async_copy_to_gpu
+from ._bytes.buffers import HostBuffer, NonUvaBuffer, PinnedBuffer, StagingBuffer, UvaBuffer
+from ._bytes.make import make_buffer
+from ._common.errors import (
     ArgumentTypeError,
     CudaError,
     DeviceAllocationError,
@@ -52,19 +52,19 @@ from ._errors import (
     UsageError,
     UvaError,
 )
-from ._guard import begin_step, set_default_max_concurrency
-from ._make import make_buffer
-from ._param_table import DeviceParamTable, ParamField
-from ._pool import UvaBackedTensor, UvaBufferPool
-from ._probe import (
+from ._common.tier import Tier
+from ._rings.guard import begin_step, set_default_max_concurrency
+from ._rings.param_table import DeviceParamTable, ParamField
+from ._rings.pool import UvaBackedTensor, UvaBufferPool
+from ._rings.staged_write import FusedStagedWriter, StagedWriteTensor
+from ._rings.stager import Step, StepStager
+from ._tiers.capabilities import Capabilities
+from ._tiers.probe import (
     capabilities,
     is_pin_memory_available,
     is_uva_available,
     reset_capabilities,
 )
-from ._staged_write import FusedStagedWriter, StagedWriteTensor
-from ._stager import Step, StepStager
-from ._tier import Tier
 
 __version__ = "0.1.0"
 

@@ -1,3 +1,3 @@
-from ._cli import main
+from ._tiers.cli import main
 
 raise SystemExit(main())

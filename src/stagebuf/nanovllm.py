@@ -41,9 +41,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ._errors import ArgumentTypeError, SetupError
-from ._log import logger, warn_once
-from ._nanovllm_prep import Prep, run_model
+from ._common.errors import ArgumentTypeError, SetupError
+from ._common.log import logger, warn_once
+from ._engines.nanovllm_prep import Prep, run_model
 
 __all__ = ["TESTED", "NanoVllmVersionError", "attach", "detach", "is_attached", "stats", "status"]
 

@@ -90,7 +90,7 @@ def test_identical_inputs_in_step_mode(tier: str, groups: int) -> None:
     """STAGEBUF_VLLM=step through vLLM's own plugin loader: every device-visible input equals vLLM's
     own layer's, step by step, and each step is one publish of the step's batch (one transfer on
     PAGEABLE) with one write launch (Triton's CPU interpreter; on HOST numpy writes, no launch)."""
-    from stagebuf import _vllm_step
+    from stagebuf._engines import vllm_step as _vllm_step
 
     cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:groups], **SMALL)
     try:
@@ -107,7 +107,7 @@ def test_identical_inputs_in_step_mode(tier: str, groups: int) -> None:
 
 def test_step_modes_deferral_is_what_the_check_sees() -> None:
     """The check finds a step-mode batch that loses its last deferred write (so it can fail)."""
-    from stagebuf import _vllm_step
+    from stagebuf._engines import vllm_step as _vllm_step
 
     cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:2], **SMALL)
     flush = _vllm_step.StepBatch.flush

@@ -4,7 +4,7 @@ Each fault must degrade to the next tier (or raise a clear error), give exactly
 one warning, keep the data correct and lose nothing staged before it.
 
 The faults are injected where the OS and driver answer (``memory.alloc_host`` /
-``alloc_device`` as bound in ``stagebuf._buffers``, ``probe._alloc_pinned``,
+``alloc_device`` as bound in ``stagebuf._bytes.buffers``, ``probe._alloc_pinned``,
 ``uva.load_cudart``, ``uva.device_view``), never inside stagebuf's own logic. Two
 backends run the same tests:
 
@@ -50,15 +50,15 @@ from stagebuf import (
     UvaError,
     capabilities,
 )
-from stagebuf import _memory as memory_mod
-from stagebuf import _probe as caps_mod
-from stagebuf import _uva as uva_mod
-from stagebuf._param_table import DeviceParamTable
+from stagebuf._bytes import memory as memory_mod
+from stagebuf._bytes import uva as uva_mod
+from stagebuf._rings.param_table import DeviceParamTable
+from stagebuf._tiers import probe as caps_mod
 
-buffers_mod = importlib.import_module("stagebuf._buffers")
-sw_api = importlib.import_module("stagebuf._staged_write.api")
-sw_plan = importlib.import_module("stagebuf._staged_write.launcher")
-pt_mod = importlib.import_module("stagebuf._param_table")
+buffers_mod = importlib.import_module("stagebuf._bytes.buffers")
+sw_api = importlib.import_module("stagebuf._rings.staged_write.api")
+sw_plan = importlib.import_module("stagebuf._rings.staged_write.launcher")
+pt_mod = importlib.import_module("stagebuf._rings.param_table")
 
 HAS_CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ class Driver:
         """Device allocations of more bytes than this fail with out of memory."""
         self.injected = 0
 
-    # memory.alloc_host as stagebuf._buffers calls it
+    # memory.alloc_host as stagebuf._bytes.buffers calls it
     def alloc_host(
         self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, tier: Tier | None = None
     ) -> torch.Tensor:
@@ -625,7 +625,7 @@ _MEMLOCK_CHILD = textwrap.dedent(
         stagebuf.reset_capabilities()
         import importlib
         # only "is there a device" is faked: the memlock limit and the pinned allocation are real
-        importlib.import_module("stagebuf._probe")._device_missing = lambda dev: None
+        importlib.import_module("stagebuf._tiers.probe")._device_missing = lambda dev: None
         out["accel_reasons"] = stagebuf.capabilities("cuda:0").reasons
     else:
         out["reasons"] = caps.reasons

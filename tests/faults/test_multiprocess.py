@@ -32,8 +32,8 @@ from stagebuf import (
     UvaBufferPool,
     capabilities,
 )
-from stagebuf import _uva as uva_mod
-from stagebuf._param_table import DeviceParamTable
+from stagebuf._bytes import uva as uva_mod
+from stagebuf._rings.param_table import DeviceParamTable
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "mp_decode.py"

@@ -8,8 +8,8 @@ import torch
 
 import stagebuf
 from stagebuf import Tier, UvaBufferPool, capabilities, make_buffer
-from stagebuf import _probe as caps_mod
-from stagebuf import _uva as uva_mod
+from stagebuf._bytes import uva as uva_mod
+from stagebuf._tiers import probe as caps_mod
 
 pytestmark = pytest.mark.gpu
 
@@ -95,7 +95,7 @@ def test_direct_launches_write_as_the_dispatcher_and_a_launch_hook_sends_them_ba
     sees the launches (they go through the dispatcher again)."""
     import triton
 
-    from stagebuf._staged_write import kernel
+    from stagebuf._rings.staged_write import kernel
 
     dev = torch.device("cuda", torch.cuda.current_device())
     assert kernel._triton_available()

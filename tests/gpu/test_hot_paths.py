@@ -28,8 +28,8 @@ from stagebuf import (
     UvaBackedTensor,
     UvaBufferPool,
 )
-from stagebuf._constants import ENV_KERNEL
-from stagebuf._staged_write.kernel import triton_usable
+from stagebuf._rings.staged_write.kernel import triton_usable
+from stagebuf._tiers.settings import ENV_KERNEL
 
 pytestmark = pytest.mark.gpu
 

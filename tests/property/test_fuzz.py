@@ -48,14 +48,14 @@ from hypothesis.stateful import (
 
 from helpers import FakeStream, force_tier, guard_staged_writes, read_back
 from stagebuf import StepStager, Tier, UvaBackedTensor, UvaBufferPool
-from stagebuf import _guard as guard_mod
+from stagebuf._rings import guard as guard_mod
 
 try:
     from stagebuf import FusedStagedWriter, StagedWriteError, StagedWriteTensor
 except ImportError:  # pragma: no cover - the module is part of the package
     StagedWriteTensor = FusedStagedWriter = StagedWriteError = None  # type: ignore[assignment,misc]
 try:
-    from stagebuf._param_table import DeviceParamTable
+    from stagebuf._rings.param_table import DeviceParamTable
 except ImportError:  # pragma: no cover
     DeviceParamTable = None  # type: ignore[assignment,misc]
 

@@ -94,9 +94,9 @@ def test_the_parser_reads_each_form():
                 ".. autofunction:: capabilities",
                 ".. autoexception:: UsageError",
                 "   :show-inheritance:",
-                ".. currentmodule:: stagebuf._vllm",
+                ".. currentmodule:: stagebuf._engines.vllm",
                 ".. autofunction:: register",
-                ".. autodata:: stagebuf._vllm.TESTED",
+                ".. autodata:: stagebuf._engines.vllm.TESTED",
             ]
         ),
         "b.rst": ".. automodule:: stagebuf\n   :members: Step, StepStager\n",

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from helpers import read_back
 from stagebuf import FusedStagedWriter, StagedWriteError, StagedWriteTensor
-from stagebuf._errors import StagebufError
+from stagebuf._common.errors import StagebufError
 
 ROWS, COLS = 6, 8
 BAD_VALUES = [1.5, float("nan"), 2**31, -(2**31) - 1, 2**70, "x", None, True]

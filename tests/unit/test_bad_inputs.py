@@ -54,7 +54,7 @@ from stagebuf import (
     make_buffer,
     set_default_max_concurrency,
 )
-from stagebuf._param_table import DeviceParamTable
+from stagebuf._rings.param_table import DeviceParamTable
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "RELIABILITY.md"
 BEGIN, END = "<!-- bad-input-matrix:begin -->", "<!-- bad-input-matrix:end -->"

@@ -21,8 +21,8 @@ from stagebuf import (
     capabilities,
     make_buffer,
 )
-from stagebuf import _buffers as buffers_mod
-from stagebuf import _uva as uva_mod
+from stagebuf._bytes import buffers as buffers_mod
+from stagebuf._bytes import uva as uva_mod
 
 
 @pytest.mark.parametrize("size", [7, (5, 3)])

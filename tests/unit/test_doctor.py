@@ -16,8 +16,8 @@ import torch
 import stagebuf
 from helpers import invoke, no_accelerator
 from stagebuf import Tier, capabilities
-from stagebuf import _doctor as doctor_mod
-from stagebuf._cli import main
+from stagebuf._tiers import doctor as doctor_mod
+from stagebuf._tiers.cli import main
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 HAS_CUDA = torch.cuda.is_available()
@@ -267,7 +267,7 @@ def _run_both(args: list[str], env_extra: dict[str, str]) -> list[tuple[int, str
 
 
 def test_subprocess_without_rich():
-    code = "import sys; sys.modules['rich'] = None\nfrom stagebuf._cli import main\nmain(['doctor'])"
+    code = "import sys; sys.modules['rich'] = None\nfrom stagebuf._tiers.cli import main\nmain(['doctor'])"
     p = _run([], {}, code)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert "torch build" in p.stdout and "chosen tier" in p.stdout and not set(p.stdout) & set("┏┃━│")
@@ -316,7 +316,7 @@ def test_real_process_with_torch_and_numpy_only():
     """Neither click nor rich nor matplotlib: the command line still explains (plain text)."""
     code = (
         "import sys\nfor m in ('click', 'rich', 'matplotlib'): sys.modules[m] = None\n"
-        "from stagebuf._cli import main\nraise SystemExit(main(['doctor', '--device', 'banana']))"
+        "from stagebuf._tiers.cli import main\nraise SystemExit(main(['doctor', '--device', 'banana']))"
     )
     p = _run([], {}, code)
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
@@ -416,7 +416,7 @@ def test_version_is_shown_and_printed():
 
 
 def _setting_names() -> list[str]:
-    from stagebuf import _constants
+    from stagebuf._tiers import settings as _constants
 
     return [v for k, v in vars(_constants).items() if k.startswith("ENV_") and isinstance(v, str)]
 
@@ -441,7 +441,7 @@ def test_every_setting_is_in_the_text_and_the_json():
 
 def test_the_plugin_rows_show_every_key_of_the_plan(monkeypatch):
     """doctor renders whatever ``plan().as_dict()`` holds, in the text and the JSON."""
-    from stagebuf import _vllm
+    from stagebuf._engines import vllm as _vllm
 
     real = _vllm.plan
 

@@ -173,9 +173,12 @@ def test_the_export_check_can_fail() -> None:
     line = '    "SettingValueError",\n'
     assert sources["stagebuf"].count(line) == 1
     cut = dict(sources, stagebuf=sources["stagebuf"].replace(line, ""))
-    assert unexported(cut) == ["SettingValueError (defined in stagebuf._errors, not in stagebuf.__all__)"]
+    assert unexported(cut) == [
+        "SettingValueError (defined in stagebuf._common.errors, not in stagebuf.__all__)"
+    ]
     late = (
-        "from ._errors import UsageError\n\nclass LateError(UsageError):\n    pass\n\nraise LateError('x')\n"
+        "from ._common.errors import UsageError\n\n"
+        "class LateError(UsageError):\n    pass\n\nraise LateError('x')\n"
     )
     assert unexported(dict(sources, **{"stagebuf._late": late})) == [
         "LateError (defined in stagebuf._late, not in stagebuf.__all__)"

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 import stagebuf
 from stagebuf import FusedStagedWriter, StagedWriteTensor
-from stagebuf._constants import ENV_KERNEL
-from stagebuf._staged_write import kernel as sw_kernel
-from stagebuf._staged_write import launcher as sw_plan
+from stagebuf._rings.staged_write import kernel as sw_kernel
+from stagebuf._rings.staged_write import launcher as sw_plan
+from stagebuf._tiers.settings import ENV_KERNEL
 
 pytest.importorskip("triton")
 

@@ -1,7 +1,11 @@
-"""The package's shape: no module over 450 lines, no import circle, no ``sys.path`` edit, one ``__setattr__``.
+"""The package's shape: rooms by concept, imports only downward, no private name across rooms.
 
-Read from the source with ``ast`` (imports inside functions count), so a change that
-tangles the modules again fails here, on a CPU.
+Rooms, each a folder of ``src/stagebuf``: ``_common`` (errors, log, types, sealing, dtypes, tiers),
+``_tiers`` (deciding the tier: settings, probe, capabilities, doctor), ``_bytes`` (moving bytes:
+memory, the UVA view, buffers), ``_rings`` (the slot rings and their users), ``_engines`` (the
+integrations). Read from the source with ``ast`` (imports inside functions count), so a change
+that tangles the rooms fails here, on a CPU. No import circle, no ``sys.path`` edit, one
+``__setattr__``. A module is as long as its one concept needs: there is no line cap.
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "src" / "stagebuf"
-MAX_LINES = 450
 
 
 def _modules() -> dict[str, Path]:
@@ -62,21 +65,102 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_module_is_over_450_lines() -> None:
-    long = {
-        str(p.relative_to(PKG)): n
-        for p in PKG.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+ROOMS = ("_common", "_tiers", "_bytes", "_rings", "_engines")
+"""Lowest first: a room imports only from itself and the rooms before it (with ``BELOW``'s exceptions)."""
+BELOW = {
+    # the probe tests pinned memory and a UVA view before any buffer class exists
+    ("stagebuf._tiers.probe", "stagebuf._bytes.memory"),
+    ("stagebuf._tiers.probe", "stagebuf._bytes.uva"),
+    ("stagebuf._tiers.capabilities", "stagebuf._bytes.uva"),
+}
+FRONTS = {
+    "stagebuf",
+    "stagebuf.nanovllm",
+    "stagebuf.__main__",
+    "stagebuf._tiers.doctor",
+    "stagebuf._tiers.cli",
+}
+"""The public faces, and doctor (with its command line), which reports on every room."""
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else None
+
+
+def _private_imports(name: str, path: Path, known: set[str]) -> set[tuple[str, str]]:
+    """(module, name) for every underscore name ``name`` imports from another package module."""
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+            target = ".".join([*base, *([node.module] if node.module else [])])
+            for a in node.names:
+                if (
+                    a.name.startswith("_")
+                    and not a.name.startswith("__")
+                    and f"{target}.{a.name}" not in known
+                ):
+                    found.add((target, a.name))
+    return found
+
+
+def test_every_module_lives_in_a_room() -> None:
+    loose = [
+        m
+        for m in _modules()
+        if m not in FRONTS and m not in {f"stagebuf.{r}" for r in ROOMS} and not _room(m)
+    ]
+    assert not loose, f"modules outside the rooms {ROOMS}: {loose}"
+
+
+def _upward(mods: dict[str, Path]) -> list[str]:
+    bad = []
+    for m, p in mods.items():
+        if m in FRONTS or not _room(m):
+            continue
+        for dep in _imports(m, p, set(mods)):
+            r_from, r_to = _room(m), _room(dep)
+            if r_to is None or (m, dep) in BELOW or dep == f"stagebuf.{r_to}":  # a room's (empty) package
+                continue
+            if ROOMS.index(r_to) > ROOMS.index(r_from or ""):
+                bad.append(f"{m} -> {dep}")
+    return bad
+
+
+def test_rooms_import_only_downward() -> None:
+    bad = _upward(_modules())
+    assert not bad, f"imports from a higher room: {bad}"
+
+
+def test_no_private_name_crosses_a_room() -> None:
+    mods = _modules()
+    bad = []
+    for m, p in mods.items():
+        for target, nm in _private_imports(m, p, set(mods)):
+            if _room(target) != _room(m) and m not in FRONTS:
+                bad.append(f"{m} imports {target}.{nm}")
+    assert not bad, f"private names across rooms: {bad}"
+
+
+def test_the_room_checks_can_fail(tmp_path: Path) -> None:
+    """A probe importing a ring's module, and a private name taken from another room, are both found."""
+    probe, pool = tmp_path / "probe.py", tmp_path / "pool.py"
+    probe.write_text("from .._rings.pool import _secret\n")
+    pool.write_text("_secret = 1\n")
+    mods = {"stagebuf._tiers.probe": probe, "stagebuf._rings.pool": pool}
+    assert _upward(mods) == ["stagebuf._tiers.probe -> stagebuf._rings.pool"]
+    got = _private_imports("stagebuf._tiers.probe", probe, set(mods))
+    assert got == {("stagebuf._rings.pool", "_secret")}
 
 
 def test_no_import_circle() -> None:
     mods = _modules()
     graph = {m: _imports(m, p, set(mods)) for m, p in mods.items()}
-    assert graph["stagebuf._staged_write.fused"] >= {
-        "stagebuf._staged_write.api",
-        "stagebuf._staged_write.launcher",
+    assert graph["stagebuf._rings.staged_write.fused"] >= {
+        "stagebuf._rings.staged_write.api",
+        "stagebuf._rings.staged_write.launcher",
     }
     assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph) or [])}"
 
@@ -97,4 +181,4 @@ def test_no_sys_path_edit_and_one_setattr() -> None:
                 )
             if isinstance(node, ast.FunctionDef) and node.name == "__setattr__":
                 setattrs.append(p.name)
-    assert setattrs == ["_sealed.py"]
+    assert setattrs == ["sealed.py"]

@@ -44,7 +44,7 @@ import torch
 
 import stagebuf
 from stagebuf import ReadOnlyAttributeError, StagebufError
-from stagebuf import _guard as guard_mod
+from stagebuf._rings import guard as guard_mod
 
 LIMIT_S = 2.0
 """A call that has not returned after this long is reported as hung (neither refused nor used).
@@ -660,7 +660,7 @@ def test_an_object_that_refuses_nothing_is_reported() -> None:
 
 OBJECT_HOOK = pytest.mark.skipif(
     sys.version_info < (3, 12),
-    reason="Python 3.12+: on 3.10/3.11 a __getattr__ hook slows every attribute read (stagebuf._sealed)",
+    reason="Python 3.12+: on 3.10/3.11 a __getattr__ hook slows every attribute read (_common.sealed)",
 )
 
 

@@ -431,7 +431,7 @@ def test_prepare_samples_flags_follow_nanovllm_exactly(work: Path) -> None:
 
 
 def test_doctor_shows_whether_nanovllm_is_installed_and_tested() -> None:
-    from stagebuf import _doctor
+    from stagebuf._tiers import doctor as _doctor
 
     rows = dict(_doctor.vllm_rows())
     assert rows["nano-vllm"] == sn.status()["note"] and "nano-vllm-fork 20260210" in rows["nano-vllm"]

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagebuf
-from stagebuf._param_table import DeviceParamTable
+from stagebuf._rings.param_table import DeviceParamTable
 
 FIELDS = {
     "temperature": torch.float32,

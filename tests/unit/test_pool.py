@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stagebuf import UvaBackedTensor, UvaBufferPool, capabilities, set_default_max_concurrency
-from stagebuf import _guard as guard_mod
+from stagebuf._rings import guard as guard_mod
 
 
 def _as(kind: str, a: np.ndarray):

@@ -13,10 +13,10 @@ import torch
 import stagebuf
 from helpers import fake_accelerator, no_accelerator
 from stagebuf import Tier, TierUnavailableError, capabilities
-from stagebuf import _capabilities as capabilities_mod
-from stagebuf import _probe as caps_mod
-from stagebuf import _uva as uva_mod
-from stagebuf._log import reset_warnings
+from stagebuf._bytes import uva as uva_mod
+from stagebuf._common.log import reset_warnings
+from stagebuf._tiers import capabilities as capabilities_mod
+from stagebuf._tiers import probe as caps_mod
 
 
 def test_import_does_not_initialise_cuda():

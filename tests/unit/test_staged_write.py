@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 import stagebuf
 from stagebuf import FusedStagedWriter, StagedWriteError, StagedWriteTensor
-from stagebuf._constants import ENV_KERNEL
-from stagebuf._staged_write import kernel as sw_kernel
+from stagebuf._rings.staged_write import kernel as sw_kernel
+from stagebuf._tiers.settings import ENV_KERNEL
 
 NP = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 DTYPES = [torch.int32, torch.int64, torch.float32]

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 import stagebuf
 from helpers import FakeStream, guard_staged_writes, use_events
 from stagebuf import SlotInFlightError, StagedWriteTensor, StepStager, Tier, UvaBufferPool
-from stagebuf._errors import StepRuleError
-from stagebuf._ring import SlotRing
+from stagebuf._common.errors import StepRuleError
+from stagebuf._rings.ring import SlotRing
 
 CPU = torch.device("cpu")
 

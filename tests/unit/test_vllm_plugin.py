@@ -23,12 +23,13 @@ from benchmarks import vllm_mrv2
 
 import stagebuf
 from helpers import force_tier, invoke
-from stagebuf import _guard, _vllm
-from stagebuf._cli import main
+from stagebuf._engines import vllm as _vllm
+from stagebuf._rings import guard as _guard
+from stagebuf._tiers.cli import main
 
 CPU = torch.device("cpu")
 NAMES = _vllm.REPLACED
-ENTRY_POINT = "stagebuf = stagebuf._vllm:register"
+ENTRY_POINT = "stagebuf = stagebuf._engines.vllm:register"
 
 
 @contextmanager

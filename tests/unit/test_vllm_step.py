@@ -20,7 +20,8 @@ import torch
 from test_vllm_plugin import CPU, _installed, _load_plugins, _originals
 
 import stagebuf
-from stagebuf import _vllm, _vllm_step
+from stagebuf._engines import vllm as _vllm
+from stagebuf._engines import vllm_step as _vllm_step
 
 MR = "vllm.v1.worker.gpu.model_runner"
 

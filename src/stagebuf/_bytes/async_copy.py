@@ -1,0 +1,98 @@
+"""``async_copy_to_gpu``: one array to the device, pinned only where pinning works."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._common.convert import host_array, torch_dtype
+from .._common.errors import ArgumentTypeError, InvalidArgumentError
+from .._common.log import warn_once
+from .._common.tier import Tier
+from .._common.types import DeviceLike, DTypeLike, HostData
+from .._tiers.probe import capabilities
+
+_ANY_RANK = tuple(range(0, 9))
+
+
+def async_copy_to_gpu(
+    x: HostData, out: torch.Tensor | None = None, device: DeviceLike = None, dtype: DTypeLike | None = None
+) -> torch.Tensor:
+    """Copy host data to the device, asynchronously; the result never aliases ``x``.
+
+    Where pinned memory is available the data goes through a temporary pinned copy
+    (torch's pinned allocator keeps it alive until the copy is done); elsewhere it is
+    copied from pageable memory, which CUDA stages before the call returns. So ``x``
+    may be changed as soon as the call returns. On the CPU (tier HOST) the result is
+    a copy of ``x``.
+
+    Parameters
+    ----------
+    x : list, tuple, numpy.ndarray or torch.Tensor
+        The host data, of rank 0 to 8: a (nested) list or tuple of numbers, an array
+        or a CPU tensor.
+    out : torch.Tensor, optional
+        A tensor to fill and return instead of a new one: of ``x``'s shape, on the
+        target device.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+    dtype : torch.dtype, numpy.dtype, type or str, optional
+        The dtype of the result. ``x``'s values must fit it: no fractions, NaN, inf
+        or out-of-range values into an integer dtype, no finite values beyond a float
+        dtype's range. None: ``out``'s dtype when ``out`` is given, else ``x``'s own.
+
+    Returns
+    -------
+    torch.Tensor
+        ``out``, or a new tensor on the target device, holding ``x``'s values. The
+        copy is ordered on the current stream.
+
+    Raises
+    ------
+    ArgumentTypeError
+        If ``out`` is not a tensor or None; if ``dtype``, ``out``'s dtype or ``x``'s
+        dtype is not a supported dtype; if ``x`` is of another type; or if it mixes
+        bools and numbers, or bools are given for a numeric dtype (or the reverse);
+        or, as :func:`capabilities`, if ``device`` is of a type that is not accepted.
+    InvalidArgumentError
+        If ``dtype`` and ``out.dtype`` differ; if ``out`` has another shape than
+        ``x`` or is not on the target device; if ``x`` is a tensor on an accelerator,
+        a ragged list or of rank over 8; or if a value of ``x`` does not fit the dtype.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    """
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise ArgumentTypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
+    if dtype is not None:
+        want: torch.dtype | None = torch_dtype(dtype)
+        if out is not None and out.dtype != want:
+            # copy_ would convert silently (and truncate fractions): refuse the mismatch instead
+            raise InvalidArgumentError(
+                f"dtype={want} but out.dtype={out.dtype}; pass one of them, or the same"
+            )
+    elif out is not None:
+        want = torch_dtype(out.dtype, "out.dtype")  # values must fit what they are copied into
+    else:
+        want = None
+    arr = host_array(x, want, "x", ndims=_ANY_RANK)
+    caps = capabilities(device)
+    if out is not None and (tuple(out.shape) != arr.shape or out.device != caps.device):
+        raise InvalidArgumentError(
+            f"out has shape {tuple(out.shape)} on {out.device}; expected shape {arr.shape} on {caps.device}"
+        )
+    src = torch.from_numpy(np.ascontiguousarray(arr))
+    if caps.tier is Tier.HOST or caps.device_type == "cpu":
+        return out.copy_(src) if out is not None else src.clone()
+    if caps.pin_memory:
+        try:
+            src = src.pin_memory()
+        except Exception as e:  # memlock exhausted at run time
+            warn_once(
+                ("async-copy-pin", str(caps.device)),
+                f"pinning for async_copy_to_gpu failed on {caps.device} ({e}); copying from pageable memory",
+            )
+    if out is not None:
+        return out.copy_(src, non_blocking=True)
+    return src.to(caps.device, non_blocking=True)

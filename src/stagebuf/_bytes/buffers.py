@@ -1,0 +1,410 @@
+"""One buffer interface, one small class per tier.
+
+Every buffer has ``.cpu`` (a CPU tensor the host writes), ``.np`` (a numpy view
+of it), ``.uva(n)`` (a device tensor of the first ``n`` rows) and ``.tier``;
+``copy_to(out, n)`` moves the first ``n`` rows into another device tensor.
+``make_buffer`` picks the class from ``capabilities()``.
+
+The rule for a tier that cannot work (one rule, everywhere):
+
+* **An explicit request that cannot work raises** ``TierUnavailableError``, which
+  names what was asked, why it cannot work here and the allowed values. Explicit
+  requests are ``STAGEBUF_TIER`` (checked by the probe), the ``tier=`` argument of
+  ``make_buffer`` and the tier classes themselves (``UvaBuffer``,
+  ``PinnedBuffer``). "Cannot work" includes "better than the tier STAGEBUF_TIER
+  forces": a forced tier caps the process, so ``UvaBuffer()`` raises under
+  ``STAGEBUF_TIER=pinned`` even on a machine that could do UVA. A tier worse than
+  the chosen one may be asked for (``usable_tiers(caps)`` lists them).
+* **A run-time allocation failure falls back** one tier, with one warning per
+  process: the probe said yes, but a pinned allocation or a device view fails
+  later (memlock exhausted, WSL cap). Only ``make_buffer`` falls back; the tier
+  classes raise ``PinnedAllocationError`` / ``UvaError``.
+
+A buffer's attributes are fixed at construction. Assigning ``.np`` or ``.cpu``
+copies the values in (``buf.np = x`` is ``buf.np[...] = x`` with stagebuf's value
+checks); assigning any other attribute raises ReadOnlyAttributeError (an
+AttributeError).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from .._common.convert import check_rows, fill_host, shape_of, torch_dtype
+from .._common.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    UsageError,
+)
+from .._common.sealed import Sealed
+from .._common.tier import Tier
+from .._common.types import DeviceLike, DTypeLike
+from .._tiers.capabilities import Capabilities, device_type, unavailable_error, usable_tiers
+from .._tiers.probe import capabilities
+from . import uva as _uva
+from .checked import host_view
+from .memory import alloc_device, alloc_host
+
+
+class StagingBuffer(Sealed):
+    """A host buffer and the way its rows reach the device (the tier).
+
+    The base of the four tier classes; make one with :func:`make_buffer`, or with a
+    tier class to ask for that tier. The host writes ``.np`` or ``.cpu``;
+    ``uva(n)`` publishes the first ``n`` rows and returns them as a device tensor.
+
+    Assigning ``buf.np = x`` or ``buf.cpu = x`` copies ``x`` (one scalar, or an
+    array of the buffer's shape) into the host storage, with the value checks of
+    every other input: it raises InvalidArgumentError for another shape or a value
+    that does not fit the dtype, and ArgumentTypeError for an unsupported type;
+    nothing is written then. Assigning or deleting any other attribute raises
+    ReadOnlyAttributeError.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape: a row count, or a tuple whose first entry is the row count.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
+        float64).
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+
+    Attributes
+    ----------
+    tier : Tier
+        The class's tier.
+    cpu : torch.Tensor
+        The host storage (pinned on tiers UVA and PINNED).
+    np : numpy.ndarray
+        A numpy view of ``cpu``.
+    dev : torch.Tensor
+        The device-side storage ``uva()`` publishes into, at a fixed address: a view
+        of ``cpu`` on tiers UVA and HOST, a separate device tensor on the copy tiers.
+    device : torch.device
+        The target device.
+    shape : tuple of int
+        The shape of ``cpu`` and ``dev``.
+    dtype : torch.dtype
+        The element type.
+    """
+
+    tier: ClassVar[Tier]
+    cpu: torch.Tensor
+    np: np.ndarray
+    device: torch.device
+    dev: torch.Tensor
+
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
+        if type(self) is StagingBuffer:
+            raise UsageError(
+                "StagingBuffer is the base of the tier classes and holds no storage; make a buffer with "
+                "make_buffer(size, dtype), or with a tier class: HostBuffer, NonUvaBuffer, PinnedBuffer "
+                "or UvaBuffer"
+            )
+        self.shape = shape_of(size)
+        self.dtype = torch_dtype(dtype)
+        self._rows: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    _COPY_IN = ("np", "cpu")
+
+    def _copy_in(self, name: str, value: Any) -> None:
+        fill_host(self.np, value, self.dtype, f"{type(self).__name__}.{name}")
+
+    def rows(self, n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first ``n`` rows of ``dev`` and ``cpu``; nothing is copied.
+
+        The views are cached per ``n`` (slicing costs a torch call).
+
+        Parameters
+        ----------
+        n : int or None
+            The row count, ``0 <= n <= shape[0]``; None is every row.
+
+        Returns
+        -------
+        tuple of torch.Tensor
+            ``(dev[:n], cpu[:n])``.
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``n`` is not None or an int in ``[0, shape[0]]``.
+        """
+        try:
+            pair = self._rows.get(n)
+        except TypeError:  # an unhashable n: check_rows says what n may be
+            pair = None
+        if pair is None:
+            k = check_rows(n, self.shape[0])
+            if len(self._rows) >= 256:
+                self._rows.clear()
+            pair = self._rows[n] = (self.dev[:k], self.cpu[:k])
+        return pair
+
+    def uva(self, n: int | None = None) -> torch.Tensor:
+        """Publish the first ``n`` rows: a device tensor holding them.
+
+        On tiers UVA and HOST this is a view of the host storage (no copy: later host
+        writes show through). On tiers PINNED and PAGEABLE the rows are copied into
+        ``dev`` (asynchronously, on the current stream) and a view of ``dev`` is
+        returned.
+
+        Parameters
+        ----------
+        n : int or None, optional
+            The row count, ``0 <= n <= shape[0]``; None (the default) is every row.
+
+        Returns
+        -------
+        torch.Tensor
+            The first ``n`` rows of ``dev``, on ``device``.
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``n`` is not None or an int in ``[0, shape[0]]``.
+        """
+        return self.rows(n)[0]
+
+    def copy_to(self, out: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """Copy the first ``n`` host rows into the device tensor ``out`` (on the current stream).
+
+        Parameters
+        ----------
+        out : torch.Tensor
+            The destination: on this buffer's device, of its dtype and row shape, with
+            at least ``n`` rows (checked: ``copy_`` would otherwise convert silently).
+        n : int or None, optional
+            The row count, ``0 <= n <= shape[0]``; None (the default) is every row.
+
+        Returns
+        -------
+        torch.Tensor
+            ``out[:n]``, the rows written.
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``n`` is not None or an int in ``[0, shape[0]]``, or if ``out`` does not
+            fit (device, dtype, row shape or row count).
+        ArgumentTypeError
+            If ``out`` is not a tensor.
+        """
+        n = check_rows(n, self.shape[0])
+        if not isinstance(out, torch.Tensor):
+            raise ArgumentTypeError(f"out must be a torch.Tensor; got {type(out).__name__}")
+        shape = tuple(out.shape)
+        if (
+            out.dtype is not self.dtype
+            or len(shape) != len(self.shape)
+            or shape[0] < n
+            or shape[1:] != self.shape[1:]
+            or out.device != self.device
+        ):
+            raise InvalidArgumentError(
+                f"out has shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}; expected "
+                f"at least {n} rows of shape {self.shape[1:]}, dtype {self.dtype} on {self.device}"
+            )
+        return self._copy_rows(out, n)
+
+    def _copy_rows(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        """``copy_to`` without the checks, for callers that made ``out`` to fit (saves ~1 us)."""
+        dst = out[:n]
+        dst.copy_(self.cpu[:n], non_blocking=True)
+        return dst
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the host storage in bytes."""
+        return self.cpu.numel() * self.cpu.element_size()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+
+def _checked_caps(want: Tier, device: DeviceLike, who: str) -> Capabilities:
+    """The capabilities of ``device``, if tier ``want`` may be asked for there; else raise."""
+    caps = capabilities(device)
+    if want not in usable_tiers(caps):
+        raise unavailable_error(want, caps, who)
+    return caps
+
+
+class HostBuffer(StagingBuffer):
+    """Tier HOST, no accelerator: the CPU tensor is the device tensor.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape, as for :class:`StagingBuffer`.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type.
+    device : torch.device, str or None, optional
+        A CPU device; None (the default) is the CPU too. Anything else is refused.
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them, or ``device`` is not None
+        or a CPU device.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is not None, a ``str``,
+        an ``int`` or a ``torch.device``.
+    """
+
+    tier = Tier.HOST
+
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
+        super().__init__(size, dtype)
+        if device is not None and device_type(device, "HostBuffer") != "cpu":
+            raise InvalidArgumentError(f"HostBuffer: device={device!r}; allowed: None or 'cpu'")
+        self.device = torch.device("cpu")
+        self.cpu = alloc_host(self.shape, self.dtype, pinned=False, tier=self.tier)
+        self.np = host_view(self.cpu, f"{type(self).__name__}.np")
+        self.dev = self.cpu
+        self._freeze()
+
+
+class NonUvaBuffer(StagingBuffer):
+    """Tier PAGEABLE: plain (pageable) host memory copied into a fixed device buffer.
+
+    ``device="cpu"`` works on any machine: a separate CPU tensor stands in for
+    device memory, which is how CPU-only CI exercises the copy path. The copy is
+    issued with ``non_blocking=True``: from pageable memory CUDA stages the source
+    before the call returns, so the host may rewrite ``.cpu`` at once. This tier can
+    be asked for on every device.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape, as for :class:`StagingBuffer`.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
+        accepted.
+    DeviceAllocationError
+        If the device runs out of memory for ``dev``.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    """
+
+    tier = Tier.PAGEABLE
+
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
+        super().__init__(size, dtype)
+        self.device = capabilities(device).device
+        self.cpu = alloc_host(self.shape, self.dtype, pinned=False, tier=self.tier)
+        self.np = host_view(self.cpu, f"{type(self).__name__}.np")
+        self.dev = alloc_device(self.shape, self.dtype, self.device, self.tier)
+        self._freeze()
+
+    def uva(self, n: int | None = None) -> torch.Tensor:
+        dev, host = self.rows(n)
+        return dev.copy_(host, non_blocking=True)
+
+
+class PinnedBuffer(NonUvaBuffer):
+    """Tier PINNED: pinned host memory and one asynchronous copy into a fixed device buffer.
+
+    The device reads ``.cpu`` after ``uva()`` returns, so a host write before the
+    copy is done would reach the device: rewrite a buffer only once its copy is
+    consumed (pools and stagers guard this for you).
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape, as for :class:`StagingBuffer`.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+
+    Raises
+    ------
+    TierUnavailableError
+        If tier PINNED cannot work on the device (the CPU, no pinned memory, or
+        ``STAGEBUF_TIER`` forces PAGEABLE); the message lists the allowed tiers. Also
+        as :func:`capabilities`.
+    PinnedAllocationError
+        If the pinned allocation fails at run time (memlock limit exhausted, say).
+    DeviceAllocationError
+        If the device runs out of memory for ``dev``.
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
+        accepted.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    """
+
+    tier = Tier.PINNED
+
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
+        StagingBuffer.__init__(self, size, dtype)
+        self.device = _checked_caps(Tier.PINNED, device, "PinnedBuffer").device
+        self.cpu = alloc_host(self.shape, self.dtype, pinned=True, tier=self.tier)
+        self.np = host_view(self.cpu, f"{type(self).__name__}.np")
+        self.dev = alloc_device(self.shape, self.dtype, self.device, self.tier)
+        self._freeze()
+
+
+class UvaBuffer(StagingBuffer):
+    """Tier UVA: pinned host memory that kernels read through a device view, zero copies.
+
+    ``uva()`` returns a view of the host memory: the device reads it while kernels
+    run, so rewrite it only once they are done (pools and stagers guard this for
+    you).
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape, as for :class:`StagingBuffer`.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+
+    Raises
+    ------
+    TierUnavailableError
+        If tier UVA cannot work on the device (the CPU, no cuda-bindings, the UVA
+        probe failed, or ``STAGEBUF_TIER`` forces a worse tier); the message lists
+        the allowed tiers. Also as :func:`capabilities`.
+    PinnedAllocationError
+        If the pinned allocation fails at run time (memlock limit exhausted, say).
+    UvaError
+        If the device view of the new allocation cannot be made or does not alias it.
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
+        accepted.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    """
+
+    tier = Tier.UVA
+
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
+        super().__init__(size, dtype)
+        self.device = _checked_caps(Tier.UVA, device, "UvaBuffer").device
+        self.cpu = alloc_host(self.shape, self.dtype, pinned=True, tier=self.tier)
+        self.np = host_view(self.cpu, f"{type(self).__name__}.np")
+        self.dev = _uva.device_view(self.cpu, self.device)
+        self._freeze()

@@ -1,0 +1,89 @@
+"""``make_buffer``: a buffer of the tier ``capabilities()`` chose, falling back one tier at run time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._common.errors import PinnedAllocationError, UvaError
+from .._common.log import warn_once
+from .._common.tier import Tier
+from .._common.types import DeviceLike, DTypeLike
+from .._tiers.probe import capabilities
+from .buffers import HostBuffer, NonUvaBuffer, PinnedBuffer, StagingBuffer, UvaBuffer, _checked_caps
+
+BUFFER_CLASSES: dict[Tier, type[StagingBuffer]] = {
+    Tier.UVA: UvaBuffer,
+    Tier.PINNED: PinnedBuffer,
+    Tier.PAGEABLE: NonUvaBuffer,
+    Tier.HOST: HostBuffer,
+}
+
+
+def make_buffer(
+    size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None, tier: Tier | str | None = None
+) -> StagingBuffer:
+    """A buffer of the tier chosen for ``device``, or of ``tier``.
+
+    An allocation that fails at run time (memlock exhausted, WSL cap, a device view
+    refused) falls back to the next tier that can work, with one warning per process;
+    an explicit ``tier`` that cannot work here at all raises instead.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        The shape: a row count, or a tuple whose first entry is the row count.
+    dtype : torch.dtype, numpy.dtype, type or str
+        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
+        float64).
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None is the default device.
+    tier : Tier, str or None, optional
+        The tier to use (``"uva"``, ``"pinned"``, ``"pageable"``, ``"host"`` or a
+        Tier); None (the default) is ``capabilities(device).tier``. On the CPU the
+        allowed tiers are PAGEABLE and HOST; on an accelerator, the chosen tier and
+        every worse copy tier.
+
+    Returns
+    -------
+    StagingBuffer
+        A :class:`UvaBuffer`, :class:`PinnedBuffer`, :class:`NonUvaBuffer` or
+        :class:`HostBuffer`: of the tier asked for, or a worse one after a run-time
+        fallback.
+
+    Raises
+    ------
+    TierUnavailableError
+        If ``tier`` is given and cannot work on the device; the message lists the
+        allowed tiers. Also as :func:`capabilities`.
+    InvalidArgumentError
+        If ``tier`` names no tier, or ``size`` is not an int >= 0 or a tuple of them.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
+        accepted.
+    DeviceAllocationError
+        If the device runs out of memory.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    """
+    if tier is None:
+        caps = capabilities(device)
+        want = caps.tier
+    else:
+        want = Tier.parse(tier)
+        caps = _checked_caps(want, device, f"make_buffer(tier={want.name.lower()!r})")
+    last = want if caps.device_type == "cpu" else Tier.PAGEABLE  # CPU tiers never fail to pin
+    t = want
+    while True:
+        try:
+            return BUFFER_CLASSES[t](size, dtype, caps.device)
+        except (PinnedAllocationError, UvaError) as e:
+            # no pinned memory: PINNED would fail the same way, so go straight to PAGEABLE
+            nxt = Tier.PAGEABLE if isinstance(e, PinnedAllocationError) else Tier(t + 1)
+            if t >= last:
+                raise
+            warn_once(
+                ("runtime-fallback", str(caps.device), nxt),
+                f"a {t.name} buffer could not be made on {caps.device} "
+                f"({e}); falling back to tier {nxt.name} for it",
+            )
+            t = nxt

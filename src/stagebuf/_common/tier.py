@@ -1,0 +1,90 @@
+"""The tier ladder: how host data reaches the device, best first."""
+
+from __future__ import annotations
+
+import enum
+
+from .errors import InvalidArgumentError
+from .sealed import Sealed
+
+
+class Tier(Sealed, enum.IntEnum):
+    """How host data reaches the device, best first: a lower value is a better tier.
+
+    :func:`capabilities` chooses one per device; ``STAGEBUF_TIER`` (``uva``,
+    ``pinned``, ``pageable`` or ``host``) forces one, and nothing better is then used
+    in the process. Being an ``IntEnum``, tiers compare by quality: ``Tier.UVA <
+    Tier.PINNED``. ``Tier(value)`` for a value no tier has raises InvalidArgumentError;
+    a tier's attributes are constants: assigning one raises ReadOnlyAttributeError.
+
+    Attributes
+    ----------
+    copies : bool
+        True where publishing host data costs an explicit host-to-device transfer
+        (PINNED, PAGEABLE).
+    async_host_reads : bool
+        True where the device reads host memory after the host call returned (UVA,
+        PINNED). On these tiers a host slot must not be rewritten until the device is
+        done with it: this is what the slot-reuse guard protects.
+    """
+
+    UVA = 0
+    """Pinned host memory read by kernels through a device view (zero copies)."""
+    PINNED = 1
+    """Pinned host memory and one asynchronous copy into device memory."""
+    PAGEABLE = 2
+    """Plain host memory and a copy into a fixed device buffer."""
+    HOST = 3
+    """No accelerator; the CPU tensor is the device tensor."""
+
+    copies: bool
+    async_host_reads: bool
+
+    @classmethod
+    def parse(cls, value: str | Tier, name: str = "tier") -> Tier:
+        """The tier named by ``value``.
+
+        Parameters
+        ----------
+        value : str or Tier
+            A tier name in any case, surrounding spaces ignored (``"uva"``,
+            ``"PINNED"``), or a Tier, returned as it is.
+        name : str, optional
+            What ``value`` was given as, for the error message (default ``"tier"``).
+
+        Returns
+        -------
+        Tier
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``value`` names no tier; the message lists the allowed names.
+        """
+        if isinstance(value, Tier):
+            return value
+        try:
+            return cls[str(value).strip().upper()]
+        except KeyError:
+            allowed = ", ".join(t.name.lower() for t in cls)
+            raise InvalidArgumentError(f"{name}={value!r} is not a tier; allowed: {allowed}") from None
+
+    @classmethod
+    def _missing_(cls, value: object) -> Tier:
+        # Tier(value) for a value no tier has: the error names the values (and parse, for names)
+        allowed = ", ".join(f"{t.value} ({t.name})" for t in cls)
+        raise InvalidArgumentError(
+            f"Tier({value!r}): no tier has this value; allowed: {allowed}, or Tier.parse(name) for a name"
+        )
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# Plain member attributes, not properties: the hot paths read them per staged array. Then the
+# members are sealed: a tier is a process-wide constant, so no attribute of one may be assigned.
+for _t in Tier:
+    _t.copies = _t in (Tier.PINNED, Tier.PAGEABLE)
+    _t.async_host_reads = _t in (Tier.UVA, Tier.PINNED)
+    _t._freeze()
+del _t

@@ -1,0 +1,259 @@
+"""Step mode of the vLLM plugin: a step's staged writes, publishes and copies in one transfer, one launch.
+
+Between the start of ``execute_model`` and its ``async_tensor_h2d(..., out=...)`` (the
+``query_start_loc`` copy), the step-mode classes and ``async_tensor_h2d`` defer into the device's
+:class:`StepBatch`, flushed as one staged array and one Triton launch (docs/DESIGN.md, "Step mode").
+Outside that window each call adds and flushes at once: the same path, one call at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._bytes.memory import alloc_device, alloc_host
+from .._common.convert import check_rows, numpy_dtype, shape_of, torch_dtype
+from .._common.tier import Tier
+from .._common.types import DeviceLike, DTypeLike
+from .._rings.pool import UvaBackedTensor
+from .._rings.staged_write import FusedStagedWriter, StagedWriteTensor
+from .._rings.staged_write.launcher import Gathered
+from .._rings.step_batch import BATCHES, StepBatch, WordTarget, batch
+from .._tiers.probe import capabilities
+
+_WINDOW: list[Any] = [False, None]
+"""Whether calls are deferred now, and the batch the window's first deferred call joined."""
+
+
+def _done(b: StepBatch) -> None:
+    """After adding: inside the window, remember the window's batch; outside it, write at once."""
+    if not _WINDOW[0]:
+        b.flush()
+    elif _WINDOW[1] is None:
+        _WINDOW[1] = b
+
+
+@contextmanager
+def window() -> Iterator[None]:
+    """Defer the step-mode calls made inside it; flush what is left on leaving."""
+    if _WINDOW[0]:  # nested (execute_model calling itself): the outer one flushes
+        yield
+        return
+    _WINDOW[0], _WINDOW[1] = True, None
+    try:
+        yield
+    finally:
+        close_window()
+
+
+def close_window() -> None:
+    """End the window now (the step's inputs are complete): flush, and stop deferring."""
+    _WINDOW[0], _WINDOW[1] = False, None
+    for b in BATCHES.values():
+        if b.nwords or b.step is not None:
+            b.flush()
+
+
+def reset() -> None:
+    """Forget every batch (tests; the plugin's unregister)."""
+    for b in list(BATCHES.values()):
+        b.flush()
+    BATCHES.clear()
+    _by_key.clear()
+    _outs.clear()
+    _WINDOW[0], _WINDOW[1] = False, None
+
+
+# --- the step-mode classes --------------------------------------------------------------------
+
+
+class StepStagedWriteTensor(StagedWriteTensor):
+    """``StagedWriteTensor`` whose applies join the step's batch (one launch for the step)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._step_batch = batch(self.device, self.tier)
+
+    def _write(self, parts: list[Gathered]) -> Any:
+        b = self._step_batch
+        for g in parts:
+            b.add_gathered(self.gpu, g)
+        _done(b)
+        return "triton" if b.triton else ("host" if b.tier is Tier.HOST else "scatter")
+
+
+class StepFusedStagedWriter(FusedStagedWriter):
+    """``FusedStagedWriter`` whose applies join the step's batch."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._step_batch = batch(self.device, capabilities(self.device).tier)
+
+    def _write(self, parts: list[Gathered]) -> Any:
+        b = self._step_batch
+        for g in parts:
+            b.add_gathered(g.target.flat, g)
+        _done(b)
+        return "triton" if b.triton else ("host" if b.tier is Tier.HOST else "scatter")
+
+
+class StepBackedTensor(UvaBackedTensor):
+    """``UvaBackedTensor`` with a fixed device tensor: a publish is one edit of the step's batch.
+
+    ``.gpu`` is always a view of the same device memory (the first ``n`` rows of the
+    last ``copy_to_uva(n)``); the write is stream-ordered, so kernels enqueued before
+    a publish read the values before it. Dtypes whose rows are not whole 32-bit
+    words publish through the parent's pool instead.
+    """
+
+    def __init__(
+        self,
+        size: int | tuple[int, ...],
+        dtype: DTypeLike,
+        max_concurrency: int | None = None,
+        device: DeviceLike = None,
+    ):
+        dt = torch_dtype(dtype)
+        if numpy_dtype(dt).itemsize % 4:
+            super().__init__(size, dt, max_concurrency, device)
+            self._fixed = None
+            return
+        shape = shape_of(size)
+        caps = capabilities(device)
+        self.dtype = dt
+        self.cpu = alloc_host(shape, dt, pinned=False)
+        self.np = self.cpu.numpy()
+        self.pool = None  # type: ignore[assignment]
+        self.device = caps.device
+        self._fixed = alloc_device(shape, dt, caps.device)
+        self._step_batch = batch(caps.device, caps.tier)
+        self._target = self._step_batch.target(self._fixed)
+        self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+        """Per row count: the device view, and the host rows as 32-bit words."""
+        self._gpu = self._fixed
+        self._freeze()
+
+    @property
+    def tier(self) -> Tier:
+        return self._step_batch.tier if self._fixed is not None else super().tier
+
+    def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
+        fixed = self._fixed
+        if fixed is None:
+            return super().copy_to_uva(n)
+        rows = self.np.shape[0] if n is None else n
+        got = self._views.get(rows) if type(rows) is int else None  # (True == 1: no cache hit for a bool)
+        if got is None:
+            if type(rows) is not int or not 0 <= rows <= self.np.shape[0]:
+                rows = check_rows(n, self.np.shape[0])  # raises the parent's error, or an int-like n
+            got = self._views[rows] = (fixed[:rows], self.np[:rows].reshape(-1).view(np.int32))
+        self._gpu = got[0]
+        if rows:
+            b = self._step_batch
+            b.add_whole(self._target, got[1].copy())
+            _done(b)
+        return got[0]
+
+    def stats(self) -> dict[str, int]:
+        if self._fixed is None:
+            return super().stats()
+        return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0}
+
+
+def wrap_h2d(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """vLLM's ``async_tensor_h2d`` in step mode: staged in the step's batch inside the window."""
+
+    @functools.wraps(original)
+    def async_tensor_h2d(
+        data: Any, device: Any = None, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not _WINDOW[0]:
+            return original(data, device=device, dtype=dtype, out=out)
+        arr = _host(data)
+        b: StepBatch | None = _WINDOW[1]
+        if b is None:
+            key = out.device if out is not None else device
+            b = _by_key.get(key) or _batch_for(key)
+        if b is None or arr is None:  # not a case step mode stages: vLLM's own copy, in order
+            close_window()
+            return original(data, device=device, dtype=dtype, out=out)
+        if out is None:
+            want = numpy_dtype(dtype) if dtype is not None else arr.dtype
+            return b.open_step().stage(arr.astype(want, copy=False))
+        got = _outs.get((id(out), id(b)))
+        if got is None or got[0] is not out:
+            got = _outs[(id(out), id(b))] = (out, _out_layout(out, b))
+        layout = got[1]
+        if layout is None or arr.size != layout[1] or (dtype is not None and dtype != out.dtype):
+            close_window()
+            return original(data, device=device, dtype=dtype, out=out)
+        # no copy where it is contiguous and of out's dtype: the flush below reads it at once
+        b.add_whole(layout[2], np.ascontiguousarray(arr.reshape(-1), layout[0]).view(np.int32))
+        close_window()  # the step's inputs are complete: its kernels come next
+        return out
+
+    return async_tensor_h2d
+
+
+_outs: dict[tuple[int, int], tuple[torch.Tensor, tuple[np.dtype, int, WordTarget] | None]] = {}
+"""Per ``out`` tensor of ``async_tensor_h2d`` and batch: its numpy dtype, size and batch target (None: not one
+step mode writes: not contiguous, or not whole 32-bit words)."""
+
+
+def _out_layout(out: torch.Tensor, b: StepBatch) -> tuple[np.dtype, int, WordTarget] | None:
+    dt = numpy_dtype(out.dtype)
+    if not out.is_contiguous() or dt.itemsize % 4:
+        return None
+    return dt, out.numel(), b.target(out)
+
+
+_by_key: dict[Any, StepBatch] = {}
+"""async_tensor_h2d's ``device`` (or ``out.device``) as given -> its device's batch."""
+
+
+def _batch_for(key: Any) -> StepBatch | None:
+    """The batch of the device ``key`` names (cached per key), or None if stagebuf does not run there."""
+    if key is None:
+        return None
+    try:
+        dev = capabilities(key).device
+    except Exception:
+        return None
+    b = _by_key[key] = batch(dev, capabilities(dev).tier)
+    return b
+
+
+def _host(data: Any) -> np.ndarray | None:
+    """``data`` as a 1-D or 2-D numpy array of a supported dtype, or None (then vLLM's own copy)."""
+    if isinstance(data, np.ndarray):
+        arr = data
+    elif isinstance(data, torch.Tensor) and data.device.type == "cpu" and not data.requires_grad:
+        try:
+            arr = data.numpy()
+        except (TypeError, RuntimeError):
+            return None
+    else:
+        return None
+    if arr.ndim not in (1, 2) or arr.dtype.kind not in "iuf" or arr.size == 0:
+        return None
+    return arr
+
+
+def wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GPUModelRunner.execute_model`` in step mode: its input staging inside one window."""
+
+    @functools.wraps(original)
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
+        if dummy or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return original(self, scheduler_output, *args, **kwargs)
+        with window():
+            return original(self, scheduler_output, *args, **kwargs)
+
+    execute_model.__stagebuf_step__ = True  # type: ignore[attr-defined]
+    return execute_model

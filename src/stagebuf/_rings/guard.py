@@ -1,0 +1,295 @@
+"""The slot-reuse guard: one event per step for a whole device, checked before a slot comes round.
+
+On UVA the device reads a slot's host memory while kernels run; on PINNED the
+asynchronous copy reads it after the host call returned. Rewriting that slot
+before the readers are done gives them torn inputs, silently. Every ring of
+slots on one device shares a ``StepClock``: one event per step, recorded when a
+ring that already staged in the step stages again (or at ``begin_step()``), and
+checked before a slot comes round: ``wait`` blocks (and counts the wait),
+``raise`` raises SlotInFlightError, ``off`` skips. ``auto`` is ``wait`` on the
+tiers whose host memory the device reads asynchronously (UVA, PINNED) and
+``off`` elsewhere, where stream order already protects single-stream consumers.
+``STAGEBUF_CHECK=1`` also keeps each ring's own event per use and raises
+StepRuleError where the clock's step rule was broken.
+
+Events are cheap CUDA events recorded through cuda-bindings on torch's current
+raw stream where cuda-bindings is present (no ``torch.cuda.current_stream()``
+object on the hot path), else ``torch.cuda.Event``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Literal, Protocol
+
+import torch
+
+from .._common.errors import CudaError, InvalidArgumentError
+from .._common.types import DeviceLike
+from .._tiers.settings import DEFAULT_MAX_CONCURRENCY
+
+GuardMode = Literal["auto", "wait", "raise", "off"]
+GUARD_MODES: tuple[GuardMode, ...] = ("auto", "wait", "raise", "off")
+
+
+_DEFAULT_MAX_CONCURRENCY = DEFAULT_MAX_CONCURRENCY
+MAX_SLOTS = 1024
+"""The most slots one ring may have (each is a buffer; an engine keeps a few steps in flight)."""
+
+
+def set_default_max_concurrency(n: int) -> None:
+    """Set the default slot count of the rings made afterwards.
+
+    Pools, stagers, parameter tables and staged writers made with
+    ``max_concurrency=None`` take this many slots; those made before keep theirs.
+    The default is 2.
+
+    Parameters
+    ----------
+    n : int
+        The slot count, >= 1; values below 2 are raised to 2 (a ring needs a second
+        slot to fill while the device reads the first).
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``n`` is not an int >= 1 (a ``bool`` is refused).
+    """
+    global _DEFAULT_MAX_CONCURRENCY
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SLOTS:
+        raise InvalidArgumentError(
+            f"n={n!r} must be an int in [1, {MAX_SLOTS}] (values below 2 are raised to 2)"
+        )
+    _DEFAULT_MAX_CONCURRENCY = max(2, n)
+
+
+def slot_count(max_concurrency: int | None) -> int:
+    """The slot count of a ring: ``max_concurrency``, or the default; at least 2."""
+    if max_concurrency is None:
+        return _DEFAULT_MAX_CONCURRENCY
+    if (
+        isinstance(max_concurrency, bool)
+        or not isinstance(max_concurrency, int)
+        or not 1 <= max_concurrency <= MAX_SLOTS
+    ):
+        raise InvalidArgumentError(
+            f"max_concurrency={max_concurrency!r} must be None or an int in [1, {MAX_SLOTS}]"
+        )
+    return max(2, max_concurrency)
+
+
+class Event(Protocol):
+    def record(self) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+class _TorchEvent:
+    __slots__ = ("_ev", "_device")
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        with torch.cuda.device(device):
+            self._ev = torch.cuda.Event()
+
+    def record(self) -> None:
+        # the current stream *of the event's device*, whichever device is current
+        self._ev.record(torch.cuda.current_stream(self._device))
+
+    def query(self) -> bool:
+        return bool(self._ev.query())
+
+    def synchronize(self) -> None:
+        self._ev.synchronize()
+
+
+class _CudartEvent:
+    """A CUDA event driven through cuda-bindings on torch's current raw stream."""
+
+    __slots__ = ("_ev", "_rt", "_idx", "_record", "_query", "_stream", "_not_ready")
+
+    def __init__(self, device: torch.device, cudart: ModuleType):
+        self._rt = cudart
+        self._idx = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.cuda.device(self._idx):
+            err, self._ev = cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming)
+        if int(err) != 0:
+            raise CudaError(f"cudaEventCreateWithFlags failed: {err}")
+        self._record = cudart.cudaEventRecord
+        self._query = cudart.cudaEventQuery
+        self._stream = torch._C._cuda_getCurrentRawStream
+        self._not_ready = cudart.cudaError_t.cudaErrorNotReady
+
+    def record(self) -> None:
+        (err,) = self._record(self._ev, self._stream(self._idx))
+        if int(err) != 0:  # the caller switched its current device since: record under ours
+            with torch.cuda.device(self._idx):
+                (err,) = self._record(self._ev, self._stream(self._idx))
+        if int(err) != 0:
+            raise CudaError(f"cudaEventRecord failed: {err}")
+
+    def query(self) -> bool:
+        (err,) = self._query(self._ev)
+        if err == self._not_ready:
+            return False
+        if int(err) != 0:
+            raise CudaError(f"cudaEventQuery failed: {err}")
+        return True
+
+    def synchronize(self) -> None:
+        (err,) = self._rt.cudaEventSynchronize(self._ev)
+        if int(err) != 0:
+            raise CudaError(f"cudaEventSynchronize failed: {err}")
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._rt.cudaEventDestroy(self._ev)
+
+
+def make_event(device: torch.device) -> Event | None:
+    """An event for ``device``, or None where work is synchronous (the CPU)."""
+    if device.type != "cuda":
+        return None
+    if device.index is None or device.index == torch.cuda.current_device():
+        # cuda-bindings' runtime records against the calling thread's current device, so
+        # the cheap path is only for the current device (one process per GPU, the usual
+        # engine layout); an event for another device goes through torch.
+        try:
+            from .._bytes.uva import load_cudart
+
+            return _CudartEvent(device, load_cudart())
+        except Exception:
+            pass
+    return _TorchEvent(device)
+
+
+EventFactory = Callable[[torch.device], Event | None]
+"""Makes an event for a device (None where work is synchronous): ``make_event``, or a test's fake."""
+
+_CLOCK_EVENTS = 64
+"""Events a clock keeps; a use whose event was recycled is checked against a later one (safe)."""
+
+
+class StepClock:
+    """One event per step for every ring on one device.
+
+    A *step* ends when a ring that already staged in it stages again (the natural
+    engine order: stage every input once, launch the model, repeat), or when a
+    ring's uses are marked consumed and nothing else records. Ending a step
+    records one event on the device's current stream; every slot used during
+    that step is protected by it. Rings whose consumer is enqueued inside the
+    call itself (a staged-write apply, a parameter-table sync) mark their use,
+    and are protected by the first event recorded after it.
+
+    So one event is recorded per step, and one query answers for every ring,
+    where a guard per ring records and queries one per call.
+    """
+
+    __slots__ = ("device", "factory", "active", "tick", "serial", "_events", "_done", "_tick_end", "held")
+
+    def __init__(self, device: torch.device, factory: EventFactory):
+        self.device = device
+        self.factory = factory
+        self.tick = 0
+        """The current step."""
+        self.serial = 0
+        """Events recorded so far (the next event's serial)."""
+        self._events: list[Event | None] = [None] * _CLOCK_EVENTS
+        self._done = [-1] * _CLOCK_EVENTS
+        self.held = [-1] * _CLOCK_EVENTS
+        """Per event object: the serial it was last recorded as."""
+        """Per event object: the latest serial known to be complete."""
+        self._tick_end = [-1] * _CLOCK_EVENTS
+        """Per step (mod _CLOCK_EVENTS): the serial of the event that ended it."""
+        self.active = factory(device) is not None
+
+    def record(self) -> int:
+        """Record an event now; its serial."""
+        k = self.serial
+        i = k % _CLOCK_EVENTS
+        ev = self._events[i]
+        if ev is None:
+            ev = self._events[i] = self.factory(self.device)
+        assert ev is not None
+        ev.record()
+        self.held[i] = k
+        self.serial = k + 1
+        return k
+
+    def end_step(self) -> None:
+        """Record the event that ends the current step, and begin the next."""
+        self._tick_end[self.tick % _CLOCK_EVENTS] = self.record()
+        self.tick += 1
+
+    def step_event(self, tick: int) -> int:
+        """The serial of the event that ended step ``tick`` (-1: none recorded yet)."""
+        if tick >= self.tick:
+            return -1
+        k = self._tick_end[tick % _CLOCK_EVENTS]
+        # a recycled entry holds a later step's event, which is later still: safe to wait for
+        return k
+
+    def done(self, k: int) -> bool:
+        """Whether event ``k`` (or a later one in its place) has completed; asks the device once."""
+        i = k % _CLOCK_EVENTS
+        if self._done[i] >= k:
+            return True
+        ev = self._events[i]
+        if ev is None or ev.query():
+            self._done[i] = max(k, self._done[i])
+            return True
+        return False
+
+    def wait(self, k: int) -> None:
+        i = k % _CLOCK_EVENTS
+        ev = self._events[i]
+        if ev is not None:
+            ev.synchronize()
+        self._done[i] = max(k, self._done[i])
+
+
+_clocks: dict[str, StepClock] = {}
+
+
+def step_clock(device: torch.device) -> StepClock:
+    """The clock shared by every ring on ``device``."""
+    key = str(device)
+    clock = _clocks.get(key)
+    if clock is None:
+        clock = _clocks[key] = StepClock(device, make_event)
+    return clock
+
+
+def begin_step(device: DeviceLike = None) -> None:
+    """Begin a step on ``device``'s step clock: record the event that ends the last step.
+
+    The clock finds step boundaries by itself when every ring stages once per step.
+    An engine with a ring that skips steps (or stages twice in one) calls this at
+    the start of each step. Where the device runs synchronously (the CPU) there is
+    no clock to advance and this does nothing.
+
+    Parameters
+    ----------
+    device : torch.device, str, int or None, optional
+        The device whose clock to advance, as for :func:`capabilities`; None (the
+        default) is the default device.
+
+    Raises
+    ------
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    ArgumentTypeError
+        As :func:`capabilities`: ``device`` of a type that is not accepted.
+    CudaError
+        If recording the CUDA event fails.
+    """
+    from .._tiers.probe import capabilities
+
+    dev = capabilities(device).device
+    clock = step_clock(dev)
+    if clock.active:
+        clock.end_step()

@@ -1,0 +1,337 @@
+"""``DeviceParamTable``: per-request parameters written on the host, uploaded only when changed.
+
+All fields (``name -> dtype``, ``num_rows`` values each) live in one packed host
+arena, each at a 16-byte-aligned offset; users write ``table[name].np`` (or
+``table.fields[name].np``) directly. ``table[name].gpu`` is a typed view of one
+fixed device arena (its address never changes, so CUDA graphs may read it).
+``sync()`` compares the host arena with a shadow of what was last uploaded and,
+only if a byte differs, snapshots the host arena into the next of
+``max_concurrency`` round-robin staging slots and issues one stream-ordered
+copy of the whole arena from that slot. The copy
+reads the snapshot, not the arena, so host writes after ``sync()`` never race
+the copy in flight; the slot-reuse guard (see :mod:`stagebuf._rings.guard`) makes
+sure a slot's previous copy is done before the slot is written again.
+
+Nothing is silently ignored: ``field.np = values`` (or ``.cpu``) copies the
+values into the field's host view, checked like every stagebuf input (the
+field's shape, or one scalar for every row); every other public attribute of a
+field or a table is read-only and raises AttributeError saying what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._bytes.checked import host_view
+from .._bytes.make import make_buffer
+from .._bytes.memory import alloc_device, alloc_host
+from .._common.convert import fill_host, torch_dtype
+from .._common.errors import ArgumentTypeError, InvalidArgumentError, UnknownFieldError
+from .._common.sealed import Sealed
+from .._common.tier import Tier
+from .._common.types import DeviceLike
+from .._tiers.probe import capabilities
+from .._tiers.settings import ALIGN
+from .guard import slot_count
+from .ring import Ring
+
+
+class _Fields(Mapping[str, "ParamField"]):
+    """``table.fields``: name -> ParamField, read-only; an unknown name raises UnknownFieldError."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: dict[str, ParamField]):
+        self._d = d
+
+    def __getitem__(self, name: str) -> ParamField:
+        try:
+            return self._d[name]
+        except (KeyError, TypeError):  # (an unhashable key is no field name either)
+            raise UnknownFieldError(f"no field {name!r}; fields: {', '.join(self._d)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __repr__(self) -> str:
+        return f"fields({', '.join(self._d)})"
+
+
+class ParamField(Sealed):
+    """One field of a DeviceParamTable: ``.np``/``.cpu`` on the host, ``.gpu`` on the device.
+
+    Made by :class:`DeviceParamTable`, not by hand. ``field.np = values`` (or
+    ``.cpu``) copies ``values`` (one scalar, or one value per row) into the host
+    view, like ``field.np[:] = values`` with stagebuf's value checks: it raises
+    InvalidArgumentError for another shape or a value that does not fit the dtype,
+    and ArgumentTypeError for an unsupported type. The other attributes are
+    read-only (ReadOnlyAttributeError).
+
+    Attributes
+    ----------
+    name : str
+        The field's name.
+    dtype : torch.dtype
+        The field's element type.
+    offset : int
+        Byte offset in the table's packed arena.
+    cpu : torch.Tensor
+        The host values (one per row), written by the host.
+    np : numpy.ndarray
+        A numpy view of ``cpu``.
+    gpu : torch.Tensor
+        The device values, at a fixed address, written by ``table.sync()``.
+    """
+
+    _COPY_IN = ("np", "cpu")
+
+    def __init__(self, name: str, dtype: torch.dtype, offset: int, cpu: torch.Tensor, gpu: torch.Tensor):
+        self.name = name
+        self.dtype = dtype
+        self.offset = offset
+        self.cpu = cpu
+        self.np = host_view(cpu, f"table[{name!r}].np")
+        self.gpu = gpu
+        self._freeze()
+
+    def _copy_in(self, name: str, value: Any) -> None:
+        fill_host(self.np, value, self.dtype, f"table[{self.name!r}].{name}")
+
+    def __repr__(self) -> str:
+        return f"ParamField({self.name!r}, dtype={self.dtype}, rows={self.cpu.shape[0]})"
+
+
+class DeviceParamTable(Sealed):
+    """Per-row parameters (e.g. sampling temperature, top-k) mirrored on the device.
+
+    Every field holds ``num_rows`` values, packed with the others into one host
+    arena and one device arena at a fixed address. The host writes
+    ``table[name].np``; :meth:`sync` uploads the whole arena with one copy when a
+    value changed, from a snapshot in the next of ``max_concurrency`` staging slots,
+    so host writes after ``sync()`` never reach the copy in flight. The device
+    values keep their address for the table's life (CUDA graphs may read them).
+
+    ``table[name]`` and ``table.fields[name]`` are the field's :class:`ParamField`
+    (a name that is not a field raises UnknownFieldError, a KeyError);
+    ``name in table``, ``len(table)`` and iteration go over the field names. The
+    table's attributes are read-only: assigning one raises ReadOnlyAttributeError
+    saying how to write the values instead.
+
+    Parameters
+    ----------
+    num_rows : int
+        The values per field, >= 0.
+    fields : mapping of str to dtype
+        Field name (a non-empty str) -> its element type (a torch dtype, numpy dtype
+        or name: bool, uint8, int8, int16, int32, int64, float16, float32, float64),
+        in arena order; at least one field.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`; None (the default) is the
+        current accelerator, else the CPU.
+    max_concurrency : int or None, optional
+        The staging slot count, >= 1 (values below 2 are raised to 2); None (the
+        default) is :func:`set_default_max_concurrency`'s value.
+
+    Attributes
+    ----------
+    num_rows : int
+        The values per field.
+    nbytes : int
+        The packed arena's size in bytes (each field starts 16-byte aligned).
+    device : torch.device
+        The target device.
+    max_concurrency : int
+        The staging slot count (at least 2).
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``num_rows`` is not an int >= 0, ``fields`` is not a non-empty mapping, a
+        field name is not a non-empty str, or ``max_concurrency`` is not None or an
+        int >= 1.
+    ArgumentTypeError
+        If a field's dtype is not a supported dtype, or ``device`` is of a type that
+        is not accepted.
+    DeviceAllocationError
+        If the device runs out of memory for the arena or the staging slots.
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        fields: Mapping[str, Any],
+        device: DeviceLike = None,
+        max_concurrency: int | None = None,
+    ):
+        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or num_rows < 0:
+            raise InvalidArgumentError(f"num_rows={num_rows!r} must be an int >= 0")
+        if not isinstance(fields, Mapping) or not fields:
+            raise InvalidArgumentError(f"fields={fields!r} must be a non-empty dict of name -> torch dtype")
+        self.num_rows = int(num_rows)
+        layout: list[tuple[str, torch.dtype, int]] = []
+        off = 0
+        for name, dt in fields.items():
+            if not isinstance(name, str) or not name:
+                raise InvalidArgumentError(f"field name {name!r} must be a non-empty str")
+            dtype = torch_dtype(dt, f"fields[{name!r}]")
+            layout.append((name, dtype, off))
+            nbytes = self.num_rows * torch.empty((), dtype=dtype).element_size()
+            off = (off + nbytes + ALIGN - 1) & -ALIGN
+        self.nbytes = max(off, ALIGN)
+        caps = capabilities(device)
+        self.device = caps.device
+        self.max_concurrency = slot_count(max_concurrency)
+        self._host = alloc_host((self.nbytes,), torch.uint8, pinned=False, tier=caps.tier)
+        self._host_np = self._host.numpy()
+        # the device arena starts zero-filled too
+        self._shadow = alloc_host((self.nbytes,), torch.uint8, pinned=False, tier=caps.tier).numpy()
+        self._dev = alloc_device((self.nbytes,), torch.uint8, self.device, caps.tier)
+        self._ring = Ring(
+            self.max_concurrency,
+            lambda: make_buffer(self.nbytes, torch.uint8, self.device),
+            "auto",
+            "param table slot",
+        )
+        self._syncs = {"skipped": 0, "syncs": 0}
+        self._fields: dict[str, ParamField] = {}
+        for name, dtype, o in layout:
+            n = self.num_rows * torch.empty((), dtype=dtype).element_size()
+            self._fields[name] = ParamField(
+                name, dtype, o, self._host[o : o + n].view(dtype), self._dev[o : o + n].view(dtype)
+            )
+        self._fields_view = _Fields(self._fields)
+        self._freeze()
+
+    @property
+    def tier(self) -> Tier:
+        """The tier of the staging slots (the worst, if a run-time fallback split them)."""
+        return self._ring.tier
+
+    @property
+    def fields(self) -> Mapping[str, ParamField]:
+        """name -> ParamField, read-only, in arena order (``table.fields[name]`` is ``table[name]``).
+
+        Looking up a name that is not a field raises UnknownFieldError (a KeyError).
+        """
+        return self._fields_view
+
+    def _missing_hint(self, name: str) -> str | None:
+        if name in self.__dict__.get("_fields", {}):
+            return f"fields are not attributes: it is table[{name!r}]"
+        return None
+
+    def _why(self, name: str) -> str:
+        if name in self._fields:
+            return f"fields are not attributes; write the values with table[{name!r}].np[...] = values"
+        return super()._why(name)
+
+    def __getitem__(self, name: str) -> ParamField:
+        """The field ``name``.
+
+        Parameters
+        ----------
+        name : str
+            A field name, as given to the constructor.
+
+        Returns
+        -------
+        ParamField
+            The field: write ``.np`` (or ``.cpu``), read ``.gpu`` after :meth:`sync`.
+
+        Raises
+        ------
+        UnknownFieldError
+            If ``name`` is not a field (a KeyError too); the message lists the fields.
+        """
+        return self._fields_view[name]
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            return name in self._fields
+        except TypeError:  # unhashable: not a field name
+            return False
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def changed(self) -> bool:
+        """Whether a host value differs from what was last uploaded (bitwise: a NaN equals itself).
+
+        Returns
+        -------
+        bool
+            True when :meth:`sync` would issue a copy.
+        """
+        return self._host_np.tobytes() != self._shadow.tobytes()  # bitwise (a NaN equals itself)
+
+    def sync(self, force: bool = False) -> bool:
+        """Upload every field with one stream-ordered copy if a host value changed (or ``force``).
+
+        The host arena is snapshotted into the next staging slot (once the guard says
+        that slot's previous copy is done) and copied from there into the device arena
+        on the current stream: later host writes do not reach this copy.
+
+        Parameters
+        ----------
+        force : bool, optional
+            Upload even when nothing changed (default False).
+
+        Returns
+        -------
+        bool
+            True when a copy was issued, False when the device already held the host
+            values.
+
+        Raises
+        ------
+        CudaError
+            If recording or querying the guard's CUDA event fails.
+        """
+        self._syncs["syncs"] += 1
+        if not isinstance(force, (bool, np.bool_)):
+            raise ArgumentTypeError(f"force={force!r}; allowed: True or False")
+        if not force and not self.changed():
+            self._syncs["skipped"] += 1
+            return False
+        ring = self._ring
+        cur = ring.next()
+        slot = ring.bufs[cur]
+        np.copyto(slot.np, self._host_np)
+        np.copyto(self._shadow, self._host_np)
+        slot._copy_rows(self._dev, self.nbytes)  # the device arena was made to fit the slots
+        ring.take(cur)
+        ring.mark()  # the slot's one reader, the copy, is enqueued
+        if slot.tier is not Tier.HOST:
+            ring.count(self.nbytes)
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """The table's counters.
+
+        Returns
+        -------
+        dict of str to int
+            ``transfers`` and ``bytes`` (uploads and their size; none on tier HOST),
+            ``growths`` (always 0: the arena never grows), ``guard_waits`` (times a
+            sync waited for a slot's previous copy), ``syncs`` (calls of
+            :meth:`sync`) and ``skipped`` (those with nothing to upload).
+        """
+        return {**self._ring.stats(), **self._syncs}
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"{n}: {str(f.dtype).replace('torch.', '')}" for n, f in self._fields.items())
+        return f"DeviceParamTable(num_rows={self.num_rows}, fields={{{names}}}, device={self.device})"

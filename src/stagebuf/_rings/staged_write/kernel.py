@@ -1,0 +1,201 @@
+"""The staged-write Triton kernel and its launcher.
+
+One program per edit reads a packed metadata row (target base address, flat offset
+of the first element, length, source offset) and copies that edit's values, so
+several targets go through one launch with no table to keep on the device.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..._common.log import warn_once
+
+MIN_BLOCK = 16
+MAX_BLOCK = 1024
+"""Columns one Triton program writes per iteration (a power of two in [MIN_BLOCK, MAX_BLOCK])."""
+
+tl: Any = None  # triton.language, imported on first use (importing stagebuf stays cheap)
+_triton_error: list[str] = []
+_knobs: Any = None
+"""``triton.knobs.runtime`` (its launch hooks), once Triton is imported."""
+
+
+def _triton_available() -> bool:
+    global tl
+    if tl is not None:
+        return True
+    if _triton_error:
+        return False
+    try:
+        import triton.language as _tl
+    except Exception as e:  # not installed, or broken
+        _triton_error.append(f"{type(e).__name__}: {e}"[:200])
+        return False
+    tl = _tl
+    global _knobs
+    _knobs = _runtime_knobs()
+    return True
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernel can run on ``device`` (CUDA, or the CPU interpreter)."""
+    if device.type == "cuda":
+        return _triton_available()
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _triton_available()
+
+
+# Triton reads a kernel's parameter annotations (they select its specialisation): leave them off.
+def _staged_write_kernel(meta, content, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    # One program per edit; meta row: target address, flat offset of the first element, length, source.
+    e = tl.program_id(0)
+    base = tl.load(meta + 4 * e).to(tl.pointer_type(content.dtype.element_ty))
+    dst = tl.load(meta + 4 * e + 1)
+    ln = tl.load(meta + 4 * e + 2)
+    src = tl.load(meta + 4 * e + 3)
+    cols = tl.arange(0, BLOCK)
+    c0 = 0
+    while c0 < ln:
+        m = c0 + cols < ln
+        v = tl.load(content + src + c0 + cols, mask=m)
+        tl.store(base + dst + c0 + cols, v, mask=m)
+        c0 += BLOCK
+
+
+_triton_functions: dict[tuple[Callable[..., None], bool], Any] = {}
+
+
+def triton_function(fn: Callable[..., None], interpret: bool) -> Any:
+    """The Triton kernel ``fn``: a ``JITFunction``, or with ``interpret`` an ``InterpretedFunction``
+    (Triton's CPU interpreter); made once per (``fn``, ``interpret``)."""
+    k = _triton_functions.get((fn, interpret))
+    if k is None:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            k = InterpretedFunction(fn)
+        else:
+            from triton.runtime.jit import JITFunction
+
+            k = JITFunction(fn)
+        _triton_functions[(fn, interpret)] = k
+    return k
+
+
+def _triton_kernel(interpret: bool) -> Any:
+    return triton_function(_staged_write_kernel, interpret)
+
+
+def _block_for(longest: int) -> int:
+    b = MIN_BLOCK
+    while b < longest and b < MAX_BLOCK:
+        b *= 2
+    return b
+
+
+def _launch_triton(
+    device: torch.device,
+    meta: torch.Tensor,
+    content: torch.Tensor,
+    n_edits: int,
+    block: int,
+) -> None:
+    """Launch the kernel over ``n_edits`` rows of ``meta`` (int64 device tensor) and ``content``."""
+    if device.type == "cuda":
+        launch_at(
+            device,
+            meta.data_ptr(),
+            content.data_ptr(),
+            content.dtype,
+            n_edits,
+            block,
+            lambda: (meta, content),
+        )
+    else:
+        _triton_kernel(interpret=True)[(n_edits,)](meta, content, BLOCK=block)
+
+
+_compiled: dict[tuple[Any, ...], Any] = {}
+"""(device index, BLOCK, content dtype, both addresses 16-byte aligned) -> Triton's compiled kernel."""
+_direct: list[bool] = [True]
+"""Whether launches may skip Triton's dispatcher (off after a launcher that refused the call)."""
+
+
+def launch_at(
+    device: torch.device,
+    meta_addr: int,
+    content_addr: int,
+    dtype: torch.dtype,
+    n_edits: int,
+    block: int,
+    tensors: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Launch the kernel over metadata and content at these device addresses (CPU: the interpreter).
+
+    The first launch of each specialisation goes through Triton's dispatcher (``JITFunction``),
+    which compiles or looks up the kernel and returns it; later ones call that compiled
+    kernel's launcher directly, which skips the dispatcher's per-call work (on the H200
+    machine about 31 µs a launch against 7: docs/DESIGN.md). The key holds what Triton
+    specialises these arguments on (pointer alignment to 16 bytes) and ``tensors()``
+    makes the tensors the dispatcher needs. A launch hook (a profiler) or a launcher that
+    refuses the call sends every launch through the dispatcher.
+    """
+    if device.type != "cuda":
+        meta, content = tensors()
+        _triton_kernel(interpret=True)[(n_edits,)](meta, content, BLOCK=block)
+        return
+    key = (device.index, block, dtype, not (meta_addr | content_addr) & 15)
+    k = _compiled.get(key) if _direct[0] else None
+    current = torch.cuda.current_device() == device.index
+    if k is not None and current and not _hooked():
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        try:
+            k.run(
+                n_edits,
+                1,
+                1,
+                stream,
+                k.function,
+                k.packed_metadata,
+                None,
+                None,
+                None,
+                meta_addr,
+                content_addr,
+                block,
+            )
+            return
+        except TypeError as e:  # another Triton's launcher signature: the dispatcher from now on
+            _direct[0] = False
+            warn_once(("triton-direct",), f"staged-write launches go through Triton's dispatcher ({e})")
+    meta, content = tensors()
+    launch = _triton_kernel(interpret=False)[(n_edits,)]
+    warps = max(1, min(4, block // 128))
+    if current:
+        got = launch(meta, content, BLOCK=block, num_warps=warps)
+    else:
+        with torch.cuda.device(device):
+            got = launch(meta, content, BLOCK=block, num_warps=warps)
+    if current and _direct[0] and hasattr(got, "packed_metadata") and hasattr(got, "function"):
+        _compiled[key] = got
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (Triton's ``HookChain`` with calls, or a hook function)."""
+    if _knobs is None:
+        return True
+    hook = _knobs.launch_enter_hook
+    return bool(getattr(hook, "calls", hook))
+
+
+def _runtime_knobs() -> Any:
+    try:
+        from triton import knobs
+
+        return knobs.runtime
+    except Exception:  # an older Triton without knobs: launches go through the dispatcher
+        return None

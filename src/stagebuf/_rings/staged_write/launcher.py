@@ -1,0 +1,362 @@
+"""The launcher of a writer's applies: one packed transfer and one launch per apply.
+
+``_Launcher`` owns a writer's guarded ring of byte arenas. An apply packs the
+destinations (or per-edit metadata) and the values of the gathered batches
+(``edits.Gathered``) into the next slot, publishes it with one copy on the copy
+tiers (none on UVA), and runs one kernel: ``scatter`` (ATen ``index_copy_`` on the
+target's flat view), ``triton`` (``kernel.py``) or, on HOST, one numpy assignment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..._bytes.buffers import StagingBuffer
+from ..._bytes.make import make_buffer
+from ..._common.convert import NUMPY_TO_TORCH
+from ..._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from ..._common.log import warn_once
+from ..._common.tier import Tier
+from ..._tiers.settings import ALIGN, Kernel, write_kernel
+from ..ring import Ring
+from .kernel import _block_for, _triton_error, launch_at, triton_usable
+
+TRITON_MIN_ELEMS = 1 << 13
+"""``auto`` uses the Triton kernel from this many staged elements on (measured: docs/DESIGN.md)."""
+SCATTER_MAX_PARTS = 4
+"""``auto`` writes up to this many targets with one ``index_copy_`` each (one packed transfer), more
+with one Triton launch (docs/DESIGN.md)."""
+_PY_ROWS = 16
+"""Up to this many edits, an apply's Triton rows are built in Python (numpy's per-call cost is more)."""
+_CAPACITY = 1 << 14
+
+
+_ARANGE = np.arange(1024, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
+    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
+
+
+def expand_runs(first: np.ndarray, lens: np.ndarray, n: int) -> np.ndarray:
+    """The index of every element of runs starting at ``first``, ``lens`` long (``n`` in all)."""
+    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
+
+
+class Target:
+    """What an apply writes: a target's flat device view, its numpy view on HOST, address, tier."""
+
+    __slots__ = ("flat", "flat_np", "ptr", "tier")
+
+    def __init__(self, tensor: torch.Tensor, tier: Tier):
+        self.flat = tensor.view(-1)
+        self.flat_np = self.flat.numpy() if tier is Tier.HOST else None
+        self.ptr = tensor.data_ptr()
+        self.tier = tier
+
+
+class Gathered:
+    """One target's staged edits as checked arrays: first-element offsets, lengths, values."""
+
+    __slots__ = ("target", "dst", "lens", "vals", "dup", "width")
+
+    def __init__(
+        self, target: Target, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray, dup: bool, width: int = 0
+    ):
+        self.target, self.dst, self.lens, self.vals, self.dup = target, dst, lens, vals, dup
+        self.width = width
+        """The length of every edit where they are all one length (0: unknown or mixed)."""
+
+    def dest(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat destination of every element, and the values, de-duplicated (later wins) if needed."""
+        first = self.dst
+        n = self.vals.shape[0]
+        if n == first.shape[0]:  # one element per edit
+            dest = first
+        elif self.width:  # every edit of one length: one broadcast add
+            dest = (first[:, None] + _arange(self.width)).reshape(-1)
+        else:
+            dest = expand_runs(first, self.lens, n)
+        vals = self.vals
+        if self.dup:
+            _, last = np.unique(dest[::-1], return_index=True)  # each destination's last staged element
+            keep = (n - 1) - last
+            dest, vals = dest[keep], vals[keep]
+        return dest, vals
+
+
+# --- the launcher: one packed transfer, one launch --------------------------------------
+
+
+class _Launcher:
+    """The staging slots behind one writer: one packed transfer and one launch per apply.
+
+    A ring of ``max_concurrency`` byte arenas of the writer's tier (guarded like
+    every ring: see :mod:`stagebuf._rings.guard`). An apply writes its index (or per-edit
+    metadata) array at offset 0 and the values after it, directly in the slot's
+    host memory (private to the writer, so no scratch copy is needed), publishes
+    the used prefix with one copy on the copy tiers (none on UVA) and launches.
+    Device views of each layout are cached per slot.
+    """
+
+    def __init__(self, device: torch.device, max_concurrency: int, capacity: int):
+        self.device = device
+        self.n = max_concurrency
+        self.capacity = max(capacity, ALIGN)
+        self.views: list[
+            dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]
+        ] = []
+        self.bases: list[dict[Any, torch.Tensor]] = []
+        """Per slot: its whole device arena viewed as each dtype (views are slices of these)."""
+        self.retired: list[list[StagingBuffer]] = []
+        self.ring: Ring | None = None
+        """Made at the first apply (a tensor that is never applied allocates no slots)."""
+        self.forced = write_kernel()
+
+    def stats(self) -> dict[str, int]:
+        ring = self.ring
+        if ring is None:
+            return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0, "steps": 0}
+        return ring.stats(steps=True)
+
+    def _start(self) -> Ring:
+        self.ring = Ring(
+            self.n,
+            lambda: make_buffer(self.capacity, torch.uint8, self.device),
+            "auto",
+            "staged-write slot",
+        )
+        self.views = [{} for _ in range(self.n)]
+        self.bases = [{} for _ in range(self.n)]
+        self.retired = [[] for _ in range(self.n)]
+        return self.ring
+
+    def _buffer(self, cur: int, used: int) -> StagingBuffer:
+        """Slot ``cur``'s buffer, grown to hold ``used`` bytes if it is smaller."""
+        assert self.ring is not None
+        buf = self.ring.bufs[cur]
+        if used <= buf.shape[0]:
+            return buf
+        if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise UsageError(
+                "staged writes: a slot must grow while a CUDA graph is being captured; "
+                "apply once with the largest batch before capturing"
+            )
+        cap = 1 << max(used - 1, 1).bit_length()
+        self.retired[cur].append(buf)  # read by this slot's last launch, until it comes round
+        buf = self.ring.grow(cur, lambda tier: make_buffer(cap, torch.uint8, self.device, tier))
+        self.views[cur].clear()
+        self.bases[cur].clear()
+        return buf
+
+    def _slot(
+        self, cur: int, idx: np.ndarray, vals: np.ndarray
+    ) -> tuple[StagingBuffer, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]:
+        """Slot ``cur``'s buffer and its views for this layout (made, and the slot grown, if needed)."""
+        key = (idx.shape, vals.dtype, vals.shape[0])
+        v = self.views[cur].get(key)
+        if v is not None:
+            return self.ring.bufs[cur], v  # type: ignore[union-attr]
+        a_bytes = idx.nbytes
+        off = (a_bytes + ALIGN - 1) & -ALIGN
+        used = off + vals.nbytes
+        buf = self._buffer(cur, used)
+        if len(self.views[cur]) >= 1024:
+            self.views[cur].clear()
+        # one slice per view, from whole-arena views of each dtype (a layout seen before is a lookup)
+        bases = self.bases[cur]
+        i64 = bases.get(np.int64)
+        if i64 is None:
+            i64 = bases[np.int64] = buf.dev.view(torch.int64)
+        vt = bases.get(vals.dtype)
+        if vt is None:
+            vt = bases[vals.dtype] = buf.dev.view(NUMPY_TO_TORCH[vals.dtype])
+        n_idx = idx.size
+        d_idx = i64[:n_idx] if idx.ndim == 1 else i64[:n_idx].view(idx.shape)
+        first = off // vals.dtype.itemsize
+        d_val = vt[first : first + vals.shape[0]]
+        h_idx = buf.np[:a_bytes].view(np.int64).reshape(idx.shape)
+        h_val = buf.np[off:used].view(vals.dtype)
+        v = self.views[cur][key] = (h_idx, h_val, d_idx, d_val, used)
+        return buf, v
+
+    def _publish(self, ring: Ring, cur: int, buf: StagingBuffer, used: int) -> None:
+        ring.take(cur)
+        if buf.tier.copies:
+            buf.uva(used)
+            c = ring.counts  # (Ring.count inlined: once per launch)
+            c["transfers"] += 1
+            c["bytes"] += used
+
+    def _pack(self, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``idx`` and ``vals`` into the next slot and publish them; their device views."""
+        ring = self.ring if self.ring is not None else self._start()
+        cur = ring.next()
+        self.retired[cur].clear()  # the guard says this slot's last launch is done
+        buf, (h_idx, h_val, d_idx, d_val, used) = self._slot(cur, idx, vals)
+        h_idx[...] = idx
+        h_val[...] = vals
+        self._publish(ring, cur, buf, used)
+        return d_idx, d_val
+
+    def _launch_packed(self, meta: np.ndarray, vals: np.ndarray, block: int) -> None:
+        """Write the Triton rows and values into the next slot, publish them, launch at their addresses."""
+        ring = self.ring if self.ring is not None else self._start()
+        cur = ring.next()
+        self.retired[cur].clear()
+        off = (meta.nbytes + ALIGN - 1) & -ALIGN
+        used = off + vals.nbytes
+        buf = self._buffer(cur, used)
+        host = buf.np
+        host[: meta.nbytes].view(np.int64)[:] = meta.reshape(-1)
+        host[off:used].view(vals.dtype)[:] = vals
+        self._publish(ring, cur, buf, used)
+        dev = buf.dev
+        base = dev.data_ptr()
+        n, dtype = meta.shape[0], NUMPY_TO_TORCH[vals.dtype]
+
+        def tensors() -> tuple[torch.Tensor, torch.Tensor]:
+            return dev[: meta.nbytes].view(torch.int64), dev[off:used].view(dtype)
+
+        launch_at(self.device, base, base + off, dtype, n, block, tensors)
+
+    def kernel_for(self, parts: Sequence[Gathered], n_elems: int) -> Kernel:
+        if parts[0].target.tier is Tier.HOST:
+            return "host"
+        if parts[0].dup if len(parts) == 1 else any(p.dup for p in parts):
+            return "scatter"  # overlaps: de-duplicated on the host, then one scatter
+        want = self.forced
+        if want == "auto":
+            want = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > SCATTER_MAX_PARTS else "scatter"
+        if want == "triton" and not triton_usable(self.device):
+            if self.forced == "triton":
+                warn_once(
+                    ("staged-write-no-triton", str(self.device)),
+                    f"staged writes on {self.device} use the scatter kernel: Triton cannot run "
+                    f"here ({_triton_error[0] if _triton_error else 'not on this device'})",
+                )
+            return "scatter"
+        return want
+
+    def apply(self, parts: Sequence[Gathered]) -> Kernel:
+        """Write the gathered edits of ``parts``; the kernel's name."""
+        n_elems = parts[0].vals.shape[0] if len(parts) == 1 else sum(p.vals.shape[0] for p in parts)
+        kernel = self.kernel_for(parts, n_elems)
+        if kernel == "host":
+            for p in parts:
+                dest, vals = p.dest()
+                flat = p.target.flat_np
+                assert flat is not None  # set on every HOST-tier target; all parts share one device
+                flat[dest] = vals
+            return kernel
+        if kernel == "scatter":
+            pieces = [p.dest() for p in parts]
+            if len(pieces) == 1:
+                dest, vals = pieces[0]
+            else:
+                dest = np.concatenate([d for d, _ in pieces])
+                vals = np.concatenate([v for _, v in pieces])
+            d_dest, d_vals = self._pack(dest, vals)
+            if len(parts) == 1:
+                parts[0].target.flat.index_copy_(0, d_dest, d_vals)
+            else:
+                a = 0
+                for p, (d, _) in zip(parts, pieces):
+                    b = a + d.shape[0]
+                    p.target.flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
+                    a = b
+        else:
+            meta, vals, longest = _edit_meta(parts)
+            self._launch_packed(meta, vals, _block_for(longest))
+        assert self.ring is not None
+        self.ring.mark()
+        return kernel
+
+
+def _edit_meta(parts: Sequence[Gathered]) -> tuple[np.ndarray, np.ndarray, int]:
+    """The Triton kernel's per-edit rows (target address, offset, length, source), values, longest edit."""
+    if sum(p.dst.shape[0] for p in parts) <= _PY_ROWS:  # a few edits: rows in Python, one conversion
+        rows: list[int] = []
+        src = 0
+        for p in parts:
+            ptr = p.target.ptr
+            for d, n in zip(p.dst.tolist(), p.lens.tolist()):
+                rows += (ptr, d, n, src)
+                src += n
+        vals_ = parts[0].vals if len(parts) == 1 else np.concatenate([p.vals for p in parts])
+        return np.array(rows, np.int64).reshape(-1, 4), vals_, max(rows[2::4])
+    metas, vals = [], []
+    src = 0
+    longest = 1
+    for p in parts:
+        e = p.dst.shape[0]
+        m = np.empty((e, 4), np.int64)
+        m[:, 0] = p.target.ptr
+        m[:, 1] = p.dst
+        m[:, 2] = p.lens
+        np.cumsum(p.lens, out=m[:, 3])
+        m[:, 3] += src - p.lens
+        src += p.vals.shape[0]
+        longest = max(longest, int(p.lens.max()))
+        metas.append(m)
+        vals.append(p.vals)
+    if len(parts) == 1:
+        return metas[0], vals[0], longest
+    return np.concatenate(metas), np.concatenate(vals), longest
+
+
+def check_outputs(
+    device: torch.device,
+    verified: set[tuple[Any, ...]],
+    every: bool,
+    given: Any,
+    name: str,
+    expect: list[int],
+) -> None:
+    """Check vLLM's ``output_ptrs``/``output_strides`` (``given``) against ``expect``; no sync per call.
+
+    A sequence, or a CPU tensor, is compared every call. A device tensor's shape,
+    dtype and device are checked every call; its contents are read once per
+    distinct (tensor, version, expected values) and remembered in ``verified``, since reading
+    device memory on the host waits for the device. ``every`` (``STAGEBUF_CHECK=1``)
+    reads them every call.
+    """
+    if given is None:
+        return
+    key = None
+    if isinstance(given, torch.Tensor):
+        if given.dtype not in (torch.int64, torch.uint64, torch.int32) or given.numel() != len(expect):
+            raise InvalidArgumentError(
+                f"{name} is a tensor of shape {tuple(given.shape)}, dtype {given.dtype}; allowed: "
+                f"{len(expect)} integers (int64, uint64 or int32), one per tensor"
+            )
+        if given.device.type != "cpu":
+            if given.device != device:
+                raise InvalidArgumentError(
+                    f"{name} is on {given.device}; allowed: the CPU or this writer's {device}"
+                )
+            key = (name, given.data_ptr(), given._version, tuple(expect))
+            if key in verified and not every:
+                return
+        given = given.detach().cpu().reshape(-1).tolist()  # a sync only for a new device tensor
+    try:
+        got = [int(v) for v in given]
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(
+            f"{name} must be None or a sequence (or tensor) of ints, one per tensor; "
+            f"got {type(given).__name__}"
+        ) from None
+    if got != expect:
+        raise InvalidArgumentError(
+            f"{name}={got} does not match the tensors passed ({expect}); "
+            f"allowed: None, or exactly those values in the same order"
+        )
+    if key is not None:
+        if len(verified) >= 64:
+            verified.clear()
+        verified.add(key)

@@ -1,0 +1,141 @@
+"""Staged values into the target dtype, by ``_convert``'s one rule: arrays now, lists in bulk at apply.
+
+``checked`` converts one edit's non-list values when staged. ``list_values``
+converts the values of many list edits at once (one ``np.array`` of the whole
+batch and a range check), and where that cannot be trusted per edit reads each
+edit on its own, reporting every bad one.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..._common.convert import NUMPY_TO_TORCH, cast_checked, exact_ints, host_array, unfit
+
+Bad = list[tuple[int, int, str]]
+"""Bad list edits found by ``list_values``: (edit number, its flat offset, why)."""
+
+
+def checked(values: Any, target: np.dtype, name: str) -> np.ndarray:
+    """``values`` as a 1-D array of ``target``; raises (a StagebufError) if a value would change."""
+    dtype: torch.dtype = NUMPY_TO_TORCH[target]
+    if target.kind == "f":  # a float target: convert's checks are exact
+        return host_array(values, dtype, name, ndims=(1,), iterables=True)
+    if not isinstance(values, (list, tuple, np.ndarray, torch.Tensor, str, bytes, dict)) and isinstance(
+        values, Iterable
+    ):
+        values = list(values)  # read a one-shot iterable once
+    try:
+        arr = host_array(values, None, name, ndims=(1,), iterables=True)
+    except (TypeError, ValueError):  # e.g. uint64, or ints past 64 bits: the target's own check says why
+        return host_array(values, dtype, name, ndims=(1,), iterables=True)
+    return cast_checked(arr, target, name)
+
+
+def list_values(
+    vals: list[Any], dst: Any, lens: np.ndarray, target: np.dtype, bad: Bad, pos: int = 0
+) -> np.ndarray:
+    """The values of list-staged edits (``lens[k]`` values each) as ``target``, checked in bulk.
+
+    The batch is read as one array; where that cannot be trusted per edit (it is
+    not numeric, a value does not fit, an edit may be all bools, or int64 values may
+    have gone through float64), each edit is read on its own, and each bad one is
+    added to ``bad`` as ``(pos + k, flat offset, why)`` for the batch's ``k``-th edit
+    (its values become zeros in the result, which is then unused).
+    """
+    a = None
+    if target.kind in "iu":  # ints read exactly, or refused (floats, strings, past 64 bits)
+        try:
+            a = np.frombuffer(array("q", vals), np.int64)
+        except (TypeError, OverflowError):
+            a = None
+    if a is None:
+        try:
+            a = np.array(vals)
+        except (ValueError, TypeError, OverflowError):
+            a = None
+    if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and a.size:
+        # ints (or bools among them): one range check, and a bool scan only where an edit
+        # could be all bools (every value 0 or 1); Python's min/max beat numpy's on short lists
+        lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
+        r = _INT_RANGES.get(target)
+        fits = r[0] <= lo and hi <= r[1] if r is not None else target.kind == "f"
+        if fits and (lo > 1 or hi < 0 or not _maybe_bool_edit(vals, a, lens)):
+            return a.astype(target, copy=False)
+    elif (
+        a is not None
+        and a.ndim == 1
+        and a.dtype.kind == "f"
+        and not _inexact(a, target)
+        and not _maybe_bool_edit(vals, a, lens)
+        and unfit(a, target) is None
+    ):
+        return a.astype(target, copy=False)
+    out = []
+    a0 = 0
+    for k, n in enumerate(lens.tolist()):
+        got, why = _edit_values(vals[a0 : a0 + n], target)
+        if got is None:
+            bad.append((pos + k, int(dst[k]), why))
+            got = np.zeros(n, target)
+        out.append(got)
+        a0 += n
+    return np.concatenate(out) if out else np.zeros(0, target)
+
+
+_INT_RANGES: dict[np.dtype, tuple[int, int]] = {
+    np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max))
+    for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+}
+"""Every integer target's range (a float target has none)."""
+
+
+def _inexact(a: np.ndarray, target: np.dtype) -> bool:
+    """Whether ints may have been rounded reading a list into ``a`` (ints mixed with floats)."""
+    return target.kind in "iu" and a.dtype.kind == "f" and bool((np.abs(a) >= 2.0**53).any())
+
+
+def _edit_values(vals: list[Any], target: np.dtype) -> tuple[np.ndarray | None, str]:
+    """One list edit's values as ``target``, or None and why not."""
+    try:
+        a = np.array(vals)
+    except (ValueError, TypeError, OverflowError):
+        a = None
+    if a is not None and a.ndim == 1 and a.dtype.kind in "iuf":
+        if _inexact(a, target):
+            got = exact_ints(vals, target)
+        else:
+            got = None if unfit(a, target) is not None else a.astype(target, copy=False)
+        if got is not None:
+            return got, ""
+    elif a is not None and a.ndim == 1 and a.dtype.kind == "b":
+        return None, "values are bools; allowed: int or float values"
+    try:  # the strict check says what is wrong with this edit
+        checked(list(vals), target, "values")
+        why = "values do not fit the target dtype"
+    except (ValueError, TypeError) as e:
+        why = str(e)
+    return None, why
+
+
+def _maybe_bool_edit(vals: list[Any], a: np.ndarray, lens: np.ndarray) -> bool:
+    """Whether an edit may hold only bools (numpy reads bools mixed with numbers as numbers)."""
+    if not a.size:
+        return False
+    short = len(vals) <= 256
+    if short:  # on a short list the type scan is the cheaper test, and it settles most cases
+        types = set(map(type, vals))
+        if bool not in types and np.bool_ not in types:
+            return False
+    first = np.cumsum(lens) - lens
+    if not ((np.minimum.reduceat(a, first) >= 0) & (np.maximum.reduceat(a, first) <= 1)).any():
+        return False
+    if short:
+        return True
+    types = set(map(type, vals))
+    return bool in types or np.bool_ in types

@@ -1,0 +1,447 @@
+"""``StepStager``: all of a step's arrays in one host arena, moved with one transfer.
+
+``stage`` writes each array at the next 16-byte-aligned offset of the slot (a byte
+arena of the ring's tier) and returns the device tensor at the same offset. Leaving
+``step()`` publishes the used prefix, at the same moment on every tier: one copy on
+PINNED and PAGEABLE; on UVA and HOST a host memcpy from the scratch arena ``stage``
+wrote. Check mode poisons a slot when a step begins in it and quarantines released
+slots (:mod:`stagebuf._rings.ring`). ``static=True`` keeps one device address (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import math
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._bytes.buffers import StagingBuffer
+from .._bytes.make import make_buffer
+from .._bytes.memory import alloc_device
+from .._common.convert import NUMPY_TO_TORCH, TORCH_TO_NUMPY, host_array
+from .._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from .._common.sealed import Sealed
+from .._common.tier import Tier
+from .._common.types import DeviceLike, DTypeLike, HostData
+from .._tiers.settings import ALIGN, POISON, check_mode
+from .guard import GuardMode, slot_count
+from .ring import Ring, poison
+
+_MAX_CACHED_VIEWS = 4096
+
+_LayoutEntry = tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]
+"""One stage() call of a step: (np dtype, shape, host view, device view, end offset, torch dtype)."""
+
+
+class _Slot:
+    """One arena, where the host writes it, and the views into it that steps have asked for.
+
+    ``host`` is what ``stage()`` writes: the staging buffer's own memory on the copy
+    tiers (the device sees it only through the copy at publish), a private scratch
+    arena on UVA and HOST (where the buffer's memory *is* what the device reads),
+    so that nothing a step stages is visible before the step is published.
+    """
+
+    __slots__ = ("ring", "i", "static", "host", "cap", "views", "layout", "retired")
+
+    def __init__(self, ring: Ring, i: int, static: torch.Tensor | None):
+        self.ring, self.i = ring, i
+        self.static = static
+        """The static arena every step's tensors point into (``static=True``), else None."""
+        buf = ring.bufs[i]
+        scratch = not buf.tier.copies  # UVA and HOST: stage into scratch, publish at exit
+        self.cap = buf.shape[0]
+        self.host: np.ndarray = np.zeros(self.cap, np.uint8) if scratch else buf.np
+        self.layout: list[_LayoutEntry] = []
+        """The last step's stage() calls, in order: a step that repeats them skips every check."""
+        self.views: dict[tuple[Any, ...], Any] = {}
+        """(offset, dtype, shape) -> (host view, device view); (arena address, dtype) -> typed arena."""
+        self.retired: list[StagingBuffer] = []
+        """Buffers a growth replaced: kept alive until the slot comes round again."""
+
+    @property
+    def buf(self) -> StagingBuffer:
+        """The slot's buffer (the ring's)."""
+        return self.ring.bufs[self.i]
+
+    @property
+    def dev_arena(self) -> torch.Tensor:
+        """The device memory this slot's tensors point into (the static arena, or the slot's own)."""
+        return self.buf.dev if self.static is None else self.static
+
+    def publish(self, buf: StagingBuffer, host: np.ndarray, used: int) -> bool:
+        """Make the first ``used`` bytes staged in ``buf`` visible where its tensors point (True: copied)."""
+        if host is not buf.np:
+            buf.np[:used] = host[:used]  # UVA and HOST: the device reads buf's memory from now on
+        dev = self.static
+        if dev is None:
+            if buf.tier.copies:
+                buf.uva(used)
+                return True
+            return False
+        if buf.tier is Tier.HOST:
+            dev[:used].numpy()[...] = buf.np[:used]
+            return False
+        # the static arena: one stream-ordered copy from the slot (read through UVA, or a copy)
+        src = buf.dev if buf.tier is Tier.UVA else buf.cpu
+        dev[:used].copy_(src[:used], non_blocking=True)
+        return True
+
+    def grow(self, nbytes: int, used: int, seq: int) -> None:
+        """Replace the arena with one that holds ``nbytes`` more (the old one stays alive until reuse)."""
+        cap = self.cap
+        if self.static is not None:
+            raise UsageError(
+                f"StepStager(static=True): step {seq} needs more than the {cap} bytes of its "
+                "static arena; growing would move the addresses a captured CUDA graph reads. "
+                f"Construct the stager with capacity >= {2 * cap + nbytes}."
+            )
+        buf = self.buf
+        if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise UsageError(
+                f"StepStager: step {seq} needs more than the slot's {cap} bytes while a "
+                "CUDA graph is being captured; growing would move addresses the graph reads. "
+                f"Construct the stager with capacity >= {2 * cap + nbytes}."
+            )
+        need = (used + ALIGN) + nbytes
+        new_cap = max(2 * cap, 1 << max(need - 1, 1).bit_length())
+        self.retired.append(buf)  # alive while tensors of this step may point into it
+        new = self.ring.grow(self.i, lambda tier: make_buffer(new_cap, torch.uint8, buf.device, tier))
+        self.cap = new_cap
+        self.host = new.np if new.tier.copies else np.zeros(new_cap, np.uint8)
+        self.views.clear()
+        self.layout.clear()
+
+    def poison(self) -> None:
+        """Check mode: what this slot published before is released, and nothing new is published yet."""
+        self.host.fill(POISON)
+        if self.static is not None:
+            self.static.fill_(POISON)
+        else:
+            poison(self.buf)
+
+    def view(
+        self, off: int, dtype: np.dtype, shape: tuple[int, ...], dev_arena: torch.Tensor
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        key = (off, dtype, shape)
+        v = self.views.get(key)
+        if v is None:
+            if len(self.views) >= _MAX_CACHED_VIEWS:
+                self.views.clear()
+            n = math.prod(shape)
+            end = off + n * dtype.itemsize
+            host = self.host[off:end].view(dtype).reshape(shape)
+            base = self.views.get((dev_arena.data_ptr(), dtype))  # the whole arena as this dtype
+            if base is None:
+                whole = dev_arena[: dev_arena.shape[0] // dtype.itemsize * dtype.itemsize]  # any capacity
+                base = self.views[(dev_arena.data_ptr(), dtype)] = whole.view(NUMPY_TO_TORCH[dtype])
+            first = off // dtype.itemsize
+            dev = base[first : first + n]
+            if len(shape) != 1:
+                dev = dev.view(shape)
+            v = self.views[key] = (host, dev)
+        return v
+
+
+class Step(Sealed):
+    """One step's staging. Use as a context manager; ``flush()`` ends it early.
+
+    Made by :meth:`StepStager.step`. Tensors returned by ``stage()`` hold their data from the
+    step's publication (leaving the block, or ``flush()``) until the step that reuses the slot
+    begins, ``max_concurrency`` steps later, on every tier; before, the slot's old contents
+    (poison in check mode). Leaving by an exception publishes nothing and ends the step.
+    """
+
+    _slot: _Slot
+    _c: list[int]
+    _layout: list[_LayoutEntry] | None
+    _retired: list[tuple[StagingBuffer, np.ndarray, int]]
+    _seq: int
+    _done: bool
+
+    def __init__(self, slot: _Slot, seq: int):
+        # one dict update, not a sealed __setattr__ each; ``_c`` (stage() calls, bytes used) changes in place
+        self.__dict__.update(
+            _slot=slot,
+            _c=[0, 0],
+            _layout=slot.layout,
+            _retired=[],
+            _seq=seq,
+            _done=False,
+            _sealed=True,
+        )
+
+    @property
+    def seq(self) -> int:
+        """The step's number (0 for a stager's first)."""
+        return self._seq
+
+    @property
+    def done(self) -> bool:
+        """Whether the step was published (or left by an exception); then ``stage()`` raises."""
+        return self._done
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.flush()
+        else:
+            self.__dict__["_done"] = True
+
+    def stage(self, x: HostData, dtype: DTypeLike | None = None) -> torch.Tensor:
+        """Write ``x`` into this step's arena; the device tensor that holds it once the step is published.
+
+        Parameters
+        ----------
+        x : list, tuple, numpy.ndarray or CPU tensor
+            1-D or 2-D host data.
+        dtype : torch.dtype, numpy.dtype, type, str or None, optional
+            The element type; None (the default) is the input's own (int64 or float64
+            for Python lists).
+
+        Returns
+        -------
+        torch.Tensor
+            On the stager's device; it shows ``x`` from the step's exit (or ``flush()``)
+            until the step that reuses its slot begins.
+
+        Raises
+        ------
+        UsageError
+            If the step was already flushed (or left), or it needs more than the arena holds
+            and cannot grow (a static stager, or a CUDA graph is being captured).
+        ArgumentTypeError
+            If ``x`` or its dtype (or ``dtype``) is not supported; nothing is staged.
+        InvalidArgumentError
+            If ``x`` is not 1-D or 2-D, is on another device, or holds values ``dtype``
+            cannot represent exactly; nothing is staged.
+        DeviceAllocationError
+            If growing the slot runs out of device memory.
+        """
+        layout = self._layout
+        c = self._c
+        i = c[0]
+        if type(x) is np.ndarray and layout is not None and i < len(layout) and not self._done:
+            e = layout[i]
+            if x.shape == e[1] and x.dtype == e[0] and (dtype is None or dtype is e[5]):
+                e[2][...] = x  # the same array as last time in this slot: just write it
+                c[0] = i + 1
+                c[1] = e[4]
+                return e[3]
+        return self._stage(x, dtype)
+
+    def _stage(self, x: HostData, dtype: DTypeLike | None) -> torch.Tensor:
+        if self._done:
+            raise UsageError(f"step {self._seq} was already flushed; begin a new step()")
+        want = TORCH_TO_NUMPY.get(dtype) if isinstance(dtype, torch.dtype) else None
+        arr = x if type(x) is np.ndarray else None
+        fits = arr is not None and arr.ndim in (1, 2) and arr.dtype in NUMPY_TO_TORCH
+        if arr is None or not fits or (dtype is not None and arr.dtype != want):
+            arr = host_array(x, dtype, "x")
+        c = self._c
+        off = self._room(arr.nbytes)
+        slot = self._slot
+        host, dev = slot.view(off, arr.dtype, arr.shape, slot.dev_arena)
+        host[...] = arr
+        layout = self._layout
+        if layout is not None:
+            del layout[c[0] :]
+            layout.append((arr.dtype, arr.shape, host, dev, c[1], NUMPY_TO_TORCH[arr.dtype]))
+        c[0] += 1
+        return dev
+
+    def _room(self, nbytes: int) -> int:
+        """The offset of ``nbytes`` more in the slot's arena (grown if needed); they count as used."""
+        c, slot = self._c, self._slot
+        used = c[1]
+        off = (used + ALIGN - 1) & -ALIGN
+        if off + nbytes > slot.cap:
+            self._retired.append((slot.buf, slot.host, used))
+            slot.grow(nbytes, used, self._seq)
+            self.__dict__["_layout"] = None  # offsets restart in the new arena: record it next step
+            off = 0
+        c[1] = off + nbytes
+        return off
+
+    def reserve(self, nbytes: int) -> tuple[np.ndarray, torch.Tensor, int]:
+        """``nbytes`` of this step's arena for the caller to fill before the flush: the host bytes,
+        the device arena, and the offset in it where the device reads them once published. Later
+        stage() calls of the step take the checked path (the layout is not replayed past it)."""
+        if type(nbytes) is not int or nbytes < 0:
+            raise InvalidArgumentError(f"nbytes={nbytes!r}; allowed: an int >= 0")
+        if self._done:
+            raise UsageError(f"step {self._seq} was already flushed; begin a new step()")
+        if self._layout is not None:
+            del self._layout[self._c[0] :]
+            self.__dict__["_layout"] = None
+        off = self._room(nbytes)
+        slot = self._slot
+        return slot.host[off : off + nbytes], slot.dev_arena, off
+
+    def flush(self) -> None:
+        """Publish everything staged in this step (leaving the ``with`` block calls it).
+
+        One copy on PINNED and PAGEABLE (current stream), a host copy on UVA and HOST; a static
+        stager copies into its device arena. Then ``stage()`` raises and ``flush()`` does nothing.
+        """
+        if self._done:
+            return
+        slot = self._slot
+        for buf, host, used in self._retired:  # a growth mid-step: earlier tensors stay valid
+            if used:
+                slot.publish(buf, host, used)
+        used = self._c[1]
+        if used:
+            ring = slot.ring
+            if slot.publish(ring.bufs[slot.i], slot.host, used):
+                c = ring.counts  # (Ring.count inlined: once per step)
+                c["transfers"] += 1
+                c["bytes"] += used
+        self.__dict__["_done"] = True
+
+
+class StepStager(Sealed):
+    """Coalesced per-step staging with a slot-reuse guard: all of a step's arrays, one transfer.
+
+    Parameters
+    ----------
+    device : torch.device or str or int, optional
+        Default: the current accelerator, else the CPU.
+    capacity : int, default 1 MiB
+        Bytes per slot (a slot grows when a step needs more, unless ``static``).
+    max_concurrency : int, optional
+        Slots (steps in flight); default ``set_default_max_concurrency``'s value, at least 2.
+    guard : {"auto", "wait", "raise", "off"}, default "auto"
+        Before a slot is rewritten: ``wait`` for its readers, ``raise`` SlotInFlightError,
+        or ``off``; ``auto`` waits where the device reads host memory asynchronously
+        (UVA, PINNED). A slot's consumers count as enqueued when the next step begins,
+        or at ``mark_consumed()``.
+    static : bool, default False
+        Give every step the same device addresses (CUDA graphs): the slots rotate on
+        the host, and publishing copies the step into one fixed device arena (one copy
+        on every tier but HOST). Stage the same shapes in the same order as when the
+        graph was captured; the arena never grows.
+
+    Attributes
+    ----------
+    max_concurrency : int
+        The slot count (at least 2).
+    static : bool
+        Whether every step gets the same device addresses.
+    device : torch.device
+        The target device.
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``capacity`` is not an int >= 16, ``max_concurrency`` is not None or an
+        int >= 1, or ``guard`` is not one of the allowed modes.
+    ArgumentTypeError
+        If ``static`` is not a bool, or ``device`` is of a type that is not accepted.
+    DeviceAllocationError
+        If the device runs out of memory for the slots (or the static arena).
+    SetupError
+        As :func:`capabilities`: a bad setting (``STAGEBUF_CHECK`` and
+        ``STAGEBUF_CHECK_QUARANTINE`` included) or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    """
+
+    def __init__(
+        self,
+        device: DeviceLike = None,
+        capacity: int = 1 << 20,
+        max_concurrency: int | None = None,
+        guard: GuardMode = "auto",
+        static: bool = False,
+    ):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < ALIGN:
+            raise InvalidArgumentError(f"capacity={capacity!r} must be an int >= {ALIGN} (bytes per slot)")
+        if not isinstance(static, bool):
+            raise ArgumentTypeError(f"static={static!r}; allowed: True or False")
+        self.max_concurrency = slot_count(max_concurrency)
+        self.static = static
+        # check mode quarantines released slots, except in a static stager (one device arena for all)
+        self._ring = ring = Ring(
+            self.max_concurrency,
+            lambda: make_buffer(capacity, torch.uint8, device),
+            guard,
+            "step slot",
+            quarantined=not static,
+        )
+        self.device = ring.bufs[0].device
+        arena = alloc_device((capacity,), torch.uint8, self.device) if static else None
+        self._slots = [_Slot(ring, i, arena) for i in range(len(ring.bufs))]  # a fallback may mix tiers
+        self._check = check_mode()
+        self._open: Step | None = None
+        self._freeze()
+
+    @property
+    def tier(self) -> Tier:
+        """The slots' tier (the lowest, if a run-time fallback split them)."""
+        return self._ring.tier
+
+    @property
+    def guard(self) -> str:
+        """The guard mode in effect: ``wait``, ``raise`` or ``off`` (``auto`` resolved)."""
+        return self._ring.mode
+
+    def step(self) -> Step:
+        """Begin a step in the next slot, once the guard says its readers are done.
+
+        Returns
+        -------
+        Step
+            A context manager: leaving it (or ``flush()``) publishes the step.
+
+        Raises
+        ------
+        UsageError
+            If the previous step is still open.
+        SlotInFlightError
+            With ``guard="raise"``, if the device may still read the slot.
+        StepRuleError
+            In check mode, if the step clock would have released a slot still being read.
+        CudaError
+            If recording or querying the guard's CUDA event fails.
+        """
+        if self._open is not None and not self._open._done:
+            raise UsageError(f"step {self._open.seq} is still open; flush it before step()")
+        ring = self._ring
+        cur = ring.next()
+        slot = self._slots[cur]
+        slot.retired.clear()
+        if self._check:
+            slot.poison()
+            if ring.released != cur:
+                ring.poison_released()  # the tensors of the step max_concurrency back read poison now
+        st = self._open = Step(slot, ring.take(cur))
+        return st
+
+    def mark_consumed(self) -> None:
+        """Say that the last step's consumers are enqueued: the clock's next event protects its slot.
+
+        Raises ``UsageError`` if a step is still open.
+        """
+        if self._open is not None and not self._open.done:
+            raise UsageError(f"step {self._open.seq} is still open; flush it first")
+        self._ring.mark()
+
+    def stats(self) -> dict[str, int]:
+        """The stager's counters.
+
+        Returns
+        -------
+        dict of str to int
+            ``transfers`` (published steps that copied: every non-empty step on
+            PINNED and PAGEABLE, and on UVA with ``static=True``), ``bytes`` (their
+            size), ``growths`` (slots replaced by larger ones), ``guard_waits`` (times
+            the guard waited for the device) and ``steps`` (steps begun).
+        """
+        return self._ring.stats(steps=True)

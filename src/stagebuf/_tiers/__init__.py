@@ -1,0 +1,1 @@
+"""Deciding the tier: the settings, the probe, ``capabilities()``, and doctor (with its command line)."""

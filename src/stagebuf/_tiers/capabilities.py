@@ -1,0 +1,290 @@
+"""What the probe decided, and the machine facts it reads that need no probing.
+
+``Capabilities`` is the probe's record for one device (``_probe.capabilities``
+makes and caches it); ``usable_tiers`` says what an explicit request may ask for
+there; ``torch_build``, ``usable_devices`` and ``_versions`` describe the
+installed stack; ``_forced_tier`` reads ``STAGEBUF_TIER``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._bytes import uva as _uva
+from .._common.errors import ArgumentTypeError, InvalidArgumentError, SettingValueError, TierUnavailableError
+from .._common.sealed import Sealed
+from .._common.tier import Tier
+from .._common.types import DeviceLike
+from .settings import ENV_TIER
+
+
+def torch_build() -> str:
+    """What torch was built for: "CPU build", "CUDA 13.0 build", "ROCm 6.4 build"."""
+    if torch.version.cuda:
+        return f"CUDA {torch.version.cuda} build"
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        return f"ROCm {hip} build"
+    return "CPU build"
+
+
+def _cuda_missing_cause() -> tuple[str, str]:
+    """(cause, fix) for ``torch.cuda.is_available()`` being False."""
+    if torch_build() == "CPU build":
+        return (
+            f"torch is a CPU build (torch {torch.__version__}) without CUDA support",
+            "install a CUDA build of torch to use a GPU",
+        )
+    kind, ver = ("CUDA", torch.version.cuda) if torch.version.cuda else ("ROCm", torch.version.hip)
+    return (
+        f"torch is a {kind} build but sees no driver or GPU (torch {torch.__version__}, "
+        f"{kind} {ver}; torch.cuda.is_available() is False)",
+        "check that the GPU driver is loaded (nvidia-smi) and that CUDA_VISIBLE_DEVICES "
+        "does not hide the GPU",
+    )
+
+
+def _device_missing(dev: torch.device) -> str | None:
+    """Why torch cannot use accelerator ``dev`` here, or None when it can."""
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return _cuda_missing_cause()[0]
+        n = torch.cuda.device_count()
+        return None if dev.index is None or dev.index < n else f"torch sees only {n} CUDA device(s)"
+    if dev.type == "meta":
+        return "a meta tensor holds no data, so nothing staged there could be read"
+    available = getattr(getattr(torch, dev.type, None), "is_available", None)
+    if callable(available) and not available():
+        return f"torch.{dev.type}.is_available() is False (torch is a {torch_build()})"
+    try:  # a device type torch parses but has no backend for here (xla without torch_xla, say)
+        torch.empty(0, device=dev)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0].rstrip(".")[:200]
+        return f"torch cannot allocate memory on {dev.type} here (no {dev.type} backend is loaded): {first}"
+    return None
+
+
+def _device_hint(dev: torch.device) -> str | None:
+    """What to do about a missing ``dev``, beyond choosing another device."""
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return _cuda_missing_cause()[1]
+    return None
+
+
+def usable_devices() -> list[str]:
+    """The devices this machine can stage to, CPU first (for error messages)."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    else:
+        acc = getattr(torch, "accelerator", None)
+        cur = acc.current_accelerator() if acc is not None and acc.is_available() else None
+        if cur is not None:
+            out.append(str(cur))
+    return out
+
+
+@dataclass
+class Capabilities(Sealed):
+    """What one device can do, the tier chosen for it, and why.
+
+    Made by the probe behind :func:`capabilities`; read it, do not build one. Every
+    buffer, pool and stager takes its tier from here, so the probe's result is
+    read-only: assigning or deleting an attribute raises ReadOnlyAttributeError.
+
+    Attributes
+    ----------
+    device : torch.device
+        The device probed, with its index resolved (``"cuda"`` becomes ``cuda:N``,
+        the current device).
+    device_type : str
+        ``device.type``: ``"cuda"``, ``"cpu"``, ...
+    pin_memory : bool
+        Whether a pinned (page-locked) host allocation succeeded and came back
+        pinned. Always False when the device is the CPU.
+    uva : bool
+        Whether a device view of pinned memory aliased it and saw a host write made
+        after the view existed (the UVA probe passed). The tier can still be worse
+        than UVA when ``STAGEBUF_TIER`` forces one.
+    tier : Tier
+        The tier chosen: the best that works on ``device``, or the one
+        ``STAGEBUF_TIER`` forces.
+    reasons : list of str
+        One plain sentence per decision, in the order they were made (what
+        ``stagebuf doctor`` prints).
+    forced : str or None
+        The tier ``STAGEBUF_TIER`` forces, lower case (``"pinned"``), or None when
+        it is unset.
+    wsl : bool
+        Whether this is WSL, where pinned memory is off unless
+        ``STAGEBUF_WSL_PIN_MEMORY=1``.
+    memlock_limit : int or None
+        The ``RLIMIT_MEMLOCK`` soft limit in bytes; None means unlimited.
+    versions : dict of str to str
+        ``torch`` and ``python``, and where present ``cuda_runtime``, ``triton``,
+        ``cuda_bindings``, ``cuda_driver_api`` and ``device_name``.
+    torch_build : str
+        What torch was built for: ``"CPU build"``, ``"CUDA 13.0 build"``,
+        ``"ROCm 6.4 build"``.
+    cpu_cause : str or None
+        Why the target device is the CPU; None when it is an accelerator.
+    cpu_fix : str or None
+        What to do to target an accelerator instead, where there is something to
+        do (None otherwise).
+    """
+
+    device: torch.device
+    device_type: str
+    pin_memory: bool
+    uva: bool
+    tier: Tier
+    reasons: list[str] = field(default_factory=list)
+    forced: str | None = None
+    wsl: bool = False
+    memlock_limit: int | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    torch_build: str = ""
+    cpu_cause: str | None = None
+    cpu_fix: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The capabilities as plain values (what ``stagebuf doctor --json`` prints).
+
+        Returns
+        -------
+        dict of str to Any
+            Every attribute, with ``device`` as a string, ``tier`` as its name and
+            copies of ``reasons`` and ``versions``.
+        """
+        return {
+            "device": str(self.device),
+            "device_type": self.device_type,
+            "pin_memory": self.pin_memory,
+            "uva": self.uva,
+            "tier": self.tier.name,
+            "reasons": list(self.reasons),
+            "forced": self.forced,
+            "wsl": self.wsl,
+            "memlock_limit": self.memlock_limit,
+            "versions": dict(self.versions),
+            "torch_build": self.torch_build,
+            "cpu_cause": self.cpu_cause,
+            "cpu_fix": self.cpu_fix,
+        }
+
+
+# --- what the OS and drivers answer (tests replace these to fake a machine) ---
+
+
+def _versions(device: torch.device) -> dict[str, str]:
+    v = {"torch": torch.__version__, "python": platform.python_version()}
+    if torch.version.cuda:
+        v["cuda_runtime"] = str(torch.version.cuda)
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except Exception:
+        pass
+    try:
+        cudart = _uva.load_cudart()
+        from cuda import bindings
+
+        v["cuda_bindings"] = getattr(bindings, "__version__", "?")
+        if device.type == "cuda":
+            err, drv = cudart.cudaDriverGetVersion()
+            if int(err) == 0:
+                v["cuda_driver_api"] = f"{drv // 1000}.{drv % 1000 // 10}"
+    except Exception:
+        pass
+    if device.type == "cuda" and torch.cuda.is_available():
+        v["device_name"] = torch.cuda.get_device_name(device)
+    return v
+
+
+_TIER_NAMES = tuple(t.name.lower() for t in Tier)
+
+
+def _forced_tier() -> Tier | None:
+    raw = os.environ.get(ENV_TIER, "").strip()
+    if not raw:
+        return None
+    try:
+        return Tier.parse(raw, ENV_TIER)
+    except ValueError:
+        raise SettingValueError(
+            f"{ENV_TIER}={raw!r} is not a tier",
+            setting=ENV_TIER,
+            value=raw,
+            allowed=_TIER_NAMES,
+            fix=f"unset {ENV_TIER} (stagebuf then picks the best tier that works) or set it to "
+            "one of the allowed values",
+        ) from None
+
+
+def usable_tiers(caps: Capabilities) -> list[Tier]:
+    """The tiers an explicit request may ask for on ``caps.device``, best first.
+
+    On the CPU: PAGEABLE (a CPU tensor stands in for device memory) and HOST. On
+    an accelerator: the chosen tier and every worse copy tier (a forced tier caps
+    the process; nothing better than it is used).
+    """
+    if caps.device_type == "cpu":
+        return [Tier.PAGEABLE, Tier.HOST]
+    return [t for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= caps.tier]
+
+
+def unavailable_error(want: Tier, caps: Capabilities, who: str) -> TierUnavailableError:
+    """The error for an explicit request of tier ``want`` that cannot work on ``caps.device``."""
+    allowed = [t.name.lower() for t in usable_tiers(caps)]
+    head = "UVA is not available" if want is Tier.UVA else f"tier {want.name} is not available"
+    hint = None
+    if caps.device_type == "cpu" and want is not Tier.PAGEABLE:
+        cause = f"{who} needs an accelerator, but the target device is the CPU because {caps.cpu_cause}"
+        fix = f"pass an accelerator device, or use stagebuf.make_buffer() (tier {caps.tier.name} here)"
+        hint = caps.cpu_fix
+        if hint:
+            fix += f"; or {hint}"
+    elif caps.forced is not None and want < caps.tier:
+        cause = (
+            f"{who} was asked for, but {ENV_TIER}={caps.forced} forces tier {caps.tier.name} "
+            "and nothing better is used in this process"
+        )
+        fix = f"unset {ENV_TIER} or set it to {want.name.lower()}, or ask for an allowed tier"
+    elif want is Tier.HOST:
+        cause = (
+            f"{who} was asked for, but tier HOST means no accelerator and the target device is {caps.device}"
+        )
+        fix = "pass device='cpu', or ask for an allowed tier"
+    else:
+        found = " ".join(r for r in caps.reasons if r.startswith("No ")) or " ".join(caps.reasons)
+        cause = f"{who} was asked for, but the probe found: {found}"
+        fix = f"use stagebuf.make_buffer() (tier {caps.tier.name} here) or ask for an allowed tier"
+    return TierUnavailableError(
+        f"{head} on {caps.device}",
+        setting="tier",
+        value=want.name.lower(),
+        cause=cause,
+        allowed=allowed,
+        fix=fix,
+        hint=hint,
+    )
+
+
+def device_type(device: DeviceLike, who: str) -> str:
+    """The type of ``device`` (a str, an int or a torch.device), or raise saying what is allowed."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ArgumentTypeError(
+            f"{who}: device={device!r} is a {type(device).__name__}; allowed: None or 'cpu'"
+        )
+    try:
+        return torch.device(device).type
+    except (RuntimeError, ValueError, TypeError, OverflowError):
+        raise InvalidArgumentError(
+            f"{who}: device={device!r} is not a device; allowed: None or 'cpu'"
+        ) from None

@@ -1,0 +1,430 @@
+"""The one place that decides the tier.
+
+``capabilities(device)`` probes once per device what this machine can really do
+(it allocates pinned memory, builds a device view and checks it is live) and
+records one plain sentence per decision. Everything else in stagebuf asks it and
+never re-derives a tier.
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import threading
+from collections.abc import Callable
+
+import torch
+
+from .._bytes import uva as _uva
+from .._bytes.memory import alloc_host
+from .._common.errors import ArgumentTypeError, TierUnavailableError, UnknownDeviceError, UvaError
+from .._common.log import logger, warn_once
+from .._common.tier import Tier
+from .._common.types import DeviceLike
+from .capabilities import (
+    Capabilities,
+    _cuda_missing_cause,
+    _device_hint,
+    _device_missing,
+    _forced_tier,
+    _versions,
+    torch_build,
+    usable_devices,
+)
+from .settings import ENV_TIER, ENV_WSL_PIN, check_mode, env_flag, kernel_on_host, quarantine, write_kernel
+
+_SMALL_MEMLOCK = 64 << 20
+
+
+def _is_wsl() -> bool:
+    release = platform.uname().release.lower()
+    if "microsoft" in release or "wsl" in release:
+        return True
+    try:
+        with open("/proc/version") as f:
+            return "microsoft" in f.read().lower()
+    except OSError:
+        return False
+
+
+def _memlock_limit() -> int | None:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _alloc_pinned(nbytes: int) -> torch.Tensor:
+    """Allocate page-locked host memory (the same call the buffers make)."""
+    return alloc_host((nbytes,), torch.uint8, pinned=True)
+
+
+def _uva_probe(device: torch.device) -> None:
+    """Build a device view of pinned memory and check it is a live alias.
+
+    Raises ImportError without cuda-bindings and UvaError for anything else.
+    """
+    _uva.load_cudart()
+    host = _alloc_pinned(256).view(torch.int32)
+    view = _uva.device_view(host, device)
+    for seed in (0x5A5A, 0x1234):
+        # Write on the host *after* the view exists, read on the device.
+        expect = torch.arange(seed, seed + host.numel(), dtype=torch.int32)
+        host.copy_(expect)
+        _synchronize(device)
+        got = view.clone().cpu()
+        if not torch.equal(got, expect):
+            raise UvaError(
+                "coherence probe failed: the device view did not see a host write made after "
+                "it was created (stale copy; seen under GPU confidential computing)"
+            )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+
+
+# --- the decision ---
+
+_DEVICE_FIX = "pass device=None (the current accelerator, else the CPU) or one of the allowed devices"
+
+
+def _resolve_device(device: DeviceLike, forced: Tier | None) -> torch.device:
+    if device is None:
+        if forced is Tier.HOST:
+            return torch.device("cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        acc = getattr(torch, "accelerator", None)
+        cur = acc.current_accelerator() if acc is not None and acc.is_available() else None
+        return torch.device(cur) if cur is not None else torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ArgumentTypeError(
+            f"device={device!r} must be None, a str, an int or a torch.device; "
+            f"allowed here: {', '.join(usable_devices())}"
+        )
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise UnknownDeviceError(
+            f"device={device!r} is not a device torch can use",
+            setting="device",
+            value=device,
+            cause=_short(e),
+            allowed=usable_devices(),
+            fix=_DEVICE_FIX,
+        ) from None
+    if dev.type != "cpu":
+        why = _device_missing(dev)
+        if why:
+            hint = _device_hint(dev)
+            raise TierUnavailableError(
+                f"device={device!r} cannot be used",
+                setting="device",
+                value=device,
+                cause=why,
+                allowed=usable_devices(),
+                fix=_DEVICE_FIX + (f"; or {hint}" if hint else ""),
+                hint=hint,
+            )
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _cpu_cause(device: DeviceLike, forced: Tier | None) -> tuple[str, str | None]:
+    """(why the target is the CPU, what to do to target an accelerator)."""
+    if forced is Tier.HOST and device is None:
+        return f"{ENV_TIER}=host targets the CPU", f"unset {ENV_TIER} to use an accelerator"
+    if device is not None:
+        return f"device={device!r} was asked for", None
+    if not torch.cuda.is_available():
+        return _cuda_missing_cause()
+    return "no accelerator is available", None
+
+
+def probe(device: DeviceLike = None) -> Capabilities:
+    """Probe ``device`` now, bypassing the cache (``capabilities`` caches this).
+
+    Every setting is checked here, at start-up: ``STAGEBUF_TIER``, ``STAGEBUF_CHECK``,
+    ``STAGEBUF_CHECK_QUARANTINE`` and ``STAGEBUF_WRITE_KERNEL`` (a bad value raises
+    SettingValueError naming the allowed values).
+    """
+    check_mode()
+    env_flag(ENV_WSL_PIN, f"set {ENV_WSL_PIN}=1 to try pinned memory on WSL2, or unset it")
+    quarantine()
+    write_kernel()
+    forced = _forced_tier()
+    dev = _resolve_device(device, forced)
+    reasons: list[str] = []
+    memlock = _memlock_limit()
+    wsl = _is_wsl()
+    caps = Capabilities(
+        dev,
+        dev.type,
+        False,
+        False,
+        Tier.HOST,
+        reasons,
+        forced.name.lower() if forced else None,
+        wsl,
+        memlock,
+        torch_build=torch_build(),
+    )
+    if dev.type == "cpu":
+        cause, hint = _cpu_cause(device, forced)
+        caps.cpu_cause, caps.cpu_fix = cause, hint
+        reasons.append(
+            f"The target device is the CPU because {cause}, so there is nothing to "
+            "transfer to: pinned memory and UVA are not used." + (f" Fix: {hint}." if hint else "")
+        )
+        if forced in (Tier.UVA, Tier.PINNED):
+            name = forced.name.lower()
+            raise TierUnavailableError(
+                f"{ENV_TIER}={name} needs an accelerator, but the target device is the CPU",
+                setting=ENV_TIER,
+                value=name,
+                cause=cause,
+                allowed=("host", "pageable"),
+                fix=f"unset {ENV_TIER} (stagebuf then picks the best tier) or set {ENV_TIER}=host "
+                "or pageable" + (f"; or {hint}" if hint else ""),
+                hint=hint,
+            )
+        if forced is Tier.PAGEABLE:
+            caps.tier = Tier.PAGEABLE
+            reasons.append(
+                f"{ENV_TIER}=pageable: copying into a separate CPU tensor that stands "
+                "in for device memory (this exercises the copy path without a GPU)."
+            )
+        else:
+            caps.tier = Tier.HOST
+            reasons.append("Tier HOST: the CPU tensor is the device tensor.")
+            if write_kernel() == "triton":  # explained, as a setting that cannot apply here
+                reasons.append(kernel_on_host(str(dev)))
+                warn_once(("kernel-on-host", str(dev)), reasons[-1])
+        caps.versions = _versions(dev)
+        caps._freeze()  # shared by every caller from here on: read-only
+        return caps
+
+    caps.pin_memory = _decide_pinned(caps)
+    caps.uva = caps.pin_memory and _decide_uva(caps)
+    best = Tier.UVA if caps.uva else Tier.PINNED if caps.pin_memory else Tier.PAGEABLE
+    works = [t.name.lower() for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= best]
+    if forced is Tier.HOST:
+        raise TierUnavailableError(
+            f"{ENV_TIER}=host targets the CPU, but device {dev} was asked for",
+            setting=ENV_TIER,
+            value="host",
+            cause="tier HOST means no accelerator",
+            allowed=works,
+            fix=f"unset {ENV_TIER}, set it to one of the allowed tiers, or pass device='cpu'",
+        )
+    if forced is not None and forced < best:
+        raise TierUnavailableError(
+            f"{ENV_TIER}={forced.name.lower()} cannot work on {dev}",
+            setting=ENV_TIER,
+            value=forced.name.lower(),
+            cause=" ".join(r for r in reasons if r.startswith("No ")) or " ".join(reasons),
+            allowed=works,
+            fix=f"unset {ENV_TIER} (stagebuf then picks the best tier, {best.name}) or set it to "
+            "one of the allowed tiers",
+        )
+    caps.tier = forced if forced is not None else best
+    if forced is not None:
+        reasons.append(
+            f"{ENV_TIER}={forced.name.lower()} forces tier {forced.name} (best available: {best.name})."
+        )
+    else:
+        reasons.append(f"Tier {best.name}: the best tier that works on {dev}.")
+    if best is not Tier.UVA:
+        why = " ".join(r for r in reasons if r.startswith("No "))
+        warn_once(("fallback", str(dev), best), f"tier {best.name} on {dev} instead of UVA: {why}")
+    caps.versions = _versions(dev)
+    caps._freeze()  # shared by every caller from here on: read-only
+    return caps
+
+
+def _decide_pinned(caps: Capabilities) -> bool:
+    reasons = caps.reasons
+    if caps.memlock_limit is not None and caps.memlock_limit < _SMALL_MEMLOCK:
+        reasons.append(
+            f"The memlock limit is {caps.memlock_limit} bytes: large pinned allocations may fail "
+            "and fall back per buffer. Fix: raise it (ulimit -l unlimited, or docker run "
+            "--ulimit memlock=-1)."
+        )
+    if caps.wsl and not env_flag(ENV_WSL_PIN, ""):
+        reasons.append(
+            "No pinned memory: this is WSL, where pinned memory is off by default and fails "
+            f"or is capped. Fix: if your WSL setup supports it, set {ENV_WSL_PIN}=1."
+        )
+        return False
+    try:
+        t = _alloc_pinned(4096)
+        pinned = bool(t.is_pinned())
+    except Exception as e:  # driver, memlock, or allocator refusal
+        reasons.append(
+            f"No pinned memory: allocating 4 KiB of pinned host memory failed ({_short(e)}). "
+            "Fix: raise the memlock limit (ulimit -l unlimited) or enable pinned memory "
+            "for this platform."
+        )
+        return False
+    if not pinned:
+        reasons.append(
+            "No pinned memory: a pin_memory=True allocation came back unpinned. "
+            "Fix: enable pinned memory for this platform."
+        )
+        return False
+    reasons.append("Pinned memory: a 4 KiB pinned allocation succeeded.")
+    return True
+
+
+def _decide_uva(caps: Capabilities) -> bool:
+    reasons = caps.reasons
+    if caps.device_type != "cuda":
+        reasons.append(
+            f"No UVA: device views of host memory need CUDA; {caps.device_type} "
+            "has none here, so data is copied (tier PINNED)."
+        )
+        return False
+    try:
+        _uva_probe(caps.device)
+    except ImportError:
+        reasons.append(
+            "No UVA: cuda-bindings is not installed, so no device pointer can be "
+            "taken for pinned memory. Fix: pip install 'stagebuf[cuda]'."
+        )
+        return False
+    except Exception as e:
+        reasons.append(
+            f"No UVA: {_short(e)}. Data is copied instead (tier PINNED). "
+            "Fix: none needed for correctness; report it if you expected UVA here."
+        )
+        return False
+    reasons.append("UVA: a device view of pinned memory aliases it and saw a later host write.")
+    return True
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:200]
+
+
+_cache: dict[str | None, Capabilities] = {}
+_lock = threading.Lock()
+
+
+def capabilities(device: DeviceLike = None) -> Capabilities:
+    """The capabilities of ``device``, and the tier chosen for it.
+
+    The first call for a device probes it: it checks the settings, allocates pinned
+    memory and, on CUDA, builds a device view of it and checks that the view is live.
+    The result is cached per device; :func:`reset_capabilities` clears the cache.
+
+    Parameters
+    ----------
+    device : torch.device, str, int or None, optional
+        The device to stage to: a ``torch.device``, a name such as ``"cuda:0"`` or
+        ``"cpu"``, or a CUDA index. None (the default) is the current accelerator,
+        else the CPU (the CPU also under ``STAGEBUF_TIER=host``).
+
+    Returns
+    -------
+    Capabilities
+        The probe's result; later calls for the same device return the same object.
+
+    Raises
+    ------
+    SetupError
+        (a ``ValueError`` too) If a stagebuf environment setting (``STAGEBUF_TIER``,
+        ``STAGEBUF_CHECK``, ``STAGEBUF_WRITE_KERNEL`` and the like) holds a value it
+        does not take, or if torch does not know ``device``; the message names the
+        allowed values.
+    TierUnavailableError
+        If ``device`` is an accelerator torch cannot use here (no driver, a CPU build
+        of torch, an index past the device count, ``meta``), or if ``STAGEBUF_TIER``
+        forces a tier that cannot work on the device.
+    ArgumentTypeError
+        If ``device`` is not None, a ``str``, an ``int`` or a ``torch.device`` (a
+        ``bool`` is refused).
+    """
+    key = None if device is None else str(device)
+    caps = _cache.get(key)
+    if caps is not None:
+        return caps
+    new = False
+    with _lock:
+        caps = _cache.get(key)
+        if caps is None:
+            caps = probe(device)
+            _cache[key] = caps
+            _cache[str(caps.device)] = caps
+            logger.debug("%s -> tier %s", caps.device, caps.tier.name)
+            new = True
+    if new:
+        for hook in list(on_decision):
+            hook(caps)
+    return caps
+
+
+on_decision: list[Callable[[Capabilities], None]] = []
+"""Called with each new probe result (the vLLM plugin logs its tier line from here)."""
+
+
+def reset_capabilities() -> None:
+    """Forget every cached probe, so that the next :func:`capabilities` call probes again.
+
+    Call it after changing ``STAGEBUF_TIER`` (say). Buffers, pools and stagers made
+    before keep the tier they were made with.
+    """
+    with _lock:
+        _cache.clear()
+
+
+def is_pin_memory_available(device: DeviceLike = None) -> bool:
+    """Whether pinned host memory works for ``device`` (``capabilities(device).pin_memory``).
+
+    Parameters
+    ----------
+    device : torch.device, str, int or None, optional
+        As for :func:`capabilities`; None is the default device.
+
+    Returns
+    -------
+    bool
+        True where a pinned allocation succeeded in the probe; always False for the CPU.
+
+    Raises
+    ------
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    ArgumentTypeError
+        As :func:`capabilities`: ``device`` of a type that is not accepted.
+    """
+    return capabilities(device).pin_memory
+
+
+def is_uva_available(device: DeviceLike = None) -> bool:
+    """Whether the tier chosen for ``device`` is UVA (zero-copy device views of pinned memory).
+
+    Parameters
+    ----------
+    device : torch.device, str, int or None, optional
+        As for :func:`capabilities`; None is the default device.
+
+    Returns
+    -------
+    bool
+        ``capabilities(device).tier is Tier.UVA``: False where ``STAGEBUF_TIER`` forces
+        a worse tier, even if the UVA probe passed.
+
+    Raises
+    ------
+    SetupError
+        As :func:`capabilities`: a bad setting or a device torch does not know.
+    TierUnavailableError
+        As :func:`capabilities`: a device or forced tier that cannot work here.
+    ArgumentTypeError
+        As :func:`capabilities`: ``device`` of a type that is not accepted.
+    """
+    return capabilities(device).tier is Tier.UVA

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._common.convert import cast_checked
+from .._common.convert import cast_checked, host_array
+from .._common.errors import InvalidArgumentError
 from .._tiers.settings import check_mode
 
 _VALUES_AT: dict[Any, int] = {np.copyto: 1, np.put: 2, np.place: 2, np.putmask: 2}
@@ -71,8 +72,6 @@ def _fit(dst: np.ndarray, value: Any, where: str) -> Any:
             info = np.iinfo(target)
             if info.min <= value <= info.max:
                 return value
-            from .._common.errors import InvalidArgumentError
-
             raise InvalidArgumentError(
                 f"{where} holds values in [{value}, {value}], outside {target}'s range "
                 f"[{info.min}, {info.max}]"
@@ -81,8 +80,6 @@ def _fit(dst: np.ndarray, value: Any, where: str) -> Any:
             value = float(value)
     arr = np.asarray(value.view(np.ndarray) if isinstance(value, CheckedArray) else value)
     if arr.dtype == object:  # an int past 64 bits, or not a number at all
-        from .._common.convert import host_array
-
         arr = host_array(
             value if isinstance(value, (list, tuple)) else [value], target, where, ndims=(1, 2, 3)
         )

@@ -19,8 +19,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import stagebuf
+
 from .._common.errors import SettingValueError
 from .._common.log import logger
+from .._tiers import probe as _probe
 from .._tiers.settings import ENV_VLLM
 from . import vllm_step as _vllm_step
 
@@ -320,8 +323,6 @@ def plan(module: Any | None = None, runner: Any | None = None, version: str | No
             f"(vLLM {', '.join(TESTED)}): {'; '.join(diffs)}; vLLM's own layer stays in place",
             requested=requested,
         )
-    import stagebuf
-
     mine = {n: getattr(stagebuf, n) for n in REPLACED}
     why = (
         f"vLLM {version or '?'}'s MRV2 buffer layer ({TARGET}) matches the API stagebuf was tested "
@@ -406,8 +407,6 @@ def register() -> None:
             logger.warning("vLLM plugin: %s", p.why)
             return
         _apply(p)
-        from .._tiers import probe as _probe
-
         _done["announce"] = p
         _probe.on_decision.append(_announce)
         for caps in list(_probe._cache.values())[:1]:  # a tier already decided in this process
@@ -428,7 +427,5 @@ def unregister() -> None:
         _vllm_step.reset()
         for mod, attr, old, _new in reversed(p.replacements):
             setattr(mod, attr, old)
-        from .._tiers import probe as _probe
-
         if _announce in _probe.on_decision:
             _probe.on_decision.remove(_announce)

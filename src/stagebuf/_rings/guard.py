@@ -26,8 +26,10 @@ from typing import Literal, Protocol
 
 import torch
 
+from .._bytes.uva import load_cudart
 from .._common.errors import CudaError, InvalidArgumentError
 from .._common.types import DeviceLike
+from .._tiers.probe import capabilities
 from .._tiers.settings import DEFAULT_MAX_CONCURRENCY
 
 GuardMode = Literal["auto", "wait", "raise", "off"]
@@ -157,8 +159,6 @@ def make_event(device: torch.device) -> Event | None:
         # the cheap path is only for the current device (one process per GPU, the usual
         # engine layout); an event for another device goes through torch.
         try:
-            from .._bytes.uva import load_cudart
-
             return _CudartEvent(device, load_cudart())
         except Exception:
             pass
@@ -287,8 +287,6 @@ def begin_step(device: DeviceLike = None) -> None:
     CudaError
         If recording the CUDA event fails.
     """
-    from .._tiers.probe import capabilities
-
     dev = capabilities(device).device
     clock = step_clock(dev)
     if clock.active:

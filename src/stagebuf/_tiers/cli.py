@@ -13,10 +13,11 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from .. import __version__
+from . import doctor as _doctor
+
 
 def _version() -> str:
-    from .. import __version__
-
     return __version__
 
 
@@ -45,6 +46,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    from . import doctor as _doctor
-
     return _doctor.run(ns.device, ns.as_json)

@@ -22,8 +22,11 @@ from typing import Any, TextIO
 
 import torch
 
+from .. import __version__, nanovllm
 from .._common.errors import SetupError
 from .._common.tier import Tier
+from .._engines import vllm as _vllm
+from .._rings.staged_write.kernel import triton_usable
 from .capabilities import Capabilities, torch_build
 from .probe import capabilities
 from .settings import (
@@ -43,8 +46,6 @@ from .settings import (
 
 def stagebuf_version() -> str:
     """This stagebuf's version (``stagebuf.__version__``)."""
-    from .. import __version__
-
     return __version__
 
 
@@ -102,8 +103,6 @@ def diagnose(device: str | None = None) -> Capabilities | Problem:
     """
     try:
         caps = capabilities(device)
-        from .._engines import vllm as _vllm
-
         _vllm.plan()
     except SetupError as e:
         return _problem(e)
@@ -132,12 +131,9 @@ def kernel_in_use(caps: Capabilities) -> tuple[str, str | None]:
     if caps.tier is Tier.HOST:
         why = "tier HOST: a staged write is one numpy assignment, no kernel"
         return "host", (why if setting == "triton" else None)
-    if setting == "triton":
-        from .._rings.staged_write.kernel import triton_usable
-
-        if not triton_usable(caps.device):
-            where = "the CPU without TRITON_INTERPRET=1" if caps.device.type == "cpu" else str(caps.device)
-            return "scatter", f"Triton cannot run on {where}: the scatter kernel is used (logged once)"
+    if setting == "triton" and not triton_usable(caps.device):
+        where = "the CPU without TRITON_INTERPRET=1" if caps.device.type == "cpu" else str(caps.device)
+        return "scatter", f"Triton cannot run on {where}: the scatter kernel is used (logged once)"
     return setting, None
 
 
@@ -226,8 +222,6 @@ def vllm_rows() -> list[tuple[str, str]]:
     vLLM is imported only when ``STAGEBUF_VLLM`` switches the plugin on (to check its buffer
     layer's API). A bad ``STAGEBUF_VLLM`` raises SettingValueError (``run`` explains it).
     """
-    from .._engines import vllm as _vllm
-
     version = _vllm.vllm_version()
     rows_ = [("vLLM", f"{version} (tested: {', '.join(_vllm.TESTED)})" if version else "not installed")]
     for key, value in _vllm.plan().as_dict().items():
@@ -235,16 +229,12 @@ def vllm_rows() -> list[tuple[str, str]]:
         if key == "action" and value in _ACTIONS:
             text += f" ({_ACTIONS[value]})"
         rows_.append((f"vLLM plugin {key}", text))
-    from .. import nanovllm  # the nano-vllm row: installed, and whether its version is tested
-
     rows_.append(("nano-vllm", nanovllm.status()["note"]))
     return rows_
 
 
 def vllm_report() -> dict[str, Any]:
     """The vLLM part of ``doctor --json``: vLLM's version, and every item of ``plan().as_dict()``."""
-    from .._engines import vllm as _vllm
-
     version = _vllm.vllm_version()
     out: dict[str, Any] = {"installed": version is not None, "version": version}
     out["tested"] = list(_vllm.TESTED)
@@ -313,8 +303,6 @@ def render(caps: Capabilities, console: Any = None) -> None:
 
 def to_json(caps: Capabilities) -> str:
     report = {"stagebuf": stagebuf_version(), **caps.as_dict(), "settings": settings(caps)}
-    from .. import nanovllm
-
     return json.dumps({**report, "vllm": vllm_report(), "nanovllm": nanovllm.status()}, indent=2, default=str)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Literal
 
+from .._common.errors import SettingValueError
+
 ALIGN = 16
 """Byte alignment of every array packed into a staging arena."""
 
@@ -38,8 +40,6 @@ def env_flag(name: str, fix: str) -> bool:
         return False
     if raw.strip() == "1":
         return True
-    from .._common.errors import SettingValueError
-
     raise SettingValueError(
         f"{name}={raw!r} is not a valid setting", setting=name, value=raw, allowed=("0", "1"), fix=fix
     )
@@ -63,8 +63,6 @@ def write_kernel() -> WriteKernelSetting:
     for k in WRITE_KERNELS:
         if value == k:
             return k
-    from .._common.errors import SettingValueError
-
     raise SettingValueError(
         f"{ENV_KERNEL}={raw!r} is not a staged-write kernel",
         setting=ENV_KERNEL,
@@ -105,8 +103,6 @@ def quarantine() -> int:
     v = raw.strip()
     if v.isascii() and v.isdigit() and int(v) <= MAX_QUARANTINE:
         return int(v)
-    from .._common.errors import SettingValueError
-
     raise SettingValueError(
         f"{ENV_QUARANTINE}={raw!r} is not a slot count in [0, {MAX_QUARANTINE}]",
         setting=ENV_QUARANTINE,

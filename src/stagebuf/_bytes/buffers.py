@@ -40,7 +40,7 @@ from .._common.errors import (
     InvalidArgumentError,
     UsageError,
 )
-from .._common.sealed import Sealed
+from .._common.sealed import COPY_HINT, Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike
 from .._tiers.capabilities import Capabilities, device_type, unavailable_error, usable_tiers
@@ -50,6 +50,16 @@ from .checked import host_view
 from .memory import alloc_device, alloc_host
 
 
+@read_only(
+    {
+        "*": f"a buffer's attributes are fixed at construction; {COPY_HINT}",
+        "dev": "it is the device storage uva() publishes into, at a fixed address; write .np or .cpu",
+        "device": "a buffer stays on the device it was made for; make a new buffer for another device",
+        "shape": "the host and device storage are sized at construction; make a new buffer to resize",
+        "dtype": "the storage is typed at construction; make a new buffer for another dtype",
+        "tier": "it is the class's tier; use make_buffer(..., tier=...) for another tier",
+    }
+)
 class StagingBuffer(Sealed):
     """A host buffer and the way its rows reach the device (the tier).
 

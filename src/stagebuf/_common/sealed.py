@@ -6,7 +6,7 @@ host-backed objects) copies the value into its host memory through
 ``_copy_in``, with stagebuf's value checks; assigning or deleting any other
 public attribute raises ReadOnlyAttributeError, saying why it is fixed and what
 to do instead, instead of being accepted and silently ignored by the object's
-own code. Every message comes from one table, ``READ_ONLY``. Private attributes
+own code. Each class states its messages with ``@read_only({...})``. Private attributes
 stay settable. On Python 3.12 and later, reading an attribute the object does not have raises
 UnknownAttributeError (an AttributeError) listing the ones it has; on 3.10 and 3.11 it raises
 Python's own AttributeError (a ``__getattr__`` hook would slow every attribute read there).
@@ -15,54 +15,28 @@ Python's own AttributeError (a ``__getattr__`` hook would slow every attribute r
 from __future__ import annotations
 
 import sys
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from .errors import ReadOnlyAttributeError, UnknownAttributeError
 
-_COPY = "write its values through .np or .cpu"
-READ_ONLY: dict[str, dict[str, str]] = {
-    # class name (looked up along the MRO) -> attribute -> why it is fixed and what to do
-    # instead; "*" is the class's answer for any other attribute
-    "StagingBuffer": {
-        "*": f"a buffer's attributes are fixed at construction; {_COPY}",
-        "dev": "it is the device storage uva() publishes into, at a fixed address; write .np or .cpu",
-        "device": "a buffer stays on the device it was made for; make a new buffer for another device",
-        "shape": "the host and device storage are sized at construction; make a new buffer to resize",
-        "dtype": "the storage is typed at construction; make a new buffer for another dtype",
-        "tier": "it is the class's tier; use make_buffer(..., tier=...) for another tier",
-    },
-    "ParamField": {
-        "*": f"a field has no other attributes; {_COPY}",
-        "gpu": "it is a view of the device arena at a fixed address, written by sync(); "
-        "write .np (or .cpu) and call table.sync()",
-        "name": "fields are named at construction; make a new DeviceParamTable to rename one",
-        "dtype": "fields are typed at construction; make a new DeviceParamTable for another dtype",
-        "offset": "it is the field's place in the packed arena, fixed at construction",
-    },
-    "DeviceParamTable": {
-        "*": "a table's attributes are fixed at construction; write field values with "
-        "table[name].np[...] = values",
-        "num_rows": "the arenas are sized at construction; make a new DeviceParamTable(num_rows, ...)",
-        "device": "the device arena lives on the device the table was made for; make a new table",
-        "nbytes": "it is the packed arena's size, fixed at construction",
-        "max_concurrency": "the staging slots are made at construction; make a new table with "
-        "max_concurrency=...",
-        "tier": "it is the staging slots' tier; set STAGEBUF_TIER before making the table",
-        "fields": "fields are fixed at construction; write values with table[name].np[...] = values",
-    },
-    "UvaBackedTensor": {"gpu": "copy_to_uva() sets it; write the host values through .np or .cpu"},
-    "StagedWriteTensor": {
-        "gpu": "applies write the tensor made at construction; edit it with stage_write() + apply_write()",
-        "stage_write": "it is this tensor's staging call",
-        "stage_write_elem": "it is this tensor's staging call",
-    },
-    "Capabilities": {
-        "*": "it is the probe's decision, cached per device and shared by every buffer made for it; "
-        "set STAGEBUF_TIER (or pass another device) and call reset_capabilities() to probe again"
-    },
-    "Tier": {"*": "a tier is a constant of the process; it cannot be changed"},
-    "Sealed": {"*": "it is fixed at construction; make a new object to change it"},
-}
+COPY_HINT = "write its values through .np or .cpu"
+"""The end of a host-backed object's read-only messages."""
+
+_WHY: dict[type, dict[str, str]] = {}
+"""Per class: attribute -> why it is fixed and what to do instead ("*": any other attribute)."""
+
+_T = TypeVar("_T", bound=type)
+
+
+def read_only(why: dict[str, str]) -> Callable[[_T], _T]:
+    """Class decorator: the class's read-only messages, kept with the class (see the module docstring)."""
+
+    def mark(cls: _T) -> _T:
+        _WHY[cls] = why
+        return cls
+
+    return mark
 
 
 class Sealed:
@@ -109,16 +83,14 @@ class Sealed:
         return None
 
     def _why(self, name: str) -> str:
-        """Why ``name`` is fixed, from ``READ_ONLY`` (the first class along the MRO that says)."""
-        for cls in type(self).__mro__:
-            entry = READ_ONLY.get(cls.__name__)
-            if entry is not None and name in entry:
-                return entry[name]
-        for cls in type(self).__mro__:
-            entry = READ_ONLY.get(cls.__name__)
-            if entry is not None and "*" in entry:
-                return entry["*"]
-        return READ_ONLY["Sealed"]["*"]
+        """Why ``name`` is fixed: the first class along the MRO that says, else the general answer."""
+        mro = type(self).__mro__
+        for key in (name, "*"):
+            for cls in mro:
+                entry = _WHY.get(cls)
+                if entry is not None and key in entry:
+                    return entry[key]
+        return "it is fixed at construction; make a new object to change it"
 
     def _copy_in(self, name: str, value: Any) -> None:
         raise NotImplementedError  # only classes with a _COPY_IN define it

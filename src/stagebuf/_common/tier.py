@@ -5,9 +5,10 @@ from __future__ import annotations
 import enum
 
 from .errors import InvalidArgumentError
-from .sealed import Sealed
+from .sealed import Sealed, read_only
 
 
+@read_only({"*": "a tier is a constant of the process; it cannot be changed"})
 class Tier(Sealed, enum.IntEnum):
     """How host data reaches the device, best first: a lower value is a better tier.
 

@@ -31,7 +31,7 @@ from .._bytes.make import make_buffer
 from .._bytes.memory import alloc_device, alloc_host
 from .._common.convert import fill_host, torch_dtype
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, UnknownFieldError
-from .._common.sealed import Sealed
+from .._common.sealed import COPY_HINT, Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike
 from .._tiers.probe import capabilities
@@ -64,6 +64,16 @@ class _Fields(Mapping[str, "ParamField"]):
         return f"fields({', '.join(self._d)})"
 
 
+@read_only(
+    {
+        "*": f"a field has no other attributes; {COPY_HINT}",
+        "gpu": "it is a view of the device arena at a fixed address, written by sync(); "
+        "write .np (or .cpu) and call table.sync()",
+        "name": "fields are named at construction; make a new DeviceParamTable to rename one",
+        "dtype": "fields are typed at construction; make a new DeviceParamTable for another dtype",
+        "offset": "it is the field's place in the packed arena, fixed at construction",
+    }
+)
 class ParamField(Sealed):
     """One field of a DeviceParamTable: ``.np``/``.cpu`` on the host, ``.gpu`` on the device.
 
@@ -108,6 +118,19 @@ class ParamField(Sealed):
         return f"ParamField({self.name!r}, dtype={self.dtype}, rows={self.cpu.shape[0]})"
 
 
+@read_only(
+    {
+        "*": "a table's attributes are fixed at construction; write field values with "
+        "table[name].np[...] = values",
+        "num_rows": "the arenas are sized at construction; make a new DeviceParamTable(num_rows, ...)",
+        "device": "the device arena lives on the device the table was made for; make a new table",
+        "nbytes": "it is the packed arena's size, fixed at construction",
+        "max_concurrency": "the staging slots are made at construction; make a new table with "
+        "max_concurrency=...",
+        "tier": "it is the staging slots' tier; set STAGEBUF_TIER before making the table",
+        "fields": "fields are fixed at construction; write values with table[name].np[...] = values",
+    }
+)
 class DeviceParamTable(Sealed):
     """Per-row parameters (e.g. sampling temperature, top-k) mirrored on the device.
 

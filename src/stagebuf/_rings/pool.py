@@ -14,7 +14,7 @@ from .._bytes.make import make_buffer
 from .._bytes.memory import alloc_host
 from .._common.convert import check_rows, fill_host, host_array, numpy_dtype, shape_of, torch_dtype
 from .._common.errors import ArgumentTypeError, InvalidArgumentError
-from .._common.sealed import Sealed
+from .._common.sealed import Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
 from .guard import GuardMode, slot_count
@@ -276,6 +276,7 @@ class UvaBufferPool(Sealed):
         return self._ring.stats()
 
 
+@read_only({"gpu": "copy_to_uva() sets it; write the host values through .np or .cpu"})
 class UvaBackedTensor(Sealed):
     """A host tensor that is the source of truth, published to the device on request.
 

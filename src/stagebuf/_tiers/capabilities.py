@@ -17,7 +17,7 @@ import torch
 
 from .._bytes import uva as _uva
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, SettingValueError, TierUnavailableError
-from .._common.sealed import Sealed
+from .._common.sealed import Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike
 from .settings import ENV_TIER
@@ -89,6 +89,12 @@ def usable_devices() -> list[str]:
     return out
 
 
+@read_only(
+    {
+        "*": "it is the probe's decision, cached per device and shared by every buffer made for it; "
+        "set STAGEBUF_TIER (or pass another device) and call reset_capabilities() to probe again"
+    }
+)
 @dataclass
 class Capabilities(Sealed):
     """What one device can do, the tier chosen for it, and why.

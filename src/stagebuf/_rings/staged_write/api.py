@@ -23,7 +23,7 @@ from ..._common.errors import (
     UvaError,
 )
 from ..._common.log import warn_once
-from ..._common.sealed import Sealed
+from ..._common.sealed import Sealed, read_only
 from ..._common.tier import Tier
 from ..._common.types import DeviceLike, DTypeLike, HostData
 from ..._tiers.probe import capabilities
@@ -46,6 +46,13 @@ def _dtype(dtype: DTypeLike) -> torch.dtype:
     return dt
 
 
+@read_only(
+    {
+        "gpu": "applies write the tensor made at construction; edit it with stage_write() + apply_write()",
+        "stage_write": "it is this tensor's staging call",
+        "stage_write_elem": "it is this tensor's staging call",
+    }
+)
 class StagedWriteTensor(Sealed):
     """A zero-filled device tensor edited by staged ``(row, start, values)`` writes.
 

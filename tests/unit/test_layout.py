@@ -5,7 +5,8 @@ Rooms, each a folder of ``src/stagebuf``: ``_common`` (errors, log, types, seali
 memory, the UVA view, buffers), ``_rings`` (the slot rings and their users), ``_engines`` (the
 integrations). Read from the source with ``ast`` (imports inside functions count), so a change
 that tangles the rooms fails here, on a CPU. No import circle, no ``sys.path`` edit, one
-``__setattr__``. A module is as long as its one concept needs: there is no line cap.
+``__setattr__``, no module reading another's private members. A module is as long as its one
+concept needs: there is no line cap.
 """
 
 from __future__ import annotations
@@ -144,15 +145,44 @@ def test_no_private_name_crosses_a_room() -> None:
     assert not bad, f"private names across rooms: {bad}"
 
 
+def _private_members(name: str, path: Path, known: set[str]) -> set[str]:
+    """``alias._x`` uses in ``name`` where ``alias`` is another package module it imported."""
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+            target = ".".join([*base, *([node.module] if node.module else [])])
+            for a in node.names:
+                if f"{target}.{a.name}" in known:
+                    aliases[a.asname or a.name] = f"{target}.{a.name}"
+    found = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
+            continue
+        if node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__"):
+            found.add(f"{aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_reads_another_modules_private_members() -> None:
+    mods = _modules()
+    bad = {m: sorted(f) for m, p in mods.items() if (f := _private_members(m, p, set(mods)))}
+    assert not bad, f"private members of other modules: {bad}"
+
+
 def test_the_room_checks_can_fail(tmp_path: Path) -> None:
     """A probe importing a ring's module, and a private name taken from another room, are both found."""
     probe, pool = tmp_path / "probe.py", tmp_path / "pool.py"
-    probe.write_text("from .._rings.pool import _secret\n")
+    probe.write_text("from .._rings.pool import _secret\nfrom .._rings import pool\nx = pool._cache\n")
     pool.write_text("_secret = 1\n")
     mods = {"stagebuf._tiers.probe": probe, "stagebuf._rings.pool": pool}
     assert _upward(mods) == ["stagebuf._tiers.probe -> stagebuf._rings.pool"]
     got = _private_imports("stagebuf._tiers.probe", probe, set(mods))
     assert got == {("stagebuf._rings.pool", "_secret")}
+    mods["stagebuf._rings"] = pool  # (a package: makes ``pool`` a module name for the resolver)
+    assert _private_members("stagebuf._tiers.probe", probe, set(mods)) == {"stagebuf._rings.pool._cache"}
 
 
 def test_no_import_circle() -> None:

@@ -409,7 +409,7 @@ def register() -> None:
         _apply(p)
         _done["announce"] = p
         _probe.on_decision.append(_announce)
-        for caps in list(_probe._cache.values())[:1]:  # a tier already decided in this process
+        for caps in _probe.decided()[:1]:  # a tier already decided in this process
             _announce(caps)
 
 

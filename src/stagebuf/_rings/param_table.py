@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._bytes.buffers import copy_rows
 from .._bytes.checked import host_view
 from .._bytes.make import make_buffer
 from .._bytes.memory import alloc_device, alloc_host
@@ -335,7 +336,7 @@ class DeviceParamTable(Sealed):
         slot = ring.bufs[cur]
         np.copyto(slot.np, self._host_np)
         np.copyto(self._shadow, self._host_np)
-        slot._copy_rows(self._dev, self.nbytes)  # the device arena was made to fit the slots
+        copy_rows(slot, self._dev, self.nbytes)  # the device arena was made to fit the slots
         ring.take(cur)
         ring.mark()  # the slot's one reader, the copy, is enqueued
         if slot.tier is not Tier.HOST:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._bytes.buffers import StagingBuffer
+from .._bytes.buffers import StagingBuffer, copy_rows
 from .._bytes.checked import host_view
 from .._bytes.make import make_buffer
 from .._bytes.memory import alloc_host
@@ -245,7 +245,7 @@ class UvaBufferPool(Sealed):
             out = torch.empty((n, *self.shape[1:]), dtype=self.dtype, device=self.device)
         if buf.tier is not Tier.HOST:
             self._count(n, buf)
-        return buf._copy_rows(out, n)
+        return copy_rows(buf, out, n)
 
     def _check_out(self, out: torch.Tensor, n: int) -> None:
         want = (n, *self.shape[1:])

@@ -369,6 +369,11 @@ on_decision: list[Callable[[Capabilities], None]] = []
 """Called with each new probe result (the vLLM plugin logs its tier line from here)."""
 
 
+def decided() -> list[Capabilities]:
+    """The tiers decided so far in this process, one per device (probed, not reset since)."""
+    return list({id(c): c for c in _cache.values()}.values())
+
+
 def reset_capabilities() -> None:
     """Forget every cached probe, so that the next :func:`capabilities` call probes again.
 

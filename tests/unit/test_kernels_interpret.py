@@ -66,14 +66,14 @@ def model_apply(a: np.ndarray, edits: list[Edit]) -> None:
         a[r, s : s + len(v)] = v
 
 
-def gathered(t: StagedWriteTensor, edits: list[Edit]) -> sw_plan.Gathered:
+def gathered(t: StagedWriteTensor, edits: list[Edit]) -> sw_plan.CheckedEdits:
     """One target's edits as the apply path gathers them (rows distinct: the Triton kernel's contract)."""
     assert len({r for r, _, _ in edits}) == len(edits)
     rows = np.array([r for r, _, _ in edits], np.int64)
     starts = np.array([s for _, s, _ in edits], np.int64)
     lens = np.array([len(v) for _, _, v in edits], np.int64)
     vals = np.concatenate([v for _, _, v in edits]).astype(NP[t.dtype])
-    return sw_plan.Gathered(t._edits.target, rows * t.row_stride + starts, lens, vals, False)
+    return sw_plan.CheckedEdits(t._edits.target, rows * t.row_stride + starts, lens, vals, False)
 
 
 def torch_twin(

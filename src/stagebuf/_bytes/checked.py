@@ -5,7 +5,7 @@ uint8 stores 44, ``1e300`` into float32 stores inf. In plain mode ``.np`` of a b
 tensor or param-table field is the plain ndarray, with numpy's rules and no cost. In check mode
 (``STAGEBUF_CHECK=1`` when the object is made) it is a :class:`CheckedArray`, the same memory,
 whose writes raise InvalidArgumentError (or ArgumentTypeError) before anything is written when
-a value does not fit the dtype exactly, by the one rule of ``_convert.unfit``:
+a value does not fit the dtype exactly, by the one rule of ``_convert.why_unfit``:
 
 * ``a[key] = v`` and ``a.fill(v)``;
 * ufuncs writing into it: ``np.add(x, y, out=a)``, ``a += v``, ``np.add.at(a, i, v)``;
@@ -168,7 +168,7 @@ class CheckedArray(np.ndarray):
         return super().__array_function__(func, types, args, kwargs)
 
 
-def checked(a: np.ndarray, name: str) -> CheckedArray:
+def checked_view(a: np.ndarray, name: str) -> CheckedArray:
     """A checked view of ``a`` (the same memory); ``name`` is how errors call it: ``table['top_k'].np``."""
     v = a.view(CheckedArray)
     v.__dict__["_sb_name"] = name
@@ -178,4 +178,4 @@ def checked(a: np.ndarray, name: str) -> CheckedArray:
 def host_view(cpu: torch.Tensor, name: str) -> np.ndarray:
     """``cpu.numpy()``: the plain ndarray, or in check mode (now) a :class:`CheckedArray` named ``name``."""
     a = cpu.numpy()
-    return checked(a, name) if check_mode() else a
+    return checked_view(a, name) if check_mode() else a

@@ -202,7 +202,7 @@ def _has_bool(x: Sequence[Any]) -> bool:
     return False
 
 
-def unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:
+def why_unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:
     """The one rule for numbers into a dtype: which values of ``a`` ``target`` cannot hold.
 
     Parameters
@@ -244,7 +244,7 @@ def unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:
 
 
 def exact_ints(vals: Sequence[Any], target: np.dtype) -> np.ndarray | None:
-    """Python ints and whole floats as the integer dtype ``target``, exactly, by ``unfit``'s rule.
+    """Python ints and whole floats as the integer dtype ``target``, exactly, by ``why_unfit``'s rule.
 
     For values float64 would round (ints past 2**53 mixed with floats). None when
     one is not a number, not whole, not finite, or out of ``target``'s range.
@@ -265,7 +265,7 @@ def exact_ints(vals: Sequence[Any], target: np.dtype) -> np.ndarray | None:
 
 
 def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
-    """``arr`` as ``target``, raising ValueError where a value would change (``unfit``'s rule)."""
+    """``arr`` as ``target``, raising ValueError where a value would change (``why_unfit``'s rule)."""
     src = arr.dtype
     if src == target:
         return arr
@@ -276,7 +276,7 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
             f"{name} has dtype {src} but the target dtype is {target}; "
             "bools and numbers are not converted into each other"
         )
-    problem = unfit(arr, target) if src.kind != "b" else None
+    problem = why_unfit(arr, target) if src.kind != "b" else None
     if problem is not None:
         _, why = problem
         if why == "NaN or inf":

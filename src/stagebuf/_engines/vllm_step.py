@@ -22,7 +22,7 @@ from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike
 from .._rings.pool import UvaBackedTensor
 from .._rings.staged_write import FusedStagedWriter, StagedWriteTensor
-from .._rings.staged_write.launcher import Gathered
+from .._rings.staged_write.launcher import CheckedEdits
 from .._rings.step_batch import BATCHES, StepBatch, WordTarget, batch
 from .._tiers.probe import capabilities
 
@@ -79,7 +79,7 @@ class StepStagedWriteTensor(StagedWriteTensor):
         super().__init__(*args, **kwargs)
         self._step_batch = batch(self.device, self.tier)
 
-    def _write(self, parts: list[Gathered]) -> Any:
+    def _write(self, parts: list[CheckedEdits]) -> Any:
         b = self._step_batch
         for g in parts:
             b.add_gathered(self.gpu, g)
@@ -94,7 +94,7 @@ class StepFusedStagedWriter(FusedStagedWriter):
         super().__init__(*args, **kwargs)
         self._step_batch = batch(self.device, capabilities(self.device).tier)
 
-    def _write(self, parts: list[Gathered]) -> Any:
+    def _write(self, parts: list[CheckedEdits]) -> Any:
         b = self._step_batch
         for g in parts:
             b.add_gathered(g.target.flat, g)

@@ -155,17 +155,17 @@ class Step(Sealed):
     """
 
     _slot: _Slot
-    _c: list[int]
+    _pos: list[int]
     _layout: list[_LayoutEntry] | None
     _retired: list[tuple[StagingBuffer, np.ndarray, int]]
     _seq: int
     _done: bool
 
     def __init__(self, slot: _Slot, seq: int):
-        # one dict update, not a sealed __setattr__ each; ``_c`` (stage() calls, bytes used) changes in place
+        # one dict update, not a sealed __setattr__ each; ``_pos`` (stage() calls, bytes used) is in place
         self.__dict__.update(
             _slot=slot,
-            _c=[0, 0],
+            _pos=[0, 0],
             _layout=slot.layout,
             _retired=[],
             _seq=seq,
@@ -225,15 +225,15 @@ class Step(Sealed):
             If growing the slot runs out of device memory.
         """
         layout = self._layout
-        c = self._c
-        i = c[0]
+        pos = self._pos
+        i = pos[0]
         if type(x) is np.ndarray and layout is not None and i < len(layout) and not self._done:
-            e = layout[i]
-            if x.shape == e[1] and x.dtype == e[0] and (dtype is None or dtype is e[5]):
-                e[2][...] = x  # the same array as last time in this slot: just write it
-                c[0] = i + 1
-                c[1] = e[4]
-                return e[3]
+            np_dtype, shape, host, dev, end, torch_dtype = layout[i]
+            if x.shape == shape and x.dtype == np_dtype and (dtype is None or dtype is torch_dtype):
+                host[...] = x  # the same array as last time in this slot: just write it
+                pos[0] = i + 1
+                pos[1] = end
+                return dev
         return self._stage(x, dtype)
 
     def _stage(self, x: HostData, dtype: DTypeLike | None) -> torch.Tensor:
@@ -244,7 +244,7 @@ class Step(Sealed):
         fits = arr is not None and arr.ndim in (1, 2) and arr.dtype in NUMPY_TO_TORCH
         if arr is None or not fits or (dtype is not None and arr.dtype != want):
             arr = host_array(x, dtype, "x")
-        c = self._c
+        c = self._pos
         off = self._room(arr.nbytes)
         slot = self._slot
         host, dev = slot.view(off, arr.dtype, arr.shape, slot.dev_arena)
@@ -258,7 +258,7 @@ class Step(Sealed):
 
     def _room(self, nbytes: int) -> int:
         """The offset of ``nbytes`` more in the slot's arena (grown if needed); they count as used."""
-        c, slot = self._c, self._slot
+        c, slot = self._pos, self._slot
         used = c[1]
         off = (used + ALIGN - 1) & -ALIGN
         if off + nbytes > slot.cap:
@@ -278,7 +278,7 @@ class Step(Sealed):
         if self._done:
             raise UsageError(f"step {self._seq} was already flushed; begin a new step()")
         if self._layout is not None:
-            del self._layout[self._c[0] :]
+            del self._layout[self._pos[0] :]
             self.__dict__["_layout"] = None
         off = self._room(nbytes)
         slot = self._slot
@@ -296,7 +296,7 @@ class Step(Sealed):
         for buf, host, used in self._retired:  # a growth mid-step: earlier tensors stay valid
             if used:
                 slot.publish(buf, host, used)
-        used = self._c[1]
+        used = self._pos[1]
         if used:
             ring = slot.ring
             if slot.publish(ring.bufs[slot.i], slot.host, used):

@@ -17,7 +17,7 @@ import torch
 
 from .._common.tier import Tier
 from .staged_write.kernel import MAX_BLOCK, launch_at, triton_usable
-from .staged_write.launcher import Gathered, expand_runs
+from .staged_write.launcher import CheckedEdits, expand_runs
 from .stager import Step, StepStager
 
 _BLOCK = MAX_BLOCK
@@ -123,7 +123,7 @@ class StepBatch:
         self.words.append(words)
         self.nwords += words.shape[0]
 
-    def add_gathered(self, tensor: torch.Tensor, g: Gathered) -> None:
+    def add_gathered(self, tensor: torch.Tensor, g: CheckedEdits) -> None:
         if g.dup:  # overlapping edits: one element per edit, each destination's last value
             dest, vals = g.dest()
             self.add(self.target(tensor), dest, np.ones(dest.shape[0], np.int64), vals)

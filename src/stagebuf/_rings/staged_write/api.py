@@ -30,7 +30,7 @@ from ..._tiers.probe import capabilities
 from ..._tiers.settings import Kernel
 from ..guard import slot_count
 from .edits import Edits
-from .launcher import _CAPACITY, Gathered, Target, _Launcher
+from .launcher import _CAPACITY, CheckedEdits, WriteTarget, _Launcher
 
 ALLOWED_DTYPES = (torch.int32, torch.int64, torch.float32)
 
@@ -141,7 +141,7 @@ class StagedWriteTensor(Sealed):
         self.max_concurrency = slot_count(max_concurrency)
         self.uva_buffer: UvaBuffer | None = None
         self.gpu = self._alloc(uva_instead_of_gpu)
-        self._edits = Edits(self, Target(self.gpu, self.tier), self.rows, self.cols, self.dtype)
+        self._edits = Edits(self, WriteTarget(self.gpu, self.tier), self.rows, self.cols, self.dtype)
         self._launcher = _Launcher(self.device, self.max_concurrency, _CAPACITY)
         # the staging calls are the edits' closures: a stage_write costs three list appends
         self.stage_write = self._edits.stage_write  # type: ignore[method-assign,assignment]
@@ -312,7 +312,7 @@ class StagedWriteTensor(Sealed):
         self._kernel = self._write([g])
         self._edits.clear()
 
-    def _write(self, parts: list[Gathered]) -> Kernel:
+    def _write(self, parts: list[CheckedEdits]) -> Kernel:
         """Write checked edits (the launcher's packed transfer and launch; step mode defers them)."""
         return self._launcher.apply(parts)
 

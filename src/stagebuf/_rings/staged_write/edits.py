@@ -2,7 +2,7 @@
 
 ``Edits`` owns the staged state: list edits (three Python lists a ``stage_write``
 appends to, values unchecked) and batches (array edits, checked when staged).
-``gather()`` turns them into one ``Gathered`` batch of arrays for the launcher,
+``gather()`` turns them into one ``CheckedEdits`` batch of arrays for the launcher,
 checking list values in bulk with numpy by ``_convert``'s one rule. A bad list
 value makes ``gather()`` raise ``StagedWriteError`` naming every bad edit; then
 nothing changes, and ``discard()`` drops exactly the edits named.
@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..._common.convert import host_array, numpy_dtype, unfit
+from ..._common.convert import host_array, numpy_dtype, why_unfit
 from ..._common.errors import ArgumentTypeError, InvalidArgumentError, StagedWriteError
-from .launcher import Gathered, Target, _arange
-from .values import Bad, checked, list_values
+from .launcher import CheckedEdits, WriteTarget, _arange
+from .values import Bad, checked_values, list_values
 
 _NP_INTS = frozenset(np.dtype(c).type for c in "bBhHiIlLqQ")
 """numpy's integer scalar types (taken as a start column like a Python int)."""
@@ -48,7 +48,7 @@ def _ints(x: Any, name: str) -> np.ndarray:
             f"{name} has rank {a.ndim} (shape {a.shape}); allowed: a 1-D array of ints"
         )
     if a.dtype.kind not in "iu":
-        if a.dtype.kind == "f" and a.size and unfit(a, np.dtype(np.int64)) is None:
+        if a.dtype.kind == "f" and a.size and why_unfit(a, np.dtype(np.int64)) is None:
             pass  # integral floats are accepted, as elsewhere in stagebuf
         elif a.size:
             raise ArgumentTypeError(f"{name} has dtype {a.dtype}; allowed: an integer array")
@@ -57,7 +57,7 @@ def _ints(x: Any, name: str) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-class _Batch:
+class _StagedBatch:
     """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked).
 
     ``dst`` is each edit's flat offset in the target (``row * row_stride + start``).
@@ -73,13 +73,13 @@ def _stage_write_fn(e: Edits) -> Callable[[Any, Any, Any], None]:
     """``stage_write`` as a closure over the bounds and lists: three appends on the fast path."""
     rows, cols, stride = e.rows, e.cols, e.row_stride
     dst_append, lens_append, vals_extend = e._dst.append, e._lens.append, e._vals.extend
-    checked = e.stage_checked
+    slow = e.stage_checked  # every check, then the same appends
 
     def stage_write(index: int, start: int, values: Any) -> None:
         if type(values) is list and type(index) is int:
             if type(start) is not int:  # vLLM passes numpy ints here (a row's block count)
                 if type(start) not in _NP_INTS:
-                    checked(index, start, values)
+                    slow(index, start, values)
                     return
                 start = int(start)
             n = len(values)
@@ -88,7 +88,7 @@ def _stage_write_fn(e: Edits) -> Callable[[Any, Any, Any], None]:
                 lens_append(n)
                 vals_extend(values)
                 return
-        checked(index, start, values)
+        slow(index, start, values)
 
     return stage_write
 
@@ -96,7 +96,7 @@ def _stage_write_fn(e: Edits) -> Callable[[Any, Any, Any], None]:
 def _stage_write_elem_fn(e: Edits) -> Callable[[Any, Any], None]:
     rows, stride = e.rows, e.row_stride
     dst_append, lens_append, vals_append = e._dst.append, e._lens.append, e._vals.append
-    checked = e.stage_elem_checked
+    slow = e.stage_elem_checked
 
     def stage_write_elem(index: int, value: Any) -> None:
         if type(index) is int and 0 <= index < rows and (type(value) is int or type(value) is float):
@@ -104,7 +104,7 @@ def _stage_write_elem_fn(e: Edits) -> Callable[[Any, Any], None]:
             lens_append(1)
             vals_append(value)
             return
-        checked(index, value)
+        slow(index, value)
 
     return stage_write_elem
 
@@ -112,7 +112,7 @@ def _stage_write_elem_fn(e: Edits) -> Callable[[Any, Any], None]:
 class Edits:
     """The staged edits of one target of ``rows`` x ``cols`` values of ``dtype``."""
 
-    def __init__(self, owner: Any, target: Target, rows: int, cols: int, dtype: torch.dtype):
+    def __init__(self, owner: Any, target: WriteTarget, rows: int, cols: int, dtype: torch.dtype):
         self.owner = owner
         """The StagedWriteTensor these edits belong to (named by StagedWriteError)."""
         self.target = target
@@ -122,7 +122,7 @@ class Edits:
         self._dst: list[int] = []
         self._lens: list[int] = []
         self._vals: list[Any] = []
-        self._batches: list[_Batch] = []
+        self._batches: list[_StagedBatch] = []
         self._lens_cache: dict[tuple[int, int], np.ndarray] = {}
         self._mark: np.ndarray | None = None
         self.stage_write = _stage_write_fn(self)
@@ -142,7 +142,7 @@ class Edits:
         arr = (
             None
             if type(values) is list
-            else checked(values, self.np_dtype, f"values (edit index={row}, start={col})")
+            else checked_values(values, self.np_dtype, f"values (edit index={row}, start={col})")
         )
         n = len(values) if arr is None else arr.shape[0]
         if col + n > self.cols:
@@ -159,7 +159,7 @@ class Edits:
             return
         self._seal()
         dst = np.array([row * self.row_stride + col], np.int64)
-        self._batches.append(_Batch(dst, np.array([n], np.int64), arr.copy(), True))
+        self._batches.append(_StagedBatch(dst, np.array([n], np.int64), arr.copy(), True))
 
     def stage_elem_checked(self, index: Any, value: Any) -> None:
         """``stage_write_elem`` for what its fast path does not take: checked now."""
@@ -242,9 +242,9 @@ class Edits:
                 raise InvalidArgumentError(f"values has {v.shape[0]} elements but lengths add up to {total}")
         flat = v.reshape(-1)
         try:
-            flat = checked(flat, self.np_dtype, "values")
+            flat = checked_values(flat, self.np_dtype, "values")
         except ValueError as err:  # name the first edit whose values do not fit
-            problem = unfit(flat, self.np_dtype) if flat.dtype.kind in "iuf" else None
+            problem = why_unfit(flat, self.np_dtype) if flat.dtype.kind in "iuf" else None
             if problem is None:
                 raise
             i = int(np.searchsorted(np.cumsum(lens), int(np.flatnonzero(problem[0])[0]), side="right"))
@@ -274,7 +274,7 @@ class Edits:
         """Stage checked array edits (flat offsets, lengths, flat values: the caller's copies)."""
         if dst.shape[0]:
             self._seal()
-            self._batches.append(_Batch(dst, lens, vals, True))
+            self._batches.append(_StagedBatch(dst, lens, vals, True))
 
     def full_lens(self, e: int, width: int) -> np.ndarray:
         """``np.full(e, width)`` (int64), cached: read-only downstream."""
@@ -289,7 +289,7 @@ class Edits:
     def _seal(self) -> None:
         """Move the list-staged edits into a batch, so later batches keep staging order."""
         if self._dst:
-            self._batches.append(_Batch(self._dst[:], self._lens[:], self._vals[:], False))
+            self._batches.append(_StagedBatch(self._dst[:], self._lens[:], self._vals[:], False))
             self._dst.clear()
             self._lens.clear()
             self._vals.clear()
@@ -302,8 +302,8 @@ class Edits:
 
     # --- inspecting, dropping ---
 
-    def _all_batches(self) -> list[_Batch]:
-        return [*self._batches, _Batch(self._dst, self._lens, self._vals, False)]
+    def _all_batches(self) -> list[_StagedBatch]:
+        return [*self._batches, _StagedBatch(self._dst, self._lens, self._vals, False)]
 
     def pending(self) -> list[tuple[int, int, list[Any]]]:
         """The staged edits, in staging order: ``(index, start, values)``."""
@@ -332,7 +332,7 @@ class Edits:
         if not drop:
             return
         self._seal()
-        kept: list[_Batch] = []
+        kept: list[_StagedBatch] = []
         pos = 0
         for b in self._batches:
             e = len(b.dst)
@@ -343,16 +343,16 @@ class Edits:
             elif keep and b.checked:
                 mask = np.zeros(e, bool)
                 mask[keep] = True
-                kept.append(_Batch(b.dst[mask], b.lens[mask], b.vals[np.repeat(mask, b.lens)], True))
+                kept.append(_StagedBatch(b.dst[mask], b.lens[mask], b.vals[np.repeat(mask, b.lens)], True))
             elif keep:
                 first = np.cumsum([0, *b.lens]).tolist()
                 vals = [v for i in keep for v in b.vals[first[i] : first[i + 1]]]
-                kept.append(_Batch([b.dst[i] for i in keep], [b.lens[i] for i in keep], vals, False))
+                kept.append(_StagedBatch([b.dst[i] for i in keep], [b.lens[i] for i in keep], vals, False))
         self._batches[:] = kept
 
     # --- gathering and checking ---
 
-    def gather(self) -> Gathered | None:
+    def gather(self) -> CheckedEdits | None:
         """Every staged edit as checked arrays; raises StagedWriteError naming every bad edit.
 
         Nothing changes when it raises: every staged edit stays staged.
@@ -371,7 +371,7 @@ class Edits:
                     self._raise(bad)
                 stride = self.row_stride
                 dup = e > 1 and len({d // stride for d in dl} if stride != 1 else set(dl)) != e
-                return Gathered(self.target, np.array(dl, np.int64), n, v, dup, w)
+                return CheckedEdits(self.target, np.array(dl, np.int64), n, v, dup, w)
             n = np.array(ll, np.int64)
             v = list_values(self._vals, dl, n, self.np_dtype, bad)
             if bad:
@@ -426,7 +426,7 @@ class Edits:
             pos -= len(b.lens)
         return 0
 
-    def _with_overlaps(self, d: np.ndarray, n: np.ndarray, v: np.ndarray) -> Gathered:
+    def _with_overlaps(self, d: np.ndarray, n: np.ndarray, v: np.ndarray) -> CheckedEdits:
         """The gathered edits, noting whether two share a row (then they may overlap)."""
         e = d.shape[0]
         dup = False
@@ -438,4 +438,4 @@ class Edits:
             ar = _arange(e)
             mark[r] = ar
             dup = bool((mark[r] != ar).any())  # exact whichever duplicate numpy wrote last
-        return Gathered(self.target, d, n, v, dup)
+        return CheckedEdits(self.target, d, n, v, dup)

@@ -13,7 +13,7 @@ from ..._tiers.settings import Kernel, check_mode
 from ..guard import slot_count
 from .api import StagedWriteTensor, edits_of
 from .edits import int_in
-from .launcher import Gathered, _Launcher, check_outputs
+from .launcher import CheckedEdits, _Launcher, check_outputs
 
 
 class FusedStagedWriter(Sealed):
@@ -186,7 +186,7 @@ class FusedStagedWriter(Sealed):
         for e in edits:
             e.clear()
 
-    def _write(self, parts: list[Gathered]) -> Kernel:
+    def _write(self, parts: list[CheckedEdits]) -> Kernel:
         """Write checked edits (the launcher's packed transfer and launch; step mode defers them)."""
         return self._launcher.apply(parts)
 

@@ -2,7 +2,7 @@
 
 ``_Launcher`` owns a writer's guarded ring of byte arenas. An apply packs the
 destinations (or per-edit metadata) and the values of the gathered batches
-(``edits.Gathered``) into the next slot, publishes it with one copy on the copy
+(``edits.CheckedEdits``) into the next slot, publishes it with one copy on the copy
 tiers (none on UVA), and runs one kernel: ``scatter`` (ATen ``index_copy_`` on the
 target's flat view), ``triton`` (``kernel.py``) or, on HOST, one numpy assignment.
 """
@@ -48,7 +48,7 @@ def expand_runs(first: np.ndarray, lens: np.ndarray, n: int) -> np.ndarray:
     return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
 
 
-class Target:
+class WriteTarget:
     """What an apply writes: a target's flat device view, its numpy view on HOST, address, tier."""
 
     __slots__ = ("flat", "flat_np", "ptr", "tier")
@@ -60,13 +60,19 @@ class Target:
         self.tier = tier
 
 
-class Gathered:
+class CheckedEdits:
     """One target's staged edits as checked arrays: first-element offsets, lengths, values."""
 
     __slots__ = ("target", "dst", "lens", "vals", "dup", "width")
 
     def __init__(
-        self, target: Target, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray, dup: bool, width: int = 0
+        self,
+        target: WriteTarget,
+        dst: np.ndarray,
+        lens: np.ndarray,
+        vals: np.ndarray,
+        dup: bool,
+        width: int = 0,
     ):
         self.target, self.dst, self.lens, self.vals, self.dup = target, dst, lens, vals, dup
         self.width = width
@@ -225,7 +231,7 @@ class _Launcher:
 
         launch_at(self.device, base, base + off, dtype, n, block, tensors)
 
-    def kernel_for(self, parts: Sequence[Gathered], n_elems: int) -> Kernel:
+    def kernel_for(self, parts: Sequence[CheckedEdits], n_elems: int) -> Kernel:
         if parts[0].target.tier is Tier.HOST:
             return "host"
         if parts[0].dup if len(parts) == 1 else any(p.dup for p in parts):
@@ -243,7 +249,7 @@ class _Launcher:
             return "scatter"
         return want
 
-    def apply(self, parts: Sequence[Gathered]) -> Kernel:
+    def apply(self, parts: Sequence[CheckedEdits]) -> Kernel:
         """Write the gathered edits of ``parts``; the kernel's name."""
         n_elems = parts[0].vals.shape[0] if len(parts) == 1 else sum(p.vals.shape[0] for p in parts)
         kernel = self.kernel_for(parts, n_elems)
@@ -278,7 +284,7 @@ class _Launcher:
         return kernel
 
 
-def _edit_meta(parts: Sequence[Gathered]) -> tuple[np.ndarray, np.ndarray, int]:
+def _edit_meta(parts: Sequence[CheckedEdits]) -> tuple[np.ndarray, np.ndarray, int]:
     """The Triton kernel's per-edit rows (target address, offset, length, source), values, longest edit."""
     if sum(p.dst.shape[0] for p in parts) <= _PY_ROWS:  # a few edits: rows in Python, one conversion
         rows: list[int] = []

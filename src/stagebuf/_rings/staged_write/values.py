@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..._common.convert import NUMPY_TO_TORCH, cast_checked, exact_ints, host_array, unfit
+from ..._common.convert import NUMPY_TO_TORCH, cast_checked, exact_ints, host_array, why_unfit
 
 Bad = list[tuple[int, int, str]]
 """Bad list edits found by ``list_values``: (edit number, its flat offset, why)."""
 
 
-def checked(values: Any, target: np.dtype, name: str) -> np.ndarray:
+def checked_values(values: Any, target: np.dtype, name: str) -> np.ndarray:
     """``values`` as a 1-D array of ``target``; raises (a StagebufError) if a value would change."""
     dtype: torch.dtype = NUMPY_TO_TORCH[target]
     if target.kind == "f":  # a float target: convert's checks are exact
@@ -73,7 +73,7 @@ def list_values(
         and a.dtype.kind == "f"
         and not _inexact(a, target)
         and not _maybe_bool_edit(vals, a, lens)
-        and unfit(a, target) is None
+        and why_unfit(a, target) is None
     ):
         return a.astype(target, copy=False)
     out = []
@@ -110,13 +110,13 @@ def _edit_values(vals: list[Any], target: np.dtype) -> tuple[np.ndarray | None, 
         if _inexact(a, target):
             got = exact_ints(vals, target)
         else:
-            got = None if unfit(a, target) is not None else a.astype(target, copy=False)
+            got = None if why_unfit(a, target) is not None else a.astype(target, copy=False)
         if got is not None:
             return got, ""
     elif a is not None and a.ndim == 1 and a.dtype.kind == "b":
         return None, "values are bools; allowed: int or float values"
     try:  # the strict check says what is wrong with this edit
-        checked(list(vals), target, "values")
+        checked_values(list(vals), target, "values")
         why = "values do not fit the target dtype"
     except (ValueError, TypeError) as e:
         why = str(e)

@@ -58,10 +58,8 @@ def async_copy_to_gpu(
         If ``dtype`` and ``out.dtype`` differ; if ``out`` has another shape than
         ``x`` or is not on the target device; if ``x`` is a tensor on an accelerator,
         a ragged list or of rank over 8; or if a value of ``x`` does not fit the dtype.
-    SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
     if out is not None and not isinstance(out, torch.Tensor):
         raise ArgumentTypeError(f"out must be a torch.Tensor or None; got {type(out).__name__}")

@@ -308,10 +308,8 @@ class NonUvaBuffer(StagingBuffer):
         accepted.
     DeviceAllocationError
         If the device runs out of memory for ``dev``.
-    SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
 
     tier = Tier.PAGEABLE
@@ -361,7 +359,7 @@ class PinnedBuffer(NonUvaBuffer):
         If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
         accepted.
     SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
+        As :func:`capabilities` raises it for ``device`` and the settings.
     """
 
     tier = Tier.PINNED
@@ -407,7 +405,7 @@ class UvaBuffer(StagingBuffer):
         If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
         accepted.
     SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
+        As :func:`capabilities` raises it for ``device`` and the settings.
     """
 
     tier = Tier.UVA

@@ -63,7 +63,7 @@ def make_buffer(
     DeviceAllocationError
         If the device runs out of memory.
     SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
+        As :func:`capabilities` raises it for ``device`` and the settings.
     """
     if tier is None:
         caps = capabilities(device)

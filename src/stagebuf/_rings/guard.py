@@ -278,12 +278,8 @@ def begin_step(device: DeviceLike = None) -> None:
 
     Raises
     ------
-    SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
-    ArgumentTypeError
-        As :func:`capabilities`: ``device`` of a type that is not accepted.
+    SetupError, TierUnavailableError, ArgumentTypeError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     CudaError
         If recording the CUDA event fails.
     """

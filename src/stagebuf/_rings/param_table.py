@@ -185,10 +185,8 @@ class DeviceParamTable(Sealed):
         is not accepted.
     DeviceAllocationError
         If the device runs out of memory for the arena or the staging slots.
-    SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
 
     def __init__(

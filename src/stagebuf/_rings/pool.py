@@ -77,11 +77,8 @@ class UvaBufferPool(Sealed):
         accepted.
     DeviceAllocationError
         If the device runs out of memory for the slots.
-    SetupError
-        As :func:`capabilities`: a bad setting (``STAGEBUF_CHECK`` and
-        ``STAGEBUF_CHECK_QUARANTINE`` included) or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
 
     def __init__(
@@ -328,10 +325,8 @@ class UvaBackedTensor(Sealed):
         accepted.
     DeviceAllocationError
         If the device runs out of memory for the pool's slots.
-    SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
 
     def __init__(

@@ -346,11 +346,8 @@ class StepStager(Sealed):
         If ``static`` is not a bool, or ``device`` is of a type that is not accepted.
     DeviceAllocationError
         If the device runs out of memory for the slots (or the static arena).
-    SetupError
-        As :func:`capabilities`: a bad setting (``STAGEBUF_CHECK`` and
-        ``STAGEBUF_CHECK_QUARANTINE`` included) or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
 
     def __init__(

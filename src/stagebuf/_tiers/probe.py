@@ -399,12 +399,8 @@ def is_pin_memory_available(device: DeviceLike = None) -> bool:
 
     Raises
     ------
-    SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
-    ArgumentTypeError
-        As :func:`capabilities`: ``device`` of a type that is not accepted.
+    SetupError, TierUnavailableError, ArgumentTypeError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
     return capabilities(device).pin_memory
 
@@ -425,11 +421,7 @@ def is_uva_available(device: DeviceLike = None) -> bool:
 
     Raises
     ------
-    SetupError
-        As :func:`capabilities`: a bad setting or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
-    ArgumentTypeError
-        As :func:`capabilities`: ``device`` of a type that is not accepted.
+    SetupError, TierUnavailableError, ArgumentTypeError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
     return capabilities(device).tier is Tier.UVA

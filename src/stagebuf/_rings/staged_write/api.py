@@ -101,11 +101,8 @@ class StagedWriteTensor(Sealed):
         If ``device`` is of a type that is not accepted.
     DeviceAllocationError
         If the device runs out of memory for the tensor.
-    SetupError
-        As :func:`capabilities`: a bad setting (``STAGEBUF_WRITE_KERNEL`` included)
-        or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings.
 
     Notes
     -----

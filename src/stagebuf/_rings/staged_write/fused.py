@@ -48,11 +48,8 @@ class FusedStagedWriter(Sealed):
         an int >= 1.
     ArgumentTypeError
         If ``device`` is of a type that is not accepted.
-    SetupError
-        As :func:`capabilities`: a bad setting (``STAGEBUF_CHECK`` and
-        ``STAGEBUF_WRITE_KERNEL`` included) or a device torch does not know.
-    TierUnavailableError
-        As :func:`capabilities`: a device or forced tier that cannot work here.
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
 
     def __init__(self, device: DeviceLike = None, max_writes: int = 1024, max_concurrency: int | None = None):

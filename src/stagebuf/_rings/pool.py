@@ -255,9 +255,7 @@ class UvaBufferPool(Sealed):
             )
 
     def _count(self, n: int, buf: StagingBuffer) -> None:
-        c = self._ring.counts  # (Ring.count inlined: this is the publish path)
-        c["transfers"] += 1
-        c["bytes"] += n * (buf.nbytes // max(buf.shape[0], 1))
+        self._ring.count(n * (buf.nbytes // max(buf.shape[0], 1)))
 
     def stats(self) -> dict[str, int]:
         """The pool's counters.

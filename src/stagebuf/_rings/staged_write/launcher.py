@@ -195,9 +195,7 @@ class _Launcher:
         ring.take(cur)
         if buf.tier.copies:
             buf.uva(used)
-            c = ring.counts  # (Ring.count inlined: once per launch)
-            c["transfers"] += 1
-            c["bytes"] += used
+            ring.count(used)
 
     def _pack(self, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``idx`` and ``vals`` into the next slot and publish them; their device views."""

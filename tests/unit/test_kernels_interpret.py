@@ -23,6 +23,7 @@ import stagebuf
 from stagebuf import FusedStagedWriter, StagedWriteTensor
 from stagebuf._rings.staged_write import kernel as sw_kernel
 from stagebuf._rings.staged_write import launcher as sw_plan
+from stagebuf._rings.staged_write.edits import CheckedEdits
 from stagebuf._tiers.settings import ENV_KERNEL
 
 pytest.importorskip("triton")
@@ -66,14 +67,14 @@ def model_apply(a: np.ndarray, edits: list[Edit]) -> None:
         a[r, s : s + len(v)] = v
 
 
-def gathered(t: StagedWriteTensor, edits: list[Edit]) -> sw_plan.CheckedEdits:
+def gathered(t: StagedWriteTensor, edits: list[Edit]) -> CheckedEdits:
     """One target's edits as the apply path gathers them (rows distinct: the Triton kernel's contract)."""
     assert len({r for r, _, _ in edits}) == len(edits)
     rows = np.array([r for r, _, _ in edits], np.int64)
     starts = np.array([s for _, s, _ in edits], np.int64)
     lens = np.array([len(v) for _, _, v in edits], np.int64)
     vals = np.concatenate([v for _, _, v in edits]).astype(NP[t.dtype])
-    return sw_plan.CheckedEdits(t._edits.target, rows * t.row_stride + starts, lens, vals, False)
+    return CheckedEdits(t._edits.target, rows * t.row_stride + starts, lens, vals, False)
 
 
 def torch_twin(

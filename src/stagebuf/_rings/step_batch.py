@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from .._common.tier import Tier
+from .staged_write.edits import CheckedEdits, expand_runs
 from .staged_write.kernel import MAX_BLOCK, launch_at, triton_usable
-from .staged_write.launcher import CheckedEdits, expand_runs
 from .stager import Step, StepStager
 
 _BLOCK = MAX_BLOCK

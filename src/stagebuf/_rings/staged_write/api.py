@@ -29,8 +29,8 @@ from ..._common.types import DeviceLike, DTypeLike, HostData
 from ..._tiers.probe import capabilities
 from ..._tiers.settings import Kernel
 from ..guard import slot_count
-from .edits import Edits
-from .launcher import _CAPACITY, CheckedEdits, WriteTarget, _Launcher
+from .edits import CheckedEdits, Edits, WriteTarget
+from .launcher import _CAPACITY, _Launcher
 
 ALLOWED_DTYPES = (torch.int32, torch.int64, torch.float32)
 

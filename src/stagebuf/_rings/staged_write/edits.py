@@ -1,9 +1,10 @@
-"""The edits staged on one ``StagedWriteTensor``, and their gather-and-check into one batch.
+"""The edits staged on one ``StagedWriteTensor``, and their check into one batch (the log and the check).
 
 ``Edits`` owns the staged state: list edits (three Python lists a ``stage_write``
 appends to, values unchecked) and batches (array edits, checked when staged).
-``gather()`` turns them into one ``CheckedEdits`` batch of arrays for the launcher,
-checking list values in bulk with numpy by ``_convert``'s one rule. A bad list
+``gather()`` turns them into one ``CheckedEdits`` batch of arrays (the type the launcher
+consumes lives here, with ``WriteTarget``: checking does not depend on launching),
+checking list values in bulk with numpy by ``_common.convert``'s one rule. A bad list
 value makes ``gather()`` raise ``StagedWriteError`` naming every bad edit; then
 nothing changes, and ``discard()`` drops exactly the edits named.
 """
@@ -19,7 +20,7 @@ import torch
 
 from ..._common.convert import host_array, numpy_dtype, why_unfit
 from ..._common.errors import ArgumentTypeError, InvalidArgumentError, StagedWriteError
-from .launcher import CheckedEdits, WriteTarget, _arange
+from ..._common.tier import Tier
 from .values import Bad, checked_values, list_values
 
 _NP_INTS = frozenset(np.dtype(c).type for c in "bBhHiIlLqQ")
@@ -55,6 +56,67 @@ def _ints(x: Any, name: str) -> np.ndarray:
     if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
         raise InvalidArgumentError(f"{name} holds values beyond int64")
     return a.astype(np.int64, copy=False)
+
+
+_ARANGE = np.arange(1024, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
+    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
+
+
+def expand_runs(first: np.ndarray, lens: np.ndarray, n: int) -> np.ndarray:
+    """The index of every element of runs starting at ``first``, ``lens`` long (``n`` in all)."""
+    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
+
+
+class WriteTarget:
+    """What an apply writes: a target's flat device view, its numpy view on HOST, address, tier."""
+
+    __slots__ = ("flat", "flat_np", "ptr", "tier")
+
+    def __init__(self, tensor: torch.Tensor, tier: Tier):
+        self.flat = tensor.view(-1)
+        self.flat_np = self.flat.numpy() if tier is Tier.HOST else None
+        self.ptr = tensor.data_ptr()
+        self.tier = tier
+
+
+class CheckedEdits:
+    """One target's staged edits as checked arrays: first-element offsets, lengths, values."""
+
+    __slots__ = ("target", "dst", "lens", "vals", "dup", "width")
+
+    def __init__(
+        self,
+        target: WriteTarget,
+        dst: np.ndarray,
+        lens: np.ndarray,
+        vals: np.ndarray,
+        dup: bool,
+        width: int = 0,
+    ):
+        self.target, self.dst, self.lens, self.vals, self.dup = target, dst, lens, vals, dup
+        self.width = width
+        """The length of every edit where they are all one length (0: unknown or mixed)."""
+
+    def dest(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat destination of every element, and the values, de-duplicated (later wins) if needed."""
+        first = self.dst
+        n = self.vals.shape[0]
+        if n == first.shape[0]:  # one element per edit
+            dest = first
+        elif self.width:  # every edit of one length: one broadcast add
+            dest = (first[:, None] + _arange(self.width)).reshape(-1)
+        else:
+            dest = expand_runs(first, self.lens, n)
+        vals = self.vals
+        if self.dup:
+            _, last = np.unique(dest[::-1], return_index=True)  # each destination's last staged element
+            keep = (n - 1) - last
+            dest, vals = dest[keep], vals[keep]
+        return dest, vals
 
 
 class _StagedBatch:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from ..._common.errors import ArgumentTypeError, InvalidArgumentError, StagedWriteError
 from ..._common.sealed import Sealed
 from ..._common.types import DeviceLike
@@ -12,8 +14,8 @@ from ..._tiers.probe import capabilities
 from ..._tiers.settings import Kernel, check_mode
 from ..guard import slot_count
 from .api import StagedWriteTensor, edits_of
-from .edits import int_in
-from .launcher import CheckedEdits, _Launcher, check_outputs
+from .edits import CheckedEdits, int_in
+from .launcher import _Launcher
 
 
 class FusedStagedWriter(Sealed):
@@ -203,3 +205,55 @@ class FusedStagedWriter(Sealed):
 
     def __repr__(self) -> str:
         return f"FusedStagedWriter(device={self.device}, max_writes={self.max_writes})"
+
+
+def check_outputs(
+    device: torch.device,
+    verified: set[tuple[Any, ...]],
+    every: bool,
+    given: Any,
+    name: str,
+    expect: list[int],
+) -> None:
+    """Check vLLM's ``output_ptrs``/``output_strides`` (``given``) against ``expect``; no sync per call.
+
+    A sequence, or a CPU tensor, is compared every call. A device tensor's shape,
+    dtype and device are checked every call; its contents are read once per
+    distinct (tensor, version, expected values) and remembered in ``verified``, since reading
+    device memory on the host waits for the device. ``every`` (``STAGEBUF_CHECK=1``)
+    reads them every call.
+    """
+    if given is None:
+        return
+    key = None
+    if isinstance(given, torch.Tensor):
+        if given.dtype not in (torch.int64, torch.uint64, torch.int32) or given.numel() != len(expect):
+            raise InvalidArgumentError(
+                f"{name} is a tensor of shape {tuple(given.shape)}, dtype {given.dtype}; allowed: "
+                f"{len(expect)} integers (int64, uint64 or int32), one per tensor"
+            )
+        if given.device.type != "cpu":
+            if given.device != device:
+                raise InvalidArgumentError(
+                    f"{name} is on {given.device}; allowed: the CPU or this writer's {device}"
+                )
+            key = (name, given.data_ptr(), given._version, tuple(expect))
+            if key in verified and not every:
+                return
+        given = given.detach().cpu().reshape(-1).tolist()  # a sync only for a new device tensor
+    try:
+        got = [int(v) for v in given]
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(
+            f"{name} must be None or a sequence (or tensor) of ints, one per tensor; "
+            f"got {type(given).__name__}"
+        ) from None
+    if got != expect:
+        raise InvalidArgumentError(
+            f"{name}={got} does not match the tensors passed ({expect}); "
+            f"allowed: None, or exactly those values in the same order"
+        )
+    if key is not None:
+        if len(verified) >= 64:
+            verified.clear()
+        verified.add(key)

@@ -18,11 +18,12 @@ import torch
 from ..._bytes.buffers import StagingBuffer
 from ..._bytes.make import make_buffer
 from ..._common.convert import NUMPY_TO_TORCH
-from ..._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from ..._common.errors import UsageError
 from ..._common.log import warn_once
 from ..._common.tier import Tier
 from ..._tiers.settings import ALIGN, Kernel, write_kernel
 from ..ring import Ring
+from .edits import CheckedEdits
 from .kernel import _block_for, _triton_error, launch_at, triton_usable
 
 TRITON_MIN_ELEMS = 1 << 13
@@ -33,67 +34,6 @@ with one Triton launch (docs/DESIGN.md)."""
 _PY_ROWS = 16
 """Up to this many edits, an apply's Triton rows are built in Python (numpy's per-call cost is more)."""
 _CAPACITY = 1 << 14
-
-
-_ARANGE = np.arange(1024, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
-    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
-
-
-def expand_runs(first: np.ndarray, lens: np.ndarray, n: int) -> np.ndarray:
-    """The index of every element of runs starting at ``first``, ``lens`` long (``n`` in all)."""
-    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
-
-
-class WriteTarget:
-    """What an apply writes: a target's flat device view, its numpy view on HOST, address, tier."""
-
-    __slots__ = ("flat", "flat_np", "ptr", "tier")
-
-    def __init__(self, tensor: torch.Tensor, tier: Tier):
-        self.flat = tensor.view(-1)
-        self.flat_np = self.flat.numpy() if tier is Tier.HOST else None
-        self.ptr = tensor.data_ptr()
-        self.tier = tier
-
-
-class CheckedEdits:
-    """One target's staged edits as checked arrays: first-element offsets, lengths, values."""
-
-    __slots__ = ("target", "dst", "lens", "vals", "dup", "width")
-
-    def __init__(
-        self,
-        target: WriteTarget,
-        dst: np.ndarray,
-        lens: np.ndarray,
-        vals: np.ndarray,
-        dup: bool,
-        width: int = 0,
-    ):
-        self.target, self.dst, self.lens, self.vals, self.dup = target, dst, lens, vals, dup
-        self.width = width
-        """The length of every edit where they are all one length (0: unknown or mixed)."""
-
-    def dest(self) -> tuple[np.ndarray, np.ndarray]:
-        """Flat destination of every element, and the values, de-duplicated (later wins) if needed."""
-        first = self.dst
-        n = self.vals.shape[0]
-        if n == first.shape[0]:  # one element per edit
-            dest = first
-        elif self.width:  # every edit of one length: one broadcast add
-            dest = (first[:, None] + _arange(self.width)).reshape(-1)
-        else:
-            dest = expand_runs(first, self.lens, n)
-        vals = self.vals
-        if self.dup:
-            _, last = np.unique(dest[::-1], return_index=True)  # each destination's last staged element
-            keep = (n - 1) - last
-            dest, vals = dest[keep], vals[keep]
-        return dest, vals
 
 
 # --- the launcher: one packed transfer, one launch --------------------------------------
@@ -312,55 +252,3 @@ def _edit_meta(parts: Sequence[CheckedEdits]) -> tuple[np.ndarray, np.ndarray, i
     if len(parts) == 1:
         return metas[0], vals[0], longest
     return np.concatenate(metas), np.concatenate(vals), longest
-
-
-def check_outputs(
-    device: torch.device,
-    verified: set[tuple[Any, ...]],
-    every: bool,
-    given: Any,
-    name: str,
-    expect: list[int],
-) -> None:
-    """Check vLLM's ``output_ptrs``/``output_strides`` (``given``) against ``expect``; no sync per call.
-
-    A sequence, or a CPU tensor, is compared every call. A device tensor's shape,
-    dtype and device are checked every call; its contents are read once per
-    distinct (tensor, version, expected values) and remembered in ``verified``, since reading
-    device memory on the host waits for the device. ``every`` (``STAGEBUF_CHECK=1``)
-    reads them every call.
-    """
-    if given is None:
-        return
-    key = None
-    if isinstance(given, torch.Tensor):
-        if given.dtype not in (torch.int64, torch.uint64, torch.int32) or given.numel() != len(expect):
-            raise InvalidArgumentError(
-                f"{name} is a tensor of shape {tuple(given.shape)}, dtype {given.dtype}; allowed: "
-                f"{len(expect)} integers (int64, uint64 or int32), one per tensor"
-            )
-        if given.device.type != "cpu":
-            if given.device != device:
-                raise InvalidArgumentError(
-                    f"{name} is on {given.device}; allowed: the CPU or this writer's {device}"
-                )
-            key = (name, given.data_ptr(), given._version, tuple(expect))
-            if key in verified and not every:
-                return
-        given = given.detach().cpu().reshape(-1).tolist()  # a sync only for a new device tensor
-    try:
-        got = [int(v) for v in given]
-    except (TypeError, ValueError):
-        raise ArgumentTypeError(
-            f"{name} must be None or a sequence (or tensor) of ints, one per tensor; "
-            f"got {type(given).__name__}"
-        ) from None
-    if got != expect:
-        raise InvalidArgumentError(
-            f"{name}={got} does not match the tensors passed ({expect}); "
-            f"allowed: None, or exactly those values in the same order"
-        )
-    if key is not None:
-        if len(verified) >= 64:
-            verified.clear()
-        verified.add(key)

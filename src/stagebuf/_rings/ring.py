@@ -12,11 +12,13 @@ memory.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from .._bytes.buffers import StagingBuffer
+from .._common.convert import NUMPY_TO_TORCH
 from .._common.errors import InvalidArgumentError, SlotInFlightError, StepRuleError
 from .._common.tier import Tier
 from .._tiers.settings import POISON, check_mode, quarantine
@@ -260,3 +262,15 @@ def poison(buf: StagingBuffer) -> None:
         buf.dev.view(torch.uint8).fill_(POISON)
     else:  # UVA and HOST: the device reads the host memory itself
         buf.np.view(np.uint8).fill(POISON)
+
+
+def arena_as(cache: dict[Any, Any], arena: torch.Tensor, dtype: np.dtype) -> torch.Tensor:
+    """The whole byte ``arena`` viewed as ``dtype`` (its bytes past the last whole element left
+    out, so any capacity works), made once per (arena address, dtype) and kept in ``cache``:
+    a slice of it is then the one torch call a new typed view of the arena costs."""
+    key = (arena.data_ptr(), dtype)
+    base = cache.get(key)
+    if base is None:
+        whole = arena[: arena.shape[0] // dtype.itemsize * dtype.itemsize]
+        base = cache[key] = whole.view(NUMPY_TO_TORCH[dtype])
+    return base

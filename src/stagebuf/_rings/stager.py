@@ -27,7 +27,7 @@ from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
 from .._tiers.settings import ALIGN, POISON, check_mode
 from .guard import GuardMode, slot_count
-from .ring import Ring, poison
+from .ring import Ring, arena_as, poison
 
 _MAX_CACHED_VIEWS = 4096
 
@@ -133,10 +133,7 @@ class _Slot:
             n = math.prod(shape)
             end = off + n * dtype.itemsize
             host = self.host[off:end].view(dtype).reshape(shape)
-            base = self.views.get((dev_arena.data_ptr(), dtype))  # the whole arena as this dtype
-            if base is None:
-                whole = dev_arena[: dev_arena.shape[0] // dtype.itemsize * dtype.itemsize]  # any capacity
-                base = self.views[(dev_arena.data_ptr(), dtype)] = whole.view(NUMPY_TO_TORCH[dtype])
+            base = arena_as(self.views, dev_arena, dtype)
             first = off // dtype.itemsize
             dev = base[first : first + n]
             if len(shape) != 1:

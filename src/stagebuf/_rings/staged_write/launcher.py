@@ -22,7 +22,7 @@ from ..._common.errors import UsageError
 from ..._common.log import warn_once
 from ..._common.tier import Tier
 from ..._tiers.settings import ALIGN, Kernel, write_kernel
-from ..ring import Ring
+from ..ring import Ring, arena_as
 from .edits import CheckedEdits
 from .kernel import _block_for, _triton_error, launch_at, triton_usable
 
@@ -31,6 +31,7 @@ TRITON_MIN_ELEMS = 1 << 13
 SCATTER_MAX_PARTS = 4
 """``auto`` writes up to this many targets with one ``index_copy_`` each (one packed transfer), more
 with one Triton launch (docs/DESIGN.md)."""
+_INT64 = np.dtype(np.int64)
 _PY_ROWS = 16
 """Up to this many edits, an apply's Triton rows are built in Python (numpy's per-call cost is more)."""
 _CAPACITY = 1 << 14
@@ -116,12 +117,8 @@ class _Launcher:
             self.views[cur].clear()
         # one slice per view, from whole-arena views of each dtype (a layout seen before is a lookup)
         bases = self.bases[cur]
-        i64 = bases.get(np.int64)
-        if i64 is None:
-            i64 = bases[np.int64] = buf.dev.view(torch.int64)
-        vt = bases.get(vals.dtype)
-        if vt is None:
-            vt = bases[vals.dtype] = buf.dev.view(NUMPY_TO_TORCH[vals.dtype])
+        i64 = arena_as(bases, buf.dev, _INT64)
+        vt = arena_as(bases, buf.dev, vals.dtype)
         n_idx = idx.size
         d_idx = i64[:n_idx] if idx.ndim == 1 else i64[:n_idx].view(idx.shape)
         first = off // vals.dtype.itemsize

@@ -387,20 +387,8 @@ def reset_capabilities() -> None:
 def is_pin_memory_available(device: DeviceLike = None) -> bool:
     """Whether pinned host memory works for ``device`` (``capabilities(device).pin_memory``).
 
-    Parameters
-    ----------
-    device : torch.device, str, int or None, optional
-        As for :func:`capabilities`; None is the default device.
-
-    Returns
-    -------
-    bool
-        True where a pinned allocation succeeded in the probe; always False for the CPU.
-
-    Raises
-    ------
-    SetupError, TierUnavailableError, ArgumentTypeError
-        As :func:`capabilities` raises them for ``device`` and the settings.
+    True where a pinned allocation succeeded in the probe; always False for the CPU.
+    ``device`` and what it raises are as for :func:`capabilities`.
     """
     return capabilities(device).pin_memory
 
@@ -408,20 +396,8 @@ def is_pin_memory_available(device: DeviceLike = None) -> bool:
 def is_uva_available(device: DeviceLike = None) -> bool:
     """Whether the tier chosen for ``device`` is UVA (zero-copy device views of pinned memory).
 
-    Parameters
-    ----------
-    device : torch.device, str, int or None, optional
-        As for :func:`capabilities`; None is the default device.
-
-    Returns
-    -------
-    bool
-        ``capabilities(device).tier is Tier.UVA``: False where ``STAGEBUF_TIER`` forces
-        a worse tier, even if the UVA probe passed.
-
-    Raises
-    ------
-    SetupError, TierUnavailableError, ArgumentTypeError
-        As :func:`capabilities` raises them for ``device`` and the settings.
+    ``capabilities(device).tier is Tier.UVA``: False where ``STAGEBUF_TIER`` forces a worse
+    tier, even if the UVA probe passed. ``device`` and what it raises are as for
+    :func:`capabilities`.
     """
     return capabilities(device).tier is Tier.UVA

@@ -138,8 +138,8 @@ def launch_at(
 
     The first launch of each specialisation goes through Triton's dispatcher (``JITFunction``),
     which compiles or looks up the kernel and returns it; later ones call that compiled
-    kernel's launcher directly, which skips the dispatcher's per-call work (on the H200
-    machine about 31 µs a launch against 7: docs/DESIGN.md). The key holds what Triton
+    kernel's launcher directly, which skips the dispatcher's per-call work (measured in
+    docs/DESIGN.md, "Staged writes"). The key holds what Triton
     specialises these arguments on (pointer alignment to 16 bytes) and ``tensors()``
     makes the tensors the dispatcher needs. A launch hook (a profiler) or a launcher that
     refuses the call sends every launch through the dispatcher.

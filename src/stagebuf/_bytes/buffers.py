@@ -332,34 +332,16 @@ class PinnedBuffer(NonUvaBuffer):
 
     The device reads ``.cpu`` after ``uva()`` returns, so a host write before the
     copy is done would reach the device: rewrite a buffer only once its copy is
-    consumed (pools and stagers guard this for you).
-
-    Parameters
-    ----------
-    size : int or sequence of int
-        The shape, as for :class:`StagingBuffer`.
-    dtype : torch.dtype, numpy.dtype, type or str
-        The element type.
-    device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None is the default device.
+    consumed (pools and stagers guard this for you). Its parameters, and what they raise,
+    are :class:`NonUvaBuffer`'s.
 
     Raises
     ------
     TierUnavailableError
         If tier PINNED cannot work on the device (the CPU, no pinned memory, or
-        ``STAGEBUF_TIER`` forces PAGEABLE); the message lists the allowed tiers. Also
-        as :func:`capabilities`.
+        ``STAGEBUF_TIER`` forces PAGEABLE); the message lists the allowed tiers.
     PinnedAllocationError
         If the pinned allocation fails at run time (memlock limit exhausted, say).
-    DeviceAllocationError
-        If the device runs out of memory for ``dev``.
-    InvalidArgumentError
-        If ``size`` is not an int >= 0 or a tuple of them.
-    ArgumentTypeError
-        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
-        accepted.
-    SetupError
-        As :func:`capabilities` raises it for ``device`` and the settings.
     """
 
     tier = Tier.PINNED
@@ -378,34 +360,19 @@ class UvaBuffer(StagingBuffer):
 
     ``uva()`` returns a view of the host memory: the device reads it while kernels
     run, so rewrite it only once they are done (pools and stagers guard this for
-    you).
-
-    Parameters
-    ----------
-    size : int or sequence of int
-        The shape, as for :class:`StagingBuffer`.
-    dtype : torch.dtype, numpy.dtype, type or str
-        The element type.
-    device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None is the default device.
+    you). Its parameters, and what they raise, are :class:`NonUvaBuffer`'s (it makes no
+    device buffer, so no DeviceAllocationError).
 
     Raises
     ------
     TierUnavailableError
         If tier UVA cannot work on the device (the CPU, no cuda-bindings, the UVA
         probe failed, or ``STAGEBUF_TIER`` forces a worse tier); the message lists
-        the allowed tiers. Also as :func:`capabilities`.
+        the allowed tiers.
     PinnedAllocationError
         If the pinned allocation fails at run time (memlock limit exhausted, say).
     UvaError
         If the device view of the new allocation cannot be made or does not alias it.
-    InvalidArgumentError
-        If ``size`` is not an int >= 0 or a tuple of them.
-    ArgumentTypeError
-        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
-        accepted.
-    SetupError
-        As :func:`capabilities` raises it for ``device`` and the settings.
     """
 
     tier = Tier.UVA

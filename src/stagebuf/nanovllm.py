@@ -112,35 +112,37 @@ def _tested_names() -> tuple[str, ...]:
 def _check(cls: type) -> None:
     """Raise NanoVllmVersionError unless ``cls`` is a tested nano-vllm's ModelRunner, with its API."""
     name, version = _distribution(cls)
-    if version not in TESTED.get(name, ()):
-        raise NanoVllmVersionError(
-            f"stagebuf.nanovllm: {name} {version or '(no version)'} is not a tested nano-vllm",
+
+    def refuse(message: str, cause: str, fix: str | None = None) -> NanoVllmVersionError:
+        return NanoVllmVersionError(
+            f"stagebuf.nanovllm: {message}",
             setting="nano-vllm",
             value=f"{name} {version}".strip(),
-            cause="its input preparation was not run on stagebuf; nothing was attached",
+            cause=cause,
             allowed=_tested_names(),
-            fix="pip install 'stagebuf[nanovllm]' for the tested version, or leave this runner on "
+            **({"fix": fix} if fix is not None else {}),
+        )
+
+    if version not in TESTED.get(name, ()):
+        raise refuse(
+            f"{name} {version or '(no version)'} is not a tested nano-vllm",
+            "its input preparation was not run on stagebuf; nothing was attached",
+            "pip install 'stagebuf[nanovllm]' for the tested version, or leave this runner on "
             "nano-vllm's own input preparation",
         )
     for m, params in METHODS.items():
         got = tuple(inspect.signature(getattr(cls, m)).parameters)
         if got != params:
-            raise NanoVllmVersionError(
-                f"stagebuf.nanovllm: {cls.__qualname__}.{m}{got} differs from {name} {version}'s {params}",
-                setting="nano-vllm",
-                value=f"{name} {version}",
-                cause="the ModelRunner was changed; nothing was attached",
-                allowed=_tested_names(),
-                fix="use an unmodified ModelRunner of a tested version",
+            raise refuse(
+                f"{cls.__qualname__}.{m}{got} differs from {name} {version}'s {params}",
+                "the ModelRunner was changed; nothing was attached",
+                "use an unmodified ModelRunner of a tested version",
             )
     mod = sys.modules.get(cls.__module__)
     if not (callable(getattr(mod, "set_context", None)) and callable(getattr(mod, "get_context", None))):
-        raise NanoVllmVersionError(
-            f"stagebuf.nanovllm: {cls.__module__} has no set_context/get_context",
-            setting="nano-vllm",
-            value=f"{name} {version}",
-            cause="the attention context cannot be set as nano-vllm sets it; nothing was attached",
-            allowed=_tested_names(),
+        raise refuse(
+            f"{cls.__module__} has no set_context/get_context",
+            "the attention context cannot be set as nano-vllm sets it; nothing was attached",
         )
 
 

@@ -134,11 +134,16 @@ class _Launcher:
             buf.uva(used)
             ring.count(used)
 
-    def _pack(self, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``idx`` and ``vals`` into the next slot and publish them; their device views."""
+    def _next(self) -> tuple[Ring, int]:
+        """The ring (made at the first apply) and its next slot, whose last launch the guard says is done."""
         ring = self.ring if self.ring is not None else self._start()
         cur = ring.next()
-        self.retired[cur].clear()  # the guard says this slot's last launch is done
+        self.retired[cur].clear()
+        return ring, cur
+
+    def _pack(self, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``idx`` and ``vals`` into the next slot and publish them; their device views."""
+        ring, cur = self._next()
         buf, (h_idx, h_val, d_idx, d_val, used) = self._slot(cur, idx, vals)
         h_idx[...] = idx
         h_val[...] = vals
@@ -147,9 +152,7 @@ class _Launcher:
 
     def _launch_packed(self, meta: np.ndarray, vals: np.ndarray, block: int) -> None:
         """Write the Triton rows and values into the next slot, publish them, launch at their addresses."""
-        ring = self.ring if self.ring is not None else self._start()
-        cur = ring.next()
-        self.retired[cur].clear()
+        ring, cur = self._next()
         off = (meta.nbytes + ALIGN - 1) & -ALIGN
         used = off + vals.nbytes
         buf = self._buffer(cur, used)

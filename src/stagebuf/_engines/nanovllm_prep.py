@@ -5,10 +5,11 @@ nano-vllm's own method returns (the same values, dtypes and shapes, and the same
 attention context through the runner's own ``set_context``):
 
 * ``prefill`` and ``decode``: every array of the call, and the sampling arrays of the
-  ``prepare_sample`` that ``run`` calls next, written into one host array and staged
-  in one :class:`StepStager` step: one ``stage()`` call and one transfer per engine step
-  on PINNED and PAGEABLE, none on UVA and HOST; the tensors are views of it (a
-  ``stage()`` per array cost more on the host than the numpy work of the call);
+  ``prepare_sample`` that ``run`` calls next, written in place into one reservation of
+  one :class:`StepStager` step (:meth:`Step.reserve`): one transfer per engine step on
+  PINNED and PAGEABLE, none on UVA and HOST. The tensors are views of the slot's arena;
+  those whose place and size repeat (all of a decode's, a prefill's cumulative lengths and
+  sampling arrays) are made once per slot and layout (see :meth:`Prep._arrays`);
 * ``sample``: the arrays staged with that prefill or decode when it follows it for the
   same batch, as in ``run``; otherwise (another batch, another ``is_cfg_batch``, a graph
   decode) one step of a second stager (a :class:`DeviceParamTable` of rows by batch
@@ -22,7 +23,9 @@ attention context through the runner's own ``set_context``):
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Callable
 from itertools import accumulate, chain
 from typing import Any
 
@@ -32,8 +35,8 @@ import torch
 from .._bytes.make import make_buffer
 from .._common.tier import Tier
 from .._rings.guard import slot_count
-from .._rings.ring import Ring
-from .._rings.stager import StepStager
+from .._rings.ring import Ring, arena_as
+from .._rings.stager import Step, StepStager
 
 SAMPLING = (
     ("temperature", torch.float32),
@@ -74,48 +77,67 @@ def _padded_tables(
     return out
 
 
-def _pack(n64: int, n32: int, nf32: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One int64 host array for all of a step's arrays, staged whole (one stage() call): ``n64``
-    int64 values, then ``n32`` int32 and ``nf32`` float32 ones; returned with views of those two.
+_I32, _I64, _F32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
+Segments = tuple[tuple[np.dtype, tuple[int, ...]], ...]
+"""A step's arrays as laid out in its arena: (dtype, shape) each, in order."""
 
-    Its length is rounded up to a power of two: a stager slot then sees a few shapes again and
-    again (its views cached, its layout replayed) instead of a new one every step, which cost more
-    than the bytes the rounding adds (bench trace, HOST, CPU machine: 80.1 against 60.4 µs per
-    prefill step, hot)."""
-    n = n64 + (n32 + nf32 + 1) // 2
-    h = np.empty(1 << max(n - 1, 0).bit_length(), np.int64)
-    tail = h[n64:].view(np.int32)
-    return h, tail[:n32], tail[n32 : n32 + nf32].view(np.float32)
+_MAX_CACHED = 256  # views kept per Prep (per arena, offset and layout)
 
 
-def _unpack(
-    t: torch.Tensor, sizes64: list[int], sizes32: list[int], sizes_f32: list[int]
-) -> list[torch.Tensor]:
-    """The staged :func:`_pack` array ``t`` as its parts, in order: int64, int32, float32."""
-    n32, nf = sum(sizes32), sum(sizes_f32)
-    head = torch.split_with_sizes(t, [*sizes64, t.numel() - sum(sizes64)])
-    tail = head[-1].view(torch.int32)
-    mid = torch.split_with_sizes(tail, [*sizes32, nf, tail.numel() - n32 - nf])
-    out = [*head[:-1], *mid[:-2]]
-    if sizes_f32:
-        out += torch.split_with_sizes(mid[-2].view(torch.float32), sizes_f32)
-    return out
+def _offsets(segs: Segments, start: int = 0) -> tuple[list[int], int]:
+    """Each segment's byte offset (aligned to its element size) from ``start``, and the end."""
+    offs = []
+    pos = start
+    for dt, shape in segs:
+        a = dt.itemsize
+        pos = (pos + a - 1) & -a
+        offs.append(pos)
+        pos += math.prod(shape) * a
+    return offs, pos
 
 
-def _fill_sample(target: list[Any], k32: np.ndarray, f32: np.ndarray) -> tuple[bool, ...]:
-    """prepare_sample's arrays of ``target`` written: top-k into ``k32``; temperature, cfg scale,
-    top-p and repetition penalty one after the other into ``f32``. Returns nano-vllm's flags, exactly:
-    top-k is handed on when one is > 0; top-p and the repetition penalty when one equals 1.0 (its
-    tests read "== 1.0" where "!= 1.0" looks meant)."""
-    m = len(target)
+def _views(
+    hb: np.ndarray, typed: dict[np.dtype, torch.Tensor], off: int, segs: Segments, offs: list[int]
+) -> tuple[list[np.ndarray], list[torch.Tensor]]:
+    """The host views (into ``hb``, the reserved bytes) and device views (into the arena at ``off``,
+    ``typed`` per dtype) of ``segs`` at ``offs``: one ``split_with_sizes`` per run of segments of one
+    dtype (a tensor slice costs several times more on the host, on a CUDA tensor)."""
+    hs: list[np.ndarray] = []
+    ts: list[torch.Tensor] = []
+    i, k = 0, len(segs)
+    while i < k:
+        dt = segs[i][0]
+        j = i
+        while j < k and segs[j][0] is dt:
+            j += 1
+        size = dt.itemsize
+        first = (off + offs[i]) // size
+        counts = [math.prod(shape) for _, shape in segs[i:j]]
+        whole = typed[dt]
+        parts = whole.split_with_sizes([first, *counts, whole.shape[0] - first - sum(counts)])
+        for (_, shape), o, n, t in zip(segs[i:j], offs[i:j], counts, parts[1:]):
+            h = hb[o : o + n * size].view(dt)
+            if len(shape) > 1:
+                h, t = h.reshape(shape), t.view(shape)
+            hs.append(h)
+            ts.append(t)
+        i = j
+    return hs, ts
+
+
+def _fill_sample(target: list[Any], hs: list[np.ndarray]) -> tuple[bool, ...]:
+    """prepare_sample's arrays of ``target`` written into ``hs`` (top-k, temperature, cfg scale, top-p,
+    repetition penalty). Returns nano-vllm's flags, exactly: top-k is handed on when one is > 0;
+    top-p and the repetition penalty when one equals 1.0 (its tests read "== 1.0" where "!= 1.0"
+    looks meant)."""
     top_k = [s.top_k for s in target]
     top_p = [s.top_p for s in target]
     rep = [s.repetition_penalty for s in target]
-    k32[:] = [0 if k is None else k for k in top_k]
-    f32[:m] = [s.temperature for s in target]
-    f32[m : 2 * m] = [s.cfg_scale for s in target]
-    f32[2 * m : 3 * m] = [1.0 if p is None else p for p in top_p]
-    f32[3 * m :] = [1.0 if r is None else r for r in rep]
+    hs[0][:] = [0 if k is None else k for k in top_k]
+    hs[1][:] = [s.temperature for s in target]
+    hs[2][:] = [s.cfg_scale for s in target]
+    hs[3][:] = [1.0 if p is None else p for p in top_p]
+    hs[4][:] = [1.0 if r is None else r for r in rep]
     return (
         any(k is not None and k > 0 for k in top_k),
         any(p is not None and p == 1.0 for p in top_p),
@@ -124,10 +146,16 @@ def _fill_sample(target: list[Any], k32: np.ndarray, f32: np.ndarray) -> tuple[b
 
 
 def _sampled(parts: list[torch.Tensor], keep: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
-    """prepare_sample's return from :func:`_unpack`'s last five parts (top-k, then the four float32)."""
-    top_k, temp, cfg, top_p, rep = parts[-5:]
+    """prepare_sample's return from the five sampling parts (top-k, temperature, cfg scale, top-p,
+    repetition penalty), as ``keep`` (from :func:`_fill_sample`) says."""
+    top_k, temp, cfg, top_p, rep = parts
     k, p, r = keep
     return temp, cfg, top_k if k else None, top_p if p else None, rep if r else None
+
+
+def _sampling(m: int) -> Segments:
+    """The sampling arrays of ``m`` sequences: top-k (int32), then the four float32 ones."""
+    return ((_I32, (m,)), *(((_F32, (m,)),) * 4))
 
 
 class Prep:
@@ -140,7 +168,7 @@ class Prep:
         max_tokens = int(cfg.max_num_batched_tokens)
         max_blocks = -(-int(cfg.max_model_len) // self.block_size)
         # one prefill at the batched-token budget, or one decode, fits a slot without growing
-        # (with the sampling arrays, and _pack's rounding up to a power of two)
+        # (with the sampling arrays)
         cap = 20 * max_tokens + 28 * (self.max_bs + 1) + 4 * self.max_bs * (max_blocks + 4) + 16 * 8
         self.stager = StepStager(capacity=max(1 << (cap - 1).bit_length(), 1 << 16))
         self.device = self.stager.device
@@ -161,6 +189,12 @@ class Prep:
         """Whether run() calls prepare_sample after each prepare_prefill or prepare_decode."""
         self.pending: tuple[list[Any], bool, tuple[torch.Tensor | None, ...]] | None = None
         """(seqs, is_cfg_batch, the arrays) staged with the last prefill or decode, for its prepare_sample."""
+        self._layouts: dict[tuple[Any, ...], tuple[Segments, list[int], int]] = {}
+        """A step's key -> its fixed part's segments, their offsets and the end (see _arrays)."""
+        self._views: dict[Any, tuple[list[np.ndarray], list[torch.Tensor]]] = {}
+        """(arena address, offset, layout) -> the fixed part's host and device views (see _arrays)."""
+        self._typed: dict[int, dict[np.dtype, torch.Tensor]] = {}
+        """Arena address -> the arena viewed as each dtype of the layouts."""
         self._ar = np.arange(max(max_tokens, int(cfg.max_model_len)), dtype=np.int64)
         self._in_block = np.arange(self.block_size, dtype=np.int32)
 
@@ -181,18 +215,49 @@ class Prep:
         cfg = bool(s.cfg_scale > 1.0 and s.paired_seq is not None)
         return cfg, seqs[: len(seqs) // 2] if cfg else seqs
 
-    def _publish(
-        self, seqs: list[Any], h: np.ndarray, sizes: tuple[list[int], list[int]], cfg: bool | None,
-        keep: tuple[bool, ...],
-    ) -> list[torch.Tensor]:  # fmt: skip
-        """Stage ``h`` (from :func:`_pack`) in one step; its parts, the sampling arrays kept pending."""
-        with self.stager.step() as st:
-            t = st.stage(h)
-        m = sizes[1][-1]
-        parts = _unpack(t, sizes[0], sizes[1], [] if cfg is None else [m] * 4)
-        self.pending = None if cfg is None else (seqs, cfg, _sampled(parts, keep))
+    def _arrays(
+        self, st: Step, key: tuple[Any, ...], fixed: Callable[[], Segments],
+        n64: tuple[int, ...] = (), n32: tuple[int, ...] = (),
+    ) -> tuple[list[np.ndarray], list[torch.Tensor]]:  # fmt: skip
+        """The arrays of one step reserved in step ``st``: their host views, to fill before the step
+        ends, and their device tensors. First ``fixed()``'s, the same for every step of ``key`` (the
+        sizes that decide them), then 1-D int64 arrays of ``n64`` elements and int32 ones of ``n32``.
+        The fixed part's views are made once per (arena, offset, key) and kept: a decode of the
+        batch size and table width of an earlier one in that slot makes no view (on a CUDA tensor,
+        views cost more on the host than the numpy work of a step)."""
+        lay = self._layouts.get(key)
+        if lay is None:
+            segs = fixed()
+            offs, end = _offsets(segs)
+            lay = self._layouts[key] = (segs, offs, (end + 7) & -8)
+        segs, offs, start = lay
+        hb, arena, off = st.reserve(start + 8 * sum(n64) + 4 * sum(n32))
+        ptr = arena.data_ptr()
+        typed = self._typed.get(ptr)
+        if typed is None:
+            if len(self._typed) >= _MAX_CACHED:  # (slots grown again and again)
+                self._typed.clear()
+                self._views.clear()
+            cache: dict[Any, torch.Tensor] = {}
+            typed = self._typed[ptr] = {dt: arena_as(cache, arena, dt) for dt in (_I32, _I64, _F32)}
+        vkey = (ptr, off, key)
+        hit = self._views.get(vkey)
+        if hit is None or (hit[0] and hit[0][0].base is not hb.base):  # (a grown slot: new memory)
+            if len(self._views) >= _MAX_CACHED:
+                self._views.clear()
+            hit = self._views[vkey] = _views(hb, typed, off, segs, offs)
+        if not (n64 or n32):
+            return hit
+        var = (*((_I64, (c,)) for c in n64), *((_I32, (c,)) for c in n32))
+        hs, ts = _views(hb, typed, off, var, _offsets(var, start)[0])
+        return hit[0] + hs, hit[1] + ts
+
+    def _keep(
+        self, seqs: list[Any], cfg: bool | None, ts: list[torch.Tensor], keep: tuple[bool, ...]
+    ) -> None:
+        """The sampling tensors ``ts`` staged with this step kept for run()'s prepare_sample."""
+        self.pending = None if cfg is None else (seqs, cfg, _sampled(ts, keep))
         self.graph_ids = None
-        return parts
 
     def prefill(self, seqs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         B = self.block_size
@@ -222,39 +287,41 @@ class Prep:
         w = max(map(len, tables)) if prefix else 0
         cfg, target = self._next_sample(seqs)
         m = len(target)
-        # int32: cu_seqlens_q, cu_seqlens_k, slot_mapping, block_tables, top-k; then the float32 four
-        sizes32 = [n + 1, n + 1, ns, n * w, m]
-        o_slot = 2 * n + 2
-        o_bt = o_slot + ns
-        o_k = o_bt + n * w
-        h, h32, f32 = _pack(2 * nq, o_k + m, 4 * m)
         ar = self._ar
         need = max(nq, ns, max(lens, default=0))
         if len(ar) < need:
             ar = self._ar = np.arange(2 * need, dtype=np.int64)
-        h[:nq] = np.fromiter(ids, np.int64, nq)
-        if n == 1:
-            h[nq : 2 * nq] = ar[cached[0] : lens[0]]
-        else:  # range(cached, length) per sequence: one arange less each sequence's offset
-            np.add(ar[:nq], np.repeat(np.subtract(cached, cu_q[:-1]), q), out=h[nq : 2 * nq])
-        h32[: n + 1] = cu_q
-        h32[n + 1 : o_slot] = cu_k
-        if ns:
-            # every slot of those blocks, row by row; of each sequence's rows, its first nslots
-            full = ((np.array(blocks, np.int32) * B)[:, None] + self._in_block).reshape(-1)
-            if nb * B - ns == -nslots[-1] % B:  # no block short but the last one: no gaps
-                h32[o_slot:o_bt] = full[:ns]
-            else:
-                rows = list(accumulate((-(-k // B) for k in nslots), initial=0))[:-1]
-                start = np.subtract(np.multiply(rows, B), list(accumulate(nslots, initial=0))[:-1])
-                np.take(full, ar[:ns] + np.repeat(start, nslots), out=h32[o_slot:o_bt])
-        if prefix:
-            _padded_tables(tables, out=h32[o_bt:o_k].reshape(n, w))
-        keep = (False,) * 3 if cfg is None else _fill_sample(target, h32[o_k:], f32)
-        parts = self._publish(seqs, h, ([nq, nq], sizes32), cfg, keep)
-        bt = parts[5].view(n, w) if prefix else None
-        self.set_context(True, parts[2], parts[3], max([0, *q]), max([0, *lens]), parts[4], None, bt)
-        return parts[0], parts[1]
+        with self.stager.step() as st:
+            hs, ts = self._arrays(
+                st, ("prefill", n, m), lambda: ((_I32, (n + 1,)), (_I32, (n + 1,)), *_sampling(m)),
+                (nq, nq), (ns, n * w),
+            )  # fmt: skip
+            h_ids, h_pos, h_slot, h_bt = hs[7:]
+            h_ids[:] = np.fromiter(ids, np.int64, nq)
+            if n == 1:
+                h_pos[:] = ar[cached[0] : lens[0]]
+            else:  # range(cached, length) per sequence: one arange less each sequence's offset
+                np.add(ar[:nq], np.repeat(np.subtract(cached, cu_q[:-1]), q), out=h_pos)
+            hs[0][:] = cu_q
+            hs[1][:] = cu_k
+            if ns:
+                # every slot of those blocks, row by row; of each sequence's rows, its first nslots
+                full = ((np.array(blocks, np.int32) * B)[:, None] + self._in_block).reshape(-1)
+                if nb * B - ns == -nslots[-1] % B:  # no block short but the last one: no gaps
+                    h_slot[:] = full[:ns]
+                else:
+                    rows = list(accumulate((-(-k // B) for k in nslots), initial=0))[:-1]
+                    start = np.subtract(np.multiply(rows, B), list(accumulate(nslots, initial=0))[:-1])
+                    np.take(full, ar[:ns] + np.repeat(start, nslots), out=h_slot)
+            if prefix:
+                _padded_tables(tables, out=h_bt.reshape(n, w))
+            keep = (False,) * 3 if cfg is None else _fill_sample(target, hs[2:7])
+        self._keep(seqs, cfg, ts[2:7], keep)
+        self.set_context(
+            True, ts[0], ts[1], max([0, *q]), max([0, *lens]), ts[9], None,
+            ts[10].view(n, w) if prefix else None,
+        )  # fmt: skip
+        return ts[7], ts[8]
 
     def _decode_arrays(self, seqs: list[Any]) -> tuple[np.ndarray, ...]:
         n = len(seqs)
@@ -276,18 +343,22 @@ class Prep:
             return graph.decode(self, ids, pos, slots, ctx, tables)
         cfg, target = self._next_sample(seqs)
         m = len(target)
-        h, h32, f32 = _pack(2 * n, 2 * n + n * w + m, 4 * m)
-        h[:n] = ids
-        h[n : 2 * n] = pos
-        h32[:n] = slots
-        h32[n : 2 * n] = ctx
-        _padded_tables(tables, out=h32[2 * n : 2 * n + n * w].reshape(n, w))
-        keep = (False,) * 3 if cfg is None else _fill_sample(target, h32[2 * n + n * w :], f32)
-        parts = self._publish(seqs, h, ([n, n], [n, n, n * w, m]), cfg, keep)
-        self.set_context(
-            False, slot_mapping=parts[2], context_lens=parts[3], block_tables=parts[4].view(n, w)
-        )
-        return parts[0], parts[1]
+        with self.stager.step() as st:
+            hs, ts = self._arrays(
+                st, ("decode", n, w, m),
+                lambda: (
+                    (_I64, (n,)), (_I64, (n,)), (_I32, (n,)), (_I32, (n,)), (_I32, (n, w)), *_sampling(m)
+                ),
+            )  # fmt: skip
+            hs[0][:] = ids
+            hs[1][:] = pos
+            hs[2][:] = slots
+            hs[3][:] = ctx
+            _padded_tables(tables, out=hs[4])
+            keep = (False,) * 3 if cfg is None else _fill_sample(target, hs[5:])
+        self._keep(seqs, cfg, ts[5:], keep)
+        self.set_context(False, slot_mapping=ts[2], context_lens=ts[3], block_tables=ts[4])
+        return ts[0], ts[1]
 
     # --- sampling -------------------------------------------------------------------------------
 
@@ -300,12 +371,11 @@ class Prep:
         if p is not None and p[0] is seqs and p[1] == is_cfg_batch:
             return p[2]
         target = seqs[: len(seqs) // 2] if is_cfg_batch else seqs
-        m = len(target)
-        h, k32, f32 = _pack(0, m, 4 * m)
-        keep = _fill_sample(target, k32, f32)
         with self.sampler.step() as st:
-            t = st.stage(h)
-        return _sampled(_unpack(t, [], [m], [m] * 4), keep)
+            m = len(target)
+            hs, ts = self._arrays(st, ("sample", m), lambda: _sampling(m))
+            keep = _fill_sample(target, hs)
+        return _sampled(ts, keep)
 
     # --- CUDA graphs ----------------------------------------------------------------------------
 

@@ -433,10 +433,7 @@ class _GraphInputs:
         ctx_all[:bs] = ctx
         width = max(map(len, tables))
         arrays = (ids, pos, slot_all, ctx_all, _padded_tables(tables, self.cols))
-        ring = self.ring
-        cur = ring.next()
-        ring.take(cur)
-        buf = ring.bufs[cur]
+        cur, buf = self.ring.acquire()
         host = buf.np
         gv = self.gv
         off = 0
@@ -452,8 +449,7 @@ class _GraphInputs:
                     dst.copy_(src, non_blocking=True)
                     self.copies += 1
                 off = (end + 15) & -16
-        if buf.tier is not Tier.HOST:
-            ring.count(off)
+        self.ring.publish(cur, 0 if buf.tier is Tier.HOST else off)
         t_ids = gv["input_ids"][:bs]
         prep.graph_ids = t_ids
         prep.set_context(

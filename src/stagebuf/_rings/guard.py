@@ -223,6 +223,10 @@ class StepClock:
         self._tick_end[self.tick % _CLOCK_EVENTS] = self.record()
         self.tick += 1
 
+    def holds(self, k: int) -> bool:
+        """Whether event ``k``'s object still stands for ``k`` (not recorded again since for a later one)."""
+        return self.held[k % _CLOCK_EVENTS] == k
+
     def step_event(self, tick: int) -> int:
         """The serial of the event that ended step ``tick`` (-1: none recorded yet)."""
         if tick >= self.tick:

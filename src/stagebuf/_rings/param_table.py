@@ -330,15 +330,12 @@ class DeviceParamTable(Sealed):
             self._syncs["skipped"] += 1
             return False
         ring = self._ring
-        cur = ring.next()
-        slot = ring.bufs[cur]
+        cur, slot = ring.acquire()
         np.copyto(slot.np, self._host_np)
         np.copyto(self._shadow, self._host_np)
         copy_rows(slot, self._dev, self.nbytes)  # the device arena was made to fit the slots
-        ring.take(cur)
-        ring.mark()  # the slot's one reader, the copy, is enqueued
-        if slot.tier is not Tier.HOST:
-            ring.count(self.nbytes)
+        # the slot's one reader, the copy, is enqueued
+        ring.publish(cur, 0 if slot.tier is Tier.HOST else self.nbytes, marked=True)
         return True
 
     def stats(self) -> dict[str, int]:

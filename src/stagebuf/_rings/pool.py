@@ -103,7 +103,7 @@ class UvaBufferPool(Sealed):
             "pool slot",
             quarantined=True,
         )
-        self.device = self._ring.bufs[0].device
+        self.device = self._ring.device
         self._published = -1
         """Rows the current slot last published (-1: none) (what a call with equal values may reuse)."""
         self._freeze()
@@ -126,20 +126,17 @@ class UvaBufferPool(Sealed):
             arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=trailing)
         n = arr.shape[0]
         ring = self._ring
-        if reuse and n <= self._published and ring.cur >= 0:
-            buf = ring.bufs[ring.cur]
-            if buf.np[:n].tobytes() == arr.tobytes():
+        if reuse and n <= self._published:
+            last = ring.current()
+            if last is not None and last.np[:n].tobytes() == arr.tobytes():
                 ring.touch()
-                return buf, n, True
-        cur = ring.next()
-        if ring.poisons:  # check mode: what the use max_concurrency back returned reads poison now
-            ring.poison_released()
-        buf = ring.bufs[cur]
+                return last, n, True
+        cur, buf = ring.acquire()
         if n > buf.shape[0]:
             cap = 1 << (n - 1).bit_length()
             buf = ring.grow(cur, lambda tier: make_buffer((cap, *trailing), self.dtype, self.device, tier))
         buf.np[:n] = arr
-        ring.take(cur)
+        ring.publish(cur)
         self.__dict__["_published"] = n
         return buf, n, False
 

@@ -22,7 +22,7 @@ from .._common.convert import NUMPY_TO_TORCH
 from .._common.errors import InvalidArgumentError, SlotInFlightError, StepRuleError
 from .._common.tier import Tier
 from .._tiers.settings import POISON, check_mode, quarantine
-from .guard import _CLOCK_EVENTS, GUARD_MODES, GuardMode, step_clock
+from .guard import GUARD_MODES, GuardMode, step_clock
 
 
 class SlotRing:
@@ -146,7 +146,7 @@ class SlotRing:
         assert self._exact is not None
         k = self._exact[slot]
         clock = self.clock
-        if k < 0 or self._serial[slot] >= 0 or clock.held[k % _CLOCK_EVENTS] != k or clock.done(k):
+        if k < 0 or self._serial[slot] >= 0 or not clock.holds(k) or clock.done(k):
             return  # (an event object recorded again since cannot say: no verdict)
         raise StepRuleError(
             f"{self._what} {slot}: the step clock released it for use {self.seq}, but the device may "
@@ -196,6 +196,10 @@ class SlotRing:
         return use
 
 
+MAX_VIEWS = 1024
+"""Layouts a slot's view cache holds before its user empties it."""
+
+
 def _counters() -> dict[str, int]:
     return {"transfers": 0, "bytes": 0, "growths": 0}
 
@@ -203,11 +207,14 @@ def _counters() -> dict[str, int]:
 class Ring(SlotRing):
     """``n`` slots of staging buffers (plus a quarantine in check mode) taken in turn, guarded.
 
-    ``make()`` makes one slot's buffer. ``quarantined``: users read the slots' device
-    tensors themselves (pools, stagers), so check mode quarantines released slots.
+    The one slot protocol of every pool, stager, param table and staged-write launcher:
+    ``acquire()`` the next slot and its buffer, fill it (``grow()`` it first if it is too
+    small; ``typed()`` views its device arena), then ``publish()`` it. ``make()`` makes one
+    slot's buffer. ``quarantined``: users read the slots' device tensors themselves (pools,
+    stagers), so check mode quarantines released slots and poisons them.
     """
 
-    __slots__ = ("bufs", "counts", "poisons")
+    __slots__ = ("bufs", "counts", "poisons", "_typed", "_views", "_retired")
 
     def __init__(
         self,
@@ -223,30 +230,80 @@ class Ring(SlotRing):
         self.bufs = bufs
         self.counts = _counters()
         self.poisons = quarantined and check_mode()
-        """Check mode on a ring users read: ``poison_released()`` poisons what ``next()`` released."""
+        self._typed: list[dict[Any, torch.Tensor]] = [{} for _ in bufs]
+        """Per slot: its device arena viewed as each dtype asked for (``typed()``)."""
+        self._views: list[dict[Any, Any]] = [{} for _ in bufs]
+        """Per slot: the user's views of its buffer by layout (``views()``)."""
+        self._retired: list[list[StagingBuffer]] = [[] for _ in bufs]
+        """Per slot: the buffers its growths replaced, alive while its last use may still read them."""
 
     @property
     def tier(self) -> Tier:
         """The slots' tier (the lowest, if a run-time fallback split them)."""
         return max(b.tier for b in self.bufs)
 
+    @property
+    def device(self) -> torch.device:
+        return self.bufs[0].device
+
+    @property
+    def slots(self) -> int:
+        """The slot count (quarantine included)."""
+        return len(self.bufs)
+
+    def buf(self, slot: int) -> StagingBuffer:
+        """``slot``'s buffer."""
+        return self.bufs[slot]
+
+    def current(self) -> StagingBuffer | None:
+        """The buffer of the use taken last (None before the first)."""
+        return self.bufs[self.cur] if self.cur >= 0 else None
+
+    def acquire(self) -> tuple[int, StagingBuffer]:
+        """The next slot, once the guard says its readers are done, and its buffer; not taken until
+        ``publish()``, so a caller that fails in between leaves the ring as it was. What the slot's
+        growths retired is released; in check mode the slot released now reads poison."""
+        slot = self.next()
+        if self.poisons and self.released not in (-1, slot):
+            poison(self.bufs[self.released])
+        self._retired[slot].clear()
+        return slot, self.bufs[slot]
+
+    def publish(self, slot: int, nbytes: int = 0, marked: bool = False) -> int:
+        """Take ``slot`` for the next use; its number. ``nbytes`` > 0: one transfer of that many
+        bytes was issued from it. ``marked``: its consumers are enqueued already (``mark()``)."""
+        use = self.take(slot)
+        if nbytes:
+            self.count(nbytes)
+        if marked:
+            self.mark()
+        return use
+
     def grow(self, slot: int, make: Callable[[Tier], StagingBuffer]) -> StagingBuffer:
-        """Replace ``slot``'s buffer with a larger one of its tier (``make(tier)``); the new buffer."""
-        buf = self.bufs[slot] = make(self.bufs[slot].tier)
+        """Replace ``slot``'s buffer with a larger one of its tier (``make(tier)``); the new buffer.
+        The old one stays alive until the slot is acquired again."""
+        old = self.bufs[slot]
+        self._retired[slot].append(old)
+        buf = self.bufs[slot] = make(old.tier)
+        self._typed[slot].clear()
+        self._views[slot].clear()
         self.counts["growths"] += 1
         return buf
+
+    def typed(self, slot: int, dtype: np.dtype) -> torch.Tensor:
+        """``slot``'s whole device arena viewed as ``dtype`` (made once per buffer, see ``arena_as``)."""
+        return arena_as(self._typed[slot], self.bufs[slot].dev, dtype)
+
+    def views(self, slot: int) -> dict[Any, Any]:
+        """The user's cache of views of ``slot``'s buffer, by layout: emptied when the slot grows
+        (and by the user when it holds ``MAX_VIEWS``)."""
+        return self._views[slot]
 
     def count(self, nbytes: int) -> None:
         """One transfer of ``nbytes``."""
         c = self.counts
         c["transfers"] += 1
         c["bytes"] += nbytes
-
-    def poison_released(self) -> None:
-        """Check mode: poison the slot ``next()`` released (what its tensors read from now on)."""
-        g = self.released
-        if self.poisons and g >= 0:
-            poison(self.bufs[g])
 
     def stats(self, steps: bool = False) -> dict[str, int]:
         """transfers, bytes, growths, guard_waits (and ``steps``: uses taken)."""

@@ -27,9 +27,7 @@ from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
 from .._tiers.settings import ALIGN, POISON, check_mode
 from .guard import GuardMode, slot_count
-from .ring import Ring, arena_as, poison
-
-_MAX_CACHED_VIEWS = 4096
+from .ring import MAX_VIEWS, Ring, arena_as, poison
 
 _LayoutEntry = tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]
 """One stage() call of a step: (np dtype, shape, host view, device view, end offset, torch dtype)."""
@@ -44,27 +42,26 @@ class _Slot:
     so that nothing a step stages is visible before the step is published.
     """
 
-    __slots__ = ("ring", "i", "static", "host", "cap", "views", "layout", "retired")
+    __slots__ = ("ring", "i", "static", "host", "cap", "views", "layout")
 
     def __init__(self, ring: Ring, i: int, static: torch.Tensor | None):
         self.ring, self.i = ring, i
         self.static = static
         """The static arena every step's tensors point into (``static=True``), else None."""
-        buf = ring.bufs[i]
+        buf = ring.buf(i)
         scratch = not buf.tier.copies  # UVA and HOST: stage into scratch, publish at exit
         self.cap = buf.shape[0]
         self.host: np.ndarray = np.zeros(self.cap, np.uint8) if scratch else buf.np
         self.layout: list[_LayoutEntry] = []
         """The last step's stage() calls, in order: a step that repeats them skips every check."""
-        self.views: dict[tuple[Any, ...], Any] = {}
-        """(offset, dtype, shape) -> (host view, device view); (arena address, dtype) -> typed arena."""
-        self.retired: list[StagingBuffer] = []
-        """Buffers a growth replaced: kept alive until the slot comes round again."""
+        self.views: dict[tuple[Any, ...], Any] = ring.views(i)
+        """(offset, dtype, shape) -> (host view, device view); (arena address, dtype) -> typed arena
+        (the ring's cache of the slot: emptied when it grows)."""
 
     @property
     def buf(self) -> StagingBuffer:
         """The slot's buffer (the ring's)."""
-        return self.ring.bufs[self.i]
+        return self.ring.buf(self.i)
 
     @property
     def dev_arena(self) -> torch.Tensor:
@@ -107,12 +104,10 @@ class _Slot:
             )
         need = (used + ALIGN) + nbytes
         new_cap = max(2 * cap, 1 << max(need - 1, 1).bit_length())
-        self.retired.append(buf)  # alive while tensors of this step may point into it
         new = self.ring.grow(self.i, lambda tier: make_buffer(new_cap, torch.uint8, buf.device, tier))
         self.cap = new_cap
         self.host = new.np if new.tier.copies else np.zeros(new_cap, np.uint8)
-        self.views.clear()
-        self.layout.clear()
+        self.layout.clear()  # (the ring empties the slot's views)
 
     def poison(self) -> None:
         """Check mode: what this slot published before is released, and nothing new is published yet."""
@@ -128,7 +123,7 @@ class _Slot:
         key = (off, dtype, shape)
         v = self.views.get(key)
         if v is None:
-            if len(self.views) >= _MAX_CACHED_VIEWS:
+            if len(self.views) >= MAX_VIEWS:
                 self.views.clear()
             n = math.prod(shape)
             end = off + n * dtype.itemsize
@@ -296,7 +291,7 @@ class Step(Sealed):
         used = self._pos[1]
         if used:
             ring = slot.ring
-            if slot.publish(ring.bufs[slot.i], slot.host, used):
+            if slot.publish(slot.buf, slot.host, used):
                 ring.count(used)
         self.__dict__["_done"] = True
 
@@ -367,9 +362,9 @@ class StepStager(Sealed):
             "step slot",
             quarantined=not static,
         )
-        self.device = ring.bufs[0].device
+        self.device = ring.device
         arena = alloc_device((capacity,), torch.uint8, self.device) if static else None
-        self._slots = [_Slot(ring, i, arena) for i in range(len(ring.bufs))]  # a fallback may mix tiers
+        self._slots = [_Slot(ring, i, arena) for i in range(ring.slots)]  # a fallback may mix tiers
         self._check = check_mode()
         self._open: Step | None = None
         self._freeze()
@@ -406,14 +401,11 @@ class StepStager(Sealed):
         if self._open is not None and not self._open._done:
             raise UsageError(f"step {self._open.seq} is still open; flush it before step()")
         ring = self._ring
-        cur = ring.next()
+        cur, _ = ring.acquire()  # (check mode: the tensors of the step max_concurrency back read poison now)
         slot = self._slots[cur]
-        slot.retired.clear()
         if self._check:
             slot.poison()
-            if ring.released != cur:
-                ring.poison_released()  # the tensors of the step max_concurrency back read poison now
-        st = self._open = Step(slot, ring.take(cur))
+        st = self._open = Step(slot, ring.publish(cur))
         return st
 
     def mark_consumed(self) -> None:

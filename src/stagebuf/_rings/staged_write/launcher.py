@@ -10,7 +10,6 @@ target's flat view), ``triton`` (``kernel.py``) or, on HOST, one numpy assignmen
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +21,7 @@ from ..._common.errors import UsageError
 from ..._common.log import warn_once
 from ..._common.tier import Tier
 from ..._tiers.settings import ALIGN, Kernel, write_kernel
-from ..ring import Ring, arena_as
+from ..ring import MAX_VIEWS, Ring
 from .edits import CheckedEdits
 from .kernel import _block_for, _triton_error, launch_at, triton_usable
 
@@ -55,12 +54,6 @@ class _Launcher:
         self.device = device
         self.n = max_concurrency
         self.capacity = max(capacity, ALIGN)
-        self.views: list[
-            dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]
-        ] = []
-        self.bases: list[dict[Any, torch.Tensor]] = []
-        """Per slot: its whole device arena viewed as each dtype (views are slices of these)."""
-        self.retired: list[list[StagingBuffer]] = []
         self.ring: Ring | None = None
         """Made at the first apply (a tensor that is never applied allocates no slots)."""
         self.forced = write_kernel()
@@ -71,91 +64,64 @@ class _Launcher:
             return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0, "steps": 0}
         return ring.stats(steps=True)
 
-    def _start(self) -> Ring:
-        self.ring = Ring(
-            self.n,
-            lambda: make_buffer(self.capacity, torch.uint8, self.device),
-            "auto",
-            "staged-write slot",
-        )
-        self.views = [{} for _ in range(self.n)]
-        self.bases = [{} for _ in range(self.n)]
-        self.retired = [[] for _ in range(self.n)]
-        return self.ring
-
-    def _buffer(self, cur: int, used: int) -> StagingBuffer:
-        """Slot ``cur``'s buffer, grown to hold ``used`` bytes if it is smaller."""
-        assert self.ring is not None
-        buf = self.ring.bufs[cur]
+    def _acquire(self, used: int) -> tuple[Ring, int, StagingBuffer]:
+        """The ring (made at the first apply), its next slot and that slot's buffer, grown to hold
+        ``used`` bytes if it is smaller."""
+        ring = self.ring
+        if ring is None:
+            ring = self.ring = Ring(
+                self.n, lambda: make_buffer(self.capacity, torch.uint8, self.device), "auto",
+                "staged-write slot",
+            )  # fmt: skip
+        cur, buf = ring.acquire()
         if used <= buf.shape[0]:
-            return buf
+            return ring, cur, buf
         if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise UsageError(
                 "staged writes: a slot must grow while a CUDA graph is being captured; "
                 "apply once with the largest batch before capturing"
             )
         cap = 1 << max(used - 1, 1).bit_length()
-        self.retired[cur].append(buf)  # read by this slot's last launch, until it comes round
-        buf = self.ring.grow(cur, lambda tier: make_buffer(cap, torch.uint8, self.device, tier))
-        self.views[cur].clear()
-        self.bases[cur].clear()
-        return buf
-
-    def _slot(
-        self, cur: int, idx: np.ndarray, vals: np.ndarray
-    ) -> tuple[StagingBuffer, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, int]]:
-        """Slot ``cur``'s buffer and its views for this layout (made, and the slot grown, if needed)."""
-        key = (idx.shape, vals.dtype, vals.shape[0])
-        v = self.views[cur].get(key)
-        if v is not None:
-            return self.ring.bufs[cur], v  # type: ignore[union-attr]
-        a_bytes = idx.nbytes
-        off = (a_bytes + ALIGN - 1) & -ALIGN
-        used = off + vals.nbytes
-        buf = self._buffer(cur, used)
-        if len(self.views[cur]) >= 1024:
-            self.views[cur].clear()
-        # one slice per view, from whole-arena views of each dtype (a layout seen before is a lookup)
-        bases = self.bases[cur]
-        i64 = arena_as(bases, buf.dev, _INT64)
-        vt = arena_as(bases, buf.dev, vals.dtype)
-        n_idx = idx.size
-        d_idx = i64[:n_idx] if idx.ndim == 1 else i64[:n_idx].view(idx.shape)
-        first = off // vals.dtype.itemsize
-        d_val = vt[first : first + vals.shape[0]]
-        h_idx = buf.np[:a_bytes].view(np.int64).reshape(idx.shape)
-        h_val = buf.np[off:used].view(vals.dtype)
-        v = self.views[cur][key] = (h_idx, h_val, d_idx, d_val, used)
-        return buf, v
-
-    def _publish(self, ring: Ring, cur: int, buf: StagingBuffer, used: int) -> None:
-        ring.take(cur)
-        if buf.tier.copies:
-            buf.uva(used)
-            ring.count(used)
-
-    def _next(self) -> tuple[Ring, int]:
-        """The ring (made at the first apply) and its next slot, whose last launch the guard says is done."""
-        ring = self.ring if self.ring is not None else self._start()
-        cur = ring.next()
-        self.retired[cur].clear()
-        return ring, cur
+        return ring, cur, ring.grow(cur, lambda tier: make_buffer(cap, torch.uint8, self.device, tier))
 
     def _pack(self, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``idx`` and ``vals`` into the next slot and publish them; their device views."""
-        ring, cur = self._next()
-        buf, (h_idx, h_val, d_idx, d_val, used) = self._slot(cur, idx, vals)
+        """Write ``idx`` and ``vals`` into the next slot and publish them; their device views
+        (cached per slot and layout)."""
+        off = (idx.nbytes + ALIGN - 1) & -ALIGN
+        used = off + vals.nbytes
+        ring, cur, buf = self._acquire(used)
+        views = ring.views(cur)
+        key = (idx.shape, vals.dtype, vals.shape[0])
+        v = views.get(key)
+        if v is None:
+            if len(views) >= MAX_VIEWS:
+                views.clear()
+            # one slice per view, from whole-arena views of each dtype
+            d_idx = ring.typed(cur, _INT64)[: idx.size]
+            if idx.ndim != 1:
+                d_idx = d_idx.view(idx.shape)
+            first = off // vals.dtype.itemsize
+            d_val = ring.typed(cur, vals.dtype)[first : first + vals.shape[0]]
+            h_idx = buf.np[: idx.nbytes].view(np.int64).reshape(idx.shape)
+            v = views[key] = (h_idx, buf.np[off:used].view(vals.dtype), d_idx, d_val)
+        h_idx, h_val, d_idx, d_val = v
         h_idx[...] = idx
         h_val[...] = vals
         self._publish(ring, cur, buf, used)
         return d_idx, d_val
 
+    def _publish(self, ring: Ring, cur: int, buf: StagingBuffer, used: int) -> None:
+        if buf.tier.copies:
+            buf.uva(used)
+            ring.publish(cur, used)
+        else:
+            ring.publish(cur)
+
     def _launch_packed(self, meta: np.ndarray, vals: np.ndarray, block: int) -> None:
         """Write the Triton rows and values into the next slot, publish them, launch at their addresses."""
-        ring, cur = self._next()
         off = (meta.nbytes + ALIGN - 1) & -ALIGN
         used = off + vals.nbytes
-        buf = self._buffer(cur, used)
+        ring, cur, buf = self._acquire(used)
         host = buf.np
         host[: meta.nbytes].view(np.int64)[:] = meta.reshape(-1)
         host[off:used].view(vals.dtype)[:] = vals

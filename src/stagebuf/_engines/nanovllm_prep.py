@@ -248,7 +248,7 @@ class Prep:
             hit = self._views[vkey] = _views(hb, typed, off, segs, offs)
         if not (n64 or n32):
             return hit
-        var = (*((_I64, (c,)) for c in n64), *((_I32, (c,)) for c in n32))
+        var: Segments = (*((_I64, (c,)) for c in n64), *((_I32, (c,)) for c in n32))
         hs, ts = _views(hb, typed, off, var, _offsets(var, start)[0])
         return hit[0] + hs, hit[1] + ts
 

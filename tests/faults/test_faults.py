@@ -56,7 +56,7 @@ from stagebuf._rings.param_table import DeviceParamTable
 from stagebuf._tiers import probe as caps_mod
 
 buffers_mod = importlib.import_module("stagebuf._bytes.buffers")
-sw_api = importlib.import_module("stagebuf._rings.staged_write.api")
+sw_api = importlib.import_module("stagebuf._rings.staged_write.writers")
 sw_plan = importlib.import_module("stagebuf._rings.staged_write.launcher")
 pt_mod = importlib.import_module("stagebuf._rings.param_table")
 

@@ -23,7 +23,7 @@ import stagebuf
 from stagebuf import FusedStagedWriter, StagedWriteTensor
 from stagebuf._rings.staged_write import kernel as sw_kernel
 from stagebuf._rings.staged_write import launcher as sw_plan
-from stagebuf._rings.staged_write.edits import CheckedEdits
+from stagebuf._rings.staged_write.check import CheckedEdits
 from stagebuf._tiers.settings import ENV_KERNEL
 
 pytest.importorskip("triton")
@@ -74,7 +74,7 @@ def gathered(t: StagedWriteTensor, edits: list[Edit]) -> CheckedEdits:
     starts = np.array([s for _, s, _ in edits], np.int64)
     lens = np.array([len(v) for _, _, v in edits], np.int64)
     vals = np.concatenate([v for _, _, v in edits]).astype(NP[t.dtype])
-    return CheckedEdits(t._edits.target, rows * t.row_stride + starts, lens, vals, False)
+    return CheckedEdits(t._target, rows * t.row_stride + starts, lens, vals, False)
 
 
 def torch_twin(

@@ -22,7 +22,7 @@ from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike
 from .._rings.pool import UvaBackedTensor
 from .._rings.staged_write import FusedStagedWriter, StagedWriteTensor
-from .._rings.staged_write.edits import CheckedEdits
+from .._rings.staged_write.check import CheckedEdits
 from .._rings.step_batch import BATCHES, StepBatch, WordTarget, batch
 from .._tiers.probe import capabilities
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .._common.tier import Tier
-from .staged_write.edits import CheckedEdits, expand_runs
+from .staged_write.check import CheckedEdits, expand_runs
 from .staged_write.kernel import MAX_BLOCK, launch_at, triton_usable
 from .stager import Step, StepStager
 

@@ -12,7 +12,7 @@ stages a batch of edits from numpy arrays with a few array operations.
 
 Apply (one per call, whatever the number of edits):
 
-1. Gather and check every staged edit (numpy; ``edits.py``). A bad value raises
+1. Gather and check every staged edit (numpy; ``check.py``, from each tensor's ``log.py``). A bad value raises
    ``StagedWriteError`` naming every bad edit (``err.edits``); then nothing is
    written and every staged edit stays staged (``discard_staged`` drops the bad).
 2. Pack them (``launcher.py``) into the next slot of the writer's own guarded ring (written in
@@ -37,7 +37,6 @@ the scatter kernel runs.
 
 from __future__ import annotations
 
-from .api import StagedWriteTensor
-from .fused import FusedStagedWriter
+from .writers import FusedStagedWriter, StagedWriteTensor
 
 __all__ = ["FusedStagedWriter", "StagedWriteTensor"]

@@ -2,7 +2,7 @@
 
 ``_Launcher`` owns a writer's guarded ring of byte arenas. An apply packs the
 destinations (or per-edit metadata) and the values of the gathered batches
-(``edits.CheckedEdits``) into the next slot, publishes it with one copy on the copy
+(``check.CheckedEdits``) into the next slot, publishes it with one copy on the copy
 tiers (none on UVA), and runs one kernel: ``scatter`` (ATen ``index_copy_`` on the
 target's flat view), ``triton`` (``kernel.py``) or, on HOST, one numpy assignment.
 """
@@ -22,7 +22,7 @@ from ..._common.log import warn_once
 from ..._common.tier import Tier
 from ..._tiers.settings import ALIGN, Kernel, write_kernel
 from ..ring import MAX_VIEWS, Ring
-from .edits import CheckedEdits
+from .check import CheckedEdits
 from .kernel import _block_for, _triton_error, launch_at, triton_usable
 
 TRITON_MIN_ELEMS = 1 << 13

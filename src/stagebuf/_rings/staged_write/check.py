@@ -1,0 +1,167 @@
+"""The check: a target's edit log turned into one batch of checked arrays, or a ``StagedWriteError``.
+
+``check()`` checks list values in bulk with numpy by ``_common.convert``'s one rule
+and notes whether two edits share a row (then the launch de-duplicates, later wins).
+A bad list value raises ``StagedWriteError`` naming every bad edit; then nothing
+changes, and ``discard_staged`` drops exactly the edits named. The batch types
+(``CheckedEdits`` and its ``WriteTarget``) live here: the launch consumes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..._common.errors import StagedWriteError
+from ..._common.tier import Tier
+from .log import EditLog
+from .values import Bad, list_values
+
+_ARANGE = np.arange(1024, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
+    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
+
+
+def expand_runs(first: np.ndarray, lens: np.ndarray, n: int) -> np.ndarray:
+    """The index of every element of runs starting at ``first``, ``lens`` long (``n`` in all)."""
+    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
+
+
+class WriteTarget:
+    """What an apply writes: a target's flat device view, its numpy view on HOST, address, tier."""
+
+    __slots__ = ("flat", "flat_np", "ptr", "tier")
+
+    def __init__(self, tensor: torch.Tensor, tier: Tier):
+        self.flat = tensor.view(-1)
+        self.flat_np = self.flat.numpy() if tier is Tier.HOST else None
+        self.ptr = tensor.data_ptr()
+        self.tier = tier
+
+
+class CheckedEdits:
+    """One target's staged edits as checked arrays: first-element offsets, lengths, values."""
+
+    __slots__ = ("target", "dst", "lens", "vals", "dup", "width")
+
+    def __init__(
+        self,
+        target: WriteTarget,
+        dst: np.ndarray,
+        lens: np.ndarray,
+        vals: np.ndarray,
+        dup: bool,
+        width: int = 0,
+    ):
+        self.target, self.dst, self.lens, self.vals, self.dup = target, dst, lens, vals, dup
+        self.width = width
+        """The length of every edit where they are all one length (0: unknown or mixed)."""
+
+    def dest(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat destination of every element, and the values, de-duplicated (later wins) if needed."""
+        first = self.dst
+        n = self.vals.shape[0]
+        if n == first.shape[0]:  # one element per edit
+            dest = first
+        elif self.width:  # every edit of one length: one broadcast add
+            dest = (first[:, None] + _arange(self.width)).reshape(-1)
+        else:
+            dest = expand_runs(first, self.lens, n)
+        vals = self.vals
+        if self.dup:
+            _, last = np.unique(dest[::-1], return_index=True)  # each destination's last staged element
+            keep = (n - 1) - last
+            dest, vals = dest[keep], vals[keep]
+        return dest, vals
+
+
+def check(log: EditLog, target: WriteTarget, tensor: Any) -> CheckedEdits | None:
+    """Every edit of ``log`` as checked arrays for ``target`` (None: nothing staged); raises
+    StagedWriteError naming every bad edit (and ``tensor``, the tensor whose log it is).
+
+    Nothing changes when it raises: every staged edit stays staged.
+    """
+    bad: Bad = []
+    if not log.batches:  # the common case: list edits only
+        if not log.dst:
+            return None
+        dl, ll = log.dst, log.lens
+        e = len(dl)
+        if e <= 32:  # a few edits: the overlap and length checks are cheaper in Python
+            w = ll[0] if ll.count(ll[0]) == e else 0
+            n = log.full_lens(e, w) if w else np.array(ll, np.int64)
+            v = list_values(log.vals, dl, n, log.np_dtype, bad)
+            if bad:
+                _raise(log, tensor, bad)
+            stride = log.row_stride
+            dup = e > 1 and len({d // stride for d in dl} if stride != 1 else set(dl)) != e
+            return CheckedEdits(target, np.array(dl, np.int64), n, v, dup, w)
+        n = np.array(ll, np.int64)
+        v = list_values(log.vals, dl, n, log.np_dtype, bad)
+        if bad:
+            _raise(log, tensor, bad)
+        return _with_overlaps(log, target, np.array(dl, np.int64), n, v)
+    batches = log.all_batches() if log.dst else [*log.batches]
+    dsts, lens, vals = [], [], []
+    pos = 0
+    for b in batches:
+        if b.checked:
+            dsts.append(b.dst)
+            lens.append(b.lens)
+            vals.append(b.vals)
+        else:
+            lens_b = np.array(b.lens, np.int64)
+            vals.append(list_values(b.vals, b.dst, lens_b, log.np_dtype, bad, pos))
+            dsts.append(np.array(b.dst, np.int64))
+            lens.append(lens_b)
+        pos += len(b.dst)
+    if bad:
+        _raise(log, tensor, bad)
+    if len(batches) == 1:
+        d, n, v = dsts[0], lens[0], vals[0]
+    else:
+        d, n, v = (np.concatenate(x) for x in (dsts, lens, vals))
+    return _with_overlaps(log, target, d, n, v)
+
+
+def _raise(log: EditLog, tensor: Any, bad: Bad) -> None:
+    pos, flat, why = bad[0]
+    row, start = divmod(flat, log.row_stride)
+    more = (
+        f"; {len(bad) - 1} more bad edit(s), at positions {[b[0] for b in bad[1:]][:8]}"
+        if len(bad) > 1
+        else ""
+    )
+    n = log.lens_at(pos)
+    raise StagedWriteError(
+        f"staged edit {pos} (stage_write(index={row}, start={start}, {n} values)) cannot be applied "
+        f"to {log.dtype}: {why}{more}. Nothing was written and every staged edit is still staged: "
+        "discard_staged(err.edits) drops the bad ones, clear_staged_writes() all",
+        pos,
+        row,
+        start,
+        edits=tuple(b[0] for b in bad),
+        tensor=tensor,
+    )
+
+
+def _with_overlaps(
+    log: EditLog, target: WriteTarget, d: np.ndarray, n: np.ndarray, v: np.ndarray
+) -> CheckedEdits:
+    """The gathered edits, noting whether two share a row (then they may overlap)."""
+    e = d.shape[0]
+    dup = False
+    if e > 1:  # two edits on one row may overlap: then apply them in order, on the host
+        mark = log.mark
+        if mark is None:
+            mark = log.mark = np.empty(log.rows, np.int64)
+        r = d // log.row_stride if log.row_stride != 1 else d
+        ar = _arange(e)
+        mark[r] = ar
+        dup = bool((mark[r] != ar).any())  # exact whichever duplicate numpy wrote last
+    return CheckedEdits(target, d, n, v, dup)

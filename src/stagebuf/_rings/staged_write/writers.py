@@ -1,0 +1,599 @@
+"""``StagedWriteTensor`` and ``FusedStagedWriter``: the public staged-write classes.
+
+Along the data flow: each tensor's edits go into its log (``log.py``; a
+``stage_write`` on the fast path is three list appends, done here), an apply
+checks the logs into batches (``check.py``), then launches them (``launcher.py``:
+one packed transfer and one launch; the Triton kernel in ``kernel.py``). A
+``StagedWriteTensor`` apply is the one-target case of a fused one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..._bytes.buffers import UvaBuffer
+from ..._bytes.memory import alloc_device
+from ..._common.convert import shape_of, torch_dtype
+from ..._common.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    PinnedAllocationError,
+    StagedWriteError,
+    TierUnavailableError,
+    UvaError,
+)
+from ..._common.log import warn_once
+from ..._common.sealed import Sealed, read_only
+from ..._common.tier import Tier
+from ..._common.types import DeviceLike, DTypeLike, HostData
+from ..._tiers.probe import capabilities
+from ..._tiers.settings import Kernel, check_mode
+from ..guard import slot_count
+from .check import CheckedEdits, WriteTarget, check
+from .launcher import _CAPACITY, _Launcher
+from .log import NP_INTS, EditLog, int_in
+
+ALLOWED_DTYPES = (torch.int32, torch.int64, torch.float32)
+
+
+def _dtype(dtype: DTypeLike) -> torch.dtype:
+    allowed = ", ".join(str(d).replace("torch.", "") for d in ALLOWED_DTYPES)
+    try:
+        dt = torch_dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in ALLOWED_DTYPES:
+        raise InvalidArgumentError(f"dtype={dtype!r} is not supported for staged writes; allowed: {allowed}")
+    return dt
+
+
+@read_only(
+    {
+        "gpu": "applies write the tensor made at construction; edit it with stage_write() + apply_write()",
+        "stage_write": "it is this tensor's staging call",
+        "stage_write_elem": "it is this tensor's staging call",
+    }
+)
+class StagedWriteTensor(Sealed):
+    """A zero-filled device tensor edited by staged ``(row, start, values)`` writes.
+
+    Edits are collected on the host and applied all at once by ``apply_write()``,
+    with one transfer and one launch; overlapping edits apply in staging order.
+
+    Parameters
+    ----------
+    size : int or tuple of int
+        ``(rows, cols)``, or ``n`` (n rows of one column: ``stage_write_elem(i, v)``
+        sets ``gpu[i]``).
+    dtype : torch.dtype or numpy dtype or str
+        ``int32``, ``int64`` or ``float32``.
+    device : torch.device or str or int, optional
+        Default: the current accelerator, else the CPU.
+    max_concurrency : int, optional
+        Staging slots (default: ``set_default_max_concurrency``'s value, at least 2).
+    uva_instead_of_gpu : bool, default False
+        Keep the tensor in pinned host memory that kernels read through UVA (tier UVA
+        only; elsewhere it is a device tensor, logged once).
+
+    Attributes
+    ----------
+    gpu : torch.Tensor
+        The target tensor, at a fixed address (zero-filled at construction).
+    shape : tuple of int
+        Its shape.
+    dtype : torch.dtype
+        Its element type.
+    device : torch.device
+        The target device.
+    tier : Tier
+        The device's tier (``capabilities(device).tier``).
+    rows : int
+        The row count (``num_rows`` too).
+    cols : int
+        Values per row (1 for a 1-D target).
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of one or two of them, ``dtype`` is
+        not one of the allowed dtypes, or ``max_concurrency`` is not None or an int
+        >= 1.
+    ArgumentTypeError
+        If ``device`` is of a type that is not accepted.
+    DeviceAllocationError
+        If the device runs out of memory for the tensor.
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings.
+
+    Notes
+    -----
+    A list of values is checked at apply, with the whole batch (staging stays a list
+    append); every other input is checked when staged. A bad list value makes the
+    apply write nothing and raise ``StagedWriteError`` naming every bad edit
+    (``err.edits``); ``discard_staged(err.edits)`` drops exactly those.
+    """
+
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        dtype: DTypeLike,
+        device: DeviceLike = None,
+        max_concurrency: int | None = None,
+        uva_instead_of_gpu: bool = False,
+    ):
+        shape = shape_of(size)
+        if len(shape) not in (1, 2):
+            raise InvalidArgumentError(
+                f"size={size!r} has rank {len(shape)}; allowed: 1 (n) or 2 (rows, cols)"
+            )
+        if not isinstance(uva_instead_of_gpu, (bool, np.bool_)):
+            raise ArgumentTypeError(f"uva_instead_of_gpu={uva_instead_of_gpu!r}; allowed: True or False")
+        self.shape = shape
+        self.dtype = _dtype(dtype)
+        caps = capabilities(device)
+        self.device = caps.device
+        self.tier = caps.tier
+        self.num_rows = self.rows = shape[0]
+        self.cols = shape[1] if len(shape) == 2 else 1
+        self.row_stride = self.cols
+        self.max_concurrency = slot_count(max_concurrency)
+        self.uva_buffer: UvaBuffer | None = None
+        self.gpu = self._alloc(uva_instead_of_gpu)
+        self._target = WriteTarget(self.gpu, self.tier)
+        self._log = EditLog(self.rows, self.cols, self.dtype)
+        self._launcher = _Launcher(self.device, self.max_concurrency, _CAPACITY)
+        self._kernel: Kernel = "host" if self.tier is Tier.HOST else "scatter"
+        self._freeze()
+
+    @property
+    def kernel(self) -> Kernel:
+        """The kernel the last apply ran: ``host``, ``scatter`` or ``triton``."""
+        return self._kernel
+
+    def _alloc(self, uva: bool) -> torch.Tensor:
+        if uva:
+            why = ""
+            if self.tier is Tier.UVA:
+                try:
+                    self.uva_buffer = UvaBuffer(self.shape, self.dtype, self.device)
+                    return self.uva_buffer.dev
+                except (PinnedAllocationError, UvaError, TierUnavailableError) as e:
+                    why = f"the UVA allocation failed ({e})"
+            else:
+                why = f"the tier of {self.device} is {self.tier.name}, not UVA"
+            warn_once(
+                ("staged-write-uva", str(self.device), self.tier),
+                f"StagedWriteTensor(uva_instead_of_gpu=True) on {self.device} is a device tensor: {why}",
+            )
+        return alloc_device(self.shape, self.dtype, self.device)
+
+    @property
+    def in_host_memory(self) -> bool:
+        """True when ``.gpu`` is pinned host memory read through UVA."""
+        return self.uva_buffer is not None
+
+    @property
+    def num_staged(self) -> int:
+        """Edits staged and not yet applied (empty ones are not kept)."""
+        return self._log.count
+
+    # --- staging: the fast paths are three list appends; anything else is checked now ---
+
+    def stage_write(self, index: int, start: int, values: HostData) -> None:
+        """Stage ``gpu[index, start:start + len(values)] = values``, applied by ``apply_write()``.
+
+        Parameters
+        ----------
+        index : int
+            The row, in ``[0, rows)``.
+        start : int
+            The first column (a Python or numpy int >= 0); the edit must end within the row.
+        values : list, tuple, numpy.ndarray or CPU tensor
+            1-D values. A list is checked at apply, with the whole batch; other inputs now.
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``index`` or ``start`` is not an int in range, the edit ends past the
+            row, or non-list ``values`` are not 1-D or do not fit the dtype; nothing is
+            staged.
+        ArgumentTypeError
+            If non-list ``values`` are of an unsupported type or dtype; nothing is
+            staged.
+        """
+        log = self._log
+        if type(values) is list and type(index) is int:
+            if type(start) is not int:  # vLLM passes numpy ints here (a row's block count)
+                if type(start) not in NP_INTS:
+                    log.stage_checked(index, start, values)
+                    return
+                start = int(start)
+            n = len(values)
+            if 0 <= index < self.rows and start >= 0 and start + n <= self.cols and n:
+                log.dst.append(index * self.cols + start)
+                log.lens.append(n)
+                log.vals.extend(values)
+                return
+        log.stage_checked(index, start, values)
+
+    def stage_write_elem(self, index: int, value: Any) -> None:
+        """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target).
+
+        Parameters
+        ----------
+        index : int
+            The row, in ``[0, rows)``.
+        value : int or float or 0-d array
+            One scalar (a Python int or float is checked at apply).
+
+        Raises
+        ------
+        InvalidArgumentError
+            If ``index`` is not an int in ``[0, rows)``, ``value`` is a list or tuple
+            or an array that is not 0-d, or a numpy value does not fit the dtype;
+            nothing is staged.
+        ArgumentTypeError
+            If ``value`` is a bool, not a number, or an array of an unsupported dtype;
+            nothing is staged.
+        """
+        log = self._log
+        if type(index) is int and 0 <= index < self.rows and (type(value) is int or type(value) is float):
+            log.dst.append(index * self.cols)
+            log.lens.append(1)
+            log.vals.append(value)
+            return
+        log.stage_elem_checked(index, value)
+
+    def stage_writes(
+        self, rows: HostData, starts: HostData, values: HostData, lengths: HostData | None = None
+    ) -> None:
+        """Stage a batch of edits from arrays: edit i writes row ``rows[i]`` from column ``starts[i]``.
+
+        Parameters
+        ----------
+        rows, starts : array-like of int
+            One row and one start column per edit.
+        values : array-like
+            ``(E, L)`` (each edit writes L values), ``(E,)`` (one value each), or,
+            with ``lengths``, a flat array whose consecutive runs of ``lengths[i]``
+            values are the edits.
+        lengths : array-like of int, optional
+            Per-edit lengths for flat ``values``.
+
+        Raises
+        ------
+        InvalidArgumentError
+            If the arrays' lengths disagree, a row, start or length is out of range, an
+            edit ends past its row, or a value does not fit the dtype. Everything is
+            checked now, with numpy; a bad edit raises naming its position, and nothing
+            of the batch is staged.
+        ArgumentTypeError
+            If an argument is of an unsupported type or dtype (``rows``, ``starts`` and
+            ``lengths`` must hold integers); nothing of the batch is staged.
+        """
+        self._log.stage_writes(rows, starts, values, lengths)
+
+    # --- inspecting, applying ---
+
+    def pending_writes(self) -> list[tuple[int, int, list[Any]]]:
+        """The staged edits, in staging order.
+
+        Returns
+        -------
+        list of (int, int, list)
+            ``(index, start, values)`` per edit; an edit's position in this list is
+            what ``StagedWriteError.edits`` and ``discard_staged`` use.
+        """
+        return self._log.pending()
+
+    def discard_staged(self, positions: Iterable[int]) -> None:
+        """Drop the staged edits at ``positions`` (as ``pending_writes()`` numbers them).
+
+        Parameters
+        ----------
+        positions : iterable of int
+            E.g. ``err.edits`` of a ``StagedWriteError``: the next apply then writes
+            the remaining edits.
+
+        Raises
+        ------
+        InvalidArgumentError
+            If a position is not a staged edit's (outside ``[0, num_staged)``);
+            nothing is dropped.
+        ArgumentTypeError
+            If ``positions`` is not an iterable of ints; nothing is dropped.
+        """
+        self._log.discard(positions)
+
+    def apply_write(self) -> None:
+        """Apply every staged edit (one transfer, one launch), then clear them.
+
+        Raises
+        ------
+        StagedWriteError
+            If a staged list value is not a number or does not fit the dtype exactly:
+            nothing is written, every staged edit stays staged, and ``err.edits`` names
+            every bad one (``discard_staged(err.edits)``, then apply again).
+        UsageError
+            If a staging slot must grow while a CUDA graph is being captured.
+        DeviceAllocationError
+            If the device runs out of memory for the staging slots.
+        CudaError
+            If recording or querying the guard's CUDA event fails.
+        """
+        g = check(self._log, self._target, self)
+        if g is None:
+            return
+        self._kernel = self._write([g])
+        self._log.clear()
+
+    def _write(self, parts: list[CheckedEdits]) -> Kernel:
+        """Write checked edits (the launcher's packed transfer and launch; step mode defers them)."""
+        return self._launcher.apply(parts)
+
+    def clear_staged_writes(self) -> None:
+        """Drop every staged edit without applying it."""
+        self._log.clear()
+
+    def stats(self) -> dict[str, int]:
+        """This tensor's staging counters (of ``apply_write()``; a fused apply counts on its writer).
+
+        Returns
+        -------
+        dict of str to int
+            ``transfers`` and ``bytes`` (host-to-device copies of packed edits and
+            their size: on PINNED and PAGEABLE), ``growths`` (slots replaced by larger
+            ones), ``guard_waits`` (times an apply waited for a slot's last launch)
+            and ``steps`` (applies that packed a slot: none on HOST).
+        """
+        return self._launcher.stats()
+
+    def __repr__(self) -> str:
+        return (
+            f"StagedWriteTensor(shape={self.shape}, dtype={self.dtype}, device={self.device}, "
+            f"tier={self.tier.name}, staged={self.num_staged})"
+        )
+
+
+class FusedStagedWriter(Sealed):
+    """Applies the staged edits of several StagedWriteTensors of one dtype: one transfer, one launch.
+
+    The writer owns its staging slots (made at the first apply that packs one); the
+    tensors' own slots are not used.
+
+    Parameters
+    ----------
+    device : torch.device, str, int or None, optional
+        The device of the tensors, as for :func:`capabilities`; None (the default) is
+        the default device.
+    max_writes : int, optional
+        The expected number of edits per apply, >= 1 (default 1024): it sizes the
+        staging slots; a larger apply grows them.
+    max_concurrency : int or None, optional
+        The staging slot count, >= 1 (values below 2 are raised to 2); None (the
+        default) is :func:`set_default_max_concurrency`'s value.
+
+    Attributes
+    ----------
+    device : torch.device
+        The target device.
+    max_concurrency : int
+        The staging slot count (at least 2).
+
+    Raises
+    ------
+    InvalidArgumentError
+        If ``max_writes`` is not an int >= 1, or ``max_concurrency`` is not None or
+        an int >= 1.
+    ArgumentTypeError
+        If ``device`` is of a type that is not accepted.
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings.
+    """
+
+    def __init__(self, device: DeviceLike = None, max_writes: int = 1024, max_concurrency: int | None = None):
+        self._max_writes = int_in(max_writes, "max_writes", 1, None, "")
+        self.max_concurrency = slot_count(max_concurrency)
+        self.device = capabilities(device).device
+        self._launcher = _Launcher(self.device, self.max_concurrency, self._capacity(self._max_writes))
+        self._edit_growths = 0
+        self._kernel: Kernel = "scatter"
+        self._verified: set[tuple[Any, ...]] = set()
+        """(name, data_ptr, version, expected) of device output_ptrs/strides already read and matched."""
+        self._check = check_mode()
+        self._freeze()
+
+    @property
+    def kernel(self) -> Kernel:
+        """The kernel the last apply ran: ``scatter`` or ``triton`` (``host`` on tier HOST).
+
+        ``scatter`` before the first apply. ``STAGEBUF_WRITE_KERNEL`` (``auto``,
+        ``scatter`` or ``triton``) chooses where Triton can run (else ``scatter``);
+        overlapping edits always use ``scatter``.
+        """
+        return self._kernel
+
+    @property
+    def max_writes(self) -> int:
+        """Edits per apply the slots were sized for (an apply with more sets the next power of two)."""
+        return self._max_writes
+
+    @staticmethod
+    def _capacity(max_writes: int) -> int:
+        # per edit: an 8-byte destination and about 8 values of 8 bytes, or 32 bytes of Triton metadata
+        return 1024 + 96 * max_writes
+
+    def apply(
+        self, tensors: Iterable[StagedWriteTensor], output_ptrs: Any = None, output_strides: Any = None
+    ) -> None:
+        """Apply and clear the staged edits of ``tensors`` (one dtype, this device) at once.
+
+        All or nothing: every tensor's edits are gathered and checked before anything
+        is written, then they go out in one packed transfer and one launch. A tensor
+        listed twice is applied once; with nothing staged nothing happens.
+
+        Parameters
+        ----------
+        tensors : iterable of StagedWriteTensor
+            The tensors, all of one dtype and on this writer's device (a list, not a
+            single tensor).
+        output_ptrs : sequence of int, torch.Tensor or None, optional
+            vLLM's call shape: each tensor's ``gpu.data_ptr()``, in the order of
+            ``tensors``; checked against them when given. A device tensor's contents
+            are read once per tensor version (every call in check mode), since that
+            read waits for the device.
+        output_strides : sequence of int, torch.Tensor or None, optional
+            Each tensor's row stride (``row_stride``), checked as ``output_ptrs``.
+
+        Raises
+        ------
+        ArgumentTypeError
+            If ``tensors`` is not an iterable of StagedWriteTensor (a single one
+            included), or ``output_ptrs``/``output_strides`` is not a sequence (or
+            tensor) of ints.
+        InvalidArgumentError
+            If the tensors mix dtypes or one is on another device, or
+            ``output_ptrs``/``output_strides`` does not match the tensors (values,
+            length, a tensor's dtype, or a device other than the CPU or this one).
+        StagedWriteError
+            If a staged list value is not a number or does not fit the dtype exactly:
+            nothing is written on any tensor and every staged edit stays staged.
+            ``err.tensor`` is the first tensor with a bad edit and ``err.edits`` its
+            bad edits' positions in ``err.tensor.pending_writes()``; call
+            ``err.tensor.discard_staged(err.edits)``, then apply again.
+        UsageError
+            If a staging slot must grow while a CUDA graph is being captured.
+        DeviceAllocationError
+            If the device runs out of memory for the staging slots.
+        CudaError
+            If recording or querying the guard's CUDA event fails.
+        """
+        if isinstance(tensors, StagedWriteTensor) or not isinstance(tensors, Iterable):
+            raise ArgumentTypeError(
+                f"tensors must be a list (or other iterable) of StagedWriteTensor; "
+                f"got {type(tensors).__name__}"
+            )
+        tensors = list(tensors)
+        targets: list[StagedWriteTensor] = []
+        for i, t in enumerate(tensors):
+            if not isinstance(t, StagedWriteTensor):
+                raise ArgumentTypeError(f"tensors[{i}] is a {type(t).__name__}; expected StagedWriteTensor")
+            if t.device != self.device:
+                raise InvalidArgumentError(
+                    f"tensors[{i}] is on {t.device}; this writer targets {self.device}"
+                )
+            if targets and t.dtype != targets[0].dtype:
+                raise InvalidArgumentError(
+                    f"tensors[{i}] has dtype {t.dtype} but tensors[0] has {targets[0].dtype}; "
+                    "one fused apply needs one dtype"
+                )
+            if not any(t is u for u in targets):
+                targets.append(t)
+        if output_ptrs is not None:
+            ptrs = [t.gpu.data_ptr() for t in tensors]
+            check_outputs(self.device, self._verified, self._check, output_ptrs, "output_ptrs", ptrs)
+        if output_strides is not None:
+            strides = [t.row_stride for t in tensors]
+            check_outputs(self.device, self._verified, self._check, output_strides, "output_strides", strides)
+        parts = []
+        for t in targets:  # every tensor is checked before anything is written
+            try:
+                g = check(t._log, t._target, t)
+            except StagedWriteError as err:
+                i = next(k for k, u in enumerate(tensors) if u is t)
+                raise StagedWriteError(
+                    f"tensors[{i}]: {err}; nothing was written to any tensor",
+                    err.position,
+                    err.index,
+                    err.start,
+                    err.edits,
+                    err.tensor,
+                ) from None
+            if g is not None:
+                parts.append(g)
+        if not parts:
+            return
+        n = sum(p.dst.shape[0] for p in parts)
+        if n > self._max_writes:
+            self._max_writes = 1 << (n - 1).bit_length()
+            self._edit_growths += 1
+        self._kernel = self._write(parts)
+        for t in targets:
+            t._log.clear()
+
+    def _write(self, parts: list[CheckedEdits]) -> Kernel:
+        """Write checked edits (the launcher's packed transfer and launch; step mode defers them)."""
+        return self._launcher.apply(parts)
+
+    def stats(self) -> dict[str, int]:
+        """The writer's counters.
+
+        Returns
+        -------
+        dict of str to int
+            ``transfers`` and ``bytes`` (host-to-device copies of packed edits and
+            their size: on PINNED and PAGEABLE), ``growths`` (staging slots replaced
+            by larger ones), ``guard_waits`` (times an apply waited for a slot's last
+            launch), ``steps`` (applies that packed a slot: none on HOST) and
+            ``edit_growths`` (times an apply's edits exceeded ``max_writes``).
+        """
+        return {**self._launcher.stats(), "edit_growths": self._edit_growths}
+
+    def __repr__(self) -> str:
+        return f"FusedStagedWriter(device={self.device}, max_writes={self.max_writes})"
+
+
+def check_outputs(
+    device: torch.device,
+    verified: set[tuple[Any, ...]],
+    every: bool,
+    given: Any,
+    name: str,
+    expect: list[int],
+) -> None:
+    """Check vLLM's ``output_ptrs``/``output_strides`` (``given``) against ``expect``; no sync per call.
+
+    A sequence, or a CPU tensor, is compared every call. A device tensor's shape,
+    dtype and device are checked every call; its contents are read once per
+    distinct (tensor, version, expected values) and remembered in ``verified``, since reading
+    device memory on the host waits for the device. ``every`` (``STAGEBUF_CHECK=1``)
+    reads them every call.
+    """
+    if given is None:
+        return
+    key = None
+    if isinstance(given, torch.Tensor):
+        if given.dtype not in (torch.int64, torch.uint64, torch.int32) or given.numel() != len(expect):
+            raise InvalidArgumentError(
+                f"{name} is a tensor of shape {tuple(given.shape)}, dtype {given.dtype}; allowed: "
+                f"{len(expect)} integers (int64, uint64 or int32), one per tensor"
+            )
+        if given.device.type != "cpu":
+            if given.device != device:
+                raise InvalidArgumentError(
+                    f"{name} is on {given.device}; allowed: the CPU or this writer's {device}"
+                )
+            key = (name, given.data_ptr(), given._version, tuple(expect))
+            if key in verified and not every:
+                return
+        given = given.detach().cpu().reshape(-1).tolist()  # a sync only for a new device tensor
+    try:
+        got = [int(v) for v in given]
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(
+            f"{name} must be None or a sequence (or tensor) of ints, one per tensor; "
+            f"got {type(given).__name__}"
+        ) from None
+    if got != expect:
+        raise InvalidArgumentError(
+            f"{name}={got} does not match the tensors passed ({expect}); "
+            f"allowed: None, or exactly those values in the same order"
+        )
+    if key is not None:
+        if len(verified) >= 64:
+            verified.clear()
+        verified.add(key)

@@ -251,10 +251,8 @@ class HostBuffer(StagingBuffer):
 
     Parameters
     ----------
-    size : int or sequence of int
-        The shape, as for :class:`StagingBuffer`.
-    dtype : torch.dtype, numpy.dtype, type or str
-        The element type.
+    size, dtype
+        As for :class:`StagingBuffer`.
     device : torch.device, str or None, optional
         A CPU device; None (the default) is the CPU too. Anything else is refused.
 
@@ -292,12 +290,8 @@ class NonUvaBuffer(StagingBuffer):
 
     Parameters
     ----------
-    size : int or sequence of int
-        The shape, as for :class:`StagingBuffer`.
-    dtype : torch.dtype, numpy.dtype, type or str
-        The element type.
-    device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None is the default device.
+    size, dtype, device
+        As for :class:`StagingBuffer`.
 
     Raises
     ------

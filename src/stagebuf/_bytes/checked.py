@@ -171,7 +171,7 @@ class CheckedArray(np.ndarray):
 def checked_view(a: np.ndarray, name: str) -> CheckedArray:
     """A checked view of ``a`` (the same memory); ``name`` is how errors call it: ``table['top_k'].np``."""
     v = a.view(CheckedArray)
-    v.__dict__["_sb_name"] = name
+    v._sb_name = name  # type: ignore[attr-defined]
     return v
 
 

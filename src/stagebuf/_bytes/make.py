@@ -30,13 +30,8 @@ def make_buffer(
 
     Parameters
     ----------
-    size : int or sequence of int
-        The shape: a row count, or a tuple whose first entry is the row count.
-    dtype : torch.dtype, numpy.dtype, type or str
-        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
-        float64).
-    device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None is the default device.
+    size, dtype, device
+        As for :class:`StagingBuffer`.
     tier : Tier, str or None, optional
         The tier to use (``"uva"``, ``"pinned"``, ``"pageable"``, ``"host"`` or a
         Tier); None (the default) is ``capabilities(device).tier``. On the CPU the

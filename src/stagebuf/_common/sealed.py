@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from .errors import ReadOnlyAttributeError, UnknownAttributeError
 
@@ -37,6 +37,19 @@ def read_only(why: dict[str, str]) -> Callable[[_T], _T]:
         return cls
 
     return mark
+
+
+_V = TypeVar("_V")
+
+
+class Cell(Generic[_V]):
+    """One value a sealed object changes on a hot path, written as ``cell.value = x``: a plain slot,
+    so no ``__setattr__`` hook runs per write."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: _V):
+        self.value = value
 
 
 class Sealed:
@@ -97,3 +110,10 @@ class Sealed:
 
     def _freeze(self) -> None:
         object.__setattr__(self, "_sealed", True)
+
+    def _init(self, **fields: Any) -> None:
+        """Set the private ``fields`` and seal, at once: a constructor on a hot path runs no
+        ``__setattr__`` per field."""
+        d = self.__dict__
+        d.update(fields)
+        d["_sealed"] = True

@@ -18,6 +18,7 @@ import torch
 
 from .._bytes.memory import alloc_device, alloc_host
 from .._common.convert import check_rows, numpy_dtype, shape_of, torch_dtype
+from .._common.sealed import Cell
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike
 from .._rings.pool import UvaBackedTensor
@@ -135,7 +136,7 @@ class StepBackedTensor(UvaBackedTensor):
         self._target = self._step_batch.target(self._fixed)
         self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         """Per row count: the device view, and the host rows as 32-bit words."""
-        self._gpu = self._fixed
+        self._gpu = Cell(self._fixed)
         self._freeze()
 
     @property
@@ -152,7 +153,7 @@ class StepBackedTensor(UvaBackedTensor):
             if type(rows) is not int or not 0 <= rows <= self.np.shape[0]:
                 rows = check_rows(n, self.np.shape[0])  # raises the parent's error, or an int-like n
             got = self._views[rows] = (fixed[:rows], self.np[:rows].reshape(-1).view(np.int32))
-        self._gpu = got[0]
+        self._gpu.value = got[0]
         if rows:
             b = self._step_batch
             b.add_whole(self._target, got[1].copy())

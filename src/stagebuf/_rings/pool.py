@@ -14,7 +14,7 @@ from .._bytes.make import make_buffer
 from .._bytes.memory import alloc_host
 from .._common.convert import check_rows, fill_host, host_array, numpy_dtype, shape_of, torch_dtype
 from .._common.errors import ArgumentTypeError, InvalidArgumentError
-from .._common.sealed import Sealed, read_only
+from .._common.sealed import Cell, Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
 from .guard import GuardMode, slot_count
@@ -104,7 +104,7 @@ class UvaBufferPool(Sealed):
             quarantined=True,
         )
         self.device = self._ring.device
-        self._published = -1
+        self._published = Cell(-1)
         """Rows the current slot last published (-1: none) (what a call with equal values may reuse)."""
         self._freeze()
 
@@ -126,7 +126,7 @@ class UvaBufferPool(Sealed):
             arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=trailing)
         n = arr.shape[0]
         ring = self._ring
-        if reuse and n <= self._published:
+        if reuse and n <= self._published.value:
             last = ring.current()
             if last is not None and last.np[:n].tobytes() == arr.tobytes():
                 ring.touch()
@@ -137,7 +137,7 @@ class UvaBufferPool(Sealed):
             buf = ring.grow(cur, lambda tier: make_buffer((cap, *trailing), self.dtype, self.device, tier))
         buf.np[:n] = arr
         ring.publish(cur)
-        self.__dict__["_published"] = n
+        self._published.value = n
         return buf, n, False
 
     def copy_to_uva(self, x: HostData) -> torch.Tensor:
@@ -234,7 +234,7 @@ class UvaBufferPool(Sealed):
         if out is not None:
             self._check_out(out, arr.shape[0])
         buf, n, _ = self._next(arr)
-        self.__dict__["_published"] = -1  # the slot's device side did not receive these values
+        self._published.value = -1  # the slot's device side did not receive these values
         if out is None:
             out = torch.empty((n, *self.shape[1:]), dtype=self.dtype, device=self.device)
         if buf.tier is not Tier.HOST:
@@ -286,16 +286,8 @@ class UvaBackedTensor(Sealed):
 
     Parameters
     ----------
-    size : int or sequence of int
-        The shape: a row count, or a tuple whose first entry is the row count.
-    dtype : torch.dtype, numpy.dtype, type or str
-        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
-        float64).
-    max_concurrency : int or None, optional
-        The pool's slot count, as for :class:`UvaBufferPool`.
-    device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None (the default) is the
-        default device.
+    size, dtype, max_concurrency, device
+        The pool's, as for :class:`UvaBufferPool`.
 
     Attributes
     ----------
@@ -312,31 +304,20 @@ class UvaBackedTensor(Sealed):
 
     Raises
     ------
-    InvalidArgumentError
-        If ``size`` is not an int >= 0 or a tuple of them, or ``max_concurrency`` is
-        not None or an int >= 1.
-    ArgumentTypeError
-        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
-        accepted.
-    DeviceAllocationError
-        If the device runs out of memory for the pool's slots.
-    SetupError, TierUnavailableError
-        As :func:`capabilities` raises them for ``device`` and the settings.
+    InvalidArgumentError, ArgumentTypeError, DeviceAllocationError, SetupError, TierUnavailableError
+        As :class:`UvaBufferPool` raises them for these arguments.
     """
 
     def __init__(
-        self,
-        size: int | Sequence[int],
-        dtype: DTypeLike,
-        max_concurrency: int | None = None,
+        self, size: int | Sequence[int], dtype: DTypeLike, max_concurrency: int | None = None,
         device: DeviceLike = None,
-    ):
+    ):  # fmt: skip
         self.dtype = torch_dtype(dtype)
         self.pool = UvaBufferPool(size, self.dtype, max_concurrency, device)
         self.cpu = alloc_host(self.pool.shape, self.dtype, pinned=False, tier=self.pool.tier)
         self.np = host_view(self.cpu, "UvaBackedTensor.np")
         self.device = self.pool.device
-        self._gpu = self.pool.copy_to_uva(self.np)
+        self._gpu: Cell[torch.Tensor] = Cell(self.pool.copy_to_uva(self.np))
         self._freeze()
 
     _COPY_IN = ("np", "cpu")
@@ -347,7 +328,7 @@ class UvaBackedTensor(Sealed):
     @property
     def gpu(self) -> torch.Tensor:
         """The device tensor of the last ``copy_to_uva()`` (at first: the zeros published at construction)."""
-        return self._gpu
+        return self._gpu.value
 
     @property
     def tier(self) -> Tier:
@@ -379,7 +360,7 @@ class UvaBackedTensor(Sealed):
             If recording or querying the guard's CUDA event fails.
         """
         src = self.np if n is None else self.np[: check_rows(n, self.np.shape[0])]
-        gpu = self.__dict__["_gpu"] = self.pool.copy_to_uva(src)  # (a plain store: no __setattr__ hook)
+        gpu = self._gpu.value = self.pool.copy_to_uva(src)
         return gpu
 
     def stats(self) -> dict[str, int]:

@@ -137,6 +137,23 @@ class _Slot:
         return v
 
 
+class _StepState:
+    """What a step changes as it stages: plain slots, so no sealed ``__setattr__`` runs per write."""
+
+    __slots__ = ("calls", "used", "layout", "retired", "done")
+
+    def __init__(self, layout: list[_LayoutEntry]):
+        self.calls = 0
+        """stage() calls so far."""
+        self.used = 0
+        """Bytes of the arena used so far."""
+        self.layout: list[_LayoutEntry] | None = layout
+        """The slot's recorded stage() calls, replayed while they repeat (None: not recorded)."""
+        self.retired: list[tuple[StagingBuffer, np.ndarray, int]] = []
+        """(buffer, host arena, bytes used) of arenas a growth replaced during this step."""
+        self.done = False
+
+
 class Step(Sealed):
     """One step's staging. Use as a context manager; ``flush()`` ends it early.
 
@@ -147,23 +164,11 @@ class Step(Sealed):
     """
 
     _slot: _Slot
-    _pos: list[int]
-    _layout: list[_LayoutEntry] | None
-    _retired: list[tuple[StagingBuffer, np.ndarray, int]]
     _seq: int
-    _done: bool
+    _s: _StepState
 
     def __init__(self, slot: _Slot, seq: int):
-        # one dict update, not a sealed __setattr__ each; ``_pos`` (stage() calls, bytes used) is in place
-        self.__dict__.update(
-            _slot=slot,
-            _pos=[0, 0],
-            _layout=slot.layout,
-            _retired=[],
-            _seq=seq,
-            _done=False,
-            _sealed=True,
-        )
+        self._init(_slot=slot, _seq=seq, _s=_StepState(slot.layout))
 
     @property
     def seq(self) -> int:
@@ -173,7 +178,7 @@ class Step(Sealed):
     @property
     def done(self) -> bool:
         """Whether the step was published (or left by an exception); then ``stage()`` raises."""
-        return self._done
+        return self._s.done
 
     def __enter__(self) -> Step:
         return self
@@ -184,7 +189,7 @@ class Step(Sealed):
         if exc_type is None:
             self.flush()
         else:
-            self.__dict__["_done"] = True
+            self._s.done = True
 
     def stage(self, x: HostData, dtype: DTypeLike | None = None) -> torch.Tensor:
         """Write ``x`` into this step's arena; the device tensor that holds it once the step is published.
@@ -216,49 +221,49 @@ class Step(Sealed):
         DeviceAllocationError
             If growing the slot runs out of device memory.
         """
-        layout = self._layout
-        pos = self._pos
-        i = pos[0]
-        if type(x) is np.ndarray and layout is not None and i < len(layout) and not self._done:
+        s = self._s
+        layout = s.layout
+        i = s.calls
+        if type(x) is np.ndarray and layout is not None and i < len(layout) and not s.done:
             np_dtype, shape, host, dev, end, torch_dtype = layout[i]
             if x.shape == shape and x.dtype == np_dtype and (dtype is None or dtype is torch_dtype):
                 host[...] = x  # the same array as last time in this slot: just write it
-                pos[0] = i + 1
-                pos[1] = end
+                s.calls = i + 1
+                s.used = end
                 return dev
         return self._stage(x, dtype)
 
     def _stage(self, x: HostData, dtype: DTypeLike | None) -> torch.Tensor:
-        if self._done:
+        s = self._s
+        if s.done:
             raise UsageError(f"step {self._seq} was already flushed; begin a new step()")
         want = TORCH_TO_NUMPY.get(dtype) if isinstance(dtype, torch.dtype) else None
         arr = x if type(x) is np.ndarray else None
         fits = arr is not None and arr.ndim in (1, 2) and arr.dtype in NUMPY_TO_TORCH
         if arr is None or not fits or (dtype is not None and arr.dtype != want):
             arr = host_array(x, dtype, "x")
-        c = self._pos
         off = self._room(arr.nbytes)
         slot = self._slot
         host, dev = slot.view(off, arr.dtype, arr.shape, slot.dev_arena)
         host[...] = arr
-        layout = self._layout
+        layout = s.layout
         if layout is not None:
-            del layout[c[0] :]
-            layout.append((arr.dtype, arr.shape, host, dev, c[1], NUMPY_TO_TORCH[arr.dtype]))
-        c[0] += 1
+            del layout[s.calls :]
+            layout.append((arr.dtype, arr.shape, host, dev, s.used, NUMPY_TO_TORCH[arr.dtype]))
+        s.calls += 1
         return dev
 
     def _room(self, nbytes: int) -> int:
         """The offset of ``nbytes`` more in the slot's arena (grown if needed); they count as used."""
-        c, slot = self._pos, self._slot
-        used = c[1]
+        s, slot = self._s, self._slot
+        used = s.used
         off = (used + ALIGN - 1) & -ALIGN
         if off + nbytes > slot.cap:
-            self._retired.append((slot.buf, slot.host, used))
+            s.retired.append((slot.buf, slot.host, used))
             slot.grow(nbytes, used, self._seq)
-            self.__dict__["_layout"] = None  # offsets restart in the new arena: record it next step
+            s.layout = None  # offsets restart in the new arena: record it next step
             off = 0
-        c[1] = off + nbytes
+        s.used = off + nbytes
         return off
 
     def reserve(self, nbytes: int) -> tuple[np.ndarray, torch.Tensor, int]:
@@ -267,11 +272,12 @@ class Step(Sealed):
         stage() calls of the step take the checked path (the layout is not replayed past it)."""
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgumentError(f"nbytes={nbytes!r}; allowed: an int >= 0")
-        if self._done:
+        s = self._s
+        if s.done:
             raise UsageError(f"step {self._seq} was already flushed; begin a new step()")
-        if self._layout is not None:
-            del self._layout[self._pos[0] :]
-            self.__dict__["_layout"] = None
+        if s.layout is not None:
+            del s.layout[s.calls :]
+            s.layout = None
         off = self._room(nbytes)
         slot = self._slot
         return slot.host[off : off + nbytes], slot.dev_arena, off
@@ -282,18 +288,16 @@ class Step(Sealed):
         One copy on PINNED and PAGEABLE (current stream), a host copy on UVA and HOST; a static
         stager copies into its device arena. Then ``stage()`` raises and ``flush()`` does nothing.
         """
-        if self._done:
+        s = self._s
+        if s.done:
             return
         slot = self._slot
-        for buf, host, used in self._retired:  # a growth mid-step: earlier tensors stay valid
+        for buf, host, used in s.retired:  # a growth mid-step: earlier tensors stay valid
             if used:
                 slot.publish(buf, host, used)
-        used = self._pos[1]
-        if used:
-            ring = slot.ring
-            if slot.publish(slot.buf, slot.host, used):
-                ring.count(used)
-        self.__dict__["_done"] = True
+        if s.used and slot.publish(slot.buf, slot.host, s.used):
+            slot.ring.count(s.used)
+        s.done = True
 
 
 class StepStager(Sealed):
@@ -398,7 +402,7 @@ class StepStager(Sealed):
         CudaError
             If recording or querying the guard's CUDA event fails.
         """
-        if self._open is not None and not self._open._done:
+        if self._open is not None and not self._open.done:
             raise UsageError(f"step {self._open.seq} is still open; flush it before step()")
         ring = self._ring
         cur, _ = ring.acquire()  # (check mode: the tensors of the step max_concurrency back read poison now)

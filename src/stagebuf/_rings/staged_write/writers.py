@@ -27,7 +27,7 @@ from ..._common.errors import (
     UvaError,
 )
 from ..._common.log import warn_once
-from ..._common.sealed import Sealed, read_only
+from ..._common.sealed import Cell, Sealed, read_only
 from ..._common.tier import Tier
 from ..._common.types import DeviceLike, DTypeLike, HostData
 from ..._tiers.probe import capabilities
@@ -146,13 +146,13 @@ class StagedWriteTensor(Sealed):
         self._target = WriteTarget(self.gpu, self.tier)
         self._log = EditLog(self.rows, self.cols, self.dtype)
         self._launcher = _Launcher(self.device, self.max_concurrency, _CAPACITY)
-        self._kernel: Kernel = "host" if self.tier is Tier.HOST else "scatter"
+        self._kernel: Cell[Kernel] = Cell("host" if self.tier is Tier.HOST else "scatter")
         self._freeze()
 
     @property
     def kernel(self) -> Kernel:
         """The kernel the last apply ran: ``host``, ``scatter`` or ``triton``."""
-        return self._kernel
+        return self._kernel.value
 
     def _alloc(self, uva: bool) -> torch.Tensor:
         if uva:
@@ -328,7 +328,7 @@ class StagedWriteTensor(Sealed):
         g = check(self._log, self._target, self)
         if g is None:
             return
-        self._kernel = self._write([g])
+        self._kernel.value = self._write([g])
         self._log.clear()
 
     def _write(self, parts: list[CheckedEdits]) -> Kernel:
@@ -379,10 +379,8 @@ class FusedStagedWriter(Sealed):
 
     Attributes
     ----------
-    device : torch.device
-        The target device.
-    max_concurrency : int
-        The staging slot count (at least 2).
+    device, max_concurrency
+        The arguments, resolved (``max_concurrency`` at least 2).
 
     Raises
     ------
@@ -401,7 +399,7 @@ class FusedStagedWriter(Sealed):
         self.device = capabilities(device).device
         self._launcher = _Launcher(self.device, self.max_concurrency, self._capacity(self._max_writes))
         self._edit_growths = 0
-        self._kernel: Kernel = "scatter"
+        self._kernel: Cell[Kernel] = Cell("scatter")
         self._verified: set[tuple[Any, ...]] = set()
         """(name, data_ptr, version, expected) of device output_ptrs/strides already read and matched."""
         self._check = check_mode()
@@ -415,7 +413,7 @@ class FusedStagedWriter(Sealed):
         ``scatter`` or ``triton``) chooses where Triton can run (else ``scatter``);
         overlapping edits always use ``scatter``.
         """
-        return self._kernel
+        return self._kernel.value
 
     @property
     def max_writes(self) -> int:
@@ -465,12 +463,8 @@ class FusedStagedWriter(Sealed):
             ``err.tensor`` is the first tensor with a bad edit and ``err.edits`` its
             bad edits' positions in ``err.tensor.pending_writes()``; call
             ``err.tensor.discard_staged(err.edits)``, then apply again.
-        UsageError
-            If a staging slot must grow while a CUDA graph is being captured.
-        DeviceAllocationError
-            If the device runs out of memory for the staging slots.
-        CudaError
-            If recording or querying the guard's CUDA event fails.
+        UsageError, DeviceAllocationError, CudaError
+            As :meth:`StagedWriteTensor.apply_write`.
         """
         if isinstance(tensors, StagedWriteTensor) or not isinstance(tensors, Iterable):
             raise ArgumentTypeError(
@@ -521,7 +515,7 @@ class FusedStagedWriter(Sealed):
         if n > self._max_writes:
             self._max_writes = 1 << (n - 1).bit_length()
             self._edit_growths += 1
-        self._kernel = self._write(parts)
+        self._kernel.value = self._write(parts)
         for t in targets:
             t._log.clear()
 

@@ -29,8 +29,9 @@ from hypothesis import strategies as st
 import stagebuf
 from helpers import FakeStream, guard_staged_writes, use_events
 from stagebuf import SlotInFlightError, StagedWriteTensor, StepStager, Tier, UvaBufferPool
+from stagebuf._bytes.make import make_buffer
 from stagebuf._common.errors import StepRuleError
-from stagebuf._rings.ring import SlotRing
+from stagebuf._rings.ring import Ring
 
 CPU = torch.device("cpu")
 
@@ -47,15 +48,14 @@ def waits(*objs: Any) -> list[int]:
     return [o.stats()["guard_waits"] for o in objs]
 
 
-def marked_ring(n: int = 2, mode: str = "wait") -> SlotRing:
-    """The ring a staged write's stager runs on UVA/PINNED: guarded, its uses marked at apply."""
-    return SlotRing(n, CPU, mode, Tier.UVA, "write slot")
+def marked_ring(n: int = 2, mode: str = "wait") -> Ring:
+    """The ring a staged write's launcher runs on UVA/PINNED: guarded, its uses marked at apply."""
+    return Ring(n, lambda: make_buffer(16, torch.uint8, CPU, Tier.HOST), mode, "write slot")
 
 
-def use_marked(ring: SlotRing) -> int:
-    slot = ring.next()
-    ring.take(slot)
-    ring.mark()  # the apply enqueued its kernel: the consumer of this use
+def use_marked(ring: Ring) -> int:
+    slot, _ = ring.acquire()
+    ring.publish(slot, marked=True)  # the apply enqueued its kernel: the consumer of this use
     return slot
 
 

@@ -449,7 +449,7 @@ class _GraphInputs:
                     dst.copy_(src, non_blocking=True)
                     self.copies += 1
                 off = (end + 15) & -16
-        self.ring.publish(cur, 0 if buf.tier is Tier.HOST else off)
+        self.ring.publish(cur, None if buf.tier is Tier.HOST else off)
         t_ids = gv["input_ids"][:bs]
         prep.graph_ids = t_ids
         prep.set_context(

@@ -335,7 +335,7 @@ class DeviceParamTable(Sealed):
         np.copyto(self._shadow, self._host_np)
         copy_rows(slot, self._dev, self.nbytes)  # the device arena was made to fit the slots
         # the slot's one reader, the copy, is enqueued
-        ring.publish(cur, 0 if slot.tier is Tier.HOST else self.nbytes, marked=True)
+        ring.publish(cur, None if slot.tier is Tier.HOST else self.nbytes, marked=True)
         return True
 
     def stats(self) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,6 +96,7 @@ class UvaBufferPool(Sealed):
         self._trailing = self.shape[1:]
         self.dtype = torch_dtype(dtype)
         self._np_dtype = numpy_dtype(self.dtype)
+        self._row_bytes = self._np_dtype.itemsize * math.prod(self._trailing)
         self.max_concurrency = slot_count(max_concurrency)
         self._ring = Ring(
             self.max_concurrency,
@@ -113,8 +115,10 @@ class UvaBufferPool(Sealed):
         """The tier of the slots (the worst one, if a run-time fallback split them)."""
         return self._ring.tier
 
-    def _next(self, x: HostData, reuse: bool = False) -> tuple[StagingBuffer, int, bool]:
-        """Write ``x`` into the next slot. A call that raises takes no slot and writes nothing.
+    def _next(self, x: HostData, reuse: bool = False, gpu: bool = False) -> tuple[StagingBuffer, int, bool]:
+        """Write ``x`` into the next slot and take it, counting the copy its caller issues next (one
+        from the slot on the copy tiers; with ``gpu``, into device memory on every tier but HOST).
+        A call that raises takes no slot and writes nothing.
 
         With ``reuse``, values equal to what the current slot last published reuse that
         slot (no copy, no new slot): the third value says so.
@@ -136,7 +140,8 @@ class UvaBufferPool(Sealed):
             cap = 1 << (n - 1).bit_length()
             buf = ring.grow(cur, lambda tier: make_buffer((cap, *trailing), self.dtype, self.device, tier))
         buf.np[:n] = arr
-        ring.publish(cur)
+        copies = buf.tier is not Tier.HOST if gpu else buf.tier.copies
+        ring.publish(cur, n * self._row_bytes if copies else None)
         self._published.value = n
         return buf, n, False
 
@@ -186,8 +191,6 @@ class UvaBufferPool(Sealed):
         buf, n, reused = self._next(x, reuse=True)
         if reused:
             return buf.rows(n)[0]
-        if buf.tier.copies:
-            self._count(n, buf)
         return buf.uva(n)
 
     def copy_to_gpu(self, x: HostData, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -233,12 +236,10 @@ class UvaBufferPool(Sealed):
         arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=self.shape[1:])
         if out is not None:
             self._check_out(out, arr.shape[0])
-        buf, n, _ = self._next(arr)
+        buf, n, _ = self._next(arr, gpu=True)
         self._published.value = -1  # the slot's device side did not receive these values
         if out is None:
             out = torch.empty((n, *self.shape[1:]), dtype=self.dtype, device=self.device)
-        if buf.tier is not Tier.HOST:
-            self._count(n, buf)
         return copy_rows(buf, out, n)
 
     def _check_out(self, out: torch.Tensor, n: int) -> None:
@@ -250,9 +251,6 @@ class UvaBufferPool(Sealed):
                 f"out has shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}; "
                 f"expected shape {want}, dtype {self.dtype}, device {self.device}"
             )
-
-    def _count(self, n: int, buf: StagingBuffer) -> None:
-        self._ring.count(n * (buf.nbytes // max(buf.shape[0], 1)))
 
     def stats(self) -> dict[str, int]:
         """The pool's counters.

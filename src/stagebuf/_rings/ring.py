@@ -1,8 +1,9 @@
 """``Ring``: the staging buffers of one pool, stager, param table or staged-write launcher.
 
-One abstraction for every ring: it owns its buffers (one per slot), their tier,
-the transfer counters and growth, and takes slots in turn under the slot-reuse
-guard (``SlotRing``, :mod:`stagebuf._rings.guard`). In check mode a ring whose slots
+One type for every ring: it owns its buffers (one per slot), their tier, the
+transfer counters, growth and per-slot view caches, and hands out slots in turn
+under the slot-reuse guard (the device's step clock: :mod:`stagebuf._rings.guard`).
+In check mode a ring whose slots
 users read directly (pools, stagers) keeps ``STAGEBUF_CHECK_QUARANTINE`` more
 slots: a released slot is poisoned and waits that many uses before it is taken
 again, so a too-late read reads poison, as AddressSanitizer quarantines freed
@@ -24,178 +25,6 @@ from .._common.tier import Tier
 from .._tiers.settings import POISON, check_mode, quarantine
 from .guard import GUARD_MODES, GuardMode, step_clock
 
-
-class SlotRing:
-    """A ring of ``n`` slots taken in turn, guarded by the device's step clock.
-
-    ``next()`` returns the slot the next use goes to once the device is done with
-    that slot's previous use (per the guard mode), without taking it, so a caller
-    that fails before ``take()`` leaves the ring as it was. ``mark()`` says the
-    current use's consumers are enqueued now (rings that launch their own reader).
-
-    Modes: ``wait`` blocks (and counts the wait), ``raise`` raises
-    SlotInFlightError, ``off`` skips; ``auto`` is ``wait`` on the tiers whose host
-    memory the device reads asynchronously (UVA, PINNED), else ``off``.
-    """
-
-    __slots__ = (
-        "mode",
-        "active",
-        "waits",
-        "n",
-        "size",
-        "released",
-        "cur",
-        "seq",
-        "clock",
-        "_what",
-        "_tick",
-        "_serial",
-        "_owner",
-        "_last_tick",
-        "_last_marked",
-        "_exact",
-    )
-
-    def __init__(
-        self,
-        n: int,
-        device: torch.device,
-        mode: GuardMode,
-        tier: Tier,
-        what: str = "slot",
-        quarantine: int = 0,
-    ):
-        if not isinstance(mode, str) or mode not in GUARD_MODES:
-            raise InvalidArgumentError(f"guard={mode!r}; allowed: {', '.join(GUARD_MODES)}")
-        if mode == "auto":
-            mode = "wait" if tier.async_host_reads else "off"
-        self.mode = mode
-        self.clock = step_clock(device)
-        self.active = mode != "off" and self.clock.active
-        self.waits = 0
-        self.n = n
-        self.size = size = n + quarantine
-        """Slots: ``n``, plus ``quarantine`` more that a released slot waits in (check mode)."""
-        self.released = -1
-        """The slot whose use ended when ``next()`` last returned (its use ``n`` uses back); -1: none."""
-        self.cur = -1  # the slot last taken
-        self.seq = 0  # uses taken so far
-        self._what = what
-        self._tick = [-1] * size  # per slot: the step of its last use
-        self._serial = [-1] * size  # per slot: its last use was marked before this event serial
-        self._owner = [-1] * size  # per slot: the number of its last use
-        self._last_tick = -1  # the step of the current use
-        self._last_marked = False
-        # STAGEBUF_CHECK=1: also an event of this ring's own per use (recorded when its consumers are
-        # known to be enqueued), to catch the step clock releasing a slot whose readers still run
-        self._exact: list[int] | None = [-1] * size if self.active and check_mode() else None
-
-    def mark(self) -> None:
-        """The current use's consumers are enqueued: the next event recorded protects its slot."""
-        if self.active and self.cur >= 0 and not self._last_marked:
-            self._serial[self.cur] = self.clock.serial
-            self._last_marked = True
-
-    def next(self) -> int:
-        """The slot the next use goes to, once the readers of the use ``n`` back are done (per the guard).
-
-        With a quarantine, that use's slot is ``released`` and waits ``quarantine`` uses
-        before it is taken again; without, it is the slot returned.
-        """
-        size = self.size
-        slot = (self.cur + 1) % size
-        g = slot if size == self.n else (slot - self.n) % size  # the slot of the use n back
-        self.released = g if self.seq >= self.n else -1
-        if not self.active:
-            return slot
-        clock = self.clock
-        if self.cur >= 0:  # cover the current use before checking an older one
-            if self._last_marked:
-                if self._serial[self.cur] >= clock.serial:
-                    clock.record()
-            else:
-                if self._last_tick == clock.tick:
-                    clock.end_step()  # this ring stages again: the step it staged in is over
-                if self._exact is not None:  # its consumers are enqueued by now (the ring's contract)
-                    self._exact[self.cur] = clock.record()
-        owner = self._owner[g]
-        if owner < 0:
-            return slot
-        k = self._serial[g]
-        if k < 0:
-            k = clock.step_event(self._tick[g])
-        if k < 0 or k >= clock.serial:  # not covered yet (cannot happen in order): cover it now
-            k = clock.record()
-        if clock.done(k):
-            if self._exact is not None:
-                self._verify(g, owner)
-            return slot
-        if self.mode == "raise":
-            raise SlotInFlightError(
-                f"{self._what} {g} comes round again for use {self.seq} while use "
-                f"{owner} may still be read by the device; add slots "
-                "(max_concurrency) or wait for the consumers"
-            )
-        clock.wait(k)
-        self.waits += 1
-        return slot
-
-    def _verify(self, slot: int, owner: int) -> None:
-        """Check mode: the step clock released ``slot``; its own event must agree."""
-        assert self._exact is not None
-        k = self._exact[slot]
-        clock = self.clock
-        if k < 0 or self._serial[slot] >= 0 or not clock.holds(k) or clock.done(k):
-            return  # (an event object recorded again since cannot say: no verdict)
-        raise StepRuleError(
-            f"{self._what} {slot}: the step clock released it for use {self.seq}, but the device may "
-            f"still read use {owner}. A ring staged in a step the clock did not see begin (one that "
-            "skips steps and stages first in a later one, or stages twice in one step). Fix: call "
-            "stagebuf.begin_step() at the start of every step."
-        )
-
-    def touch(self) -> None:
-        """The current use goes on: its slot is read again in this step, not rewritten.
-
-        Follows the step rule as ``next()`` does (a ring that already staged in this
-        step ends it), then counts the slot as used in this step, so that it is not
-        rewritten before this step's readers are done.
-        """
-        cur = self.cur
-        if not self.active or cur < 0:
-            return
-        clock = self.clock
-        if self._last_marked:
-            if self._serial[cur] >= clock.serial:
-                clock.record()
-        elif self._last_tick == clock.tick:
-            clock.end_step()
-        t = clock.tick
-        self._tick[cur] = t
-        self._serial[cur] = -1
-        self._last_tick = t
-        self._last_marked = False
-        if self._exact is not None:
-            self._exact[cur] = -1
-
-    def take(self, slot: int) -> int:
-        """Take ``slot`` (from ``next()``) for the next use; returns that use's number."""
-        self.cur = slot
-        use = self.seq
-        self.seq = use + 1
-        if self.active:
-            t = self.clock.tick
-            self._tick[slot] = t
-            self._serial[slot] = -1
-            self._owner[slot] = use
-            self._last_tick = t
-            self._last_marked = False
-            if self._exact is not None:
-                self._exact[slot] = -1
-        return use
-
-
 MAX_VIEWS = 1024
 """Layouts a slot's view cache holds before its user empties it."""
 
@@ -204,17 +33,28 @@ def _counters() -> dict[str, int]:
     return {"transfers": 0, "bytes": 0, "growths": 0}
 
 
-class Ring(SlotRing):
-    """``n`` slots of staging buffers (plus a quarantine in check mode) taken in turn, guarded.
+class Ring:
+    """``n`` slots of staging buffers (plus a quarantine in check mode) taken in turn, guarded by the
+    device's step clock.
 
     The one slot protocol of every pool, stager, param table and staged-write launcher:
-    ``acquire()`` the next slot and its buffer, fill it (``grow()`` it first if it is too
-    small; ``typed()`` views its device arena), then ``publish()`` it. ``make()`` makes one
-    slot's buffer. ``quarantined``: users read the slots' device tensors themselves (pools,
-    stagers), so check mode quarantines released slots and poisons them.
+    ``acquire()`` the next slot and its buffer (once the device is done with that slot's last
+    use), fill it (``grow()`` it first if it is too small; ``typed()`` views its device arena),
+    then ``publish()`` it. ``make()`` makes one slot's buffer. ``quarantined``: users read the
+    slots' device tensors themselves (pools, stagers), so check mode quarantines released slots
+    and poisons them. ``mark()`` says the current use's consumers are enqueued now (rings that
+    launch their own reader).
+
+    Guard modes: ``wait`` blocks (and counts the wait), ``raise`` raises SlotInFlightError,
+    ``off`` skips; ``auto`` is ``wait`` on the tiers whose host memory the device reads
+    asynchronously (UVA, PINNED), else ``off``.
     """
 
-    __slots__ = ("bufs", "counts", "poisons", "_typed", "_views", "_retired")
+    __slots__ = (
+        "mode", "active", "waits", "n", "size", "released", "cur", "seq", "clock", "bufs", "counts",
+        "poisons", "_what", "_tick", "_serial", "_owner", "_last_tick", "_last_marked", "_exact",
+        "_typed", "_views", "_retired",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -226,7 +66,31 @@ class Ring(SlotRing):
     ):
         extra = quarantine() if quarantined and check_mode() else 0
         bufs = [make() for _ in range(n + extra)]
-        super().__init__(n, bufs[0].device, mode, max(b.tier for b in bufs), what, extra)
+        tier = max(b.tier for b in bufs)
+        if not isinstance(mode, str) or mode not in GUARD_MODES:
+            raise InvalidArgumentError(f"guard={mode!r}; allowed: {', '.join(GUARD_MODES)}")
+        if mode == "auto":
+            mode = "wait" if tier.async_host_reads else "off"
+        self.mode = mode
+        self.clock = step_clock(bufs[0].device)
+        self.active = mode != "off" and self.clock.active
+        self.waits = 0
+        self.n = n
+        self.size = size = n + extra
+        """Slots: ``n``, plus ``quarantine`` more that a released slot waits in (check mode)."""
+        self.released = -1
+        """The slot whose use ended when ``acquire()`` last returned (its use ``n`` uses back); -1: none."""
+        self.cur = -1  # the slot last taken
+        self.seq = 0  # uses taken so far
+        self._what = what
+        self._tick = [-1] * size  # per slot: the step of its last use
+        self._serial = [-1] * size  # per slot: its last use was marked before this event serial
+        self._owner = [-1] * size  # per slot: the number of its last use
+        self._last_tick = -1  # the step of the current use
+        self._last_marked = False
+        # STAGEBUF_CHECK=1: also an event of this ring's own per use (recorded when its consumers are
+        # known to be enqueued), to catch the step clock releasing a slot whose readers still run
+        self._exact: list[int] | None = [-1] * size if self.active and check_mode() else None
         self.bufs = bufs
         self.counts = _counters()
         self.poisons = quarantined and check_mode()
@@ -260,24 +124,116 @@ class Ring(SlotRing):
         return self.bufs[self.cur] if self.cur >= 0 else None
 
     def acquire(self) -> tuple[int, StagingBuffer]:
-        """The next slot, once the guard says its readers are done, and its buffer; not taken until
-        ``publish()``, so a caller that fails in between leaves the ring as it was. What the slot's
-        growths retired is released; in check mode the slot released now reads poison."""
-        slot = self.next()
+        """The next slot, once the readers of the use ``n`` back are done (per the guard), and its
+        buffer; not taken until ``publish()``, so a caller that fails in between leaves the ring as
+        it was. What the slot's growths retired is released. With a quarantine, the slot of the use
+        ``n`` back is ``released`` and waits ``quarantine`` uses before it is taken again (in check
+        mode it reads poison from now on); without, it is the slot returned.
+        """
+        size = self.size
+        slot = (self.cur + 1) % size
+        g = slot if size == self.n else (slot - self.n) % size  # the slot of the use n back
+        self.released = g if self.seq >= self.n else -1
+        if self.active:
+            clock = self.clock
+            if self.cur >= 0:  # cover the current use before checking an older one
+                if self._last_marked:
+                    if self._serial[self.cur] >= clock.serial:
+                        clock.record()
+                else:
+                    if self._last_tick == clock.tick:
+                        clock.end_step()  # this ring stages again: the step it staged in is over
+                    if self._exact is not None:  # its consumers are enqueued by now (the ring's contract)
+                        self._exact[self.cur] = clock.record()
+            owner = self._owner[g]
+            if owner >= 0:
+                k = self._serial[g]
+                if k < 0:
+                    k = clock.step_event(self._tick[g])
+                if k < 0 or k >= clock.serial:  # not covered yet (cannot happen in order): cover it now
+                    k = clock.record()
+                if clock.done(k):
+                    if self._exact is not None:
+                        self._verify(g, owner)
+                elif self.mode == "raise":
+                    raise SlotInFlightError(
+                        f"{self._what} {g} comes round again for use {self.seq} while use "
+                        f"{owner} may still be read by the device; add slots "
+                        "(max_concurrency) or wait for the consumers"
+                    )
+                else:
+                    clock.wait(k)
+                    self.waits += 1
         if self.poisons and self.released not in (-1, slot):
             poison(self.bufs[self.released])
         self._retired[slot].clear()
         return slot, self.bufs[slot]
 
-    def publish(self, slot: int, nbytes: int = 0, marked: bool = False) -> int:
-        """Take ``slot`` for the next use; its number. ``nbytes`` > 0: one transfer of that many
-        bytes was issued from it. ``marked``: its consumers are enqueued already (``mark()``)."""
-        use = self.take(slot)
-        if nbytes:
-            self.count(nbytes)
-        if marked:
-            self.mark()
+    def _verify(self, slot: int, owner: int) -> None:
+        """Check mode: the step clock released ``slot``; its own event must agree."""
+        assert self._exact is not None
+        k = self._exact[slot]
+        clock = self.clock
+        if k < 0 or self._serial[slot] >= 0 or not clock.holds(k) or clock.done(k):
+            return  # (an event object recorded again since cannot say: no verdict)
+        raise StepRuleError(
+            f"{self._what} {slot}: the step clock released it for use {self.seq}, but the device may "
+            f"still read use {owner}. A ring staged in a step the clock did not see begin (one that "
+            "skips steps and stages first in a later one, or stages twice in one step). Fix: call "
+            "stagebuf.begin_step() at the start of every step."
+        )
+
+    def touch(self) -> None:
+        """The current use goes on: its slot is read again in this step, not rewritten.
+
+        Follows the step rule as ``acquire()`` does (a ring that already staged in this
+        step ends it), then counts the slot as used in this step, so that it is not
+        rewritten before this step's readers are done.
+        """
+        cur = self.cur
+        if not self.active or cur < 0:
+            return
+        clock = self.clock
+        if self._last_marked:
+            if self._serial[cur] >= clock.serial:
+                clock.record()
+        elif self._last_tick == clock.tick:
+            clock.end_step()
+        t = clock.tick
+        self._tick[cur] = t
+        self._serial[cur] = -1
+        self._last_tick = t
+        self._last_marked = False
+        if self._exact is not None:
+            self._exact[cur] = -1
+
+    def publish(self, slot: int, nbytes: int | None = None, marked: bool = False) -> int:
+        """Take ``slot`` (from ``acquire()``) for the next use; that use's number. ``nbytes`` (not
+        None): one transfer of that many bytes was issued from it. ``marked``: its consumers are enqueued
+        already (as ``mark()``)."""
+        self.cur = slot
+        use = self.seq
+        self.seq = use + 1
+        if self.active:
+            t = self.clock.tick
+            self._tick[slot] = t
+            self._serial[slot] = self.clock.serial if marked else -1
+            self._owner[slot] = use
+            self._last_tick = t
+            self._last_marked = marked
+            if self._exact is not None:
+                self._exact[slot] = -1
+        if nbytes is not None:
+            c = self.counts
+            c["transfers"] += 1
+            c["bytes"] += nbytes
         return use
+
+    def mark(self) -> None:
+        """The current use's consumers are enqueued: the next event recorded protects its slot."""
+        if self.active and self.cur >= 0 and not self._last_marked:
+            self._serial[self.cur] = self.clock.serial
+            self._last_marked = True
 
     def grow(self, slot: int, make: Callable[[Tier], StagingBuffer]) -> StagingBuffer:
         """Replace ``slot``'s buffer with a larger one of its tier (``make(tier)``); the new buffer.

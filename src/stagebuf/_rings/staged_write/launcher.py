@@ -110,12 +110,14 @@ class _Launcher:
         self._publish(ring, cur, buf, used)
         return d_idx, d_val
 
-    def _publish(self, ring: Ring, cur: int, buf: StagingBuffer, used: int) -> None:
-        if buf.tier.copies:
+    @staticmethod
+    def _publish(ring: Ring, cur: int, buf: StagingBuffer, used: int) -> None:
+        """Publish the slot's first ``used`` bytes (one copy on the copy tiers). Its one reader, the
+        caller's launch, is enqueued next, before any event can be recorded: the use is marked."""
+        copies = buf.tier.copies
+        if copies:
             buf.uva(used)
-            ring.publish(cur, used)
-        else:
-            ring.publish(cur)
+        ring.publish(cur, used if copies else None, marked=True)
 
     def _launch_packed(self, meta: np.ndarray, vals: np.ndarray, block: int) -> None:
         """Write the Triton rows and values into the next slot, publish them, launch at their addresses."""
@@ -164,27 +166,21 @@ class _Launcher:
                 assert flat is not None  # set on every HOST-tier target; all parts share one device
                 flat[dest] = vals
             return kernel
-        if kernel == "scatter":
-            pieces = [p.dest() for p in parts]
-            if len(pieces) == 1:
-                dest, vals = pieces[0]
-            else:
-                dest = np.concatenate([d for d, _ in pieces])
-                vals = np.concatenate([v for _, v in pieces])
-            d_dest, d_vals = self._pack(dest, vals)
-            if len(parts) == 1:
-                parts[0].target.flat.index_copy_(0, d_dest, d_vals)
-            else:
-                a = 0
-                for p, (d, _) in zip(parts, pieces):
-                    b = a + d.shape[0]
-                    p.target.flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
-                    a = b
-        else:
+        if kernel == "triton":
             meta, vals, longest = _edit_meta(parts)
             self._launch_packed(meta, vals, _block_for(longest))
-        assert self.ring is not None
-        self.ring.mark()
+        elif len(parts) == 1:
+            parts[0].target.flat.index_copy_(0, *self._pack(*parts[0].dest()))
+        else:
+            pieces = [p.dest() for p in parts]
+            d_dest, d_vals = self._pack(
+                np.concatenate([d for d, _ in pieces]), np.concatenate([v for _, v in pieces])
+            )
+            a = 0
+            for p, (d, _) in zip(parts, pieces):
+                b = a + d.shape[0]
+                p.target.flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
+                a = b
         return kernel
 
 

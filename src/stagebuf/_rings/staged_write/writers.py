@@ -117,6 +117,12 @@ class StagedWriteTensor(Sealed):
     (``err.edits``); ``discard_staged(err.edits)`` drops exactly those.
     """
 
+    _target: WriteTarget
+    _log: EditLog
+    _fast: tuple[int, int, Any, Any, Any]
+    _launcher: _Launcher
+    _kernel: Cell[Kernel]
+
     def __init__(
         self,
         size: int | Sequence[int],
@@ -143,11 +149,15 @@ class StagedWriteTensor(Sealed):
         self.max_concurrency = slot_count(max_concurrency)
         self.uva_buffer: UvaBuffer | None = None
         self.gpu = self._alloc(uva_instead_of_gpu)
-        self._target = WriteTarget(self.gpu, self.tier)
-        self._log = EditLog(self.rows, self.cols, self.dtype)
-        self._launcher = _Launcher(self.device, self.max_concurrency, _CAPACITY)
-        self._kernel: Cell[Kernel] = Cell("host" if self.tier is Tier.HOST else "scatter")
-        self._freeze()
+        log = EditLog(self.rows, self.cols, self.dtype)
+        self._init(
+            _target=WriteTarget(self.gpu, self.tier),
+            _log=log,
+            # what the staging fast paths read, in one load: the bounds and the log's list methods
+            _fast=(self.rows, self.cols, log.dst.append, log.lens.append, log.vals.extend),
+            _launcher=_Launcher(self.device, self.max_concurrency, _CAPACITY),
+            _kernel=Cell("host" if self.tier is Tier.HOST else "scatter"),
+        )
 
     @property
     def kernel(self) -> Kernel:
@@ -205,20 +215,20 @@ class StagedWriteTensor(Sealed):
             If non-list ``values`` are of an unsupported type or dtype; nothing is
             staged.
         """
-        log = self._log
         if type(values) is list and type(index) is int:
             if type(start) is not int:  # vLLM passes numpy ints here (a row's block count)
                 if type(start) not in NP_INTS:
-                    log.stage_checked(index, start, values)
+                    self._log.stage_checked(index, start, values)
                     return
                 start = int(start)
             n = len(values)
-            if 0 <= index < self.rows and start >= 0 and start + n <= self.cols and n:
-                log.dst.append(index * self.cols + start)
-                log.lens.append(n)
-                log.vals.extend(values)
+            rows, cols, dst, lens, vals = self._fast
+            if 0 <= index < rows and start >= 0 and start + n <= cols and n:
+                dst(index * cols + start)
+                lens(n)
+                vals(values)
                 return
-        log.stage_checked(index, start, values)
+        self._log.stage_checked(index, start, values)
 
     def stage_write_elem(self, index: int, value: Any) -> None:
         """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target).
@@ -240,13 +250,13 @@ class StagedWriteTensor(Sealed):
             If ``value`` is a bool, not a number, or an array of an unsupported dtype;
             nothing is staged.
         """
-        log = self._log
-        if type(index) is int and 0 <= index < self.rows and (type(value) is int or type(value) is float):
-            log.dst.append(index * self.cols)
-            log.lens.append(1)
-            log.vals.append(value)
+        rows, cols, dst, lens, _ = self._fast
+        if type(index) is int and 0 <= index < rows and (type(value) is int or type(value) is float):
+            dst(index * cols)
+            lens(1)
+            self._log.vals.append(value)
             return
-        log.stage_elem_checked(index, value)
+        self._log.stage_elem_checked(index, value)
 
     def stage_writes(
         self, rows: HostData, starts: HostData, values: HostData, lengths: HostData | None = None

@@ -3,11 +3,10 @@
 One type for every ring: it owns its buffers (one per slot), their tier, the
 transfer counters, growth and per-slot view caches, and hands out slots in turn
 under the slot-reuse guard (the device's step clock: :mod:`stagebuf._rings.guard`).
-In check mode a ring whose slots
-users read directly (pools, stagers) keeps ``STAGEBUF_CHECK_QUARANTINE`` more
-slots: a released slot is poisoned and waits that many uses before it is taken
-again, so a too-late read reads poison, as AddressSanitizer quarantines freed
-memory.
+In check mode a ring whose slots users read directly (pools, stagers) keeps
+``STAGEBUF_CHECK_QUARANTINE`` more slots: a released slot is poisoned and waits
+that many uses before it is taken again, so a too-late read reads poison, as
+AddressSanitizer quarantines freed memory.
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
 from .._tiers.settings import ALIGN, POISON, check_mode
 from .guard import GuardMode, slot_count
-from .ring import MAX_VIEWS, Ring, arena_as, poison
+from .ring import Ring, arena_as, poison
+
+_MAX_VIEWS = 4096
+"""Views a slot keeps (a step's arrays of many shapes: more than a launcher's layouts)."""
 
 _LayoutEntry = tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]
 """One stage() call of a step: (np dtype, shape, host view, device view, end offset, torch dtype)."""
@@ -123,7 +126,7 @@ class _Slot:
         key = (off, dtype, shape)
         v = self.views.get(key)
         if v is None:
-            if len(self.views) >= MAX_VIEWS:
+            if len(self.views) >= _MAX_VIEWS:
                 self.views.clear()
             n = math.prod(shape)
             end = off + n * dtype.itemsize

@@ -59,8 +59,9 @@ class Sealed:
     """Attributes whose assignment copies into host memory (``_copy_in``) instead of rebinding."""
     _sealed = False
     """Set on the instance by ``_freeze()``. (Read as an attribute: reading ``self.__dict__`` here
-    would make CPython materialise every instance's dict, and then each attribute read of the
-    object costs more: 13 ns a read measured, CPython 3.11.)"""
+    makes CPython materialise every instance's dict, and each attribute read of the object then
+    costs more: ``StagedWriteTensor.stage_write`` took 191 against 155 ns a call, a timeit of 256
+    calls on the CPU machine, CPython 3.11.)"""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_") or not self._sealed:  # private, or constructing

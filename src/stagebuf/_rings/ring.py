@@ -163,7 +163,7 @@ class Ring:
                 else:
                     clock.wait(k)
                     self.waits += 1
-        if self.poisons and self.released not in (-1, slot):
+        if self.poisons and self.released >= 0:
             poison(self.bufs[self.released])
         self._retired[slot].clear()
         return slot, self.bufs[slot]

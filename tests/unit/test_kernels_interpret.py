@@ -110,7 +110,8 @@ def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) ->
         torch.from_numpy(vals),
     )
     block = sw_kernel._block_for(longest)
-    sw_kernel._launch_triton(CPU, torch.from_numpy(meta), torch.from_numpy(vals), meta.shape[0], block)
+    d_meta, d_vals = torch.from_numpy(meta), torch.from_numpy(vals)
+    sw_kernel.launch_at(CPU, 0, 0, d_vals.dtype, meta.shape[0], block, lambda: (d_meta, d_vals))
     for t, twin, m in zip(targets, twins, models):
         np.testing.assert_array_equal(twin.numpy().reshape(m.shape), m)  # the twin is the model
         np.testing.assert_array_equal(t.gpu.numpy().reshape(m.shape), m)  # so is the kernel

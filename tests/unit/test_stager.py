@@ -97,6 +97,26 @@ def test_reserve_is_published_with_the_step_and_never_overlaps_a_replayed_stage(
         step.reserve(8)
 
 
+def test_typed_views_the_reserved_arena(any_tier):
+    """typed(dtype): the arena reserve() returned, as that dtype; a slice at off // itemsize reads
+    what the host wrote there once the step is published, through growth too."""
+    stager = StepStager(capacity=64, max_concurrency=2)
+    for s, n in enumerate([3, 5, 40, 7]):  # 40 float32 + 40 int64 outgrow the 64-byte slot
+        f = np.linspace(0, 1, n, dtype=np.float32) + s
+        i = np.arange(n, dtype=np.int64) - s
+        with stager.step() as step:
+            host, _, off = step.reserve(4 * n + 4 + 8 * n)
+            o64 = (4 * n + 7) & -8
+            host[: 4 * n].view(np.float32)[:] = f
+            host[o64 : o64 + 8 * n].view(np.int64)[:] = i
+            tf = step.typed(np.dtype(np.float32))[off // 4 : off // 4 + n]
+            ti = step.typed(np.dtype(np.int64))[(off + o64) // 8 : (off + o64) // 8 + n]
+        np.testing.assert_array_equal(tf.cpu().numpy(), f)
+        np.testing.assert_array_equal(ti.cpu().numpy(), i)
+    with pytest.raises(stagebuf.ArgumentTypeError, match="allowed: a numpy dtype"):
+        step.typed(torch.float32)  # type: ignore[arg-type]
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     steps=st.lists(

@@ -35,7 +35,7 @@ import torch
 from .._bytes.make import make_buffer
 from .._common.tier import Tier
 from .._rings.guard import slot_count
-from .._rings.ring import Ring, arena_as
+from .._rings.ring import Ring
 from .._rings.stager import Step, StepStager
 
 SAMPLING = (
@@ -97,11 +97,12 @@ def _offsets(segs: Segments, start: int = 0) -> tuple[list[int], int]:
 
 
 def _views(
-    hb: np.ndarray, typed: dict[np.dtype, torch.Tensor], off: int, segs: Segments, offs: list[int]
+    hb: np.ndarray, typed: Callable[[np.dtype], torch.Tensor], off: int, segs: Segments, offs: list[int]
 ) -> tuple[list[np.ndarray], list[torch.Tensor]]:
-    """The host views (into ``hb``, the reserved bytes) and device views (into the arena at ``off``,
-    ``typed`` per dtype) of ``segs`` at ``offs``: one ``split_with_sizes`` per run of segments of one
-    dtype (a tensor slice costs several times more on the host, on a CUDA tensor)."""
+    """The host views (into ``hb``, the reserved bytes) and device views (into the arena at ``off``;
+    ``typed(dtype)`` is the step's arena as that dtype) of ``segs`` at ``offs``: one
+    ``split_with_sizes`` per run of segments of one dtype (a tensor slice costs several times more
+    on the host, on a CUDA tensor)."""
     hs: list[np.ndarray] = []
     ts: list[torch.Tensor] = []
     i, k = 0, len(segs)
@@ -113,7 +114,7 @@ def _views(
         size = dt.itemsize
         first = (off + offs[i]) // size
         counts = [math.prod(shape) for _, shape in segs[i:j]]
-        whole = typed[dt]
+        whole = typed(dt)
         parts = whole.split_with_sizes([first, *counts, whole.shape[0] - first - sum(counts)])
         for (_, shape), o, n, t in zip(segs[i:j], offs[i:j], counts, parts[1:]):
             h = hb[o : o + n * size].view(dt)
@@ -193,8 +194,6 @@ class Prep:
         """A step's key -> its fixed part's segments, their offsets and the end (see _arrays)."""
         self._views: dict[Any, tuple[list[np.ndarray], list[torch.Tensor]]] = {}
         """(arena address, offset, layout) -> the fixed part's host and device views (see _arrays)."""
-        self._typed: dict[int, dict[np.dtype, torch.Tensor]] = {}
-        """Arena address -> the arena viewed as each dtype of the layouts."""
         self._ar = np.arange(max(max_tokens, int(cfg.max_model_len)), dtype=np.int64)
         self._in_block = np.arange(self.block_size, dtype=np.int32)
 
@@ -232,24 +231,16 @@ class Prep:
             lay = self._layouts[key] = (segs, offs, (end + 7) & -8)
         segs, offs, start = lay
         hb, arena, off = st.reserve(start + 8 * sum(n64) + 4 * sum(n32))
-        ptr = arena.data_ptr()
-        typed = self._typed.get(ptr)
-        if typed is None:
-            if len(self._typed) >= _MAX_CACHED:  # (slots grown again and again)
-                self._typed.clear()
-                self._views.clear()
-            cache: dict[Any, torch.Tensor] = {}
-            typed = self._typed[ptr] = {dt: arena_as(cache, arena, dt) for dt in (_I32, _I64, _F32)}
-        vkey = (ptr, off, key)
+        vkey = (arena.data_ptr(), off, key)
         hit = self._views.get(vkey)
         if hit is None or (hit[0] and hit[0][0].base is not hb.base):  # (a grown slot: new memory)
             if len(self._views) >= _MAX_CACHED:
                 self._views.clear()
-            hit = self._views[vkey] = _views(hb, typed, off, segs, offs)
+            hit = self._views[vkey] = _views(hb, st.typed, off, segs, offs)
         if not (n64 or n32):
             return hit
         var: Segments = (*((_I64, (c,)) for c in n64), *((_I32, (c,)) for c in n32))
-        hs, ts = _views(hb, typed, off, var, _offsets(var, start)[0])
+        hs, ts = _views(hb, st.typed, off, var, _offsets(var, start)[0])
         return hit[0] + hs, hit[1] + ts
 
     def _keep(

@@ -223,9 +223,7 @@ class Ring:
             if self._exact is not None:
                 self._exact[slot] = -1
         if nbytes is not None:
-            c = self.counts
-            c["transfers"] += 1
-            c["bytes"] += nbytes
+            self.count(nbytes)
         return use
 
     def mark(self) -> None:

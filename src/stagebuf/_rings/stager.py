@@ -285,6 +285,18 @@ class Step(Sealed):
         slot = self._slot
         return slot.host[off : off + nbytes], slot.dev_arena, off
 
+    def typed(self, dtype: np.dtype) -> torch.Tensor:
+        """The device arena of :meth:`reserve` viewed as ``dtype`` (made once per slot arena: a
+        slice of it is then one torch call).
+
+        Raises ``ArgumentTypeError`` if ``dtype`` is not a numpy dtype stagebuf stages.
+        """
+        if not isinstance(dtype, np.dtype) or dtype not in NUMPY_TO_TORCH:
+            allowed = ", ".join(sorted(str(d) for d in NUMPY_TO_TORCH))
+            raise ArgumentTypeError(f"dtype={dtype!r}; allowed: a numpy dtype ({allowed})")
+        slot = self._slot
+        return arena_as(slot.views, slot.dev_arena, dtype)
+
     def flush(self) -> None:
         """Publish everything staged in this step (leaving the ``with`` block calls it).
 

@@ -97,28 +97,6 @@ def _block_for(longest: int) -> int:
     return b
 
 
-def _launch_triton(
-    device: torch.device,
-    meta: torch.Tensor,
-    content: torch.Tensor,
-    n_edits: int,
-    block: int,
-) -> None:
-    """Launch the kernel over ``n_edits`` rows of ``meta`` (int64 device tensor) and ``content``."""
-    if device.type == "cuda":
-        launch_at(
-            device,
-            meta.data_ptr(),
-            content.data_ptr(),
-            content.dtype,
-            n_edits,
-            block,
-            lambda: (meta, content),
-        )
-    else:
-        _triton_kernel(interpret=True)[(n_edits,)](meta, content, BLOCK=block)
-
-
 _compiled: dict[tuple[Any, ...], Any] = {}
 """(device index, BLOCK, content dtype, both addresses 16-byte aligned) -> Triton's compiled kernel."""
 _direct: list[bool] = [True]

@@ -117,6 +117,39 @@ def test_typed_views_the_reserved_arena(any_tier):
         step.typed(torch.float32)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("check", [False, True])
+def test_in_place_publishes_the_same_and_only_skips_the_scratch(any_tier, monkeypatch, check):
+    """in_place=True: every step's tensors hold what a scratch-staging stager's hold once published;
+    before the flush, where the device reads the slot's own memory (UVA, HOST), they already show the
+    writes, except in check mode, which keeps the scratch arena (an early reader reads poison)."""
+    if check:
+        monkeypatch.setenv("STAGEBUF_CHECK", "1")
+    rng = np.random.default_rng(7)
+    plain, direct = StepStager(capacity=128), StepStager(capacity=128, in_place=True)
+    assert direct.in_place is not check and not plain.in_place
+    for s in range(6):
+        arrays = [rng.integers(-50, 50, int(rng.integers(1, 40))).astype(np.int32) for _ in range(3)]
+        early = {}
+        for stager in (plain, direct):
+            with stager.step() as step:
+                ts = [step.stage(a) for a in arrays]
+                host, arena, off = step.reserve(16)
+                host[:] = s
+                early[stager is direct] = ts[0].cpu().numpy().copy()  # before the flush
+            for t, a in zip(ts, arrays):
+                np.testing.assert_array_equal(t.cpu().numpy(), a)
+            np.testing.assert_array_equal(_read(arena, off, 16), np.full(16, s))
+        if any_tier.copies:
+            continue  # PINNED, PAGEABLE: the device sees the step only through its copy
+        if check:  # both read the poisoned slot (0xFF bytes: int32 -1)
+            assert (early[True] == -1).all() and (early[False] == -1).all()
+        else:
+            np.testing.assert_array_equal(early[True], arrays[0])
+            assert not np.array_equal(early[False], arrays[0])  # the slot's old contents
+    with pytest.raises(stagebuf.ArgumentTypeError, match="in_place=1; allowed: True or False"):
+        StepStager(in_place=1)  # type: ignore[arg-type]
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     steps=st.lists(

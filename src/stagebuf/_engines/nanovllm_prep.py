@@ -171,12 +171,15 @@ class Prep:
         # one prefill at the batched-token budget, or one decode, fits a slot without growing
         # (with the sampling arrays)
         cap = 20 * max_tokens + 28 * (self.max_bs + 1) + 4 * self.max_bs * (max_blocks + 4) + 16 * 8
-        self.stager = StepStager(capacity=max(1 << (cap - 1).bit_length(), 1 << 16))
+        # in place: every step stages, then returns; no reader is enqueued before its flush
+        self.stager = StepStager(capacity=max(1 << (cap - 1).bit_length(), 1 << 16), in_place=True)
         self.device = self.stager.device
         # for a prepare_sample that does not follow its prepare_prefill or prepare_decode (see sample()):
         # its own ring, as a second step per engine step on the first would reuse a slot still read
         self.sampler = StepStager(
-            capacity=max(1 << (20 * self.max_bs + 16).bit_length(), 1 << 12), device=self.device
+            capacity=max(1 << (20 * self.max_bs + 16).bit_length(), 1 << 12),
+            device=self.device,
+            in_place=True,
         )
         mod = sys.modules[type(runner).__module__]
         self.set_context = mod.set_context

@@ -4,8 +4,9 @@
 arena of the ring's tier) and returns the device tensor at the same offset. Leaving
 ``step()`` publishes the used prefix, at the same moment on every tier: one copy on
 PINNED and PAGEABLE; on UVA and HOST a host memcpy from the scratch arena ``stage``
-wrote. Check mode poisons a slot when a step begins in it and quarantines released
-slots (:mod:`stagebuf._rings.ring`). ``static=True`` keeps one device address (CUDA graphs).
+wrote (none with ``in_place=True``). Check mode poisons a slot when a step begins in it
+and quarantines released slots (:mod:`stagebuf._rings.ring`). ``static=True`` keeps one
+device address (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -42,24 +43,31 @@ class _Slot:
     ``host`` is what ``stage()`` writes: the staging buffer's own memory on the copy
     tiers (the device sees it only through the copy at publish), a private scratch
     arena on UVA and HOST (where the buffer's memory *is* what the device reads),
-    so that nothing a step stages is visible before the step is published.
+    so that nothing a step stages is visible before the step is published; with
+    ``in_place`` the buffer's own memory on every tier.
     """
 
-    __slots__ = ("ring", "i", "static", "host", "cap", "views", "layout")
+    __slots__ = ("ring", "i", "static", "in_place", "host", "cap", "views", "layout")
 
-    def __init__(self, ring: Ring, i: int, static: torch.Tensor | None):
+    def __init__(self, ring: Ring, i: int, static: torch.Tensor | None, in_place: bool):
         self.ring, self.i = ring, i
+        self.in_place = in_place
         self.static = static
         """The static arena every step's tensors point into (``static=True``), else None."""
         buf = ring.buf(i)
-        scratch = not buf.tier.copies  # UVA and HOST: stage into scratch, publish at exit
         self.cap = buf.shape[0]
-        self.host: np.ndarray = np.zeros(self.cap, np.uint8) if scratch else buf.np
+        self.host: np.ndarray = self._host_of(buf)
         self.layout: list[_LayoutEntry] = []
         """The last step's stage() calls, in order: a step that repeats them skips every check."""
         self.views: dict[tuple[Any, ...], Any] = ring.views(i)
         """(offset, dtype, shape) -> (host view, device view); (arena address, dtype) -> typed arena
         (the ring's cache of the slot: emptied when it grows)."""
+
+    def _host_of(self, buf: StagingBuffer) -> np.ndarray:
+        """What stage() writes for ``buf``: a scratch arena on UVA and HOST unless in place."""
+        if buf.tier.copies or self.in_place:
+            return buf.np
+        return np.zeros(buf.shape[0], np.uint8)  # UVA and HOST: stage into scratch, publish at exit
 
     @property
     def buf(self) -> StagingBuffer:
@@ -109,8 +117,10 @@ class _Slot:
         new_cap = max(2 * cap, 1 << max(need - 1, 1).bit_length())
         new = self.ring.grow(self.i, lambda tier: make_buffer(new_cap, torch.uint8, buf.device, tier))
         self.cap = new_cap
-        self.host = new.np if new.tier.copies else np.zeros(new_cap, np.uint8)
+        self.host = self._host_of(new)
         self.layout.clear()  # (the ring empties the slot's views)
+        if check_mode():  # a new arena reads poison too until the step is published
+            self.poison()
 
     def poison(self) -> None:
         """Check mode: what this slot published before is released, and nothing new is published yet."""
@@ -336,6 +346,13 @@ class StepStager(Sealed):
         the host, and publishing copies the step into one fixed device arena (one copy
         on every tier but HOST). Stage the same shapes in the same order as when the
         graph was captured; the arena never grows.
+    in_place : bool, default False
+        Write each step straight into its slot on UVA and HOST too, where the device
+        reads the slot's own memory: no host copy when the step is published. For a
+        caller that enqueues no reader of a step's tensors before the step's flush (an
+        engine that stages, then launches): an earlier reader would see the writes as
+        they land, not the slot's old contents. Check mode stages into a scratch arena
+        regardless, so there such a reader reads poison.
 
     Attributes
     ----------
@@ -343,6 +360,8 @@ class StepStager(Sealed):
         The slot count (at least 2).
     static : bool
         Whether every step gets the same device addresses.
+    in_place : bool
+        Whether steps are written straight into their slots (off in check mode).
     device : torch.device
         The target device.
 
@@ -366,11 +385,13 @@ class StepStager(Sealed):
         max_concurrency: int | None = None,
         guard: GuardMode = "auto",
         static: bool = False,
+        in_place: bool = False,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < ALIGN:
             raise InvalidArgumentError(f"capacity={capacity!r} must be an int >= {ALIGN} (bytes per slot)")
-        if not isinstance(static, bool):
-            raise ArgumentTypeError(f"static={static!r}; allowed: True or False")
+        for name, flag in (("static", static), ("in_place", in_place)):
+            if not isinstance(flag, bool):
+                raise ArgumentTypeError(f"{name}={flag!r}; allowed: True or False")
         self.max_concurrency = slot_count(max_concurrency)
         self.static = static
         # check mode quarantines released slots, except in a static stager (one device arena for all)
@@ -383,8 +404,10 @@ class StepStager(Sealed):
         )
         self.device = ring.device
         arena = alloc_device((capacity,), torch.uint8, self.device) if static else None
-        self._slots = [_Slot(ring, i, arena) for i in range(ring.slots)]  # a fallback may mix tiers
         self._check = check_mode()
+        self.in_place = in_place and not self._check
+        # (a fallback may mix tiers)
+        self._slots = [_Slot(ring, i, arena, self.in_place) for i in range(ring.slots)]
         self._open: Step | None = None
         self._freeze()
 

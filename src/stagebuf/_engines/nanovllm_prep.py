@@ -126,6 +126,32 @@ def _views(
     return hs, ts
 
 
+def _runs(
+    hb: np.ndarray, typed: Callable[[np.dtype], torch.Tensor], off: int, start: int,
+    runs: tuple[tuple[np.dtype, tuple[int, ...]], ...],
+) -> tuple[list[np.ndarray], list[torch.Tensor]]:  # fmt: skip
+    """As :func:`_views`, for 1-D arrays packed from ``start`` (aligned for the first dtype): of each
+    ``(dtype, sizes)`` run in turn, one array per size, each run ending aligned for the next (int64,
+    then int32). One host view and one ``split_with_sizes`` per run."""
+    hs: list[np.ndarray] = []
+    ts: list[torch.Tensor] = []
+    pos = start
+    for dt, sizes in runs:
+        k = dt.itemsize
+        total = sum(sizes)
+        h = hb[pos : pos + total * k].view(dt)
+        whole = typed(dt)
+        first = (off + pos) // k
+        parts = whole.split_with_sizes([first, *sizes, whole.shape[0] - first - total])
+        a = 0
+        for c, t in zip(sizes, parts[1:]):
+            hs.append(h[a : a + c])
+            ts.append(t)
+            a += c
+        pos += total * k
+    return hs, ts
+
+
 def _fill_sample(target: list[Any], hs: list[np.ndarray]) -> tuple[bool, ...]:
     """prepare_sample's arrays of ``target`` written into ``hs`` (top-k, temperature, cfg scale, top-p,
     repetition penalty). Returns nano-vllm's flags, exactly: top-k is handed on when one is > 0;
@@ -242,8 +268,7 @@ class Prep:
             hit = self._views[vkey] = _views(hb, st.typed, off, segs, offs)
         if not (n64 or n32):
             return hit
-        var: Segments = (*((_I64, (c,)) for c in n64), *((_I32, (c,)) for c in n32))
-        hs, ts = _views(hb, st.typed, off, var, _offsets(var, start)[0])
+        hs, ts = _runs(hb, st.typed, off, start, ((_I64, n64), (_I32, n32)))
         return hit[0] + hs, hit[1] + ts
 
     def _keep(

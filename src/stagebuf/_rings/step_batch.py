@@ -49,7 +49,8 @@ class StepBatch:
     def __init__(self, device: torch.device, tier: Tier):
         self.device = device
         self.tier = tier
-        self.stager = StepStager(device, capacity=1 << 16)
+        # in place: vLLM's step enqueues no reader of the step's tensors before the flush
+        self.stager = StepStager(device, capacity=1 << 16, in_place=True)
         self.triton = tier is not Tier.HOST and triton_usable(device)
         self.step: Step | None = None
         self.targets: dict[int, WordTarget] = {}

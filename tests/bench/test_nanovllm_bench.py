@@ -65,3 +65,27 @@ def test_tables_render(report: dict) -> None:
     md = R.tables(report)
     assert "#### nanovllm: nano-vllm-fork 20260210" in md and "`stagebuf_pageable`" in md
     assert [r[0] for r in NV.tables(report)[0][2]][-1] == "floor (token lists into one array)"
+
+
+def test_a_missed_ratio_gives_its_reason_from_the_worse_gpu_state() -> None:
+    """A missed ratio's ``why`` names the setup's and nano-vllm's medians in the worse GPU state (and,
+    for prefill, the floor); a met one has none."""
+    meds = {
+        "own|idle": {"prefill_us": 400.0, "decode_us": 1000.0},
+        "own|busy": {"prefill_us": 500.0, "decode_us": 1000.0},
+        "stagebuf_uva|idle": {"prefill_us": 120.0, "decode_us": 50.0},
+        "stagebuf_uva|busy": {"prefill_us": 250.0, "decode_us": 40.0},  # 0.5 of own: missed, here
+        "stagebuf_pageable|idle": {"prefill_us": 100.0, "decode_us": 300.0},  # 0.3: missed
+        "floor|idle": {"prefill_us": 20.0, "decode_us": float("nan")},
+        "floor|busy": {"prefill_us": 30.0, "decode_us": float("nan")},
+    }
+    t = NV.targets({"medians": meds})
+    pre = t["nanovllm_prefill_uva_vs_own"]
+    assert pre["passed"] is False and pre["measured"] == 0.5
+    floor = "the floor (token lists into one array) 30.0 µs"
+    assert pre["why"] == f"stagebuf_uva 250.0 µs against own 500.0 µs (busy GPU); {floor}"
+    dec = t["nanovllm_decode_pageable_vs_own"]
+    assert (
+        dec["passed"] is False and dec["why"] == "stagebuf_pageable 300.0 µs against own 1000.0 µs (idle GPU)"
+    )
+    assert t["nanovllm_decode_uva_vs_own"]["passed"] is True and "why" not in t["nanovllm_decode_uva_vs_own"]

@@ -157,19 +157,16 @@ def _fill_sample(target: list[Any], hs: list[np.ndarray]) -> tuple[bool, ...]:
     repetition penalty). Returns nano-vllm's flags, exactly: top-k is handed on when one is > 0;
     top-p and the repetition penalty when one equals 1.0 (its tests read "== 1.0" where "!= 1.0"
     looks meant)."""
-    top_k = [s.top_k for s in target]
+    top_k = [0 if s.top_k is None else s.top_k for s in target]
     top_p = [s.top_p for s in target]
     rep = [s.repetition_penalty for s in target]
-    hs[0][:] = [0 if k is None else k for k in top_k]
+    hs[0][:] = top_k
     hs[1][:] = [s.temperature for s in target]
     hs[2][:] = [s.cfg_scale for s in target]
     hs[3][:] = [1.0 if p is None else p for p in top_p]
     hs[4][:] = [1.0 if r is None else r for r in rep]
-    return (
-        any(k is not None and k > 0 for k in top_k),
-        any(p is not None and p == 1.0 for p in top_p),
-        any(r is not None and r == 1.0 for r in rep),
-    )
+    # (C-level tests, no generator per call: None counts as 0 for top-k, and is never == 1.0)
+    return max(top_k, default=0) > 0, 1.0 in top_p, 1.0 in rep
 
 
 def _sampled(parts: list[torch.Tensor], keep: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
@@ -221,8 +218,9 @@ class Prep:
         """(seqs, is_cfg_batch, the arrays) staged with the last prefill or decode, for its prepare_sample."""
         self._layouts: dict[tuple[Any, ...], tuple[Segments, list[int], int]] = {}
         """A step's key -> its fixed part's segments, their offsets and the end (see _arrays)."""
-        self._views: dict[Any, tuple[list[np.ndarray], list[torch.Tensor]]] = {}
-        """(arena address, offset, layout) -> the fixed part's host and device views (see _arrays)."""
+        self._views: dict[Any, tuple[list[np.ndarray], list[torch.Tensor], dict[np.dtype, torch.Tensor]]] = {}
+        """(arena address, offset, layout) -> the fixed part's host and device views, and the arena as
+        each dtype (see _arrays)."""
         self._ar = np.arange(max(max_tokens, int(cfg.max_model_len)), dtype=np.int64)
         self._in_block = np.arange(self.block_size, dtype=np.int32)
 
@@ -265,10 +263,11 @@ class Prep:
         if hit is None or (hit[0] and hit[0][0].base is not hb.base):  # (a grown slot: new memory)
             if len(self._views) >= _MAX_CACHED:
                 self._views.clear()
-            hit = self._views[vkey] = _views(hb, st.typed, off, segs, offs)
+            typed = {dt: st.typed(dt) for dt in (_I64, _I32, _F32)}
+            hit = self._views[vkey] = (*_views(hb, typed.__getitem__, off, segs, offs), typed)
         if not (n64 or n32):
-            return hit
-        hs, ts = _runs(hb, st.typed, off, start, ((_I64, n64), (_I32, n32)))
+            return hit[0], hit[1]
+        hs, ts = _runs(hb, hit[2].__getitem__, off, start, ((_I64, n64), (_I32, n32)))
         return hit[0] + hs, hit[1] + ts
 
     def _keep(
@@ -285,22 +284,30 @@ class Prep:
         cached: list[int] = []
         blocks: list[int] = []  # each sequence's blocks from its first uncached one on
         nslots: list[int] = []  # the slots written: every token of those blocks
+        starts: list[
+            int
+        ] = []  # per sequence: where its slots begin in `blocks`' slots, less the slots before
+        ns = 0
         for s in seqs:
             length, c = s.num_tokens, s.num_cached_tokens
-            ids += s.token_ids[c:]
+            ids += s.token_ids[c:] if c else s.token_ids
             lens.append(length)
             cached.append(c)
             if s.block_table:  # warmup's sequences have no blocks, and no slots
                 first = c // B
+                starts.append(len(blocks) * B - ns)
                 blocks += s.block_table[first : -(-length // B)]
-                nslots.append(length - first * B)
+                k = length - first * B
+                nslots.append(k)
+                ns += k
             else:
+                starts.append(len(blocks) * B - ns)
                 nslots.append(0)
         n = len(seqs)
         q = [k - c for k, c in zip(lens, cached)]
         cu_q = list(accumulate(q, initial=0))
         cu_k = list(accumulate(lens, initial=0))
-        nq, ns, nb = cu_q[-1], sum(nslots), len(blocks)
+        nq, nb = cu_q[-1], len(blocks)
         prefix = cu_k[-1] > nq  # prefix-cache hits: the attention reads the block tables
         tables = [s.block_table for s in seqs] if prefix else []
         w = max(map(len, tables)) if prefix else 0
@@ -320,7 +327,7 @@ class Prep:
             if n == 1:
                 h_pos[:] = ar[cached[0] : lens[0]]
             else:  # range(cached, length) per sequence: one arange less each sequence's offset
-                np.add(ar[:nq], np.repeat(np.subtract(cached, cu_q[:-1]), q), out=h_pos)
+                np.add(ar[:nq], np.subtract(cached, cu_q[:-1]).repeat(q), out=h_pos)
             hs[0][:] = cu_q
             hs[1][:] = cu_k
             if ns:
@@ -329,9 +336,7 @@ class Prep:
                 if nb * B - ns == -nslots[-1] % B:  # no block short but the last one: no gaps
                     h_slot[:] = full[:ns]
                 else:
-                    rows = list(accumulate((-(-k // B) for k in nslots), initial=0))[:-1]
-                    start = np.subtract(np.multiply(rows, B), list(accumulate(nslots, initial=0))[:-1])
-                    np.take(full, ar[:ns] + np.repeat(start, nslots), out=h_slot)
+                    full.take(ar[:ns] + np.array(starts).repeat(nslots), out=h_slot)
             if prefix:
                 _padded_tables(tables, out=h_bt.reshape(n, w))
             keep = (False,) * 3 if cfg is None else _fill_sample(target, hs[2:7])

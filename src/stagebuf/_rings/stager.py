@@ -23,7 +23,7 @@ from .._bytes.make import make_buffer
 from .._bytes.memory import alloc_device
 from .._common.convert import NUMPY_TO_TORCH, TORCH_TO_NUMPY, host_array
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
-from .._common.sealed import Sealed
+from .._common.sealed import Cell, Sealed
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
 from .._tiers.settings import ALIGN, POISON, check_mode
@@ -47,14 +47,17 @@ class _Slot:
     ``in_place`` the buffer's own memory on every tier.
     """
 
-    __slots__ = ("ring", "i", "static", "in_place", "host", "cap", "views", "layout")
+    __slots__ = ("ring", "i", "static", "in_place", "buf", "dev_arena", "host", "cap", "views", "layout")
 
     def __init__(self, ring: Ring, i: int, static: torch.Tensor | None, in_place: bool):
         self.ring, self.i = ring, i
         self.in_place = in_place
         self.static = static
         """The static arena every step's tensors point into (``static=True``), else None."""
-        buf = ring.buf(i)
+        self.buf = buf = ring.buf(i)
+        """The slot's buffer (the ring's; replaced by ``grow``)."""
+        self.dev_arena: torch.Tensor = buf.dev if static is None else static
+        """The device memory this slot's tensors point into (the static arena, or the buffer's)."""
         self.cap = buf.shape[0]
         self.host: np.ndarray = self._host_of(buf)
         self.layout: list[_LayoutEntry] = []
@@ -68,16 +71,6 @@ class _Slot:
         if buf.tier.copies or self.in_place:
             return buf.np
         return np.zeros(buf.shape[0], np.uint8)  # UVA and HOST: stage into scratch, publish at exit
-
-    @property
-    def buf(self) -> StagingBuffer:
-        """The slot's buffer (the ring's)."""
-        return self.ring.buf(self.i)
-
-    @property
-    def dev_arena(self) -> torch.Tensor:
-        """The device memory this slot's tensors point into (the static arena, or the slot's own)."""
-        return self.buf.dev if self.static is None else self.static
 
     def publish(self, buf: StagingBuffer, host: np.ndarray, used: int) -> bool:
         """Make the first ``used`` bytes staged in ``buf`` visible where its tensors point (True: copied)."""
@@ -116,6 +109,7 @@ class _Slot:
         need = (used + ALIGN) + nbytes
         new_cap = max(2 * cap, 1 << max(need - 1, 1).bit_length())
         new = self.ring.grow(self.i, lambda tier: make_buffer(new_cap, torch.uint8, buf.device, tier))
+        self.buf, self.dev_arena = new, new.dev
         self.cap = new_cap
         self.host = self._host_of(new)
         self.layout.clear()  # (the ring empties the slot's views)
@@ -408,7 +402,8 @@ class StepStager(Sealed):
         self.in_place = in_place and not self._check
         # (a fallback may mix tiers)
         self._slots = [_Slot(ring, i, arena, self.in_place) for i in range(ring.slots)]
-        self._open: Step | None = None
+        self._open: Cell[Step | None] = Cell(None)
+        """The last step begun (a plain slot: no sealed ``__setattr__`` per step)."""
         self._freeze()
 
     @property
@@ -440,14 +435,15 @@ class StepStager(Sealed):
         CudaError
             If recording or querying the guard's CUDA event fails.
         """
-        if self._open is not None and not self._open.done:
-            raise UsageError(f"step {self._open.seq} is still open; flush it before step()")
+        last = self._open.value
+        if last is not None and not last.done:
+            raise UsageError(f"step {last.seq} is still open; flush it before step()")
         ring = self._ring
         cur, _ = ring.acquire()  # (check mode: the tensors of the step max_concurrency back read poison now)
         slot = self._slots[cur]
         if self._check:
             slot.poison()
-        st = self._open = Step(slot, ring.publish(cur))
+        st = self._open.value = Step(slot, ring.publish(cur))
         return st
 
     def mark_consumed(self) -> None:
@@ -455,8 +451,9 @@ class StepStager(Sealed):
 
         Raises ``UsageError`` if a step is still open.
         """
-        if self._open is not None and not self._open.done:
-            raise UsageError(f"step {self._open.seq} is still open; flush it first")
+        last = self._open.value
+        if last is not None and not last.done:
+            raise UsageError(f"step {last.seq} is still open; flush it first")
         self._ring.mark()
 
     def stats(self) -> dict[str, int]:

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import stagebuf
-from helpers import force_tier
-from stagebuf._common.log import reset_warnings
+from helpers import force_tier, reset_warnings
 
 HAS_CUDA = torch.cuda.is_available()
 CPU_TIERS = ["host", "pageable"]

@@ -177,3 +177,11 @@ def invoke(main: Callable[[list[str]], int], args: list[str], env: dict[str, str
                 os.environ[k] = v
         stagebuf.reset_capabilities()
     return CliResult(code, out.getvalue(), err.getvalue(), exc)
+
+
+def reset_warnings() -> None:
+    """Forget which once-per-process warnings stagebuf gave (to observe "once" in a test)."""
+    from stagebuf._common import log
+
+    with log._lock:
+        log._seen.clear()

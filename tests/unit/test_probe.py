@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import stagebuf
-from helpers import fake_accelerator, no_accelerator
+from helpers import fake_accelerator, no_accelerator, reset_warnings
 from stagebuf import Tier, TierUnavailableError, capabilities
 from stagebuf._bytes import uva as uva_mod
-from stagebuf._common.log import reset_warnings
 from stagebuf._tiers import capabilities as capabilities_mod
 from stagebuf._tiers import probe as caps_mod
 

@@ -19,9 +19,3 @@ def warn_once(key: object, message: str) -> bool:
         _seen.add(key)
     logger.warning(message)
     return True
-
-
-def reset_warnings() -> None:
-    """Forget which warnings were given (tests use it to observe 'once')."""
-    with _lock:
-        _seen.clear()

@@ -150,6 +150,7 @@ def _check(cls: type) -> None:
 
 
 def _prep(runner: Any) -> Prep:
+    """The runner's Prep, made at its first use (the methods below read it inline first: a call less)."""
     p: Prep | None = runner.__dict__.get(_STATE)
     if p is None:
         p = runner.__dict__[_STATE] = Prep(runner)
@@ -166,19 +167,19 @@ def _own(runner: Any, name: str) -> Any:
 
 
 def _prepare_block_tables(self: Any, seqs: list[Any]) -> Any:
-    return _prep(self).block_tables(seqs)
+    return (self.__dict__.get(_STATE) or _prep(self)).block_tables(seqs)
 
 
 def _prepare_prefill(self: Any, seqs: list[Any]) -> Any:
-    return _prep(self).prefill(seqs)
+    return (self.__dict__.get(_STATE) or _prep(self)).prefill(seqs)
 
 
 def _prepare_decode(self: Any, seqs: list[Any]) -> Any:
-    return _prep(self).decode(self, seqs)
+    return (self.__dict__.get(_STATE) or _prep(self)).decode(self, seqs)
 
 
 def _prepare_sample(self: Any, seqs: list[Any], is_cfg_batch: bool = False) -> Any:
-    return _prep(self).sample(seqs, is_cfg_batch)
+    return (self.__dict__.get(_STATE) or _prep(self)).sample(seqs, is_cfg_batch)
 
 
 def _run_model(self: Any, input_ids: Any, positions: Any, is_prefill: bool) -> Any:

@@ -436,7 +436,7 @@ class StepStager(Sealed):
             If recording or querying the guard's CUDA event fails.
         """
         last = self._open.value
-        if last is not None and not last.done:
+        if last is not None and not last._s.done:
             raise UsageError(f"step {last.seq} is still open; flush it before step()")
         ring = self._ring
         cur, _ = ring.acquire()  # (check mode: the tensors of the step max_concurrency back read poison now)

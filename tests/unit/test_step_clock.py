@@ -380,3 +380,36 @@ def test_check_mode_catches_a_skipping_ring_without_begin_step(cpu_tier, stream,
     x, _ = _skipping_ring_program(stream, begin=False)
     with pytest.raises(StepRuleError, match="begin_step"):
         x.copy_to_uva([4])  # the clock would release x's slot 1, which step 2's kernels still read
+
+
+# --- a slot whose last use is older than the clock's event ring -----------------------------------
+
+
+@pytest.mark.parametrize("caught_up", [True, False])
+def test_a_slot_unused_for_more_steps_than_the_clock_keeps_events_is_checked_against_its_own(
+    cpu_tier, stream, caught_up
+):
+    """A pool whose values stay the same reuses its slot step after step; when they change, the other
+    slot comes round, last used about 65 steps back, its event object recorded again since. If the
+    device finished that use long ago (and only the last step is pending) nothing waits; if it did not,
+    the pool waits, as for any pending use."""
+    from stagebuf._rings.guard import _CLOCK_EVENTS
+
+    pool = UvaBufferPool(4, torch.int32, max_concurrency=2, device="cpu", guard="wait")
+    first = pool.copy_to_uva([1, 1])  # slot 0
+    stagebuf.begin_step("cpu")
+    pool.copy_to_uva([2, 2])  # slot 1, reused below
+    for _ in range(_CLOCK_EVENTS - 1):  # slot 0's step comes round in the clock's table as the last one
+        stagebuf.begin_step("cpu")
+        if caught_up:
+            stream.catch_up(behind=1)  # the device keeps up with all but the step just ended
+        pool.copy_to_uva([2, 2])  # unchanged: the same slot
+    assert waits(pool) == [0]
+    stagebuf.begin_step("cpu")
+    if caught_up:
+        stream.catch_up(behind=1)
+    t = pool.copy_to_uva([3, 3])  # slot 0 again
+    assert t.data_ptr() == first.data_ptr() and t.tolist() == [3, 3]
+    assert waits(pool) == [0 if caught_up else 1]
+    if not caught_up:
+        assert stream.done_upto >= 0  # the wait completed slot 0's use

@@ -169,7 +169,12 @@ EventFactory = Callable[[torch.device], Event | None]
 """Makes an event for a device (None where work is synchronous): ``make_event``, or a test's fake."""
 
 _CLOCK_EVENTS = 64
-"""Events a clock keeps; a use whose event was recycled is checked against a later one (safe)."""
+"""Event objects a clock keeps, recorded in turn. Before one is recorded again, the clock asks it once
+whether its last recording completed, and keeps the answer (see ``_TICKS``); a use whose event was
+still pending then is checked against the later one (safe)."""
+_TICKS = 4096
+"""Steps (and events) whose event serial and completion a clock remembers exactly: a slot unused for
+fewer steps is checked against its own step's event, not a later one."""
 
 
 class StepClock:
@@ -187,7 +192,9 @@ class StepClock:
     where a guard per ring records and queries one per call.
     """
 
-    __slots__ = ("device", "factory", "active", "tick", "serial", "_events", "_done", "_tick_end", "held")
+    __slots__ = (
+        "device", "factory", "active", "tick", "serial", "_events", "_done", "_tick_end", "_complete", "held",
+    )  # fmt: skip
 
     def __init__(self, device: torch.device, factory: EventFactory):
         self.device = device
@@ -201,8 +208,10 @@ class StepClock:
         self.held = [-1] * _CLOCK_EVENTS
         """Per event object: the serial it was last recorded as."""
         """Per event object: the latest serial known to be complete."""
-        self._tick_end = [-1] * _CLOCK_EVENTS
-        """Per step (mod _CLOCK_EVENTS): the serial of the event that ended it."""
+        self._tick_end = [-1] * _TICKS
+        """Per step (mod _TICKS): the serial of the event that ended it."""
+        self._complete = [-1] * _TICKS
+        """Per event serial (mod _TICKS): that serial, once it is known to have completed."""
         self.active = factory(device) is not None
 
     def record(self) -> int:
@@ -212,6 +221,10 @@ class StepClock:
         ev = self._events[i]
         if ev is None:
             ev = self._events[i] = self.factory(self.device)
+        else:  # learn whether its last recording completed before it stands for another
+            old = self.held[i]
+            if old >= 0 and self._done[i] < old and self._complete[old % _TICKS] != old and ev.query():
+                self._complete[old % _TICKS] = old
         assert ev is not None
         ev.record()
         self.held[i] = k
@@ -220,7 +233,7 @@ class StepClock:
 
     def end_step(self) -> None:
         """Record the event that ends the current step, and begin the next."""
-        self._tick_end[self.tick % _CLOCK_EVENTS] = self.record()
+        self._tick_end[self.tick % _TICKS] = self.record()
         self.tick += 1
 
     def holds(self, k: int) -> bool:
@@ -231,14 +244,12 @@ class StepClock:
         """The serial of the event that ended step ``tick`` (-1: none recorded yet)."""
         if tick >= self.tick:
             return -1
-        k = self._tick_end[tick % _CLOCK_EVENTS]
-        # a recycled entry holds a later step's event, which is later still: safe to wait for
-        return k
+        return self._tick_end[tick % _TICKS]  # (a recycled entry: a later step's event, safe to wait for)
 
     def done(self, k: int) -> bool:
         """Whether event ``k`` (or a later one in its place) has completed; asks the device once."""
         i = k % _CLOCK_EVENTS
-        if self._done[i] >= k:
+        if self._done[i] >= k or self._complete[k % _TICKS] == k:
             return True
         ev = self._events[i]
         if ev is None or ev.query():

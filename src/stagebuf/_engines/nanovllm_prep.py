@@ -284,9 +284,8 @@ class Prep:
         cached: list[int] = []
         blocks: list[int] = []  # each sequence's blocks from its first uncached one on
         nslots: list[int] = []  # the slots written: every token of those blocks
-        starts: list[
-            int
-        ] = []  # per sequence: where its slots begin in `blocks`' slots, less the slots before
+        # per sequence: where its slots begin among those of `blocks`, less the slots before it
+        starts: list[int] = []
         ns = 0
         for s in seqs:
             length, c = s.num_tokens, s.num_cached_tokens

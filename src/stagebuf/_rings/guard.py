@@ -205,9 +205,9 @@ class StepClock:
         """Events recorded so far (the next event's serial)."""
         self._events: list[Event | None] = [None] * _CLOCK_EVENTS
         self._done = [-1] * _CLOCK_EVENTS
+        """Per event object: the latest serial known to be complete."""
         self.held = [-1] * _CLOCK_EVENTS
         """Per event object: the serial it was last recorded as."""
-        """Per event object: the latest serial known to be complete."""
         self._tick_end = [-1] * _TICKS
         """Per step (mod _TICKS): the serial of the event that ended it."""
         self._complete = [-1] * _TICKS

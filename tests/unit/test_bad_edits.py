@@ -155,3 +155,26 @@ def test_random_streams_discard_then_apply_equals_the_model(cpu_tier, stream):
         if ok:
             model[r, s : s + len(vals)] = vals
     np.testing.assert_array_equal(t.gpu.numpy(), model)
+
+
+@pytest.mark.parametrize("values_0_1", [False, True])
+def test_an_all_bool_edit_among_many_is_found_and_mixed_or_int_ones_are_not(cpu_tier, values_0_1):
+    """A batch past the short-list scan (300 one-value edits and a few longer ones): the edits whose
+    values are all bools are refused, by position; ints 0 and 1 and bools mixed with other ints are
+    written (numpy reads those as ints), checked against a numpy model."""
+    rows = 320
+    t = StagedWriteTensor((rows, 4), torch.int32)
+    rng = np.random.default_rng(3)
+    edits: list[tuple[int, int, list]] = [
+        (r, 0, [int(v)]) for r, v in enumerate(rng.integers(0, 2 if values_0_1 else 100, 300))
+    ]
+    edits += [(300, 0, [True, 7]), (301, 1, [1, 0, 1]), (302, 0, [True, False]), (303, 2, [np.True_])]
+    _stage(t, edits)
+    with pytest.raises(StagedWriteError) as ei:
+        t.apply_write()
+    assert ei.value.edits == (302, 303)  # the all-bool ones only
+    t.discard_staged(ei.value.edits)
+    t.apply_write()
+    model = np.zeros((rows, 4), np.int32)
+    _apply_model(model, edits, [i not in (302, 303) for i in range(len(edits))])
+    np.testing.assert_array_equal(read_back(t.gpu), model)

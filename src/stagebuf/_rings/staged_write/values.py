@@ -133,9 +133,13 @@ def _maybe_bool_edit(vals: list[Any], a: np.ndarray, lens: np.ndarray) -> bool:
         if bool not in types and np.bool_ not in types:
             return False
     first = np.cumsum(lens) - lens
-    if not ((np.minimum.reduceat(a, first) >= 0) & (np.maximum.reduceat(a, first) <= 1)).any():
+    cand = np.flatnonzero((np.minimum.reduceat(a, first) >= 0) & (np.maximum.reduceat(a, first) <= 1))
+    if not cand.size:
         return False
     if short:
         return True
+    # the types of the values of the edits that could be all bools (all 0 or 1), not of every value
+    if 4 * cand.size < lens.shape[0]:  # (a few: their values alone)
+        vals = [v for f, n in zip(first[cand].tolist(), lens[cand].tolist()) for v in vals[f : f + n]]
     types = set(map(type, vals))
     return bool in types or np.bool_ in types

@@ -178,3 +178,28 @@ def test_an_all_bool_edit_among_many_is_found_and_mixed_or_int_ones_are_not(cpu_
     model = np.zeros((rows, 4), np.int32)
     _apply_model(model, edits, [i not in (302, 303) for i in range(len(edits))])
     np.testing.assert_array_equal(read_back(t.gpu), model)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_an_all_bool_edit_among_many_of_one_length_is_found(cpu_tier, width):
+    """As above, with every edit of one length (the check's uniform-width path): 300 edits, two of
+    them all bools (Python and numpy bools), one of ints 0 and 1, one of a bool among ints."""
+    rows = 300
+    t = StagedWriteTensor((rows, 4), torch.int32)
+    rng = np.random.default_rng(width)
+    edits: list[tuple[int, int, list]] = [
+        (r, 0, [int(v) for v in rng.integers(0, 50, width)]) for r in range(rows)
+    ]
+    edits[17] = (17, 0, [True] * width)
+    edits[200] = (200, 1, [np.False_] * width)
+    edits[201] = (201, 0, [1, 0, 1][:width])
+    edits[202] = (202, 0, [True, 9, 9][:width] if width > 1 else [9])
+    _stage(t, edits)
+    with pytest.raises(StagedWriteError) as ei:
+        t.apply_write()
+    assert ei.value.edits == (17, 200)
+    t.discard_staged(ei.value.edits)
+    t.apply_write()
+    model = np.zeros((rows, 4), np.int32)
+    _apply_model(model, edits, [i not in (17, 200) for i in range(rows)])
+    np.testing.assert_array_equal(read_back(t.gpu), model)

@@ -95,17 +95,18 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> CheckedEdits | None
         if e <= 32:  # a few edits: the overlap and length checks are cheaper in Python
             w = ll[0] if ll.count(ll[0]) == e else 0
             n = log.full_lens(e, w) if w else np.array(ll, np.int64)
-            v = list_values(log.vals, dl, n, log.np_dtype, bad)
+            v = list_values(log.vals, dl, n, log.np_dtype, bad, width=w)
             if bad:
                 _raise(log, tensor, bad)
             stride = log.row_stride
             dup = e > 1 and len({d // stride for d in dl} if stride != 1 else set(dl)) != e
             return CheckedEdits(target, np.array(dl, np.int64), n, v, dup, w)
-        n = np.array(ll, np.int64)
-        v = list_values(log.vals, dl, n, log.np_dtype, bad)
+        w = ll[0] if ll.count(ll[0]) == e else 0  # (one C-level pass; an array of lengths costs more)
+        n = log.full_lens(e, w) if w else np.array(ll, np.int64)
+        v = list_values(log.vals, dl, n, log.np_dtype, bad, width=w)
         if bad:
             _raise(log, tensor, bad)
-        return _with_overlaps(log, target, np.array(dl, np.int64), n, v)
+        return _with_overlaps(log, target, np.array(dl, np.int64), n, v, w)
     batches = log.all_batches() if log.dst else [*log.batches]
     dsts, lens, vals = [], [], []
     pos = 0
@@ -151,9 +152,10 @@ def _raise(log: EditLog, tensor: Any, bad: Bad) -> None:
 
 
 def _with_overlaps(
-    log: EditLog, target: WriteTarget, d: np.ndarray, n: np.ndarray, v: np.ndarray
+    log: EditLog, target: WriteTarget, d: np.ndarray, n: np.ndarray, v: np.ndarray, width: int = 0
 ) -> CheckedEdits:
-    """The gathered edits, noting whether two share a row (then they may overlap)."""
+    """The gathered edits, noting whether two share a row (then they may overlap); ``width``: every
+    edit's length where they are all one length (0: unknown or mixed)."""
     e = d.shape[0]
     dup = False
     if e > 1:  # two edits on one row may overlap: then apply them in order, on the host
@@ -164,4 +166,4 @@ def _with_overlaps(
         ar = _arange(e)
         mark[r] = ar
         dup = bool((mark[r] != ar).any())  # exact whichever duplicate numpy wrote last
-    return CheckedEdits(target, d, n, v, dup)
+    return CheckedEdits(target, d, n, v, dup, width)

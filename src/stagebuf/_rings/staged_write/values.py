@@ -38,7 +38,7 @@ def checked_values(values: Any, target: np.dtype, name: str) -> np.ndarray:
 
 
 def list_values(
-    vals: list[Any], dst: Any, lens: np.ndarray, target: np.dtype, bad: Bad, pos: int = 0
+    vals: list[Any], dst: Any, lens: np.ndarray, target: np.dtype, bad: Bad, pos: int = 0, width: int = 0
 ) -> np.ndarray:
     """The values of list-staged edits (``lens[k]`` values each) as ``target``, checked in bulk.
 
@@ -46,7 +46,8 @@ def list_values(
     not numeric, a value does not fit, an edit may be all bools, or int64 values may
     have gone through float64), each edit is read on its own, and each bad one is
     added to ``bad`` as ``(pos + k, flat offset, why)`` for the batch's ``k``-th edit
-    (its values become zeros in the result, which is then unused).
+    (its values become zeros in the result, which is then unused). ``width``: every edit's
+    length where they are all one length (0: unknown or mixed).
     """
     a = None
     if target.kind in "iu":  # ints read exactly, or refused (floats, strings, past 64 bits)
@@ -65,14 +66,14 @@ def list_values(
         lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
         r = _INT_RANGES.get(target)
         fits = r[0] <= lo and hi <= r[1] if r is not None else target.kind == "f"
-        if fits and (lo > 1 or hi < 0 or not _maybe_bool_edit(vals, a, lens)):
+        if fits and (lo > 1 or hi < 0 or not _maybe_bool_edit(vals, a, lens, width)):
             return a.astype(target, copy=False)
     elif (
         a is not None
         and a.ndim == 1
         and a.dtype.kind == "f"
         and not _inexact(a, target)
-        and not _maybe_bool_edit(vals, a, lens)
+        and not _maybe_bool_edit(vals, a, lens, width)
         and why_unfit(a, target) is None
     ):
         return a.astype(target, copy=False)
@@ -123,8 +124,9 @@ def _edit_values(vals: list[Any], target: np.dtype) -> tuple[np.ndarray | None, 
     return None, why
 
 
-def _maybe_bool_edit(vals: list[Any], a: np.ndarray, lens: np.ndarray) -> bool:
-    """Whether an edit may hold only bools (numpy reads bools mixed with numbers as numbers)."""
+def _maybe_bool_edit(vals: list[Any], a: np.ndarray, lens: np.ndarray, width: int = 0) -> bool:
+    """Whether an edit may hold only bools (numpy reads bools mixed with numbers as numbers);
+    ``width`` as for :func:`list_values`."""
     if not a.size:
         return False
     short = len(vals) <= 256
@@ -132,14 +134,19 @@ def _maybe_bool_edit(vals: list[Any], a: np.ndarray, lens: np.ndarray) -> bool:
         types = set(map(type, vals))
         if bool not in types and np.bool_ not in types:
             return False
-    first = np.cumsum(lens) - lens
-    cand = np.flatnonzero((np.minimum.reduceat(a, first) >= 0) & (np.maximum.reduceat(a, first) <= 1))
+    if width == 1:  # one value per edit: its extremes are its value
+        lo = hi = a
+    else:  # (reduceat: several times faster than min/max along the rows of an (edits, width) view)
+        first = np.arange(0, a.shape[0], width, dtype=np.int64) if width else np.cumsum(lens) - lens
+        lo, hi = np.minimum.reduceat(a, first), np.maximum.reduceat(a, first)
+    cand = np.flatnonzero((lo >= 0) & (hi <= 1))
     if not cand.size:
         return False
     if short:
         return True
     # the types of the values of the edits that could be all bools (all 0 or 1), not of every value
     if 4 * cand.size < lens.shape[0]:  # (a few: their values alone)
-        vals = [v for f, n in zip(first[cand].tolist(), lens[cand].tolist()) for v in vals[f : f + n]]
+        starts = (cand if width == 1 else first[cand]).tolist()
+        vals = [v for f, n in zip(starts, lens[cand].tolist()) for v in vals[f : f + n]]
     types = set(map(type, vals))
     return bool in types or np.bool_ in types

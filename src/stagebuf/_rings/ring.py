@@ -222,10 +222,8 @@ class Ring:
             self._last_marked = marked
             if self._exact is not None:
                 self._exact[slot] = -1
-        if nbytes is not None:  # (count()'s two lines, inline: a publish per staged call)
-            c = self.counts
-            c["transfers"] += 1
-            c["bytes"] += nbytes
+        if nbytes is not None:
+            self.count(nbytes)
         return use
 
     def mark(self) -> None:

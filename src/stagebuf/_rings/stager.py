@@ -47,11 +47,15 @@ class _Slot:
     ``in_place`` the buffer's own memory on every tier.
     """
 
-    __slots__ = ("ring", "i", "static", "in_place", "buf", "dev_arena", "host", "cap", "views", "layout")
+    __slots__ = (
+        "ring", "i", "static", "in_place", "check", "buf", "dev_arena", "host", "cap", "views", "layout",
+    )  # fmt: skip
 
-    def __init__(self, ring: Ring, i: int, static: torch.Tensor | None, in_place: bool):
+    def __init__(self, ring: Ring, i: int, static: torch.Tensor | None, in_place: bool, check: bool):
         self.ring, self.i = ring, i
         self.in_place = in_place
+        self.check = check
+        """Check mode (the stager's): a grown arena is poisoned too."""
         self.static = static
         """The static arena every step's tensors point into (``static=True``), else None."""
         self.buf = buf = ring.buf(i)
@@ -113,7 +117,7 @@ class _Slot:
         self.cap = new_cap
         self.host = self._host_of(new)
         self.layout.clear()  # (the ring empties the slot's views)
-        if check_mode():  # a new arena reads poison too until the step is published
+        if self.check:  # a new arena reads poison too until the step is published
             self.poison()
 
     def poison(self) -> None:
@@ -401,7 +405,7 @@ class StepStager(Sealed):
         self._check = check_mode()
         self.in_place = in_place and not self._check
         # (a fallback may mix tiers)
-        self._slots = [_Slot(ring, i, arena, self.in_place) for i in range(ring.slots)]
+        self._slots = [_Slot(ring, i, arena, self.in_place, self._check) for i in range(ring.slots)]
         self._open: Cell[Step | None] = Cell(None)
         """The last step begun (a plain slot: no sealed ``__setattr__`` per step)."""
         self._freeze()
@@ -436,7 +440,7 @@ class StepStager(Sealed):
             If recording or querying the guard's CUDA event fails.
         """
         last = self._open.value
-        if last is not None and not last._s.done:
+        if last is not None and not last.done:
             raise UsageError(f"step {last.seq} is still open; flush it before step()")
         ring = self._ring
         cur, _ = ring.acquire()  # (check mode: the tensors of the step max_concurrency back read poison now)

@@ -317,7 +317,8 @@ class NonUvaBuffer(StagingBuffer):
         self._freeze()
 
     def uva(self, n: int | None = None) -> torch.Tensor:
-        dev, host = self.rows(n)
+        pair = self._rows.get(n) if type(n) is int else None  # (the cache hit without rows()' call)
+        dev, host = pair or self.rows(n)
         return dev.copy_(host, non_blocking=True)
 
 

@@ -79,8 +79,9 @@ class StepStagedWriteTensor(StagedWriteTensor):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._step_batch = batch(self.device, self.tier)
+        self._sink = self._defer
 
-    def _write(self, parts: list[CheckedEdits]) -> Any:
+    def _defer(self, parts: list[CheckedEdits]) -> Any:
         b = self._step_batch
         for g in parts:
             b.add_gathered(self.gpu, g)
@@ -94,8 +95,9 @@ class StepFusedStagedWriter(FusedStagedWriter):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._step_batch = batch(self.device, capabilities(self.device).tier)
+        self._sink = self._defer
 
-    def _write(self, parts: list[CheckedEdits]) -> Any:
+    def _defer(self, parts: list[CheckedEdits]) -> Any:
         b = self._step_batch
         for g in parts:
             b.add_gathered(g.target.flat, g)

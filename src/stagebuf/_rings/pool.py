@@ -106,8 +106,9 @@ class UvaBufferPool(Sealed):
             quarantined=True,
         )
         self.device = self._ring.device
-        self._published = Cell(-1)
-        """Rows the current slot last published (-1: none) (what a call with equal values may reuse)."""
+        self._published: Cell[tuple[int, Any]] = Cell((-1, None))
+        """The rows the current slot last published (-1: none) and its buffer: what a call with equal
+        values may reuse."""
         self._freeze()
 
     @property
@@ -130,11 +131,10 @@ class UvaBufferPool(Sealed):
             arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=trailing)
         n = arr.shape[0]
         ring = self._ring
-        if reuse and n <= self._published.value:
-            last = ring.current()
-            if last is not None and last.np[:n].tobytes() == arr.tobytes():
-                ring.touch()
-                return last, n, True
+        published, last = self._published.value
+        if reuse and n <= published and last.np[:n].tobytes() == arr.tobytes():
+            ring.touch()
+            return last, n, True
         cur, buf = ring.acquire()
         if n > buf.shape[0]:
             cap = 1 << (n - 1).bit_length()
@@ -142,7 +142,7 @@ class UvaBufferPool(Sealed):
         buf.np[:n] = arr
         copies = buf.tier is not Tier.HOST if gpu else buf.tier.copies
         ring.publish(cur, n * self._row_bytes if copies else None)
-        self._published.value = n
+        self._published.value = (n, buf)
         return buf, n, False
 
     def copy_to_uva(self, x: HostData) -> torch.Tensor:
@@ -237,7 +237,7 @@ class UvaBufferPool(Sealed):
         if out is not None:
             self._check_out(out, arr.shape[0])
         buf, n, _ = self._next(arr, gpu=True)
-        self._published.value = -1  # the slot's device side did not receive these values
+        self._published.value = (-1, None)  # the slot's device side did not receive these values
         if out is None:
             out = torch.empty((n, *self.shape[1:]), dtype=self.dtype, device=self.device)
         return copy_rows(buf, out, n)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .._common.tier import Tier
-from .staged_write.check import CheckedEdits, expand_runs
+from .staged_write.check import CheckedEdits
 from .staged_write.kernel import MAX_BLOCK, launch_at, triton_usable
 from .stager import Step, StepStager
 
@@ -241,7 +241,7 @@ class StepBatch:
 
 def _expand(first: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """The index of every element of runs starting at ``first``, ``lens`` long."""
-    return expand_runs(first, lens, int(lens.sum()))
+    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
 
 
 _Plan = list[tuple[WordTarget, torch.Tensor, torch.Tensor]]

@@ -27,11 +27,6 @@ def _arange(n: int) -> np.ndarray:
     return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
 
 
-def expand_runs(first: np.ndarray, lens: np.ndarray, n: int) -> np.ndarray:
-    """The index of every element of runs starting at ``first``, ``lens`` long (``n`` in all)."""
-    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
-
-
 class WriteTarget:
     """What an apply writes: a target's flat device view, its numpy view on HOST, address, tier."""
 
@@ -70,8 +65,9 @@ class CheckedEdits:
             dest = first
         elif self.width:  # every edit of one length: one broadcast add
             dest = (first[:, None] + _arange(self.width)).reshape(-1)
-        else:
-            dest = expand_runs(first, self.lens, n)
+        else:  # runs: each edit's first offset, repeated, plus the element's number
+            lens = self.lens
+            dest = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
         vals = self.vals
         if self.dup:
             _, last = np.unique(dest[::-1], return_index=True)  # each destination's last staged element
@@ -99,7 +95,7 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> CheckedEdits | None
             if bad:
                 _raise(log, tensor, bad)
             stride = log.row_stride
-            dup = e > 1 and len({d // stride for d in dl} if stride != 1 else set(dl)) != e
+            dup = e > 1 and len(set(map(stride.__rfloordiv__, dl) if stride != 1 else dl)) != e
             return CheckedEdits(target, np.array(dl, np.int64), n, v, dup, w)
         w = ll[0] if ll.count(ll[0]) == e else 0  # (one C-level pass; an array of lengths costs more)
         n = log.full_lens(e, w) if w else np.array(ll, np.int64)

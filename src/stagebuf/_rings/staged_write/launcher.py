@@ -10,6 +10,7 @@ target's flat view), ``triton`` (``kernel.py``) or, on HOST, one numpy assignmen
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,14 +41,11 @@ _CAPACITY = 1 << 14
 
 
 class _Launcher:
-    """The staging slots behind one writer: one packed transfer and one launch per apply.
+    """A writer's ring of ``max_concurrency`` byte arenas of its tier, guarded as every ring is.
 
-    A ring of ``max_concurrency`` byte arenas of the writer's tier (guarded like
-    every ring: see :mod:`stagebuf._rings.guard`). An apply writes its index (or per-edit
-    metadata) array at offset 0 and the values after it, directly in the slot's
-    host memory (private to the writer, so no scratch copy is needed), publishes
-    the used prefix with one copy on the copy tiers (none on UVA) and launches.
-    Device views of each layout are cached per slot.
+    An apply writes its destinations (or the Triton kernel's per-edit rows) at offset 0 and the
+    values after them, straight into the slot's host memory (private to the writer: no scratch
+    copy), publishes the used prefix (one copy on the copy tiers, none on UVA) and launches.
     """
 
     def __init__(self, device: torch.device, max_concurrency: int, capacity: int):
@@ -57,6 +55,8 @@ class _Launcher:
         self.ring: Ring | None = None
         """Made at the first apply (a tensor that is never applied allocates no slots)."""
         self.forced = write_kernel()
+        self.views: dict[Any, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]] = {}
+        """Per (slot, layout): the host and device views of a scatter's destinations and values."""
 
     def stats(self) -> dict[str, int]:
         ring = self.ring
@@ -64,124 +64,115 @@ class _Launcher:
             return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0, "steps": 0}
         return ring.stats(steps=True)
 
-    def _acquire(self, used: int) -> tuple[Ring, int, StagingBuffer]:
-        """The ring (made at the first apply), its next slot and that slot's buffer, grown to hold
-        ``used`` bytes if it is smaller."""
-        ring = self.ring
-        if ring is None:
-            ring = self.ring = Ring(
-                self.n, lambda: make_buffer(self.capacity, torch.uint8, self.device), "auto",
-                "staged-write slot",
-            )  # fmt: skip
-        cur, buf = ring.acquire()
-        if used <= buf.shape[0]:
-            return ring, cur, buf
-        if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise UsageError(
-                "staged writes: a slot must grow while a CUDA graph is being captured; "
-                "apply once with the largest batch before capturing"
-            )
-        cap = 1 << max(used - 1, 1).bit_length()
-        return ring, cur, ring.grow(cur, lambda tier: make_buffer(cap, torch.uint8, self.device, tier))
-
-    def _pack(self, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``idx`` and ``vals`` into the next slot and publish them; their device views
-        (cached per slot and layout)."""
-        off = (idx.nbytes + ALIGN - 1) & -ALIGN
-        used = off + vals.nbytes
-        ring, cur, buf = self._acquire(used)
-        views = ring.views(cur)
-        key = (idx.shape, vals.dtype, vals.shape[0])
-        v = views.get(key)
-        if v is None:
-            if len(views) >= MAX_VIEWS:
-                views.clear()
-            # one slice per view, from whole-arena views of each dtype
-            d_idx = ring.typed(cur, _INT64)[: idx.size]
-            if idx.ndim != 1:
-                d_idx = d_idx.view(idx.shape)
-            first = off // vals.dtype.itemsize
-            d_val = ring.typed(cur, vals.dtype)[first : first + vals.shape[0]]
-            h_idx = buf.np[: idx.nbytes].view(np.int64).reshape(idx.shape)
-            v = views[key] = (h_idx, buf.np[off:used].view(vals.dtype), d_idx, d_val)
-        h_idx, h_val, d_idx, d_val = v
-        h_idx[...] = idx
-        h_val[...] = vals
-        self._publish(ring, cur, buf, used)
-        return d_idx, d_val
-
-    @staticmethod
-    def _publish(ring: Ring, cur: int, buf: StagingBuffer, used: int) -> None:
-        """Publish the slot's first ``used`` bytes (one copy on the copy tiers). Its one reader, the
-        caller's launch, is enqueued next, before any event can be recorded: the use is marked."""
-        copies = buf.tier.copies
-        if copies:
-            buf.uva(used)
-        ring.publish(cur, used if copies else None, marked=True)
-
-    def _launch_packed(self, meta: np.ndarray, vals: np.ndarray, block: int) -> None:
-        """Write the Triton rows and values into the next slot, publish them, launch at their addresses."""
-        off = (meta.nbytes + ALIGN - 1) & -ALIGN
-        used = off + vals.nbytes
-        ring, cur, buf = self._acquire(used)
-        host = buf.np
-        host[: meta.nbytes].view(np.int64)[:] = meta.reshape(-1)
-        host[off:used].view(vals.dtype)[:] = vals
-        self._publish(ring, cur, buf, used)
-        dev = buf.dev
-        base = dev.data_ptr()
-        n, dtype = meta.shape[0], NUMPY_TO_TORCH[vals.dtype]
-
-        def tensors() -> tuple[torch.Tensor, torch.Tensor]:
-            return dev[: meta.nbytes].view(torch.int64), dev[off:used].view(dtype)
-
-        launch_at(self.device, base, base + off, dtype, n, block, tensors)
-
-    def kernel_for(self, parts: Sequence[CheckedEdits], n_elems: int) -> Kernel:
-        if parts[0].target.tier is Tier.HOST:
+    def apply(self, parts: Sequence[CheckedEdits]) -> Kernel:
+        """Write the checked edits of ``parts`` (one packed slot, one launch); the kernel's name."""
+        p0 = parts[0]
+        one = len(parts) == 1
+        if p0.target.tier is Tier.HOST:  # numpy writes straight into the targets
+            for p in parts:
+                dest, vals = p.dest()
+                assert p.target.flat_np is not None  # set on every HOST-tier target
+                p.target.flat_np[dest] = vals
             return "host"
-        if parts[0].dup if len(parts) == 1 else any(p.dup for p in parts):
-            return "scatter"  # overlaps: de-duplicated on the host, then one scatter
-        want = self.forced
-        if want == "auto":
-            want = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > SCATTER_MAX_PARTS else "scatter"
-        if want == "triton" and not triton_usable(self.device):
+        kernel = self.forced
+        if p0.dup if one else any(p.dup for p in parts):
+            kernel = "scatter"  # overlaps: de-duplicated on the host, then one scatter
+        elif kernel == "auto":
+            n_elems = p0.vals.shape[0] if one else sum(p.vals.shape[0] for p in parts)
+            kernel = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > SCATTER_MAX_PARTS else "scatter"
+        if kernel == "triton" and not triton_usable(self.device):
             if self.forced == "triton":
                 warn_once(
                     ("staged-write-no-triton", str(self.device)),
                     f"staged writes on {self.device} use the scatter kernel: Triton cannot run "
                     f"here ({_triton_error[0] if _triton_error else 'not on this device'})",
                 )
-            return "scatter"
-        return want
-
-    def apply(self, parts: Sequence[CheckedEdits]) -> Kernel:
-        """Write the gathered edits of ``parts``; the kernel's name."""
-        n_elems = parts[0].vals.shape[0] if len(parts) == 1 else sum(p.vals.shape[0] for p in parts)
-        kernel = self.kernel_for(parts, n_elems)
-        if kernel == "host":
-            for p in parts:
-                dest, vals = p.dest()
-                flat = p.target.flat_np
-                assert flat is not None  # set on every HOST-tier target; all parts share one device
-                flat[dest] = vals
-            return kernel
+            kernel = "scatter"
         if kernel == "triton":
-            meta, vals, longest = _edit_meta(parts)
-            self._launch_packed(meta, vals, _block_for(longest))
-        elif len(parts) == 1:
-            parts[0].target.flat.index_copy_(0, *self._pack(*parts[0].dest()))
+            head, vals, longest = _edit_meta(parts)
+        elif one:
+            head, vals = p0.dest()
         else:
-            pieces = [p.dest() for p in parts]
-            d_dest, d_vals = self._pack(
-                np.concatenate([d for d, _ in pieces]), np.concatenate([v for _, v in pieces])
-            )
+            dests, values = [], []
+            for p in parts:
+                d, v = p.dest()
+                dests.append(d)
+                values.append(v)
+            head, vals = np.concatenate(dests), np.concatenate(values)
+        # pack: the head (int64) at offset 0, the values after it, in the next slot's host memory
+        off = (head.nbytes + ALIGN - 1) & -ALIGN
+        used = off + vals.nbytes
+        ring = self.ring or self._make_ring()
+        cur, buf = ring.acquire()
+        if used > buf.shape[0]:
+            buf = self._grow(ring, cur, used)
+        if kernel == "triton":
+            host = buf.np
+            host[: head.nbytes].view(np.int64)[:] = head.reshape(-1)
+            host[off:used].view(vals.dtype)[:] = vals
+        else:
+            key = (cur, head.shape[0], vals.dtype, vals.shape[0])
+            v = self.views.get(key)
+            if v is None:
+                v = self._views_for(ring, cur, key, off, used)
+            v[0][...] = head
+            v[1][...] = vals
+        copies = buf.tier.copies
+        if copies:
+            buf.uva(used)
+        # its one reader, the launch below, is enqueued before any event can be recorded: marked
+        ring.publish(cur, used if copies else None, marked=True)
+        if kernel == "triton":
+            dev = buf.dev
+            base = dev.data_ptr()
+            n, dtype = head.shape[0], NUMPY_TO_TORCH[vals.dtype]
+
+            def tensors() -> tuple[torch.Tensor, torch.Tensor]:
+                return dev[: head.nbytes].view(torch.int64), dev[off:used].view(dtype)
+
+            launch_at(self.device, base, base + off, dtype, n, _block_for(longest), tensors)
+        elif one:
+            p0.target.flat.index_copy_(0, v[2], v[3])
+        else:
+            d_dest, d_vals = v[2], v[3]
             a = 0
-            for p, (d, _) in zip(parts, pieces):
+            for p, d in zip(parts, dests):
                 b = a + d.shape[0]
                 p.target.flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
                 a = b
         return kernel
+
+    def _make_ring(self) -> Ring:
+        self.ring = Ring(
+            self.n, lambda: make_buffer(self.capacity, torch.uint8, self.device), "auto", "staged-write slot"
+        )
+        return self.ring
+
+    def _grow(self, ring: Ring, cur: int, used: int) -> StagingBuffer:
+        """Slot ``cur``'s buffer, replaced by one of at least ``used`` bytes (not while capturing)."""
+        if ring.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise UsageError(
+                "staged writes: a slot must grow while a CUDA graph is being captured; "
+                "apply once with the largest batch before capturing"
+            )
+        cap = 1 << max(used - 1, 1).bit_length()
+        self.views.clear()
+        return ring.grow(cur, lambda tier: make_buffer(cap, torch.uint8, self.device, tier))
+
+    def _views_for(self, ring: Ring, cur: int, key: Any, off: int, used: int) -> Any:
+        """Host and device views of slot ``cur`` for a scatter of ``key``'s layout, cached."""
+        if len(self.views) >= MAX_VIEWS:
+            self.views.clear()
+        _, e, dtype, n = key
+        buf = ring.buf(cur)
+        first = off // dtype.itemsize
+        self.views[key] = v = (
+            buf.np[: 8 * e].view(np.int64),
+            buf.np[off:used].view(dtype),
+            ring.typed(cur, _INT64)[:e],
+            ring.typed(cur, dtype)[first : first + n],
+        )
+        return v
 
 
 def _edit_meta(parts: Sequence[CheckedEdits]) -> tuple[np.ndarray, np.ndarray, int]:

@@ -42,12 +42,11 @@ def list_values(
 ) -> np.ndarray:
     """The values of list-staged edits (``lens[k]`` values each) as ``target``, checked in bulk.
 
-    The batch is read as one array; where that cannot be trusted per edit (it is
-    not numeric, a value does not fit, an edit may be all bools, or int64 values may
-    have gone through float64), each edit is read on its own, and each bad one is
-    added to ``bad`` as ``(pos + k, flat offset, why)`` for the batch's ``k``-th edit
-    (its values become zeros in the result, which is then unused). ``width``: every edit's
-    length where they are all one length (0: unknown or mixed).
+    The batch is read as one array; where that cannot be trusted per edit (it is not numeric, a
+    value does not fit, an edit may be all bools, or int64 values may have gone through float64),
+    each edit is read on its own, and each bad one is added to ``bad`` as ``(pos + k, flat
+    offset, why)`` for the batch's ``k``-th edit (its values become zeros in the unused result).
+    ``width``: every edit's length where they are all one length (0: unknown or mixed).
     """
     a = None
     if target.kind in "iu":  # ints read exactly, or refused (floats, strings, past 64 bits)
@@ -60,22 +59,40 @@ def list_values(
             a = np.array(vals)
         except (ValueError, TypeError, OverflowError):
             a = None
+    fits = bools = False  # the whole batch fits; an edit may still be all bools
     if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and a.size:
-        # ints (or bools among them): one range check, and a bool scan only where an edit
-        # could be all bools (every value 0 or 1); Python's min/max beat numpy's on short lists
+        # one range check; Python's min/max beat numpy's on short lists
         lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
         r = _INT_RANGES.get(target)
         fits = r[0] <= lo and hi <= r[1] if r is not None else target.kind == "f"
-        if fits and (lo > 1 or hi < 0 or not _maybe_bool_edit(vals, a, lens, width)):
-            return a.astype(target, copy=False)
-    elif (
-        a is not None
-        and a.ndim == 1
-        and a.dtype.kind == "f"
-        and not _inexact(a, target)
-        and not _maybe_bool_edit(vals, a, lens, width)
-        and why_unfit(a, target) is None
-    ):
+        bools = fits and lo <= 1 and hi >= 0
+    elif a is not None and a.ndim == 1 and a.dtype.kind == "f":
+        fits = not _inexact(a, target) and why_unfit(a, target) is None
+        bools = fits and a.size > 0
+    if bools:
+        # numpy reads bools mixed with numbers as numbers: an edit whose values are all 0 or 1 may
+        # be all bools. On a short list the type scan is the cheaper test and settles most cases.
+        short = len(vals) <= 256
+        if short and bool not in (types := set(map(type, vals))) and np.bool_ not in types:
+            bools = False
+        else:
+            if width == 1:  # one value per edit: its extremes are its value
+                lo_e = hi_e = a
+            else:  # (reduceat: several times faster than min/max along rows of an (edits, width) view)
+                first = np.arange(0, a.shape[0], width, dtype=np.int64) if width else np.cumsum(lens) - lens
+                lo_e, hi_e = np.minimum.reduceat(a, first), np.maximum.reduceat(a, first)
+            cand = np.flatnonzero((lo_e >= 0) & (hi_e <= 1))
+            if not cand.size:
+                bools = False
+            elif not short:  # the types of the candidate edits' values (a few: those alone)
+                scan = vals
+                if 4 * cand.size < lens.shape[0]:
+                    starts = (cand if width == 1 else first[cand]).tolist()
+                    scan = [v for f, n in zip(starts, lens[cand].tolist()) for v in vals[f : f + n]]
+                types = set(map(type, scan))
+                bools = bool in types or np.bool_ in types
+    if fits and not bools:
+        assert a is not None
         return a.astype(target, copy=False)
     out = []
     a0 = 0
@@ -122,31 +139,3 @@ def _edit_values(vals: list[Any], target: np.dtype) -> tuple[np.ndarray | None, 
     except (ValueError, TypeError) as e:
         why = str(e)
     return None, why
-
-
-def _maybe_bool_edit(vals: list[Any], a: np.ndarray, lens: np.ndarray, width: int = 0) -> bool:
-    """Whether an edit may hold only bools (numpy reads bools mixed with numbers as numbers);
-    ``width`` as for :func:`list_values`."""
-    if not a.size:
-        return False
-    short = len(vals) <= 256
-    if short:  # on a short list the type scan is the cheaper test, and it settles most cases
-        types = set(map(type, vals))
-        if bool not in types and np.bool_ not in types:
-            return False
-    if width == 1:  # one value per edit: its extremes are its value
-        lo = hi = a
-    else:  # (reduceat: several times faster than min/max along the rows of an (edits, width) view)
-        first = np.arange(0, a.shape[0], width, dtype=np.int64) if width else np.cumsum(lens) - lens
-        lo, hi = np.minimum.reduceat(a, first), np.maximum.reduceat(a, first)
-    cand = np.flatnonzero((lo >= 0) & (hi <= 1))
-    if not cand.size:
-        return False
-    if short:
-        return True
-    # the types of the values of the edits that could be all bools (all 0 or 1), not of every value
-    if 4 * cand.size < lens.shape[0]:  # (a few: their values alone)
-        starts = (cand if width == 1 else first[cand]).tolist()
-        vals = [v for f, n in zip(starts, lens[cand].tolist()) for v in vals[f : f + n]]
-    types = set(map(type, vals))
-    return bool in types or np.bool_ in types

@@ -9,7 +9,7 @@ one packed transfer and one launch; the Triton kernel in ``kernel.py``). A
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -121,6 +121,8 @@ class StagedWriteTensor(Sealed):
     _log: EditLog
     _fast: tuple[int, int, Any, Any, Any]
     _launcher: _Launcher
+    _sink: Callable[[list[CheckedEdits]], Kernel]
+    """Writes an apply's checked edits: the launcher's ``apply`` (vLLM's step mode defers them)."""
     _kernel: Cell[Kernel]
 
     def __init__(
@@ -155,7 +157,8 @@ class StagedWriteTensor(Sealed):
             _log=log,
             # what the staging fast paths read, in one load: the bounds and the log's list methods
             _fast=(self.rows, self.cols, log.dst.append, log.lens.append, log.vals.extend),
-            _launcher=_Launcher(self.device, self.max_concurrency, _CAPACITY),
+            _launcher=(launcher := _Launcher(self.device, self.max_concurrency, _CAPACITY)),
+            _sink=launcher.apply,
             _kernel=Cell("host" if self.tier is Tier.HOST else "scatter"),
         )
 
@@ -338,12 +341,8 @@ class StagedWriteTensor(Sealed):
         g = check(self._log, self._target, self)
         if g is None:
             return
-        self._kernel.value = self._write([g])
+        self._kernel.value = self._sink([g])
         self._log.clear()
-
-    def _write(self, parts: list[CheckedEdits]) -> Kernel:
-        """Write checked edits (the launcher's packed transfer and launch; step mode defers them)."""
-        return self._launcher.apply(parts)
 
     def clear_staged_writes(self) -> None:
         """Drop every staged edit without applying it."""
@@ -408,6 +407,8 @@ class FusedStagedWriter(Sealed):
         self.max_concurrency = slot_count(max_concurrency)
         self.device = capabilities(device).device
         self._launcher = _Launcher(self.device, self.max_concurrency, self._capacity(self._max_writes))
+        self._sink: Callable[[list[CheckedEdits]], Kernel] = self._launcher.apply
+        """As :class:`StagedWriteTensor`'s."""
         self._edit_growths = 0
         self._kernel: Cell[Kernel] = Cell("scatter")
         self._verified: set[tuple[Any, ...]] = set()
@@ -525,13 +526,9 @@ class FusedStagedWriter(Sealed):
         if n > self._max_writes:
             self._max_writes = 1 << (n - 1).bit_length()
             self._edit_growths += 1
-        self._kernel.value = self._write(parts)
+        self._kernel.value = self._sink(parts)
         for t in targets:
             t._log.clear()
-
-    def _write(self, parts: list[CheckedEdits]) -> Kernel:
-        """Write checked edits (the launcher's packed transfer and launch; step mode defers them)."""
-        return self._launcher.apply(parts)
 
     def stats(self) -> dict[str, int]:
         """The writer's counters.

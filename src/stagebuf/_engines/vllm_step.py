@@ -24,8 +24,8 @@ from .._common.types import DeviceLike, DTypeLike
 from .._rings.pool import UvaBackedTensor
 from .._rings.staged_write import FusedStagedWriter, StagedWriteTensor
 from .._rings.staged_write.check import CheckedEdits
-from .._rings.step_batch import BATCHES, StepBatch, WordTarget, batch
 from .._tiers.probe import capabilities
+from .vllm_step_batch import BATCHES, StepBatch, WordTarget, batch
 
 _WINDOW: list[Any] = [False, None]
 """Whether calls are deferred now, and the batch the window's first deferred call joined."""

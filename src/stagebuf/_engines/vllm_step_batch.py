@@ -5,7 +5,7 @@ address, first word, word count, source word) and its words, then at ``flush()``
 and words into one reserved run of a :class:`StepStager` step (one transfer; none on UVA) and
 runs one Triton launch per wave (a target written twice starts a new wave, so later writes win).
 Without Triton: a gather and an ``index_copy_`` per target; on HOST, numpy writes. vLLM's step
-mode (``_vllm_step``) defers into it.
+mode (``vllm_step``) defers into it.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from .._common.tier import Tier
-from .staged_write.check import CheckedEdits
-from .staged_write.kernel import MAX_BLOCK, launch_at, triton_usable
-from .stager import Step, StepStager
+from .._rings.staged_write.check import CheckedEdits
+from .._rings.staged_write.kernel import MAX_BLOCK, launch_at, triton_usable
+from .._rings.stager import Step, StepStager
 
 _BLOCK = MAX_BLOCK
 """Columns per Triton program: one value for every flush, so the kernel is compiled once (a new

@@ -179,6 +179,14 @@ def test_forced_worse_tier_is_honoured(fake_gpu):
     assert any("forces tier PAGEABLE" in r for r in caps.reasons)
 
 
+@pytest.mark.parametrize("tier", ["uva", "pinned", "pageable"])
+def test_a_forced_tier_is_recorded_uva_included(fake_gpu, tier):
+    # Tier.UVA is 0: a truth test of the forced tier once recorded STAGEBUF_TIER=uva as not forced
+    fake_gpu.setenv("STAGEBUF_TIER", tier)
+    caps = _probe()
+    assert caps.forced == tier and caps.tier.name.lower() == tier
+
+
 def test_forced_host_on_accelerator_raises(fake_gpu):
     fake_gpu.setenv("STAGEBUF_TIER", "host")
     with pytest.raises(TierUnavailableError, match="host targets the CPU.*allowed: uva, pinned, pageable"):

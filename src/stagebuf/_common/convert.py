@@ -1,10 +1,5 @@
-"""Input checking and conversion shared by every public entry point.
-
-One rule set for all of them: what host input is accepted (list, tuple, numpy
-array, CPU tensor), how its dtype is chosen, and when a value cannot be
-represented in the target dtype. Everything here raises *before* any buffer is
-written, so a rejected call leaves staged data as it was.
-"""
+"""The input rules of every public entry point: which host inputs, which dtypes, which values fit a dtype.
+Everything here raises before any buffer is written, so a rejected call leaves staged data as it was."""
 
 from __future__ import annotations
 
@@ -84,15 +79,8 @@ def host_array(
     trailing: tuple[int, ...] | None = None,
     iterables: bool = False,
 ) -> np.ndarray:
-    """``x`` as a numpy array of ``dtype`` (or its own dtype), checked.
-
-    Accepts a list or tuple, a numpy array or a CPU tensor (any iterable too when
-    ``iterables``). Raises TypeError for an unsupported type or dtype and
-    ValueError for a wrong rank, a wrong trailing shape, a tensor on another
-    device, or values the target dtype cannot represent (fractions, NaN/inf or
-    out-of-range values into an integer dtype; out-of-range finite values into a
-    float dtype; bools into a numeric dtype).
-    """
+    """``x`` (list, tuple, numpy array, CPU tensor; any iterable if ``iterables``) as an array of ``dtype``
+    (or its own), checked: TypeError for its type or dtype, ValueError for its shape, device or values."""
     if isinstance(x, np.ndarray):
         arr = x
     elif isinstance(x, torch.Tensor):
@@ -132,12 +120,7 @@ def host_array(
 
 
 def fill_host(dst: np.ndarray, value: Any, dtype: torch.dtype, name: str) -> None:
-    """``dst[...] = value``, checked first: ``value`` has ``dst``'s shape, or is one scalar.
-
-    The values go through the same checks as every other host input
-    (``convert.host_array``): a fraction, NaN or an out-of-range value into an
-    integer dtype raises ValueError naming ``name``; nothing is written then.
-    """
+    """``dst[...] = value`` (``dst``'s shape, or one scalar), checked first by ``host_array``'s rules."""
     if isinstance(value, (bool, int, float, np.generic)):
         value = np.asarray(value)
     arr = host_array(value, dtype, name, ndims=(0, dst.ndim))
@@ -203,23 +186,9 @@ def _has_bool(x: Sequence[Any]) -> bool:
 
 
 def why_unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:
-    """The one rule for numbers into a dtype: which values of ``a`` ``target`` cannot hold.
-
-    Parameters
-    ----------
-    a : numpy.ndarray
-        Numeric values (kinds ``i``, ``u``, ``f``), any shape.
-    target : numpy.dtype
-        The dtype they are to be stored as.
-
-    Returns
-    -------
-    tuple of (numpy.ndarray, str) or None
-        None when every value fits exactly; else a boolean mask of the values that
-        do not, and the first reason that applies: ``"NaN or inf"``, ``"fractional"``
-        or ``"range"`` (into an integer dtype), ``"beyond"`` (a finite value past a
-        float dtype's largest). A cast numpy calls safe always fits.
-    """
+    """The one rule for numbers (kinds ``iuf``) into ``target``: None when every value of ``a`` fits exactly,
+    else a mask of those that do not and the first reason: ``"NaN or inf"``, ``"fractional"`` or ``"range"``
+    (into an integer dtype), ``"beyond"`` (past a float dtype's largest finite value)."""
     if not a.size or a.dtype == target or np.can_cast(a.dtype, target, "safe"):
         return None
     if target.kind == "f":
@@ -244,11 +213,8 @@ def why_unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:
 
 
 def exact_ints(vals: Sequence[Any], target: np.dtype) -> np.ndarray | None:
-    """Python ints and whole floats as the integer dtype ``target``, exactly, by ``why_unfit``'s rule.
-
-    For values float64 would round (ints past 2**53 mixed with floats). None when
-    one is not a number, not whole, not finite, or out of ``target``'s range.
-    """
+    """Ints and whole floats as integer ``target``, exactly (float64 would round ints past 2**53), by
+    ``why_unfit``'s rule; None if one is not a number, not whole, not finite or out of range."""
     info = np.iinfo(target)
     out = []
     for v in vals:

@@ -1,9 +1,4 @@
-"""Every exception stagebuf raises, under one base: ``except stagebuf.StagebufError`` catches them all.
-
-Each keeps a builtin parent as well (``ValueError``, ``TypeError``, ``RuntimeError``,
-``AttributeError``, ``KeyError`` or ``MemoryError``), so an ``except`` clause written for the
-builtin still works.
-"""
+"""Every exception stagebuf raises: each is a ``StagebufError`` and a builtin, so either can be caught."""
 
 from __future__ import annotations
 
@@ -28,14 +23,11 @@ class UsageError(StagebufError, RuntimeError):
 
 
 class SetupError(StagebufError):
-    """A setting that cannot work here, explained.
+    """A setting that cannot work here, explained: the message says what was asked, why it cannot work on
+    this machine, the values that would work and what to do.
 
-    The message says what was asked, why it cannot work on this machine, the values
-    that would work and what to do. Each argument is also kept as an attribute of the
-    same name (``allowed`` as a tuple), for ``stagebuf doctor`` and for callers that
-    want the facts. A bad value of an environment setting (``STAGEBUF_TIER``,
-    ``STAGEBUF_CHECK``, ``STAGEBUF_WRITE_KERNEL``, ``STAGEBUF_VLLM`` and the like) or
-    a device torch does not know raises a subclass that is a ``ValueError`` too
+    Each argument is also kept as an attribute of the same name (``allowed`` as a tuple). A bad value of a
+    setting, or a device torch does not know, raises a subclass that is a ``ValueError`` too
     (:class:`SettingValueError`, :class:`UnknownDeviceError`).
 
     Parameters
@@ -43,8 +35,7 @@ class SetupError(StagebufError):
     problem : str
         What was asked, and that it cannot work.
     setting : str, optional
-        What was set: ``"STAGEBUF_TIER"`` (or another environment variable),
-        ``"device"`` or ``"tier"``.
+        What was set: ``"STAGEBUF_TIER"`` (or another environment variable), ``"device"`` or ``"tier"``.
     value : Any, optional
         The value it was set to.
     cause : str, optional
@@ -88,8 +79,7 @@ class TierUnavailableError(SetupError, RuntimeError):
 
 
 class SettingValueError(SetupError, ValueError):
-    """An environment setting (``STAGEBUF_TIER``, ``STAGEBUF_CHECK``, ``STAGEBUF_WRITE_KERNEL``,
-    ``STAGEBUF_VLLM`` and the like) holds a value it does not take."""
+    """A ``STAGEBUF_*`` environment setting holds a value it does not take."""
 
 
 class UnknownDeviceError(SetupError, ValueError, RuntimeError):
@@ -97,26 +87,17 @@ class UnknownDeviceError(SetupError, ValueError, RuntimeError):
 
 
 class PinnedAllocationError(StagebufError, MemoryError, RuntimeError):
-    """Page-locked host memory could not be allocated (memlock limit, WSL cap, driver).
-
-    A ``MemoryError`` (and a ``RuntimeError``); the message names the bytes and the tier.
-    ``make_buffer`` falls back to tier PAGEABLE on it; the tier classes raise it.
-    """
+    """Page-locked host memory could not be allocated (memlock limit, WSL cap, driver); the message names the
+    bytes and the tier. ``make_buffer`` falls back to tier PAGEABLE on it; the tier classes raise it."""
 
 
 class DeviceAllocationError(StagebufError, MemoryError, RuntimeError):
-    """Device memory could not be allocated; the message names the bytes asked for and the device.
-
-    A ``MemoryError`` (and a ``RuntimeError``, as torch's out-of-memory error is).
-    """
+    """Device memory could not be allocated; the message names the bytes asked for and the device."""
 
 
 class HostAllocationError(StagebufError, MemoryError, RuntimeError):
-    """Plain host memory could not be allocated; the message names the bytes asked for and the tier.
-
-    A ``MemoryError`` (and a ``RuntimeError``, as torch's allocator error is). Nothing was
-    written: what was staged before the failing call is still staged.
-    """
+    """Plain host memory could not be allocated; the message names the bytes asked for and the tier. Nothing
+    was written: what was staged before the failing call is still staged."""
 
 
 class UvaError(StagebufError, RuntimeError):
@@ -137,13 +118,12 @@ class StagedWriteError(InvalidArgumentError):
     Attributes
     ----------
     edits : tuple of int
-        The positions (staging order, as ``pending_writes()`` lists them) of every bad
-        edit of ``tensor``; ``tensor.discard_staged(err.edits)`` drops exactly those.
+        The positions (staging order, as ``pending_writes()`` lists them) of every bad edit of ``tensor``;
+        ``tensor.discard_staged(err.edits)`` drops exactly those.
     tensor : StagedWriteTensor or None
         The tensor whose edits they are.
     position : int
-        The first bad edit's position (staging order, as ``pending_writes()`` lists
-        them); ``edits[0]``.
+        The first bad edit's position: ``edits[0]``.
     index : int
         The first bad edit's row.
     start : int
@@ -172,11 +152,8 @@ class ReadOnlyAttributeError(StagebufError, AttributeError):
 
 
 class UnknownAttributeError(StagebufError, AttributeError):
-    """A read of an attribute that a public object (or the module ``stagebuf``) does not have.
-
-    The message names the object's public attributes and, where the name is close to one
-    (a field of a DeviceParamTable, say), what to write instead.
-    """
+    """A read of an attribute that a public object (or the module ``stagebuf``) does not have; the message
+    names its public attributes and, where the name is close to one, what to write instead."""
 
 
 class UnknownFieldError(StagebufError, KeyError):

@@ -1,15 +1,9 @@
 """One sealing mechanism for every public object: attributes that cannot be assigned by mistake.
 
-A class deriving from ``Sealed`` calls ``self._freeze()`` at the end of its
-constructor. From then on assigning a name in its ``_COPY_IN`` (``np``/``cpu`` of
-host-backed objects) copies the value into its host memory through
-``_copy_in``, with stagebuf's value checks; assigning or deleting any other
-public attribute raises ReadOnlyAttributeError, saying why it is fixed and what
-to do instead, instead of being accepted and silently ignored by the object's
-own code. Each class states its messages with ``@read_only({...})``. Private attributes
-stay settable. On Python 3.12 and later, reading an attribute the object does not have raises
-UnknownAttributeError (an AttributeError) listing the ones it has; on 3.10 and 3.11 it raises
-Python's own AttributeError (a ``__getattr__`` hook would slow every attribute read there).
+A ``Sealed`` subclass calls ``self._freeze()`` at the end of its constructor. Then assigning a name in its
+``_COPY_IN`` (``np``/``cpu``) copies the value in through ``_copy_in``, checked; assigning or deleting any
+other public attribute raises ReadOnlyAttributeError with the reason its class gives in ``@read_only``.
+Reading a missing attribute raises UnknownAttributeError on Python 3.12+ (see docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ _T = TypeVar("_T", bound=type)
 
 
 def read_only(why: dict[str, str]) -> Callable[[_T], _T]:
-    """Class decorator: the class's read-only messages, kept with the class (see the module docstring)."""
+    """Class decorator: record the class's read-only messages in ``_WHY``."""
 
     def mark(cls: _T) -> _T:
         _WHY[cls] = why
@@ -43,8 +37,7 @@ _V = TypeVar("_V")
 
 
 class Cell(Generic[_V]):
-    """One value a sealed object changes on a hot path, written as ``cell.value = x``: a plain slot,
-    so no ``__setattr__`` hook runs per write."""
+    """A value a sealed object changes on a hot path (``cell.value = x``: no ``__setattr__`` hook runs)."""
 
     __slots__ = ("value",)
 
@@ -58,10 +51,8 @@ class Sealed:
     _COPY_IN: ClassVar[tuple[str, ...]] = ()
     """Attributes whose assignment copies into host memory (``_copy_in``) instead of rebinding."""
     _sealed = False
-    """Set on the instance by ``_freeze()``. (Read as an attribute: reading ``self.__dict__`` here
-    makes CPython materialise every instance's dict, and each attribute read of the object then
-    costs more: ``StagedWriteTensor.stage_write`` took 191 against 155 ns a call, a timeit of 256
-    calls on the CPU machine, CPython 3.11.)"""
+    """Set by ``_freeze()``. Read as an attribute: reading ``self.__dict__`` materialises the instance dict,
+    which slowed ``stage_write`` from 155 to 191 ns a call (CPU machine, CPython 3.11, timeit of 256)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_") or not self._sealed:  # private, or constructing
@@ -78,11 +69,8 @@ class Sealed:
         raise ReadOnlyAttributeError(f"{type(self).__name__}.{name} cannot be deleted: {self._why('*')}")
 
     if sys.version_info >= (3, 12):
-        # Only from 3.12: on 3.10 and 3.11 a class with a __getattr__ hook loses the interpreter's
-        # attribute-read specialisation, which cost 0.2-0.3 us per pool publish (measured, CPython
-        # 3.11); there a missing attribute raises Python's own AttributeError.
+        # Only from 3.12: on 3.10 and 3.11 the hook would slow every attribute read (docs/DESIGN.md).
         def __getattr__(self, name: str) -> Any:
-            # only reached when normal lookup fails: an attribute the object does not have
             if name.startswith("__"):
                 raise AttributeError(name)  # protocol probes (copy, pickle, numpy) expect the plain error
             if name.startswith("_"):
@@ -117,8 +105,7 @@ class Sealed:
         object.__setattr__(self, "_sealed", True)
 
     def _init(self, **fields: Any) -> None:
-        """Set the private ``fields`` and seal: a constructor on a hot path runs no sealed
-        ``__setattr__`` per field."""
+        """Set the private ``fields`` and seal, with no sealed ``__setattr__`` per field (for hot paths)."""
         for name, value in fields.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_sealed", True)

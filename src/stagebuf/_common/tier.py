@@ -10,23 +10,20 @@ from .sealed import Sealed, read_only
 
 @read_only({"*": "a tier is a constant of the process; it cannot be changed"})
 class Tier(Sealed, enum.IntEnum):
-    """How host data reaches the device, best first: a lower value is a better tier.
+    """How host data reaches the device; an ``IntEnum``, so a lower value is a better tier
+    (``Tier.UVA < Tier.PINNED``).
 
-    :func:`capabilities` chooses one per device; ``STAGEBUF_TIER`` (``uva``,
-    ``pinned``, ``pageable`` or ``host``) forces one, and nothing better is then used
-    in the process. Being an ``IntEnum``, tiers compare by quality: ``Tier.UVA <
-    Tier.PINNED``. ``Tier(value)`` for a value no tier has raises InvalidArgumentError;
-    a tier's attributes are constants: assigning one raises ReadOnlyAttributeError.
+    :func:`capabilities` chooses one per device; ``STAGEBUF_TIER`` (``uva``, ``pinned``, ``pageable`` or
+    ``host``) forces one, and nothing better is then used in the process. ``Tier(value)`` for a value no
+    tier has raises InvalidArgumentError; assigning a tier's attribute raises ReadOnlyAttributeError.
 
     Attributes
     ----------
     copies : bool
-        True where publishing host data costs an explicit host-to-device transfer
-        (PINNED, PAGEABLE).
+        True where publishing host data costs an explicit host-to-device transfer (PINNED, PAGEABLE).
     async_host_reads : bool
-        True where the device reads host memory after the host call returned (UVA,
-        PINNED). On these tiers a host slot must not be rewritten until the device is
-        done with it: this is what the slot-reuse guard protects.
+        True where the device reads host memory after the host call returned (UVA, PINNED): there a host
+        slot must not be rewritten until the device is done with it, which the slot-reuse guard ensures.
     """
 
     UVA = 0
@@ -48,14 +45,10 @@ class Tier(Sealed, enum.IntEnum):
         Parameters
         ----------
         value : str or Tier
-            A tier name in any case, surrounding spaces ignored (``"uva"``,
-            ``"PINNED"``), or a Tier, returned as it is.
+            A tier name in any case, surrounding spaces ignored (``"uva"``, ``"PINNED"``), or a Tier,
+            returned as it is.
         name : str, optional
             What ``value`` was given as, for the error message (default ``"tier"``).
-
-        Returns
-        -------
-        Tier
 
         Raises
         ------
@@ -82,8 +75,7 @@ class Tier(Sealed, enum.IntEnum):
         return self.name
 
 
-# Plain member attributes, not properties: the hot paths read them per staged array. Then the
-# members are sealed: a tier is a process-wide constant, so no attribute of one may be assigned.
+# Plain member attributes, not properties: the hot paths read them per staged array. Then sealed.
 for _t in Tier:
     _t.copies = _t in (Tier.PINNED, Tier.PAGEABLE)
     _t.async_host_reads = _t in (Tier.UVA, Tier.PINNED)

@@ -1,8 +1,4 @@
-"""Type aliases shared by the public API (annotations only; nothing here runs checks).
-
-Each alias names what an entry point accepts; the entry point itself still
-validates its argument at run time and raises on anything else.
-"""
+"""Type aliases of the public API: annotations only (each entry point still checks its arguments)."""
 
 from __future__ import annotations
 

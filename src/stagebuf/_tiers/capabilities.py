@@ -1,16 +1,11 @@
-"""What the probe decided, and the machine facts it reads that need no probing.
-
-``Capabilities`` is the probe's record for one device (``_probe.capabilities``
-makes and caches it); ``usable_tiers`` says what an explicit request may ask for
-there; ``torch_build``, ``usable_devices`` and ``_versions`` describe the
-installed stack; ``_forced_tier`` reads ``STAGEBUF_TIER``.
-"""
+"""``Capabilities``, the probe's record for one device; what an explicit request may ask for there; and the
+machine facts that need no probing (the installed stack, ``STAGEBUF_TIER``)."""
 
 from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -69,13 +64,6 @@ def _device_missing(dev: torch.device) -> str | None:
     return None
 
 
-def _device_hint(dev: torch.device) -> str | None:
-    """What to do about a missing ``dev``, beyond choosing another device."""
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        return _cuda_missing_cause()[1]
-    return None
-
-
 def usable_devices() -> list[str]:
     """The devices this machine can stage to, CPU first (for error messages)."""
     out = ["cpu"]
@@ -99,49 +87,40 @@ def usable_devices() -> list[str]:
 class Capabilities(Sealed):
     """What one device can do, the tier chosen for it, and why.
 
-    Made by the probe behind :func:`capabilities`; read it, do not build one. Every
-    buffer, pool and stager takes its tier from here, so the probe's result is
-    read-only: assigning or deleting an attribute raises ReadOnlyAttributeError.
+    Made by the probe behind :func:`capabilities`; read it, do not build one. Every buffer, pool and
+    stager takes its tier from here, so it is read-only: assigning or deleting an attribute raises
+    ReadOnlyAttributeError.
 
     Attributes
     ----------
     device : torch.device
-        The device probed, with its index resolved (``"cuda"`` becomes ``cuda:N``,
-        the current device).
+        The device probed, its index resolved (``"cuda"`` becomes ``cuda:N``, the current device).
     device_type : str
         ``device.type``: ``"cuda"``, ``"cpu"``, ...
     pin_memory : bool
-        Whether a pinned (page-locked) host allocation succeeded and came back
-        pinned. Always False when the device is the CPU.
+        Whether a pinned host allocation succeeded and came back pinned; always False on the CPU.
     uva : bool
-        Whether a device view of pinned memory aliased it and saw a host write made
-        after the view existed (the UVA probe passed). The tier can still be worse
-        than UVA when ``STAGEBUF_TIER`` forces one.
+        Whether the UVA probe passed: a device view of pinned memory saw a host write made after the
+        view existed. The tier can still be worse than UVA when ``STAGEBUF_TIER`` forces one.
     tier : Tier
-        The tier chosen: the best that works on ``device``, or the one
-        ``STAGEBUF_TIER`` forces.
+        The tier chosen: the best that works on ``device``, or the one ``STAGEBUF_TIER`` forces.
     reasons : list of str
-        One plain sentence per decision, in the order they were made (what
-        ``stagebuf doctor`` prints).
+        One plain sentence per decision, in the order they were made (what ``stagebuf doctor`` prints).
     forced : str or None
-        The tier ``STAGEBUF_TIER`` forces, lower case (``"pinned"``), or None when
-        it is unset.
+        The tier ``STAGEBUF_TIER`` forces, lower case (``"pinned"``); None when it is unset.
     wsl : bool
-        Whether this is WSL, where pinned memory is off unless
-        ``STAGEBUF_WSL_PIN_MEMORY=1``.
+        Whether this is WSL, where pinned memory is off unless ``STAGEBUF_WSL_PIN_MEMORY=1``.
     memlock_limit : int or None
         The ``RLIMIT_MEMLOCK`` soft limit in bytes; None means unlimited.
     versions : dict of str to str
-        ``torch`` and ``python``, and where present ``cuda_runtime``, ``triton``,
-        ``cuda_bindings``, ``cuda_driver_api`` and ``device_name``.
+        ``torch`` and ``python``, and where present ``cuda_runtime``, ``triton``, ``cuda_bindings``,
+        ``cuda_driver_api`` and ``device_name``.
     torch_build : str
-        What torch was built for: ``"CPU build"``, ``"CUDA 13.0 build"``,
-        ``"ROCm 6.4 build"``.
+        What torch was built for: ``"CPU build"``, ``"CUDA 13.0 build"``, ``"ROCm 6.4 build"``.
     cpu_cause : str or None
         Why the target device is the CPU; None when it is an accelerator.
     cpu_fix : str or None
-        What to do to target an accelerator instead, where there is something to
-        do (None otherwise).
+        What to do to target an accelerator instead, where there is something to do (else None).
     """
 
     device: torch.device
@@ -159,32 +138,10 @@ class Capabilities(Sealed):
     cpu_fix: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The capabilities as plain values (what ``stagebuf doctor --json`` prints).
-
-        Returns
-        -------
-        dict of str to Any
-            Every attribute, with ``device`` as a string, ``tier`` as its name and
-            copies of ``reasons`` and ``versions``.
-        """
-        return {
-            "device": str(self.device),
-            "device_type": self.device_type,
-            "pin_memory": self.pin_memory,
-            "uva": self.uva,
-            "tier": self.tier.name,
-            "reasons": list(self.reasons),
-            "forced": self.forced,
-            "wsl": self.wsl,
-            "memlock_limit": self.memlock_limit,
-            "versions": dict(self.versions),
-            "torch_build": self.torch_build,
-            "cpu_cause": self.cpu_cause,
-            "cpu_fix": self.cpu_fix,
-        }
-
-
-# --- what the OS and drivers answer (tests replace these to fake a machine) ---
+        """Every attribute as a plain value (what ``stagebuf doctor --json`` prints): ``device`` as a
+        string, ``tier`` as its name, copies of ``reasons`` and ``versions``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)} | {"versions": dict(self.versions)}
+        return out | {"device": str(self.device), "tier": self.tier.name, "reasons": list(self.reasons)}
 
 
 def _versions(device: torch.device) -> dict[str, str]:
@@ -213,9 +170,6 @@ def _versions(device: torch.device) -> dict[str, str]:
     return v
 
 
-_TIER_NAMES = tuple(t.name.lower() for t in Tier)
-
-
 def _forced_tier() -> Tier | None:
     raw = os.environ.get(ENV_TIER, "").strip()
     if not raw:
@@ -227,19 +181,15 @@ def _forced_tier() -> Tier | None:
             f"{ENV_TIER}={raw!r} is not a tier",
             setting=ENV_TIER,
             value=raw,
-            allowed=_TIER_NAMES,
+            allowed=tuple(t.name.lower() for t in Tier),
             fix=f"unset {ENV_TIER} (stagebuf then picks the best tier that works) or set it to "
             "one of the allowed values",
         ) from None
 
 
 def usable_tiers(caps: Capabilities) -> list[Tier]:
-    """The tiers an explicit request may ask for on ``caps.device``, best first.
-
-    On the CPU: PAGEABLE (a CPU tensor stands in for device memory) and HOST. On
-    an accelerator: the chosen tier and every worse copy tier (a forced tier caps
-    the process; nothing better than it is used).
-    """
+    """The tiers an explicit request may ask for on ``caps.device``, best first: PAGEABLE and HOST on the
+    CPU, else the chosen tier and every worse copy tier (a forced tier caps the process)."""
     if caps.device_type == "cpu":
         return [Tier.PAGEABLE, Tier.HOST]
     return [t for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= caps.tier]

@@ -1,10 +1,5 @@
-"""Command line: ``stagebuf doctor`` and ``stagebuf --version``.
-
-Built on argparse, so the command line needs nothing beyond what ``import stagebuf``
-needs; ``rich`` (the ``cli`` extra) only draws doctor's table. The benchmark harness and
-the demo are not part of the package: from a checkout they are ``python -m benchmarks``
-and ``python examples/demo.py``.
-"""
+"""Command line: ``stagebuf doctor`` and ``stagebuf --version``, on argparse, so it needs nothing beyond
+``import stagebuf``; ``rich`` (the ``cli`` extra) only draws doctor's table."""
 
 from __future__ import annotations
 
@@ -17,16 +12,12 @@ from .. import __version__
 from . import doctor as _doctor
 
 
-def _version() -> str:
-    return __version__
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="stagebuf", description="Host-to-device staging buffers: what this machine can do, and why."
     )
     ap.add_argument("-v", "--verbose", action="store_true", help="Show stagebuf's log lines.")
-    ap.add_argument("-V", "--version", action="version", version=f"stagebuf {_version()}")
+    ap.add_argument("-V", "--version", action="version", version=f"stagebuf {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     d = sub.add_parser(
         "doctor",

@@ -1,15 +1,8 @@
 """``stagebuf doctor``: what this machine can do, the tier chosen, and why.
 
-It never ends in a traceback for a setting that cannot work here (any ``STAGEBUF_*``
-setting, ``STAGEBUF_VLLM`` included, or ``--device``): it prints one screen naming the
-setting, the cause, the allowed values and the fix, and exits with status 2
-(``--json``: an object with ``error`` and ``fix``). Only a bug in stagebuf may end in a
-traceback; a reader that closes the pipe early (``stagebuf doctor | head -1``) ends it
-quietly.
-
-``rich`` draws the table where it is installed; without it the same report is
-plain text (``render_text``). It needs nothing beyond
-what ``import stagebuf`` needs.
+A setting that cannot work here (any ``STAGEBUF_*``, or ``--device``) gets one screen naming the setting,
+cause, allowed values and fix (``--json``: an object with ``error`` and ``fix``) and exit status 2, never a
+traceback; a reader that closes the pipe early ends it quietly. ``rich`` draws the table where installed.
 """
 
 from __future__ import annotations
@@ -44,16 +37,6 @@ from .settings import (
 )
 
 
-def stagebuf_version() -> str:
-    """This stagebuf's version (``stagebuf.__version__``)."""
-    return __version__
-
-
-EXIT_OK = 0
-EXIT_SETUP = 2
-"""Exit status when a setting cannot work here (as for a usage error)."""
-
-
 @dataclass(frozen=True)
 class Problem:
     """A setting that stops the probe, explained for a person and for a machine."""
@@ -75,7 +58,7 @@ class Problem:
             "cause": self.cause,
             "allowed": list(self.allowed),
             "fix": self.fix,
-            "stagebuf": stagebuf_version(),
+            "stagebuf": __version__,
             "torch": torch.__version__,
             "torch_build": torch_build(),
             "cuda_available": torch.cuda.is_available(),
@@ -97,19 +80,13 @@ def _problem(e: SetupError) -> Problem:
 
 
 def diagnose(device: str | None = None) -> Capabilities | Problem:
-    """The capabilities of ``device``, or the Problem that stops the probe or the vLLM plugin.
-
-    The probe checks every setting but ``STAGEBUF_VLLM``, which the plugin's ``plan()`` checks.
-    """
+    """The capabilities of ``device``, or the Problem that stops the probe or the vLLM plugin's ``plan()``."""
     try:
         caps = capabilities(device)
         _vllm.plan()
     except SetupError as e:
         return _problem(e)
     return caps
-
-
-# --- the report ------------------------------------------------------------------------------
 
 
 def _limit(v: int | None) -> str:
@@ -138,10 +115,7 @@ def kernel_in_use(caps: Capabilities) -> tuple[str, str | None]:
 
 
 def settings(caps: Capabilities) -> list[dict[str, Any]]:
-    """Every stagebuf setting: its name, raw value (None: unset), the value in effect, and a note.
-
-    (Each was checked by the probe or the plugin: a bad value is the problem screen instead.)
-    """
+    """Every stagebuf setting (checked already): its name, raw value (None: unset), value in effect, note."""
     kernel, kernel_why = kernel_in_use(caps)
     k = quarantine()
     wsl_pin = os.environ.get(ENV_WSL_PIN)
@@ -174,7 +148,7 @@ def rows(caps: Capabilities) -> list[tuple[str, str]]:
     v = caps.versions
     device = f"{caps.device}" + (f" ({v['device_name']})" if "device_name" in v else "")
     out = [
-        ("stagebuf", stagebuf_version()),
+        ("stagebuf", __version__),
         ("torch", v.get("torch", torch.__version__)),
         ("torch build", build_text(caps.torch_build or torch_build())),
         ("CUDA runtime (torch)", v.get("cuda_runtime", "none")),
@@ -217,11 +191,7 @@ def _plain(v: Any) -> str:
 
 
 def vllm_rows() -> list[tuple[str, str]]:
-    """vLLM and the plugin: vLLM's version, then every item of the plugin's ``plan().as_dict()``.
-
-    vLLM is imported only when ``STAGEBUF_VLLM`` switches the plugin on (to check its buffer
-    layer's API). A bad ``STAGEBUF_VLLM`` raises SettingValueError (``run`` explains it).
-    """
+    """vLLM's version, every item of the plugin's ``plan().as_dict()``, and nano-vllm's status."""
     version = _vllm.vllm_version()
     rows_ = [("vLLM", f"{version} (tested: {', '.join(_vllm.TESTED)})" if version else "not installed")]
     for key, value in _vllm.plan().as_dict().items():
@@ -236,11 +206,8 @@ def vllm_rows() -> list[tuple[str, str]]:
 def vllm_report() -> dict[str, Any]:
     """The vLLM part of ``doctor --json``: vLLM's version, and every item of ``plan().as_dict()``."""
     version = _vllm.vllm_version()
-    out: dict[str, Any] = {"installed": version is not None, "version": version}
-    out["tested"] = list(_vllm.TESTED)
-    out["setting"] = os.environ.get(ENV_VLLM)
-    out.update(_vllm.plan().as_dict())
-    return out
+    out: dict[str, Any] = {"installed": version is not None, "version": version, "tested": list(_vllm.TESTED)}
+    return {**out, "setting": os.environ.get(ENV_VLLM), **_vllm.plan().as_dict()}
 
 
 def render_text(caps: Capabilities) -> str:
@@ -302,7 +269,7 @@ def render(caps: Capabilities, console: Any = None) -> None:
 
 
 def to_json(caps: Capabilities) -> str:
-    report = {"stagebuf": stagebuf_version(), **caps.as_dict(), "settings": settings(caps)}
+    report = {"stagebuf": __version__, **caps.as_dict(), "settings": settings(caps)}
     return json.dumps({**report, "vllm": vllm_report(), "nanovllm": nanovllm.status()}, indent=2, default=str)
 
 
@@ -320,14 +287,10 @@ def _quiet_stdout() -> None:
 
 
 def run(device: str | None = None, as_json: bool = False, out: TextIO | None = None) -> int:
-    """Probe, print the report (or the problem) and return the exit status.
-
-    A reader that stops early (``stagebuf doctor | head -1``) ends the printing quietly; the
-    status is the report's all the same.
-    """
+    """Probe, print the report (or the problem) and return the exit status, even if the reader stops early."""
     out = out or sys.stdout
     found = diagnose(device)
-    status = EXIT_SETUP if isinstance(found, Problem) else EXIT_OK
+    status = 2 if isinstance(found, Problem) else 0  # 2: a setting cannot work here, as for a usage error
     try:
         if isinstance(found, Problem):
             text = json.dumps(found.as_dict(), indent=2) if as_json else render_problem_text(found)

@@ -1,10 +1,5 @@
-"""The one place that decides the tier.
-
-``capabilities(device)`` probes once per device what this machine can really do
-(it allocates pinned memory, builds a device view and checks it is live) and
-records one plain sentence per decision. Everything else in stagebuf asks it and
-never re-derives a tier.
-"""
+"""The one place that decides the tier: ``capabilities(device)`` probes each device once (pinned memory, a
+live device view), records one sentence per decision, and everything else asks it."""
 
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ from .._common.types import DeviceLike
 from .capabilities import (
     Capabilities,
     _cuda_missing_cause,
-    _device_hint,
     _device_missing,
     _forced_tier,
     _versions,
@@ -58,10 +52,7 @@ def _alloc_pinned(nbytes: int) -> torch.Tensor:
 
 
 def _uva_probe(device: torch.device) -> None:
-    """Build a device view of pinned memory and check it is a live alias.
-
-    Raises ImportError without cuda-bindings and UvaError for anything else.
-    """
+    """Check that a device view of pinned memory is a live alias (ImportError without cuda-bindings)."""
     _uva.load_cudart()
     host = _alloc_pinned(256).view(torch.int32)
     view = _uva.device_view(host, device)
@@ -69,7 +60,8 @@ def _uva_probe(device: torch.device) -> None:
         # Write on the host *after* the view exists, read on the device.
         expect = torch.arange(seed, seed + host.numel(), dtype=torch.int32)
         host.copy_(expect)
-        _synchronize(device)
+        if device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.synchronize(device)
         got = view.clone().cpu()
         if not torch.equal(got, expect):
             raise UvaError(
@@ -77,13 +69,6 @@ def _uva_probe(device: torch.device) -> None:
                 "it was created (stale copy; seen under GPU confidential computing)"
             )
 
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda" and torch.cuda.is_available():
-        torch.cuda.synchronize(device)
-
-
-# --- the decision ---
 
 _DEVICE_FIX = "pass device=None (the current accelerator, else the CPU) or one of the allowed devices"
 
@@ -116,7 +101,7 @@ def _resolve_device(device: DeviceLike, forced: Tier | None) -> torch.device:
     if dev.type != "cpu":
         why = _device_missing(dev)
         if why:
-            hint = _device_hint(dev)
+            hint = _cuda_missing_cause()[1] if dev.type == "cuda" and not torch.cuda.is_available() else None
             raise TierUnavailableError(
                 f"device={device!r} cannot be used",
                 setting="device",
@@ -143,33 +128,16 @@ def _cpu_cause(device: DeviceLike, forced: Tier | None) -> tuple[str, str | None
 
 
 def probe(device: DeviceLike = None) -> Capabilities:
-    """Probe ``device`` now, bypassing the cache (``capabilities`` caches this).
-
-    Every setting is checked here, at start-up: ``STAGEBUF_TIER``, ``STAGEBUF_CHECK``,
-    ``STAGEBUF_CHECK_QUARANTINE`` and ``STAGEBUF_WRITE_KERNEL`` (a bad value raises
-    SettingValueError naming the allowed values).
-    """
+    """Probe ``device`` now, uncached; every ``STAGEBUF_*`` setting but ``STAGEBUF_VLLM`` is checked here."""
     check_mode()
     env_flag(ENV_WSL_PIN, f"set {ENV_WSL_PIN}=1 to try pinned memory on WSL2, or unset it")
     quarantine()
     write_kernel()
     forced = _forced_tier()
     dev = _resolve_device(device, forced)
-    reasons: list[str] = []
-    memlock = _memlock_limit()
-    wsl = _is_wsl()
-    caps = Capabilities(
-        dev,
-        dev.type,
-        False,
-        False,
-        Tier.HOST,
-        reasons,
-        forced.name.lower() if forced else None,
-        wsl,
-        memlock,
-        torch_build=torch_build(),
-    )
+    name = forced.name.lower() if forced is not None else ""
+    caps = Capabilities(dev, dev.type, False, False, Tier.HOST, [], name or None, _is_wsl(), _memlock_limit())
+    caps.torch_build, reasons = torch_build(), caps.reasons
     if dev.type == "cpu":
         cause, hint = _cpu_cause(device, forced)
         caps.cpu_cause, caps.cpu_fix = cause, hint
@@ -178,7 +146,6 @@ def probe(device: DeviceLike = None) -> Capabilities:
             "transfer to: pinned memory and UVA are not used." + (f" Fix: {hint}." if hint else "")
         )
         if forced in (Tier.UVA, Tier.PINNED):
-            name = forced.name.lower()
             raise TierUnavailableError(
                 f"{ENV_TIER}={name} needs an accelerator, but the target device is the CPU",
                 setting=ENV_TIER,
@@ -201,43 +168,38 @@ def probe(device: DeviceLike = None) -> Capabilities:
             if write_kernel() == "triton":  # explained, as a setting that cannot apply here
                 reasons.append(kernel_on_host(str(dev)))
                 warn_once(("kernel-on-host", str(dev)), reasons[-1])
-        caps.versions = _versions(dev)
-        caps._freeze()  # shared by every caller from here on: read-only
-        return caps
-
-    caps.pin_memory = _decide_pinned(caps)
-    caps.uva = caps.pin_memory and _decide_uva(caps)
-    best = Tier.UVA if caps.uva else Tier.PINNED if caps.pin_memory else Tier.PAGEABLE
-    works = [t.name.lower() for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= best]
-    if forced is Tier.HOST:
-        raise TierUnavailableError(
-            f"{ENV_TIER}=host targets the CPU, but device {dev} was asked for",
-            setting=ENV_TIER,
-            value="host",
-            cause="tier HOST means no accelerator",
-            allowed=works,
-            fix=f"unset {ENV_TIER}, set it to one of the allowed tiers, or pass device='cpu'",
-        )
-    if forced is not None and forced < best:
-        raise TierUnavailableError(
-            f"{ENV_TIER}={forced.name.lower()} cannot work on {dev}",
-            setting=ENV_TIER,
-            value=forced.name.lower(),
-            cause=" ".join(r for r in reasons if r.startswith("No ")) or " ".join(reasons),
-            allowed=works,
-            fix=f"unset {ENV_TIER} (stagebuf then picks the best tier, {best.name}) or set it to "
-            "one of the allowed tiers",
-        )
-    caps.tier = forced if forced is not None else best
-    if forced is not None:
-        reasons.append(
-            f"{ENV_TIER}={forced.name.lower()} forces tier {forced.name} (best available: {best.name})."
-        )
     else:
-        reasons.append(f"Tier {best.name}: the best tier that works on {dev}.")
-    if best is not Tier.UVA:
-        why = " ".join(r for r in reasons if r.startswith("No "))
-        warn_once(("fallback", str(dev), best), f"tier {best.name} on {dev} instead of UVA: {why}")
+        caps.pin_memory = _decide_pinned(caps)
+        caps.uva = caps.pin_memory and _decide_uva(caps)
+        best = Tier.UVA if caps.uva else Tier.PINNED if caps.pin_memory else Tier.PAGEABLE
+        works = [t.name.lower() for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= best]
+        if forced is Tier.HOST:
+            raise TierUnavailableError(
+                f"{ENV_TIER}=host targets the CPU, but device {dev} was asked for",
+                setting=ENV_TIER,
+                value="host",
+                cause="tier HOST means no accelerator",
+                allowed=works,
+                fix=f"unset {ENV_TIER}, set it to one of the allowed tiers, or pass device='cpu'",
+            )
+        if forced is not None and forced < best:
+            raise TierUnavailableError(
+                f"{ENV_TIER}={name} cannot work on {dev}",
+                setting=ENV_TIER,
+                value=name,
+                cause=" ".join(r for r in reasons if r.startswith("No ")) or " ".join(reasons),
+                allowed=works,
+                fix=f"unset {ENV_TIER} (stagebuf then picks the best tier, {best.name}) or set it to "
+                "one of the allowed tiers",
+            )
+        caps.tier = forced if forced is not None else best
+        if forced is not None:
+            reasons.append(f"{ENV_TIER}={name} forces tier {forced.name} (best available: {best.name}).")
+        else:
+            reasons.append(f"Tier {best.name}: the best tier that works on {dev}.")
+        if best is not Tier.UVA:
+            why = " ".join(r for r in reasons if r.startswith("No "))
+            warn_once(("fallback", str(dev), best), f"tier {best.name} on {dev} instead of UVA: {why}")
     caps.versions = _versions(dev)
     caps._freeze()  # shared by every caller from here on: read-only
     return caps
@@ -315,16 +277,15 @@ _lock = threading.Lock()
 def capabilities(device: DeviceLike = None) -> Capabilities:
     """The capabilities of ``device``, and the tier chosen for it.
 
-    The first call for a device probes it: it checks the settings, allocates pinned
-    memory and, on CUDA, builds a device view of it and checks that the view is live.
-    The result is cached per device; :func:`reset_capabilities` clears the cache.
+    The first call for a device probes it: it checks the settings, allocates pinned memory and, on CUDA,
+    checks that a device view of it is live. The result is cached per device until
+    :func:`reset_capabilities`.
 
     Parameters
     ----------
     device : torch.device, str, int or None, optional
-        The device to stage to: a ``torch.device``, a name such as ``"cuda:0"`` or
-        ``"cpu"``, or a CUDA index. None (the default) is the current accelerator,
-        else the CPU (the CPU also under ``STAGEBUF_TIER=host``).
+        A ``torch.device``, a name such as ``"cuda:0"`` or ``"cpu"``, or a CUDA index. None (the
+        default) is the current accelerator, else the CPU (the CPU also under ``STAGEBUF_TIER=host``).
 
     Returns
     -------
@@ -334,17 +295,14 @@ def capabilities(device: DeviceLike = None) -> Capabilities:
     Raises
     ------
     SetupError
-        (a ``ValueError`` too) If a stagebuf environment setting (``STAGEBUF_TIER``,
-        ``STAGEBUF_CHECK``, ``STAGEBUF_WRITE_KERNEL`` and the like) holds a value it
-        does not take, or if torch does not know ``device``; the message names the
-        allowed values.
+        (a ``ValueError`` too) If a stagebuf setting (``STAGEBUF_TIER``, ``STAGEBUF_CHECK``,
+        ``STAGEBUF_WRITE_KERNEL`` and the like) holds a value it does not take, or torch does not know
+        ``device``; the message names the allowed values.
     TierUnavailableError
-        If ``device`` is an accelerator torch cannot use here (no driver, a CPU build
-        of torch, an index past the device count, ``meta``), or if ``STAGEBUF_TIER``
-        forces a tier that cannot work on the device.
+        If ``device`` is an accelerator torch cannot use here (no driver, a CPU build of torch, an index
+        past the device count, ``meta``), or ``STAGEBUF_TIER`` forces a tier that cannot work on it.
     ArgumentTypeError
-        If ``device`` is not None, a ``str``, an ``int`` or a ``torch.device`` (a
-        ``bool`` is refused).
+        If ``device`` is not None, a ``str``, an ``int`` or a ``torch.device`` (a ``bool`` is refused).
     """
     key = None if device is None else str(device)
     caps = _cache.get(key)
@@ -375,29 +333,23 @@ def decided() -> list[Capabilities]:
 
 
 def reset_capabilities() -> None:
-    """Forget every cached probe, so that the next :func:`capabilities` call probes again.
-
-    Call it after changing ``STAGEBUF_TIER`` (say). Buffers, pools and stagers made
-    before keep the tier they were made with.
-    """
+    """Forget every cached probe, so that the next :func:`capabilities` call probes again (after changing
+    ``STAGEBUF_TIER``, say); buffers, pools and stagers made before keep their tier."""
     with _lock:
         _cache.clear()
 
 
 def is_pin_memory_available(device: DeviceLike = None) -> bool:
-    """Whether pinned host memory works for ``device`` (``capabilities(device).pin_memory``).
+    """Whether pinned host memory works for ``device``: ``capabilities(device).pin_memory``, False on CPU.
 
-    True where a pinned allocation succeeded in the probe; always False for the CPU.
     ``device`` and what it raises are as for :func:`capabilities`.
     """
     return capabilities(device).pin_memory
 
 
 def is_uva_available(device: DeviceLike = None) -> bool:
-    """Whether the tier chosen for ``device`` is UVA (zero-copy device views of pinned memory).
+    """Whether ``capabilities(device).tier is Tier.UVA`` (False where ``STAGEBUF_TIER`` forces a worse tier).
 
-    ``capabilities(device).tier is Tier.UVA``: False where ``STAGEBUF_TIER`` forces a worse
-    tier, even if the UVA probe passed. ``device`` and what it raises are as for
-    :func:`capabilities`.
+    ``device`` and what it raises are as for :func:`capabilities`.
     """
     return capabilities(device).tier is Tier.UVA

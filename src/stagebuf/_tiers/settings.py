@@ -15,8 +15,7 @@ ENV_TIER = "STAGEBUF_TIER"
 ENV_WSL_PIN = "STAGEBUF_WSL_PIN_MEMORY"
 """``1`` lets the probe try pinned memory on WSL2 (off by default: pinning there is capped)."""
 ENV_CHECK = "STAGEBUF_CHECK"
-"""``1`` turns on check mode: poison for what a step has not published or has released, and
-the step clock's per-ring verifier."""
+"""``1`` turns on check mode: poison for unpublished and released slots, and the per-ring step verifier."""
 ENV_VLLM = "STAGEBUF_VLLM"
 """``1`` makes stagebuf vLLM's MRV2 buffer layer through the vLLM plugin; unset or ``0``: vLLM's own."""
 ENV_KERNEL = "STAGEBUF_WRITE_KERNEL"
@@ -30,11 +29,8 @@ DEFAULT_MAX_CONCURRENCY = 2
 
 
 def env_flag(name: str, fix: str) -> bool:
-    """The on/off environment setting ``name``: unset, empty or ``0`` is off, ``1`` is on.
-
-    Any other value raises SettingValueError naming the allowed values and ``fix`` (``false``
-    does not silently mean on).
-    """
+    """The on/off setting ``name``: unset, empty or ``0`` is off, ``1`` on; anything else (``false``, say)
+    raises SettingValueError naming the allowed values and ``fix``."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() in ("", "0"):
         return False

@@ -1,29 +1,10 @@
-"""One buffer interface, one small class per tier.
+"""One buffer interface, one small class per tier; ``make_buffer`` picks the class from ``capabilities()``.
 
-Every buffer has ``.cpu`` (a CPU tensor the host writes), ``.np`` (a numpy view
-of it), ``.uva(n)`` (a device tensor of the first ``n`` rows) and ``.tier``;
-``copy_to(out, n)`` moves the first ``n`` rows into another device tensor.
-``make_buffer`` picks the class from ``capabilities()``.
-
-The rule for a tier that cannot work (one rule, everywhere):
-
-* **An explicit request that cannot work raises** ``TierUnavailableError``, which
-  names what was asked, why it cannot work here and the allowed values. Explicit
-  requests are ``STAGEBUF_TIER`` (checked by the probe), the ``tier=`` argument of
-  ``make_buffer`` and the tier classes themselves (``UvaBuffer``,
-  ``PinnedBuffer``). "Cannot work" includes "better than the tier STAGEBUF_TIER
-  forces": a forced tier caps the process, so ``UvaBuffer()`` raises under
-  ``STAGEBUF_TIER=pinned`` even on a machine that could do UVA. A tier worse than
-  the chosen one may be asked for (``usable_tiers(caps)`` lists them).
-* **A run-time allocation failure falls back** one tier, with one warning per
-  process: the probe said yes, but a pinned allocation or a device view fails
-  later (memlock exhausted, WSL cap). Only ``make_buffer`` falls back; the tier
-  classes raise ``PinnedAllocationError`` / ``UvaError``.
-
-A buffer's attributes are fixed at construction. Assigning ``.np`` or ``.cpu``
-copies the values in (``buf.np = x`` is ``buf.np[...] = x`` with stagebuf's value
-checks); assigning any other attribute raises ReadOnlyAttributeError (an
-AttributeError).
+An explicit tier request that cannot work (``STAGEBUF_TIER``, ``make_buffer(tier=)``, a tier class)
+raises ``TierUnavailableError`` naming what was asked, why and the allowed values; a tier better than
+the one ``STAGEBUF_TIER`` forces cannot work (``UvaBuffer()`` raises under ``STAGEBUF_TIER=pinned``),
+a worse one may be asked for (``usable_tiers``). A run-time allocation failure falls back one tier,
+warning once per process, in ``make_buffer`` only (the tier classes raise): docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -63,44 +44,47 @@ from .memory import alloc_device, alloc_host
 class StagingBuffer(Sealed):
     """A host buffer and the way its rows reach the device (the tier).
 
-    The base of the four tier classes; make one with :func:`make_buffer`, or with a
-    tier class to ask for that tier. The host writes ``.np`` or ``.cpu``;
-    ``uva(n)`` publishes the first ``n`` rows and returns them as a device tensor.
-
-    Assigning ``buf.np = x`` or ``buf.cpu = x`` copies ``x`` (one scalar, or an
-    array of the buffer's shape) into the host storage, with the value checks of
-    every other input: it raises InvalidArgumentError for another shape or a value
-    that does not fit the dtype, and ArgumentTypeError for an unsupported type;
-    nothing is written then. Assigning or deleting any other attribute raises
-    ReadOnlyAttributeError.
+    The base of the four tier classes; make one with :func:`make_buffer`, or with a tier class to ask
+    for that tier. The host writes ``.np`` or ``.cpu``; ``uva(n)`` publishes the first ``n`` rows.
+    Assigning ``buf.np = x`` or ``buf.cpu = x`` copies ``x`` (one scalar, or an array of the buffer's
+    shape) in with the value checks of every other input: InvalidArgumentError for another shape or a
+    value that does not fit the dtype, ArgumentTypeError for an unsupported type, and nothing is
+    written. Assigning or deleting any other attribute raises ReadOnlyAttributeError.
 
     Parameters
     ----------
     size : int or sequence of int
         The shape: a row count, or a tuple whose first entry is the row count.
     dtype : torch.dtype, numpy.dtype, type or str
-        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
-        float64).
+        bool, uint8, int8, int16, int32, int64, float16, float32 or float64.
     device : torch.device, str, int or None, optional
         The target device, as for :func:`capabilities`; None is the default device.
 
     Attributes
     ----------
-    tier : Tier
-        The class's tier.
     cpu : torch.Tensor
         The host storage (pinned on tiers UVA and PINNED).
     np : numpy.ndarray
         A numpy view of ``cpu``.
     dev : torch.Tensor
-        The device-side storage ``uva()`` publishes into, at a fixed address: a view
-        of ``cpu`` on tiers UVA and HOST, a separate device tensor on the copy tiers.
-    device : torch.device
-        The target device.
-    shape : tuple of int
-        The shape of ``cpu`` and ``dev``.
-    dtype : torch.dtype
-        The element type.
+        The device-side storage ``uva()`` publishes into, at a fixed address: a view of ``cpu`` on tiers
+        UVA and HOST, a separate device tensor on the copy tiers.
+    tier : Tier
+        The class's tier; ``device``, ``shape`` and ``dtype`` are the arguments, resolved.
+
+    Raises
+    ------
+    UsageError
+        If ``StagingBuffer`` itself is made (it holds no storage).
+    InvalidArgumentError
+        If ``size`` is not an int >= 0 or a tuple of them.
+    ArgumentTypeError
+        If ``dtype`` is not a supported dtype, or ``device`` is not None, a ``str``, an ``int`` or a
+        ``torch.device``.
+    DeviceAllocationError
+        If the device runs out of memory for ``dev`` (tiers PINNED and PAGEABLE).
+    SetupError, TierUnavailableError
+        As :func:`capabilities` raises them for ``device`` and the settings (not :class:`HostBuffer`).
     """
 
     tier: ClassVar[Tier]
@@ -126,25 +110,8 @@ class StagingBuffer(Sealed):
         fill_host(self.np, value, self.dtype, f"{type(self).__name__}.{name}")
 
     def rows(self, n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the first ``n`` rows of ``dev`` and ``cpu``; nothing is copied.
-
-        The views are cached per ``n`` (slicing costs a torch call).
-
-        Parameters
-        ----------
-        n : int or None
-            The row count, ``0 <= n <= shape[0]``; None is every row.
-
-        Returns
-        -------
-        tuple of torch.Tensor
-            ``(dev[:n], cpu[:n])``.
-
-        Raises
-        ------
-        InvalidArgumentError
-            If ``n`` is not None or an int in ``[0, shape[0]]``.
-        """
+        """Views ``(dev[:n], cpu[:n])`` of the first ``n`` rows (None: all), cached per ``n``; nothing is
+        copied. Raises InvalidArgumentError unless ``n`` is None or an int in ``[0, shape[0]]``."""
         try:
             pair = self._rows.get(n)
         except TypeError:  # an unhashable n: check_rows says what n may be
@@ -157,53 +124,17 @@ class StagingBuffer(Sealed):
         return pair
 
     def uva(self, n: int | None = None) -> torch.Tensor:
-        """Publish the first ``n`` rows: a device tensor holding them.
-
-        On tiers UVA and HOST this is a view of the host storage (no copy: later host
-        writes show through). On tiers PINNED and PAGEABLE the rows are copied into
-        ``dev`` (asynchronously, on the current stream) and a view of ``dev`` is
-        returned.
-
-        Parameters
-        ----------
-        n : int or None, optional
-            The row count, ``0 <= n <= shape[0]``; None (the default) is every row.
-
-        Returns
-        -------
-        torch.Tensor
-            The first ``n`` rows of ``dev``, on ``device``.
-
-        Raises
-        ------
-        InvalidArgumentError
-            If ``n`` is not None or an int in ``[0, shape[0]]``.
-        """
+        """Publish the first ``n`` rows (as for :meth:`rows`; None, the default: all): ``dev[:n]``, a view
+        of the host storage on tiers UVA and HOST (no copy: later host writes show through), else a view
+        of ``dev`` after an asynchronous copy into it on the current stream."""
         return self.rows(n)[0]
 
     def copy_to(self, out: torch.Tensor, n: int | None = None) -> torch.Tensor:
-        """Copy the first ``n`` host rows into the device tensor ``out`` (on the current stream).
+        """Copy the first ``n`` host rows (``n`` as for :meth:`rows`) into the device tensor ``out``, on
+        the current stream; ``out[:n]``.
 
-        Parameters
-        ----------
-        out : torch.Tensor
-            The destination: on this buffer's device, of its dtype and row shape, with
-            at least ``n`` rows (checked: ``copy_`` would otherwise convert silently).
-        n : int or None, optional
-            The row count, ``0 <= n <= shape[0]``; None (the default) is every row.
-
-        Returns
-        -------
-        torch.Tensor
-            ``out[:n]``, the rows written.
-
-        Raises
-        ------
-        InvalidArgumentError
-            If ``n`` is not None or an int in ``[0, shape[0]]``, or if ``out`` does not
-            fit (device, dtype, row shape or row count).
-        ArgumentTypeError
-            If ``out`` is not a tensor.
+        ``out`` must be a tensor (else ArgumentTypeError) on this buffer's device, of its dtype and row
+        shape, with at least ``n`` rows (else InvalidArgumentError: ``copy_`` would convert silently).
         """
         n = check_rows(n, self.shape[0])
         if not isinstance(out, torch.Tensor):
@@ -249,21 +180,7 @@ def _checked_caps(want: Tier, device: DeviceLike, who: str) -> Capabilities:
 class HostBuffer(StagingBuffer):
     """Tier HOST, no accelerator: the CPU tensor is the device tensor.
 
-    Parameters
-    ----------
-    size, dtype
-        As for :class:`StagingBuffer`.
-    device : torch.device, str or None, optional
-        A CPU device; None (the default) is the CPU too. Anything else is refused.
-
-    Raises
-    ------
-    InvalidArgumentError
-        If ``size`` is not an int >= 0 or a tuple of them, or ``device`` is not None
-        or a CPU device.
-    ArgumentTypeError
-        If ``dtype`` is not a supported dtype, or ``device`` is not None, a ``str``,
-        an ``int`` or a ``torch.device``.
+    As :class:`StagingBuffer`, but ``device`` must be None or a CPU device (else InvalidArgumentError).
     """
 
     tier = Tier.HOST
@@ -282,28 +199,10 @@ class HostBuffer(StagingBuffer):
 class NonUvaBuffer(StagingBuffer):
     """Tier PAGEABLE: plain (pageable) host memory copied into a fixed device buffer.
 
-    ``device="cpu"`` works on any machine: a separate CPU tensor stands in for
-    device memory, which is how CPU-only CI exercises the copy path. The copy is
-    issued with ``non_blocking=True``: from pageable memory CUDA stages the source
-    before the call returns, so the host may rewrite ``.cpu`` at once. This tier can
-    be asked for on every device.
-
-    Parameters
-    ----------
-    size, dtype, device
-        As for :class:`StagingBuffer`.
-
-    Raises
-    ------
-    InvalidArgumentError
-        If ``size`` is not an int >= 0 or a tuple of them.
-    ArgumentTypeError
-        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
-        accepted.
-    DeviceAllocationError
-        If the device runs out of memory for ``dev``.
-    SetupError, TierUnavailableError
-        As :func:`capabilities` raises them for ``device`` and the settings.
+    ``device="cpu"`` works on any machine: a separate CPU tensor stands in for device memory, which is
+    how CPU-only CI exercises the copy path. The copy is issued with ``non_blocking=True``: from
+    pageable memory CUDA stages the source before the call returns, so the host may rewrite ``.cpu`` at
+    once. This tier can be asked for on every device. Arguments and errors: :class:`StagingBuffer`.
     """
 
     tier = Tier.PAGEABLE
@@ -325,16 +224,15 @@ class NonUvaBuffer(StagingBuffer):
 class PinnedBuffer(NonUvaBuffer):
     """Tier PINNED: pinned host memory and one asynchronous copy into a fixed device buffer.
 
-    The device reads ``.cpu`` after ``uva()`` returns, so a host write before the
-    copy is done would reach the device: rewrite a buffer only once its copy is
-    consumed (pools and stagers guard this for you). Its parameters, and what they raise,
-    are :class:`NonUvaBuffer`'s.
+    The device reads ``.cpu`` after ``uva()`` returns, so a host write before the copy is done would
+    reach the device: rewrite a buffer only once its copy is consumed (pools and stagers guard this for
+    you). Arguments and errors: :class:`StagingBuffer`, and:
 
     Raises
     ------
     TierUnavailableError
-        If tier PINNED cannot work on the device (the CPU, no pinned memory, or
-        ``STAGEBUF_TIER`` forces PAGEABLE); the message lists the allowed tiers.
+        If tier PINNED cannot work on the device (the CPU, no pinned memory, or ``STAGEBUF_TIER`` forces
+        PAGEABLE); the message lists the allowed tiers.
     PinnedAllocationError
         If the pinned allocation fails at run time (memlock limit exhausted, say).
     """
@@ -353,19 +251,17 @@ class PinnedBuffer(NonUvaBuffer):
 class UvaBuffer(StagingBuffer):
     """Tier UVA: pinned host memory that kernels read through a device view, zero copies.
 
-    ``uva()`` returns a view of the host memory: the device reads it while kernels
-    run, so rewrite it only once they are done (pools and stagers guard this for
-    you). Its parameters, and what they raise, are :class:`NonUvaBuffer`'s (it makes no
-    device buffer, so no DeviceAllocationError).
+    ``uva()`` returns a view of the host memory: the device reads it while kernels run, so rewrite it
+    only once they are done (pools and stagers guard this for you). Arguments and errors:
+    :class:`StagingBuffer` (no DeviceAllocationError: it makes no device buffer), and:
 
     Raises
     ------
     TierUnavailableError
-        If tier UVA cannot work on the device (the CPU, no cuda-bindings, the UVA
-        probe failed, or ``STAGEBUF_TIER`` forces a worse tier); the message lists
-        the allowed tiers.
+        If tier UVA cannot work on the device (the CPU, no cuda-bindings, the UVA probe failed, or
+        ``STAGEBUF_TIER`` forces a worse tier); the message lists the allowed tiers.
     PinnedAllocationError
-        If the pinned allocation fails at run time (memlock limit exhausted, say).
+        As for :class:`PinnedBuffer`.
     UvaError
         If the device view of the new allocation cannot be made or does not alias it.
     """

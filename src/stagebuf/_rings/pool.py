@@ -25,57 +25,37 @@ from .ring import Ring
 class UvaBufferPool(Sealed):
     """``max_concurrency`` staging buffers used round-robin.
 
-    Each ``copy_to_uva``/``copy_to_gpu`` call that changes the values takes the next
-    slot, so the device readers of a slot must be done before the pool comes round
-    to it again (after ``max_concurrency`` more such calls), growth included: a
-    tensor from ``copy_to_uva`` holds its data for that long. The guard checks this
-    (see ``guard``). A slot's first dimension grows to the next power of two when an
-    input is longer; dtype, trailing dims and tier are kept.
-
-    ``STAGEBUF_CHECK=1`` (check mode) poisons a released slot (int -1, float NaN)
-    and keeps it poisoned for ``STAGEBUF_CHECK_QUARANTINE`` (default 16) more uses,
-    so a read past a tensor's lifetime reads poison. The attributes are read-only:
-    assigning one raises ReadOnlyAttributeError.
+    Each ``copy_to_uva``/``copy_to_gpu`` call that changes the values takes the next slot, so a slot's
+    device readers must be done before the pool comes round to it again (after ``max_concurrency`` more
+    such calls, growth included); ``guard`` checks this. A slot's rows grow to the next power of two for
+    a longer input (dtype, trailing dims and tier are kept). In check mode (``STAGEBUF_CHECK=1``) a
+    released slot reads poison (int -1, float NaN) for ``STAGEBUF_CHECK_QUARANTINE`` (default 16) more
+    uses. The attributes are read-only (ReadOnlyAttributeError): ``shape`` (``size`` as a tuple),
+    ``dtype``, ``max_concurrency`` (at least 2) and ``device`` are the arguments, resolved.
 
     Parameters
     ----------
     size : int or sequence of int
-        A slot's shape: a row count, or a tuple whose first entry is the row count
-        (the rows grow on demand; the trailing dims are fixed).
+        A slot's shape: a row count, or a tuple whose first entry is the row count.
     dtype : torch.dtype, numpy.dtype, type or str
-        The element type (bool, uint8, int8, int16, int32, int64, float16, float32,
-        float64).
+        bool, uint8, int8, int16, int32, int64, float16, float32 or float64.
     max_concurrency : int or None, optional
         The slot count, >= 1 (values below 2 are raised to 2); None (the default) is
         :func:`set_default_max_concurrency`'s value.
     device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None (the default) is the
-        default device.
+        The target device, as for :func:`capabilities`; None (the default) is the default device.
     guard : {"auto", "wait", "raise", "off"}, optional
-        Before a slot is rewritten: ``"wait"`` for its readers (counted in
-        ``stats()["guard_waits"]``), ``"raise"`` SlotInFlightError, or ``"off"``
-        (trust the caller); ``"auto"`` (the default) is ``"wait"`` where the device
-        reads host memory asynchronously (UVA, PINNED), else ``"off"``.
-
-    Attributes
-    ----------
-    shape : tuple of int
-        The shape the slots were made with (``size`` as a tuple).
-    dtype : torch.dtype
-        The element type.
-    max_concurrency : int
-        The slot count (at least 2).
-    device : torch.device
-        The target device.
+        Before a slot is rewritten: ``"wait"`` for its readers (counted in ``stats()["guard_waits"]``),
+        ``"raise"`` SlotInFlightError, or ``"off"`` (trust the caller); ``"auto"`` (the default) is
+        ``"wait"`` where the device reads host memory asynchronously (UVA, PINNED), else ``"off"``.
 
     Raises
     ------
     InvalidArgumentError
-        If ``size`` is not an int >= 0 or a tuple of them, ``max_concurrency`` is not
-        None or an int >= 1, or ``guard`` is not one of the allowed modes.
+        If ``size`` is not an int >= 0 or a tuple of them, ``max_concurrency`` is not None or an int
+        >= 1, or ``guard`` is not one of the allowed modes.
     ArgumentTypeError
-        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
-        accepted.
+        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not accepted.
     DeviceAllocationError
         If the device runs out of memory for the slots.
     SetupError, TierUnavailableError
@@ -107,8 +87,7 @@ class UvaBufferPool(Sealed):
         )
         self.device = self._ring.device
         self._published: Cell[tuple[int, Any]] = Cell((-1, None))
-        """The rows the current slot last published (-1: none) and its buffer: what a call with equal
-        values may reuse."""
+        """(rows the current slot last published, -1: none; its buffer): what equal values may reuse."""
         self._freeze()
 
     @property
@@ -117,13 +96,9 @@ class UvaBufferPool(Sealed):
         return self._ring.tier
 
     def _next(self, x: HostData, reuse: bool = False, gpu: bool = False) -> tuple[StagingBuffer, int, bool]:
-        """Write ``x`` into the next slot and take it, counting the copy its caller issues next (one
-        from the slot on the copy tiers; with ``gpu``, into device memory on every tier but HOST).
-        A call that raises takes no slot and writes nothing.
-
-        With ``reuse``, values equal to what the current slot last published reuse that
-        slot (no copy, no new slot): the third value says so.
-        """
+        """Write ``x`` into the next slot and take it, counting the copy its caller issues next (from the
+        slot on the copy tiers; with ``gpu``, into device memory on all tiers but HOST); raising, it takes
+        nothing. With ``reuse``, values equal to the current slot's last publish reuse it (third value)."""
         trailing = self._trailing
         if type(x) is np.ndarray and x.dtype == self._np_dtype and x.shape[1:] == trailing and x.ndim:
             arr = x  # already right: nothing to check or convert
@@ -146,43 +121,28 @@ class UvaBufferPool(Sealed):
         return buf, n, False
 
     def copy_to_uva(self, x: HostData) -> torch.Tensor:
-        """Stage ``x`` in the next slot; the device tensor of its first ``len(x)`` rows.
+        """Stage ``x`` in the next slot; the device tensor of its ``len(x)`` rows.
 
-        The slot is published at return: a view of the slot's host memory on tiers UVA
-        and HOST (no copy), the slot's device buffer after one asynchronous copy (on the
-        current stream) on PINNED and PAGEABLE. Values equal to the last call's (its
-        first ``len(x)`` rows) reuse its slot: the same device tensor comes back, with
-        no copy and no new slot, on every tier. A call that raises takes no slot and
-        writes nothing.
-
-        Parameters
-        ----------
-        x : numpy.ndarray, torch.Tensor, list or tuple
-            Host data of the pool's rank and trailing shape (a CPU tensor, a numpy
-            array or a nested list), any number of rows; its values must fit ``dtype``
-            exactly.
-
-        Returns
-        -------
-        torch.Tensor
-            ``len(x)`` rows on ``device``. It holds ``x`` until the pool has taken
-            ``max_concurrency`` more slots (calls with unchanged values take none);
-            in check mode it reads poison from then on.
+        ``x`` is host data (a numpy array, CPU tensor, list or tuple) of the pool's rank and trailing
+        shape, any number of rows, whose values fit ``dtype`` exactly. The slot is published at return:
+        the result is a view of its host memory on tiers UVA and HOST (no copy), its device buffer after
+        one asynchronous copy on the current stream on PINNED and PAGEABLE. It holds ``x`` until the pool
+        has taken ``max_concurrency`` more slots; in check mode it reads poison after. Values equal to the
+        last call's first ``len(x)`` rows reuse its slot: the same tensor comes back, with no copy and no
+        new slot. A call that raises takes no slot and writes nothing.
 
         Raises
         ------
         ArgumentTypeError
-            If ``x`` is not a list, tuple, numpy array or CPU tensor, or its dtype is
-            not supported.
+            If ``x`` is not a list, tuple, numpy array or CPU tensor, or its dtype is not supported.
         InvalidArgumentError
-            If ``x`` has another rank or trailing shape, is a tensor on another
-            device, or holds values ``dtype`` cannot represent (fractions, NaN or
-            out-of-range values into an integer dtype, say).
+            If ``x`` has another rank or trailing shape, is a tensor on another device, or holds values
+            ``dtype`` cannot represent (fractions, NaN or out-of-range values into an integer dtype, say).
         SlotInFlightError
             With ``guard="raise"``, if the device may still read the next slot.
         StepRuleError
-            In check mode, if the step clock would have released a slot the device may
-            still read (call :func:`begin_step` at the start of every step).
+            In check mode, if the step clock would have released a slot the device may still read (call
+            :func:`begin_step` at the start of every step).
         DeviceAllocationError
             If growing the slot for a longer ``x`` runs out of device memory.
         CudaError
@@ -194,44 +154,20 @@ class UvaBufferPool(Sealed):
         return buf.uva(n)
 
     def copy_to_gpu(self, x: HostData, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Stage ``x`` in the next slot and copy it into device memory (``out`` or a new tensor).
+        """Stage ``x`` (as for :meth:`copy_to_uva`) in the next slot and copy it into device memory: into
+        ``out``, or a new tensor; that tensor.
 
-        The copy is issued on the current stream (asynchronously from pinned memory);
-        the result is device memory of its own, not a view of the slot, so it stays
-        valid however often the pool comes round. On tier HOST the copy is a CPU copy.
-
-        Parameters
-        ----------
-        x : numpy.ndarray, torch.Tensor, list or tuple
-            Host data of the pool's rank and trailing shape, as for
-            :meth:`copy_to_uva`.
-        out : torch.Tensor or None, optional
-            The destination: exactly ``(len(x), *shape[1:])`` of ``dtype`` on
-            ``device``; None (the default) allocates one.
-
-        Returns
-        -------
-        torch.Tensor
-            ``out``, or the new tensor, holding ``x``.
+        ``out`` must be None or exactly ``(len(x), *shape[1:])`` of ``dtype`` on ``device``. The copy is
+        issued on the current stream (a CPU copy on tier HOST); the result is device memory of its own,
+        not a view of the slot, so it stays valid however often the pool comes round.
 
         Raises
         ------
-        ArgumentTypeError
-            If ``x`` is not a list, tuple, numpy array or CPU tensor (or of an
-            unsupported dtype), or ``out`` is not None or a tensor.
-        InvalidArgumentError
-            If ``x`` has another rank or trailing shape, is a tensor on another
-            device, or holds values ``dtype`` cannot represent; or if ``out`` has
-            another shape, dtype or device.
-        SlotInFlightError
-            With ``guard="raise"``, if the device may still read the next slot.
-        StepRuleError
-            In check mode, if the step clock would have released a slot the device may
-            still read.
+        ArgumentTypeError, InvalidArgumentError, SlotInFlightError, StepRuleError, CudaError
+            As :meth:`copy_to_uva`; also if ``out`` is not None or a tensor (ArgumentTypeError) or has
+            another shape, dtype or device (InvalidArgumentError).
         DeviceAllocationError
             If growing the slot, or allocating the result, runs out of device memory.
-        CudaError
-            If recording or querying the guard's CUDA event fails.
         """
         arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=self.shape[1:])
         if out is not None:
@@ -253,16 +189,9 @@ class UvaBufferPool(Sealed):
             )
 
     def stats(self) -> dict[str, int]:
-        """The pool's counters.
-
-        Returns
-        -------
-        dict of str to int
-            ``transfers`` (host-to-device copies: ``copy_to_uva`` on PINNED and
-            PAGEABLE, ``copy_to_gpu`` on every tier but HOST), ``bytes`` (their
-            size), ``growths`` (slots replaced by larger ones) and ``guard_waits``
-            (times the guard waited for the device).
-        """
+        """The pool's counters: ``transfers`` (host-to-device copies: ``copy_to_uva`` on PINNED and
+        PAGEABLE, ``copy_to_gpu`` on every tier but HOST), ``bytes`` (their size), ``growths`` (slots
+        replaced by larger ones) and ``guard_waits`` (times the guard waited for the device)."""
         return self._ring.stats()
 
 
@@ -270,40 +199,25 @@ class UvaBufferPool(Sealed):
 class UvaBackedTensor(Sealed):
     """A host tensor that is the source of truth, published to the device on request.
 
-    ``.cpu``/``.np`` are written by the host; ``copy_to_uva(n)`` publishes the
-    first ``n`` rows (all when None) through a :class:`UvaBufferPool` and sets
-    ``.gpu``. Publishing snapshots the host rows into a pool slot, so host writes
-    after it do not reach ``.gpu``; publishing unchanged values takes no slot and
-    returns the same tensor. ``.gpu`` holds its data for ``max_concurrency`` more
-    publishes that change the values (in check mode it reads poison after).
-
-    Assigning ``.np`` or ``.cpu`` copies the values in (one scalar, or an array of
-    the tensor's shape), with stagebuf's value checks: InvalidArgumentError for
-    another shape or a value that does not fit the dtype, ArgumentTypeError for an
-    unsupported type. Assigning any other attribute raises ReadOnlyAttributeError.
+    The host writes ``.cpu``/``.np``; ``copy_to_uva(n)`` snapshots the first ``n`` rows into a slot of a
+    :class:`UvaBufferPool` and sets ``.gpu``, which later host writes do not reach and which lives as
+    that pool's :meth:`~UvaBufferPool.copy_to_uva` result does (unchanged values take no slot and return
+    the same tensor). Assigning ``.np`` or ``.cpu`` copies the values in, checked as for
+    :class:`StagingBuffer`; assigning any other attribute raises ReadOnlyAttributeError.
 
     Parameters
     ----------
     size, dtype, max_concurrency, device
-        The pool's, as for :class:`UvaBufferPool`.
+        The pool's, as for :class:`UvaBufferPool` (which says what they raise).
 
     Attributes
     ----------
     cpu : torch.Tensor
-        The host values (zero-filled at construction), written by the host.
+        The host values (zero-filled at construction).
     np : numpy.ndarray
         A numpy view of ``cpu``.
-    dtype : torch.dtype
-        The element type.
     pool : UvaBufferPool
-        The pool that publishes the rows (``guard="auto"``).
-    device : torch.device
-        The target device.
-
-    Raises
-    ------
-    InvalidArgumentError, ArgumentTypeError, DeviceAllocationError, SetupError, TierUnavailableError
-        As :class:`UvaBufferPool` raises them for these arguments.
+        The pool that publishes the rows (``guard="auto"``); ``dtype`` and ``device`` are the pool's.
     """
 
     def __init__(
@@ -325,7 +239,7 @@ class UvaBackedTensor(Sealed):
 
     @property
     def gpu(self) -> torch.Tensor:
-        """The device tensor of the last ``copy_to_uva()`` (at first: the zeros published at construction)."""
+        """The device tensor of the last ``copy_to_uva()`` (at first, the zeros published at construction)."""
         return self._gpu.value
 
     @property
@@ -334,29 +248,9 @@ class UvaBackedTensor(Sealed):
         return self.pool.tier
 
     def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
-        """Publish the first ``n`` rows (all when None); the device tensor, also kept as ``.gpu``.
-
-        Parameters
-        ----------
-        n : int or None, optional
-            The row count, ``0 <= n <= rows``; None (the default) is every row.
-
-        Returns
-        -------
-        torch.Tensor
-            The first ``n`` rows on ``device``, as :meth:`UvaBufferPool.copy_to_uva`
-            returns them (the same tensor again when the values did not change).
-
-        Raises
-        ------
-        InvalidArgumentError
-            If ``n`` is not None or an int in ``[0, rows]``.
-        StepRuleError
-            In check mode, if the step clock would have released a slot the device may
-            still read.
-        CudaError
-            If recording or querying the guard's CUDA event fails.
-        """
+        """Publish the first ``n`` rows (None, the default: all); the device tensor, also kept as ``.gpu``,
+        as :meth:`UvaBufferPool.copy_to_uva` returns it. Raises InvalidArgumentError unless ``n`` is None
+        or an int in ``[0, rows]``; StepRuleError and CudaError as that method."""
         src = self.np if n is None else self.np[: check_rows(n, self.np.shape[0])]
         gpu = self._gpu.value = self.pool.copy_to_uva(src)
         return gpu

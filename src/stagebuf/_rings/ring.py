@@ -1,13 +1,5 @@
-"""``Ring``: the staging buffers of one pool, stager, param table or staged-write launcher.
-
-One type for every ring: it owns its buffers (one per slot), their tier, the
-transfer counters, growth and per-slot view caches, and hands out slots in turn
-under the slot-reuse guard (the device's step clock: :mod:`stagebuf._rings.guard`).
-In check mode a ring whose slots users read directly (pools, stagers) keeps
-``STAGEBUF_CHECK_QUARANTINE`` more slots: a released slot is poisoned and waits
-that many uses before it is taken again, so a too-late read reads poison, as
-AddressSanitizer quarantines freed memory.
-"""
+"""``Ring``: the staging buffers of one pool, stager, param table or staged-write launcher (their tier,
+counters, growth and view caches), handed out in turn under the slot-reuse guard (``guard.py``)."""
 
 from __future__ import annotations
 
@@ -34,20 +26,11 @@ def _counters() -> dict[str, int]:
 
 class Ring:
     """``n`` slots of staging buffers (plus a quarantine in check mode) taken in turn, guarded by the
-    device's step clock.
-
-    The one slot protocol of every pool, stager, param table and staged-write launcher:
-    ``acquire()`` the next slot and its buffer (once the device is done with that slot's last
-    use), fill it (``grow()`` it first if it is too small; ``typed()`` views its device arena),
-    then ``publish()`` it. ``make()`` makes one slot's buffer. ``quarantined``: users read the
-    slots' device tensors themselves (pools, stagers), so check mode quarantines released slots
-    and poisons them. ``mark()`` says the current use's consumers are enqueued now (rings that
-    launch their own reader).
-
-    Guard modes: ``wait`` blocks (and counts the wait), ``raise`` raises SlotInFlightError,
-    ``off`` skips; ``auto`` is ``wait`` on the tiers whose host memory the device reads
-    asynchronously (UVA, PINNED), else ``off``.
-    """
+    device's step clock: ``acquire()`` the next slot, fill it (``grow()`` it first if too small;
+    ``typed()`` views its device arena), then ``publish()`` it. ``make()`` makes one slot's buffer;
+    ``quarantined``: users read the slots' device tensors themselves, so check mode quarantines and
+    poisons released slots; ``mark()``: the current use's consumers are enqueued now; ``mode``: as a
+    pool's ``guard``."""
 
     __slots__ = (
         "mode", "active", "waits", "n", "size", "released", "cur", "seq", "clock", "bufs", "counts",
@@ -87,8 +70,7 @@ class Ring:
         self._owner = [-1] * size  # per slot: the number of its last use
         self._last_tick = -1  # the step of the current use
         self._last_marked = False
-        # STAGEBUF_CHECK=1: also an event of this ring's own per use (recorded when its consumers are
-        # known to be enqueued), to catch the step clock releasing a slot whose readers still run
+        # check mode: an event of its own per use too, to catch the clock releasing a slot still read
         self._exact: list[int] | None = [-1] * size if self.active and check_mode() else None
         self.bufs = bufs
         self.counts = _counters()
@@ -119,12 +101,10 @@ class Ring:
         return self.bufs[slot]
 
     def acquire(self) -> tuple[int, StagingBuffer]:
-        """The next slot, once the readers of the use ``n`` back are done (per the guard), and its
-        buffer; not taken until ``publish()``, so a caller that fails in between leaves the ring as
-        it was. What the slot's growths retired is released. With a quarantine, the slot of the use
-        ``n`` back is ``released`` and waits ``quarantine`` uses before it is taken again (in check
-        mode it reads poison from now on); without, it is the slot returned.
-        """
+        """The next slot, once the guard allows, and its buffer; not taken until ``publish()`` (a caller
+        that fails in between leaves the ring as it was). Frees what the slot's growths retired, and sets
+        ``released`` (the slot of the use ``n`` back; with a quarantine it waits ``quarantine`` uses and,
+        in check mode, reads poison from now on)."""
         size = self.size
         slot = (self.cur + 1) % size
         g = slot if size == self.n else (slot - self.n) % size  # the slot of the use n back
@@ -179,12 +159,8 @@ class Ring:
         )
 
     def touch(self) -> None:
-        """The current use goes on: its slot is read again in this step, not rewritten.
-
-        Follows the step rule as ``acquire()`` does (a ring that already staged in this
-        step ends it), then counts the slot as used in this step, so that it is not
-        rewritten before this step's readers are done.
-        """
+        """The current use goes on (its slot is read again in this step, not rewritten): the step rule as
+        in ``acquire()``, then the slot counts as used in this step."""
         cur = self.cur
         if not self.active or cur < 0:
             return
@@ -203,9 +179,8 @@ class Ring:
             self._exact[cur] = -1
 
     def publish(self, slot: int, nbytes: int | None = None, marked: bool = False) -> int:
-        """Take ``slot`` (from ``acquire()``) for the next use; that use's number. ``nbytes`` (not
-        None): one transfer of that many bytes was issued from it. ``marked``: its consumers are enqueued
-        already (as ``mark()``)."""
+        """Take ``slot`` (from ``acquire()``) for the next use; that use's number. ``nbytes``: one transfer
+        of that many bytes was issued from it; ``marked``: its consumers are enqueued already."""
         self.cur = slot
         use = self.seq
         self.seq = use + 1
@@ -246,8 +221,8 @@ class Ring:
         return arena_as(self._typed[slot], self.bufs[slot].dev, dtype)
 
     def views(self, slot: int) -> dict[Any, Any]:
-        """The user's cache of views of ``slot``'s buffer, by layout: emptied when the slot grows
-        (and by the user when it holds ``MAX_VIEWS``)."""
+        """The user's cache of views of ``slot``'s buffer by layout (emptied at growth, and by the user at
+        ``MAX_VIEWS``)."""
         return self._views[slot]
 
     def count(self, nbytes: int) -> None:
@@ -273,9 +248,8 @@ def poison(buf: StagingBuffer) -> None:
 
 
 def arena_as(cache: dict[Any, Any], arena: torch.Tensor, dtype: np.dtype) -> torch.Tensor:
-    """The whole byte ``arena`` viewed as ``dtype`` (its bytes past the last whole element left
-    out, so any capacity works), made once per (arena address, dtype) and kept in ``cache``:
-    a slice of it is then the one torch call a new typed view of the arena costs."""
+    """The whole byte ``arena`` viewed as ``dtype`` (any trailing partial element left out), made once per
+    (arena address, dtype) in ``cache``: a slice of it is then a new typed view's one torch call."""
     key = (arena.data_ptr(), dtype)
     base = cache.get(key)
     if base is None:

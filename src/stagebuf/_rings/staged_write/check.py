@@ -1,11 +1,5 @@
-"""The check: a target's edit log turned into one batch of checked arrays, or a ``StagedWriteError``.
-
-``check()`` checks list values in bulk with numpy by ``_common.convert``'s one rule
-and notes whether two edits share a row (then the launch de-duplicates, later wins).
-A bad list value raises ``StagedWriteError`` naming every bad edit; then nothing
-changes, and ``discard_staged`` drops exactly the edits named. The batch types
-(``CheckedEdits`` and its ``WriteTarget``) live here: the launch consumes them.
-"""
+"""The check: a target's edit log as one batch of checked arrays (``CheckedEdits``, for the launch), or a
+``StagedWriteError`` naming every bad list edit (then nothing changes)."""
 
 from __future__ import annotations
 
@@ -77,11 +71,8 @@ class CheckedEdits:
 
 
 def check(log: EditLog, target: WriteTarget, tensor: Any) -> CheckedEdits | None:
-    """Every edit of ``log`` as checked arrays for ``target`` (None: nothing staged); raises
-    StagedWriteError naming every bad edit (and ``tensor``, the tensor whose log it is).
-
-    Nothing changes when it raises: every staged edit stays staged.
-    """
+    """Every edit of ``log`` as checked arrays for ``target`` (None: nothing staged), noting overlaps;
+    raises StagedWriteError naming every bad edit (and ``tensor``, the log's), changing nothing."""
     bad: Bad = []
     if not log.batches:  # the common case: list edits only
         if not log.dst:
@@ -150,8 +141,8 @@ def _raise(log: EditLog, tensor: Any, bad: Bad) -> None:
 def _with_overlaps(
     log: EditLog, target: WriteTarget, d: np.ndarray, n: np.ndarray, v: np.ndarray, width: int = 0
 ) -> CheckedEdits:
-    """The gathered edits, noting whether two share a row (then they may overlap); ``width``: every
-    edit's length where they are all one length (0: unknown or mixed)."""
+    """The gathered edits, noting whether two share a row (then they may overlap); ``width`` as for
+    ``CheckedEdits``."""
     e = d.shape[0]
     dup = False
     if e > 1:  # two edits on one row may overlap: then apply them in order, on the host

@@ -1,8 +1,6 @@
-"""The staged-write Triton kernel and its launcher.
-
-One program per edit reads a packed metadata row (target base address, flat offset
-of the first element, length, source offset) and copies that edit's values, so
-several targets go through one launch with no table to keep on the device.
+"""The staged-write Triton kernel and its launcher: one program per edit reads a packed metadata row
+(target base address, flat offset of the first element, length, source offset) and copies its values,
+so several targets go through one launch with no table to keep on the device.
 """
 
 from __future__ import annotations
@@ -114,13 +112,10 @@ def launch_at(
 ) -> None:
     """Launch the kernel over metadata and content at these device addresses (CPU: the interpreter).
 
-    The first launch of each specialisation goes through Triton's dispatcher (``JITFunction``),
-    which compiles or looks up the kernel and returns it; later ones call that compiled
-    kernel's launcher directly, which skips the dispatcher's per-call work (measured in
-    docs/DESIGN.md, "Staged writes"). The key holds what Triton
-    specialises these arguments on (pointer alignment to 16 bytes) and ``tensors()``
-    makes the tensors the dispatcher needs. A launch hook (a profiler) or a launcher that
-    refuses the call sends every launch through the dispatcher.
+    The first launch of each specialisation (``key``: what Triton specialises these arguments on) goes
+    through Triton's dispatcher, with the tensors ``tensors()`` makes; later ones call the compiled
+    kernel's launcher directly (docs/DESIGN.md, "Staged writes"). A launch hook (a profiler) or a
+    launcher that refuses the call sends every launch through the dispatcher.
     """
     if device.type != "cuda":
         meta, content = tensors()
@@ -133,19 +128,9 @@ def launch_at(
         stream = torch._C._cuda_getCurrentRawStream(device.index)
         try:
             k.run(
-                n_edits,
-                1,
-                1,
-                stream,
-                k.function,
-                k.packed_metadata,
-                None,
-                None,
-                None,
-                meta_addr,
-                content_addr,
-                block,
-            )
+                n_edits, 1, 1, stream, k.function, k.packed_metadata, None, None, None,
+                meta_addr, content_addr, block,
+            )  # fmt: skip
             return
         except TypeError as e:  # another Triton's launcher signature: the dispatcher from now on
             _direct[0] = False

@@ -1,10 +1,6 @@
-"""The launcher of a writer's applies: one packed transfer and one launch per apply.
-
-``_Launcher`` owns a writer's guarded ring of byte arenas. An apply packs the
-destinations (or per-edit metadata) and the values of the gathered batches
-(``check.CheckedEdits``) into the next slot, publishes it with one copy on the copy
-tiers (none on UVA), and runs one kernel: ``scatter`` (ATen ``index_copy_`` on the
-target's flat view), ``triton`` (``kernel.py``) or, on HOST, one numpy assignment.
+"""The launcher of a writer's applies: one packed transfer and one launch per apply (``_Launcher``):
+``scatter`` (ATen ``index_copy_`` on the target's flat view), ``triton`` (``kernel.py``) or, on HOST,
+one numpy assignment.
 """
 
 from __future__ import annotations
@@ -27,10 +23,8 @@ from .check import CheckedEdits
 from .kernel import _block_for, _triton_error, launch_at, triton_usable
 
 TRITON_MIN_ELEMS = 1 << 13
-"""``auto`` uses the Triton kernel from this many staged elements on (measured: docs/DESIGN.md)."""
-SCATTER_MAX_PARTS = 4
-"""``auto`` writes up to this many targets with one ``index_copy_`` each (one packed transfer), more
-with one Triton launch (docs/DESIGN.md)."""
+"""``auto`` writes one target with the Triton kernel from this many staged elements on, and several
+targets with it always (one launch; measured: docs/DESIGN.md)."""
 _INT64 = np.dtype(np.int64)
 _PY_ROWS = 16
 """Up to this many edits, an apply's Triton rows are built in Python (numpy's per-call cost is more)."""
@@ -41,12 +35,9 @@ _CAPACITY = 1 << 14
 
 
 class _Launcher:
-    """A writer's ring of ``max_concurrency`` byte arenas of its tier, guarded as every ring is.
-
-    An apply writes its destinations (or the Triton kernel's per-edit rows) at offset 0 and the
-    values after them, straight into the slot's host memory (private to the writer: no scratch
-    copy), publishes the used prefix (one copy on the copy tiers, none on UVA) and launches.
-    """
+    """A writer's guarded ring of ``max_concurrency`` byte arenas of its tier. An apply writes its
+    destinations (or the Triton kernel's per-edit rows) at offset 0 and the values after them straight
+    into the slot's host memory (private: no scratch copy), publishes the used prefix and launches."""
 
     def __init__(self, device: torch.device, max_concurrency: int, capacity: int):
         self.device = device
@@ -78,8 +69,7 @@ class _Launcher:
         if p0.dup if one else any(p.dup for p in parts):
             kernel = "scatter"  # overlaps: de-duplicated on the host, then one scatter
         elif kernel == "auto":
-            n_elems = p0.vals.shape[0] if one else sum(p.vals.shape[0] for p in parts)
-            kernel = "triton" if n_elems >= TRITON_MIN_ELEMS or len(parts) > SCATTER_MAX_PARTS else "scatter"
+            kernel = "triton" if not one or p0.vals.shape[0] >= TRITON_MIN_ELEMS else "scatter"
         if kernel == "triton" and not triton_usable(self.device):
             if self.forced == "triton":
                 warn_once(
@@ -95,9 +85,9 @@ class _Launcher:
         else:
             dests, values = [], []
             for p in parts:
-                d, v = p.dest()
+                d, x = p.dest()
                 dests.append(d)
-                values.append(v)
+                values.append(x)
             head, vals = np.concatenate(dests), np.concatenate(values)
         # pack: the head (int64) at offset 0, the values after it, in the next slot's host memory
         off = (head.nbytes + ALIGN - 1) & -ALIGN
@@ -115,8 +105,9 @@ class _Launcher:
             v = self.views.get(key)
             if v is None:
                 v = self._views_for(ring, cur, key, off, used)
-            v[0][...] = head
-            v[1][...] = vals
+            h_dest, h_vals, d_dest, d_vals = v
+            h_dest[...] = head
+            h_vals[...] = vals
         copies = buf.tier.copies
         if copies:
             buf.uva(used)
@@ -132,9 +123,8 @@ class _Launcher:
 
             launch_at(self.device, base, base + off, dtype, n, _block_for(longest), tensors)
         elif one:
-            p0.target.flat.index_copy_(0, v[2], v[3])
+            p0.target.flat.index_copy_(0, d_dest, d_vals)
         else:
-            d_dest, d_vals = v[2], v[3]
             a = 0
             for p, d in zip(parts, dests):
                 b = a + d.shape[0]

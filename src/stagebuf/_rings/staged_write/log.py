@@ -1,10 +1,5 @@
-"""The log: the edits staged on one ``StagedWriteTensor``, in staging order, until an apply.
-
-``EditLog`` holds list edits in three Python lists (the tensor's ``stage_write``
-appends to them, values unchecked: they are checked in bulk at apply) and array
-edits as batches (checked when staged, with numpy). It lists, drops and clears
-them; ``check.check()`` turns it into one batch.
-"""
+"""The log: the edits staged on one ``StagedWriteTensor``, in staging order, until an apply: list edits
+unchecked (checked in bulk at apply), array edits checked when staged, with numpy."""
 
 from __future__ import annotations
 
@@ -55,10 +50,8 @@ def _ints(x: Any, name: str) -> np.ndarray:
 
 
 class StagedBatch:
-    """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked).
-
-    ``dst`` is each edit's flat offset in the target (``row * row_stride + start``).
-    """
+    """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked);
+    ``dst`` is each edit's flat offset in the target (``row * row_stride + start``)."""
 
     __slots__ = ("dst", "lens", "vals", "checked")
 
@@ -67,9 +60,8 @@ class StagedBatch:
 
 
 class EditLog:
-    """The edits staged on one target of ``rows`` x ``cols`` values of ``dtype``, in staging order:
-    list edits in three lists (``dst``, ``lens``, ``vals``: a ``stage_write`` appends to them, its
-    values unchecked), array edits in ``batches`` (checked when staged)."""
+    """The edits staged on one target of ``rows`` x ``cols`` values of ``dtype``, in staging order: list
+    edits in ``dst``, ``lens`` and ``vals`` (a ``stage_write`` appends to them), arrays in ``batches``."""
 
     def __init__(self, rows: int, cols: int, dtype: torch.dtype):
         self.rows, self.cols, self.row_stride = rows, cols, cols

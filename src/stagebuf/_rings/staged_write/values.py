@@ -1,10 +1,4 @@
-"""Staged values into the target dtype, by ``_convert``'s one rule: arrays now, lists in bulk at apply.
-
-``checked`` converts one edit's non-list values when staged. ``list_values``
-converts the values of many list edits at once (one ``np.array`` of the whole
-batch and a range check), and where that cannot be trusted per edit reads each
-edit on its own, reporting every bad one.
-"""
+"""Staged values into the target dtype by ``_convert``'s one rule: arrays when staged, lists at apply."""
 
 from __future__ import annotations
 
@@ -42,11 +36,10 @@ def list_values(
 ) -> np.ndarray:
     """The values of list-staged edits (``lens[k]`` values each) as ``target``, checked in bulk.
 
-    The batch is read as one array; where that cannot be trusted per edit (it is not numeric, a
-    value does not fit, an edit may be all bools, or int64 values may have gone through float64),
-    each edit is read on its own, and each bad one is added to ``bad`` as ``(pos + k, flat
-    offset, why)`` for the batch's ``k``-th edit (its values become zeros in the unused result).
-    ``width``: every edit's length where they are all one length (0: unknown or mixed).
+    Where the one array of the batch cannot be trusted per edit (not numeric, a value does not fit, an
+    edit may be all bools, or int64 values may have gone through float64), each edit is read on its own
+    and each bad one added to ``bad`` as ``(pos + k, flat offset, why)`` (its values zeros in the unused
+    result). ``width`` as for ``CheckedEdits``.
     """
     a = None
     if target.kind in "iu":  # ints read exactly, or refused (floats, strings, past 64 bits)
@@ -70,6 +63,7 @@ def list_values(
         fits = not _inexact(a, target) and why_unfit(a, target) is None
         bools = fits and a.size > 0
     if bools:
+        assert a is not None
         # numpy reads bools mixed with numbers as numbers: an edit whose values are all 0 or 1 may
         # be all bools. On a short list the type scan is the cheaper test and settles most cases.
         short = len(vals) <= 256

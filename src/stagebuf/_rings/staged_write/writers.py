@@ -1,11 +1,5 @@
-"""``StagedWriteTensor`` and ``FusedStagedWriter``: the public staged-write classes.
-
-Along the data flow: each tensor's edits go into its log (``log.py``; a
-``stage_write`` on the fast path is three list appends, done here), an apply
-checks the logs into batches (``check.py``), then launches them (``launcher.py``:
-one packed transfer and one launch; the Triton kernel in ``kernel.py``). A
-``StagedWriteTensor`` apply is the one-target case of a fused one.
-"""
+"""``StagedWriteTensor`` and ``FusedStagedWriter``: the public staged-write classes (the data flow is in
+the package docstring); a ``StagedWriteTensor`` apply is the one-target case of a fused one."""
 
 from __future__ import annotations
 
@@ -61,60 +55,38 @@ def _dtype(dtype: DTypeLike) -> torch.dtype:
 class StagedWriteTensor(Sealed):
     """A zero-filled device tensor edited by staged ``(row, start, values)`` writes.
 
-    Edits are collected on the host and applied all at once by ``apply_write()``,
-    with one transfer and one launch; overlapping edits apply in staging order.
+    Edits are collected on the host and applied all at once by ``apply_write()``, with one transfer and
+    one launch; overlapping edits apply in staging order. A list of values is checked at apply, with the
+    whole batch (staging stays a list append); every other input is checked when staged.
 
     Parameters
     ----------
     size : int or tuple of int
-        ``(rows, cols)``, or ``n`` (n rows of one column: ``stage_write_elem(i, v)``
-        sets ``gpu[i]``).
+        ``(rows, cols)``, or ``n`` (n rows of one column: ``stage_write_elem(i, v)`` sets ``gpu[i]``).
     dtype : torch.dtype or numpy dtype or str
         ``int32``, ``int64`` or ``float32``.
     device : torch.device or str or int, optional
         Default: the current accelerator, else the CPU.
     max_concurrency : int, optional
-        Staging slots (default: ``set_default_max_concurrency``'s value, at least 2).
+        Staging slots, as for :class:`UvaBufferPool`.
     uva_instead_of_gpu : bool, default False
-        Keep the tensor in pinned host memory that kernels read through UVA (tier UVA
-        only; elsewhere it is a device tensor, logged once).
+        Keep the tensor in pinned host memory that kernels read through UVA (tier UVA only; elsewhere it
+        is a device tensor, logged once).
 
     Attributes
     ----------
     gpu : torch.Tensor
-        The target tensor, at a fixed address (zero-filled at construction).
-    shape : tuple of int
-        Its shape.
-    dtype : torch.dtype
-        Its element type.
-    device : torch.device
-        The target device.
-    tier : Tier
-        The device's tier (``capabilities(device).tier``).
-    rows : int
-        The row count (``num_rows`` too).
-    cols : int
-        Values per row (1 for a 1-D target).
+        The target tensor, at a fixed address (zero-filled at construction), of ``shape``, ``dtype`` and
+        ``device``: ``rows`` (``num_rows`` too) rows of ``cols`` values (1 for a 1-D target). ``tier``
+        is the device's (``capabilities(device).tier``).
 
     Raises
     ------
     InvalidArgumentError
-        If ``size`` is not an int >= 0 or a tuple of one or two of them, ``dtype`` is
-        not one of the allowed dtypes, or ``max_concurrency`` is not None or an int
-        >= 1.
-    ArgumentTypeError
-        If ``device`` is of a type that is not accepted.
-    DeviceAllocationError
-        If the device runs out of memory for the tensor.
-    SetupError, TierUnavailableError
-        As :func:`capabilities` raises them for ``device`` and the settings.
-
-    Notes
-    -----
-    A list of values is checked at apply, with the whole batch (staging stays a list
-    append); every other input is checked when staged. A bad list value makes the
-    apply write nothing and raise ``StagedWriteError`` naming every bad edit
-    (``err.edits``); ``discard_staged(err.edits)`` drops exactly those.
+        If ``size`` is not an int >= 0 or a tuple of one or two of them, ``dtype`` is not one of the
+        allowed dtypes, or ``max_concurrency`` is not None or an int >= 1.
+    ArgumentTypeError, DeviceAllocationError, SetupError, TierUnavailableError
+        As :class:`UvaBufferPool` raises them for ``device`` (and the tensor's memory).
     """
 
     _target: WriteTarget
@@ -164,7 +136,7 @@ class StagedWriteTensor(Sealed):
 
     @property
     def kernel(self) -> Kernel:
-        """The kernel the last apply ran: ``host``, ``scatter`` or ``triton``."""
+        """The kernel the last apply ran (``host``, ``scatter`` or ``triton``)."""
         return self._kernel.value
 
     def _alloc(self, uva: bool) -> torch.Tensor:
@@ -199,24 +171,17 @@ class StagedWriteTensor(Sealed):
     def stage_write(self, index: int, start: int, values: HostData) -> None:
         """Stage ``gpu[index, start:start + len(values)] = values``, applied by ``apply_write()``.
 
-        Parameters
-        ----------
-        index : int
-            The row, in ``[0, rows)``.
-        start : int
-            The first column (a Python or numpy int >= 0); the edit must end within the row.
-        values : list, tuple, numpy.ndarray or CPU tensor
-            1-D values. A list is checked at apply, with the whole batch; other inputs now.
+        ``index`` is the row, in ``[0, rows)``; ``start`` the first column (a Python or numpy int >= 0),
+        and the edit must end within the row. ``values`` are 1-D: a list (checked at apply, with the
+        whole batch), tuple, numpy array or CPU tensor (checked now).
 
         Raises
         ------
         InvalidArgumentError
-            If ``index`` or ``start`` is not an int in range, the edit ends past the
-            row, or non-list ``values`` are not 1-D or do not fit the dtype; nothing is
-            staged.
+            If ``index`` or ``start`` is not an int in range, the edit ends past the row, or non-list
+            ``values`` are not 1-D or do not fit the dtype. A staging call that raises stages nothing.
         ArgumentTypeError
-            If non-list ``values`` are of an unsupported type or dtype; nothing is
-            staged.
+            If non-list ``values`` are of an unsupported type or dtype.
         """
         if type(values) is list and type(index) is int:
             if type(start) is not int:  # vLLM passes numpy ints here (a row's block count)
@@ -234,25 +199,9 @@ class StagedWriteTensor(Sealed):
         self._log.stage_checked(index, start, values)
 
     def stage_write_elem(self, index: int, value: Any) -> None:
-        """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target).
-
-        Parameters
-        ----------
-        index : int
-            The row, in ``[0, rows)``.
-        value : int or float or 0-d array
-            One scalar (a Python int or float is checked at apply).
-
-        Raises
-        ------
-        InvalidArgumentError
-            If ``index`` is not an int in ``[0, rows)``, ``value`` is a list or tuple
-            or an array that is not 0-d, or a numpy value does not fit the dtype;
-            nothing is staged.
-        ArgumentTypeError
-            If ``value`` is a bool, not a number, or an array of an unsupported dtype;
-            nothing is staged.
-        """
+        """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target); ``value`` is one scalar: an
+        int or float (checked at apply) or a 0-d array. Raises as :meth:`stage_write` (a list, tuple or
+        array that is not 0-d is InvalidArgumentError; a bool or a non-number ArgumentTypeError)."""
         rows, cols, dst, lens, _ = self._fast
         if type(index) is int and 0 <= index < rows and (type(value) is int or type(value) is float):
             dst(index * cols)
@@ -271,55 +220,34 @@ class StagedWriteTensor(Sealed):
         rows, starts : array-like of int
             One row and one start column per edit.
         values : array-like
-            ``(E, L)`` (each edit writes L values), ``(E,)`` (one value each), or,
-            with ``lengths``, a flat array whose consecutive runs of ``lengths[i]``
-            values are the edits.
+            ``(E, L)`` (each edit writes L values), ``(E,)`` (one value each), or, with ``lengths``, a
+            flat array whose consecutive runs of ``lengths[i]`` values are the edits.
         lengths : array-like of int, optional
             Per-edit lengths for flat ``values``.
 
         Raises
         ------
         InvalidArgumentError
-            If the arrays' lengths disagree, a row, start or length is out of range, an
-            edit ends past its row, or a value does not fit the dtype. Everything is
-            checked now, with numpy; a bad edit raises naming its position, and nothing
-            of the batch is staged.
+            As :meth:`stage_write` for each edit, or if the arrays' lengths disagree. Everything is
+            checked now, with numpy: a bad edit raises naming its position, and nothing is staged.
         ArgumentTypeError
-            If an argument is of an unsupported type or dtype (``rows``, ``starts`` and
-            ``lengths`` must hold integers); nothing of the batch is staged.
+            If an argument is of an unsupported type or dtype (``rows``, ``starts`` and ``lengths`` must
+            hold integers).
         """
         self._log.stage_writes(rows, starts, values, lengths)
 
     # --- inspecting, applying ---
 
     def pending_writes(self) -> list[tuple[int, int, list[Any]]]:
-        """The staged edits, in staging order.
-
-        Returns
-        -------
-        list of (int, int, list)
-            ``(index, start, values)`` per edit; an edit's position in this list is
-            what ``StagedWriteError.edits`` and ``discard_staged`` use.
-        """
+        """The staged edits in staging order, as ``(index, start, values)``: an edit's position in this
+        list is what ``StagedWriteError.edits`` and ``discard_staged`` use."""
         return self._log.pending()
 
     def discard_staged(self, positions: Iterable[int]) -> None:
-        """Drop the staged edits at ``positions`` (as ``pending_writes()`` numbers them).
-
-        Parameters
-        ----------
-        positions : iterable of int
-            E.g. ``err.edits`` of a ``StagedWriteError``: the next apply then writes
-            the remaining edits.
-
-        Raises
-        ------
-        InvalidArgumentError
-            If a position is not a staged edit's (outside ``[0, num_staged)``);
-            nothing is dropped.
-        ArgumentTypeError
-            If ``positions`` is not an iterable of ints; nothing is dropped.
-        """
+        """Drop the staged edits at ``positions`` (as ``pending_writes()`` numbers them: ``err.edits`` of a
+        ``StagedWriteError``, say). Raises InvalidArgumentError for a position outside
+        ``[0, num_staged)``, ArgumentTypeError if ``positions`` is not an iterable of ints; nothing is
+        dropped then."""
         self._log.discard(positions)
 
     def apply_write(self) -> None:
@@ -328,9 +256,9 @@ class StagedWriteTensor(Sealed):
         Raises
         ------
         StagedWriteError
-            If a staged list value is not a number or does not fit the dtype exactly:
-            nothing is written, every staged edit stays staged, and ``err.edits`` names
-            every bad one (``discard_staged(err.edits)``, then apply again).
+            If a staged list value is not a number or does not fit the dtype exactly: nothing is
+            written, every staged edit stays staged, and ``err.edits`` names every bad one
+            (``discard_staged(err.edits)``, then apply again).
         UsageError
             If a staging slot must grow while a CUDA graph is being captured.
         DeviceAllocationError
@@ -349,16 +277,10 @@ class StagedWriteTensor(Sealed):
         self._log.clear()
 
     def stats(self) -> dict[str, int]:
-        """This tensor's staging counters (of ``apply_write()``; a fused apply counts on its writer).
-
-        Returns
-        -------
-        dict of str to int
-            ``transfers`` and ``bytes`` (host-to-device copies of packed edits and
-            their size: on PINNED and PAGEABLE), ``growths`` (slots replaced by larger
-            ones), ``guard_waits`` (times an apply waited for a slot's last launch)
-            and ``steps`` (applies that packed a slot: none on HOST).
-        """
+        """This tensor's staging counters (of ``apply_write()``; a fused apply counts on its writer):
+        ``transfers`` and ``bytes`` (host-to-device copies of packed edits and their size: on PINNED and
+        PAGEABLE), ``growths`` (slots replaced by larger ones), ``guard_waits`` (times an apply waited
+        for a slot's last launch) and ``steps`` (applies that packed a slot: none on HOST)."""
         return self._launcher.stats()
 
     def __repr__(self) -> str:
@@ -371,35 +293,25 @@ class StagedWriteTensor(Sealed):
 class FusedStagedWriter(Sealed):
     """Applies the staged edits of several StagedWriteTensors of one dtype: one transfer, one launch.
 
-    The writer owns its staging slots (made at the first apply that packs one); the
-    tensors' own slots are not used.
+    The writer owns its staging slots (made at the first apply that packs one), not the tensors'.
+    ``device`` and ``max_concurrency`` (at least 2) are the arguments, resolved.
 
     Parameters
     ----------
     device : torch.device, str, int or None, optional
-        The device of the tensors, as for :func:`capabilities`; None (the default) is
-        the default device.
+        The tensors' device, as for :func:`capabilities`; None (the default) is the default device.
     max_writes : int, optional
-        The expected number of edits per apply, >= 1 (default 1024): it sizes the
-        staging slots; a larger apply grows them.
+        The expected number of edits per apply, >= 1 (default 1024): it sizes the staging slots; a
+        larger apply grows them.
     max_concurrency : int or None, optional
-        The staging slot count, >= 1 (values below 2 are raised to 2); None (the
-        default) is :func:`set_default_max_concurrency`'s value.
-
-    Attributes
-    ----------
-    device, max_concurrency
-        The arguments, resolved (``max_concurrency`` at least 2).
+        The staging slot count, as for :class:`UvaBufferPool`.
 
     Raises
     ------
     InvalidArgumentError
-        If ``max_writes`` is not an int >= 1, or ``max_concurrency`` is not None or
-        an int >= 1.
-    ArgumentTypeError
-        If ``device`` is of a type that is not accepted.
-    SetupError, TierUnavailableError
-        As :func:`capabilities` raises them for ``device`` and the settings.
+        If ``max_writes`` is not an int >= 1, or ``max_concurrency`` is not None or an int >= 1.
+    ArgumentTypeError, SetupError, TierUnavailableError
+        As :class:`UvaBufferPool` raises them for ``device``.
     """
 
     def __init__(self, device: DeviceLike = None, max_writes: int = 1024, max_concurrency: int | None = None):
@@ -418,12 +330,9 @@ class FusedStagedWriter(Sealed):
 
     @property
     def kernel(self) -> Kernel:
-        """The kernel the last apply ran: ``scatter`` or ``triton`` (``host`` on tier HOST).
-
-        ``scatter`` before the first apply. ``STAGEBUF_WRITE_KERNEL`` (``auto``,
-        ``scatter`` or ``triton``) chooses where Triton can run (else ``scatter``);
-        overlapping edits always use ``scatter``.
-        """
+        """The kernel the last apply ran, ``scatter`` (also before the first) or ``triton`` (``host`` on
+        tier HOST). ``STAGEBUF_WRITE_KERNEL`` (``auto``, ``scatter`` or ``triton``) chooses where Triton
+        can run (else ``scatter``); overlapping edits always use ``scatter``."""
         return self._kernel.value
 
     @property
@@ -441,39 +350,33 @@ class FusedStagedWriter(Sealed):
     ) -> None:
         """Apply and clear the staged edits of ``tensors`` (one dtype, this device) at once.
 
-        All or nothing: every tensor's edits are gathered and checked before anything
-        is written, then they go out in one packed transfer and one launch. A tensor
-        listed twice is applied once; with nothing staged nothing happens.
+        All or nothing: every tensor's edits are gathered and checked before anything is written, then
+        they go out in one packed transfer and one launch. A tensor listed twice is applied once; with
+        nothing staged nothing happens.
 
         Parameters
         ----------
         tensors : iterable of StagedWriteTensor
-            The tensors, all of one dtype and on this writer's device (a list, not a
-            single tensor).
+            The tensors, all of one dtype and on this writer's device (a list, not a single tensor).
         output_ptrs : sequence of int, torch.Tensor or None, optional
-            vLLM's call shape: each tensor's ``gpu.data_ptr()``, in the order of
-            ``tensors``; checked against them when given. A device tensor's contents
-            are read once per tensor version (every call in check mode), since that
-            read waits for the device.
+            vLLM's call shape: each tensor's ``gpu.data_ptr()``, in the order of ``tensors``; checked
+            against them when given. A device tensor's contents are read once per tensor version (every
+            call in check mode), since that read waits for the device.
         output_strides : sequence of int, torch.Tensor or None, optional
             Each tensor's row stride (``row_stride``), checked as ``output_ptrs``.
 
         Raises
         ------
         ArgumentTypeError
-            If ``tensors`` is not an iterable of StagedWriteTensor (a single one
-            included), or ``output_ptrs``/``output_strides`` is not a sequence (or
-            tensor) of ints.
+            If ``tensors`` is not an iterable of StagedWriteTensor (a single one included), or
+            ``output_ptrs``/``output_strides`` is not a sequence (or tensor) of ints.
         InvalidArgumentError
-            If the tensors mix dtypes or one is on another device, or
-            ``output_ptrs``/``output_strides`` does not match the tensors (values,
-            length, a tensor's dtype, or a device other than the CPU or this one).
+            If the tensors mix dtypes or one is on another device, or ``output_ptrs``/``output_strides``
+            does not match them (values, length, dtype, or a device other than the CPU or this one).
         StagedWriteError
-            If a staged list value is not a number or does not fit the dtype exactly:
-            nothing is written on any tensor and every staged edit stays staged.
-            ``err.tensor`` is the first tensor with a bad edit and ``err.edits`` its
-            bad edits' positions in ``err.tensor.pending_writes()``; call
-            ``err.tensor.discard_staged(err.edits)``, then apply again.
+            As :meth:`StagedWriteTensor.apply_write`, on every tensor: nothing is written on any.
+            ``err.tensor`` is the first tensor with a bad edit and ``err.edits`` its bad edits'
+            positions: call ``err.tensor.discard_staged(err.edits)``, then apply again.
         UsageError, DeviceAllocationError, CudaError
             As :meth:`StagedWriteTensor.apply_write`.
         """
@@ -531,17 +434,8 @@ class FusedStagedWriter(Sealed):
             t._log.clear()
 
     def stats(self) -> dict[str, int]:
-        """The writer's counters.
-
-        Returns
-        -------
-        dict of str to int
-            ``transfers`` and ``bytes`` (host-to-device copies of packed edits and
-            their size: on PINNED and PAGEABLE), ``growths`` (staging slots replaced
-            by larger ones), ``guard_waits`` (times an apply waited for a slot's last
-            launch), ``steps`` (applies that packed a slot: none on HOST) and
-            ``edit_growths`` (times an apply's edits exceeded ``max_writes``).
-        """
+        """The writer's counters: those of :meth:`StagedWriteTensor.stats`, for its applies, and
+        ``edit_growths`` (times an apply's edits exceeded ``max_writes``)."""
         return {**self._launcher.stats(), "edit_growths": self._edit_growths}
 
     def __repr__(self) -> str:
@@ -556,14 +450,9 @@ def check_outputs(
     name: str,
     expect: list[int],
 ) -> None:
-    """Check vLLM's ``output_ptrs``/``output_strides`` (``given``) against ``expect``; no sync per call.
-
-    A sequence, or a CPU tensor, is compared every call. A device tensor's shape,
-    dtype and device are checked every call; its contents are read once per
-    distinct (tensor, version, expected values) and remembered in ``verified``, since reading
-    device memory on the host waits for the device. ``every`` (``STAGEBUF_CHECK=1``)
-    reads them every call.
-    """
+    """Check vLLM's ``output_ptrs``/``output_strides`` (``given``) against ``expect``, with no sync per
+    call: a device tensor's contents are read once per (tensor, version, expected values), remembered in
+    ``verified``, or every call with ``every`` (check mode); everything else is checked every call."""
     if given is None:
         return
     key = None

@@ -18,47 +18,36 @@ _ANY_RANK = tuple(range(0, 9))
 def async_copy_to_gpu(
     x: HostData, out: torch.Tensor | None = None, device: DeviceLike = None, dtype: DTypeLike | None = None
 ) -> torch.Tensor:
-    """Copy host data to the device, asynchronously; the result never aliases ``x``.
+    """Copy host data to the device, asynchronously: ``out``, or a new tensor; it never aliases ``x``.
 
-    Where pinned memory is available the data goes through a temporary pinned copy
-    (torch's pinned allocator keeps it alive until the copy is done); elsewhere it is
-    copied from pageable memory, which CUDA stages before the call returns. So ``x``
-    may be changed as soon as the call returns. On the CPU (tier HOST) the result is
-    a copy of ``x``.
+    Where pinned memory is available the data goes through a temporary pinned copy (torch's allocator keeps
+    it until the copy is done), else CUDA stages it from pageable memory before returning: ``x`` may change
+    once the call returns. The copy is ordered on the current stream; on the CPU (tier HOST) it is a copy.
 
     Parameters
     ----------
     x : list, tuple, numpy.ndarray or torch.Tensor
-        The host data, of rank 0 to 8: a (nested) list or tuple of numbers, an array
-        or a CPU tensor.
+        The host data, of rank 0 to 8: a (nested) list or tuple of numbers, an array or a CPU tensor.
     out : torch.Tensor, optional
-        A tensor to fill and return instead of a new one: of ``x``'s shape, on the
-        target device.
+        A tensor to fill and return instead of a new one: of ``x``'s shape, on the target device.
     device : torch.device, str, int or None, optional
         The target device, as for :func:`capabilities`; None is the default device.
     dtype : torch.dtype, numpy.dtype, type or str, optional
-        The dtype of the result. ``x``'s values must fit it: no fractions, NaN, inf
-        or out-of-range values into an integer dtype, no finite values beyond a float
-        dtype's range. None: ``out``'s dtype when ``out`` is given, else ``x``'s own.
-
-    Returns
-    -------
-    torch.Tensor
-        ``out``, or a new tensor on the target device, holding ``x``'s values. The
-        copy is ordered on the current stream.
+        The result's dtype, which ``x``'s values must fit (no fractions, NaN, inf or out-of-range values
+        into an integer dtype, no finite values past a float dtype's range); None: ``out``'s dtype when
+        ``out`` is given, else ``x``'s own.
 
     Raises
     ------
     ArgumentTypeError
-        If ``out`` is not a tensor or None; if ``dtype``, ``out``'s dtype or ``x``'s
-        dtype is not a supported dtype; if ``x`` is of another type; or if it mixes
-        bools and numbers, or bools are given for a numeric dtype (or the reverse);
-        or, as :func:`capabilities`, if ``device`` is of a type that is not accepted.
+        If ``out`` is not a tensor or None; if ``dtype``, ``out``'s or ``x``'s dtype is not supported; if
+        ``x`` is of another type, mixes bools and numbers, or gives bools for a numeric dtype (or the
+        reverse).
     InvalidArgumentError
-        If ``dtype`` and ``out.dtype`` differ; if ``out`` has another shape than
-        ``x`` or is not on the target device; if ``x`` is a tensor on an accelerator,
-        a ragged list or of rank over 8; or if a value of ``x`` does not fit the dtype.
-    SetupError, TierUnavailableError
+        If ``dtype`` and ``out.dtype`` differ; if ``out`` has another shape than ``x`` or is not on the
+        target device; if ``x`` is a tensor on an accelerator, ragged or of rank over 8; or if a value of
+        ``x`` does not fit the dtype.
+    SetupError, TierUnavailableError, ArgumentTypeError
         As :func:`capabilities` raises them for ``device`` and the settings.
     """
     if out is not None and not isinstance(out, torch.Tensor):

@@ -1,20 +1,9 @@
-"""Check mode's ``.np``: a numpy view whose element writes are checked like every stagebuf input.
-
-numpy casts on assignment: ``a[2] = 1.7`` into an int32 array stores 1, ``np.int64(300)`` into
-uint8 stores 44, ``1e300`` into float32 stores inf. In plain mode ``.np`` of a buffer, backed
-tensor or param-table field is the plain ndarray, with numpy's rules and no cost. In check mode
-(``STAGEBUF_CHECK=1`` when the object is made) it is a :class:`CheckedArray`, the same memory,
-whose writes raise InvalidArgumentError (or ArgumentTypeError) before anything is written when
-a value does not fit the dtype exactly, by the one rule of ``_convert.why_unfit``:
-
-* ``a[key] = v`` and ``a.fill(v)``;
-* ufuncs writing into it: ``np.add(x, y, out=a)``, ``a += v``, ``np.add.at(a, i, v)``;
-* numpy functions writing into it: ``np.copyto(a, v)``, ``np.put``, ``np.place``, ``np.putmask``
-  and any function given ``out=a`` (``np.cumsum(x, out=a[1:])``).
-
-Slices of it are checked too. What numpy's C methods of *another* array write into it
-(``x.cumsum(out=a)``) and writes through ``.cpu`` (torch's own casts) are not seen: write
-``.np``, or assign ``obj.np = values`` (checked in every mode).
+"""Check mode's ``.np``: a numpy view (the same memory) whose writes raise InvalidArgumentError (or
+ArgumentTypeError) before anything is written when a value does not fit the dtype exactly, by
+``_common.convert``'s one rule, where numpy would cast (``a[2] = 1.7`` into int32 stores 1): ``a[key] = v``,
+``a.fill(v)``, ufuncs into it (``out=a``, ``a += v``, ``np.add.at``), ``np.copyto``, ``np.put``,
+``np.place``, ``np.putmask``, any numpy function given ``out=a``, on slices too. Not seen: C methods of
+another array writing into it (``x.cumsum(out=a)``) and writes through ``.cpu``.
 """
 
 from __future__ import annotations
@@ -30,7 +19,7 @@ from .._common.errors import InvalidArgumentError
 from .._tiers.settings import check_mode
 
 _VALUES_AT: dict[Any, int] = {np.copyto: 1, np.put: 2, np.place: 2, np.putmask: 2}
-"""numpy functions that write into their first argument, and where the values are among their arguments."""
+"""numpy functions writing into their first argument -> the position of their values argument."""
 
 
 def _name(a: np.ndarray) -> str:
@@ -62,7 +51,7 @@ def _short(v: Any) -> str:
 
 
 def _fit(dst: np.ndarray, value: Any, where: str) -> Any:
-    """``value``, checked to fit ``dst``'s dtype exactly (what to write; raises before anything is)."""
+    """``value``, checked to fit ``dst``'s dtype exactly (raises before anything is written)."""
     target = dst.dtype
     if type(value) is np.ndarray or isinstance(value, np.generic):
         if value.dtype == target:
@@ -87,8 +76,7 @@ def _fit(dst: np.ndarray, value: Any, where: str) -> Any:
 
 
 def _wide(*dtypes: Any) -> np.dtype:
-    """A dtype that holds what numpy computes from ``dtypes`` without wrapping at a narrower width."""
-    # (a Python int or float as numpy's 64-bit type: NEP 50 would refuse 300 next to a uint8)
+    """A dtype holding numpy's result from ``dtypes`` unwrapped (Python numbers as 64-bit, for NEP 50)."""
     dt = np.result_type(*(np.asarray(d) if isinstance(d, (int, float)) else d for d in dtypes))
     if dt.kind == "b":
         return dt
@@ -107,7 +95,7 @@ def _put(dst: CheckedArray, values: Any, what: str) -> None:
 
 
 class CheckedArray(np.ndarray):
-    """A numpy view whose writes are checked (check mode's ``.np``; see the module docstring)."""
+    """A numpy view whose writes are checked (see the module docstring)."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if not (type(value) is np.ndarray and value.dtype == self.dtype):  # the engine's usual write
@@ -161,8 +149,7 @@ class CheckedArray(np.ndarray):
             return func(*args, **kwargs)
         out = kwargs.get("out")
         if isinstance(out, CheckedArray):
-            plain_args = [_plain(a) for a in args]
-            result = func(*plain_args, **{**kwargs, "out": None})
+            result = func(*[_plain(a) for a in args], **{**kwargs, "out": None})
             _put(out, np.asarray(result), f"np.{func.__name__}(..., out=)")
             return out
         return super().__array_function__(func, types, args, kwargs)
@@ -176,6 +163,6 @@ def checked_view(a: np.ndarray, name: str) -> CheckedArray:
 
 
 def host_view(cpu: torch.Tensor, name: str) -> np.ndarray:
-    """``cpu.numpy()``: the plain ndarray, or in check mode (now) a :class:`CheckedArray` named ``name``."""
+    """``cpu.numpy()``, or in check mode (read now) a :class:`CheckedArray` named ``name``."""
     a = cpu.numpy()
     return checked_view(a, name) if check_mode() else a

@@ -24,41 +24,36 @@ def make_buffer(
 ) -> StagingBuffer:
     """A buffer of the tier chosen for ``device``, or of ``tier``.
 
-    An allocation that fails at run time (memlock exhausted, WSL cap, a device view
-    refused) falls back to the next tier that can work, with one warning per process;
-    an explicit ``tier`` that cannot work here at all raises instead.
+    A run-time allocation failure (memlock exhausted, WSL cap, a device view refused) falls back to the next
+    tier that can work (a worse one), with one warning per process; an explicit ``tier`` that cannot work
+    here raises.
 
     Parameters
     ----------
     size, dtype, device
         As for :class:`StagingBuffer`.
     tier : Tier, str or None, optional
-        The tier to use (``"uva"``, ``"pinned"``, ``"pageable"``, ``"host"`` or a
-        Tier); None (the default) is ``capabilities(device).tier``. On the CPU the
-        allowed tiers are PAGEABLE and HOST; on an accelerator, the chosen tier and
-        every worse copy tier.
+        ``"uva"``, ``"pinned"``, ``"pageable"``, ``"host"`` or a Tier; None (the default) is
+        ``capabilities(device).tier``. Allowed: PAGEABLE and HOST on the CPU; on an accelerator, the
+        chosen tier and every worse copy tier.
 
     Returns
     -------
     StagingBuffer
-        A :class:`UvaBuffer`, :class:`PinnedBuffer`, :class:`NonUvaBuffer` or
-        :class:`HostBuffer`: of the tier asked for, or a worse one after a run-time
-        fallback.
+        A :class:`UvaBuffer`, :class:`PinnedBuffer`, :class:`NonUvaBuffer` or :class:`HostBuffer`.
 
     Raises
     ------
     TierUnavailableError
-        If ``tier`` is given and cannot work on the device; the message lists the
-        allowed tiers. Also as :func:`capabilities`.
+        If ``tier`` cannot work on the device; the message lists the allowed tiers.
     InvalidArgumentError
         If ``tier`` names no tier, or ``size`` is not an int >= 0 or a tuple of them.
     ArgumentTypeError
-        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not
-        accepted.
+        If ``dtype`` is not a supported dtype.
     DeviceAllocationError
         If the device runs out of memory.
-    SetupError
-        As :func:`capabilities` raises it for ``device`` and the settings.
+    SetupError, TierUnavailableError, ArgumentTypeError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
     if tier is None:
         caps = capabilities(device)

@@ -1,9 +1,6 @@
-"""Zero-copy device views of pinned host memory, through cuda-bindings.
-
-No compiled extension: the device pointer comes from ``cudaHostGetDevicePointer``
-and torch wraps it through ``__cuda_array_interface__`` without copying. Each
-view is checked to alias the host memory (same address, right device); anything
-else raises UvaError so the caller can fall back to a copy tier.
+"""Zero-copy device views of pinned host memory: ``cudaHostGetDevicePointer`` (cuda-bindings), wrapped by
+torch through ``__cuda_array_interface__``. A view that does not alias the host memory (same address, right
+device) raises UvaError, so the caller can fall back to a copy tier.
 """
 
 from __future__ import annotations
@@ -16,16 +13,9 @@ import torch
 from .._common.errors import UvaError
 
 _TYPESTR = {
-    torch.bool: "|b1",
-    torch.uint8: "|u1",
-    torch.int8: "|i1",
-    torch.int16: "<i2",
-    torch.int32: "<i4",
-    torch.int64: "<i8",
-    torch.float16: "<f2",
-    torch.float32: "<f4",
-    torch.float64: "<f8",
-}
+    torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4",
+    torch.int64: "<i8", torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8",
+}  # fmt: skip
 
 
 def load_cudart() -> ModuleType:
@@ -60,7 +50,7 @@ def _check(err: Any, what: str) -> None:
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A device tensor aliasing the pinned, contiguous CPU tensor ``host``."""
-    if host.numel() == 0:  # nothing to alias (and torch reports empty tensors as unpinned)
+    if host.numel() == 0:  # nothing to alias (torch reports empty tensors as unpinned)
         return torch.empty(host.shape, dtype=host.dtype, device=device)
     if not host.is_contiguous():
         raise UvaError("host tensor must be contiguous")

@@ -1,20 +1,6 @@
-"""The slot-reuse guard: one event per step for a whole device, checked before a slot comes round.
-
-On UVA the device reads a slot's host memory while kernels run; on PINNED the
-asynchronous copy reads it after the host call returned. Rewriting that slot
-before the readers are done gives them torn inputs, silently. Every ring of
-slots on one device shares a ``StepClock``: one event per step, recorded when a
-ring that already staged in the step stages again (or at ``begin_step()``), and
-checked before a slot comes round: ``wait`` blocks (and counts the wait),
-``raise`` raises SlotInFlightError, ``off`` skips. ``auto`` is ``wait`` on the
-tiers whose host memory the device reads asynchronously (UVA, PINNED) and
-``off`` elsewhere, where stream order already protects single-stream consumers.
-``STAGEBUF_CHECK=1`` also keeps each ring's own event per use and raises
-StepRuleError where the clock's step rule was broken.
-
-Events are cheap CUDA events recorded through cuda-bindings on torch's current
-raw stream where cuda-bindings is present (no ``torch.cuda.current_stream()``
-object on the hot path), else ``torch.cuda.Event``.
+"""The slot-reuse guard: one event per step for a whole device, checked before a slot comes round, so that
+no reader of a slot (UVA kernels, a PINNED copy) reads torn inputs (docs/DESIGN.md, "Rings and the guard").
+Events go through cuda-bindings where present (no ``torch.cuda.current_stream()`` object per step).
 """
 
 from __future__ import annotations
@@ -37,27 +23,22 @@ GUARD_MODES: tuple[GuardMode, ...] = ("auto", "wait", "raise", "off")
 
 
 _DEFAULT_MAX_CONCURRENCY = DEFAULT_MAX_CONCURRENCY
-MAX_SLOTS = 1024
-"""The most slots one ring may have (each is a buffer; an engine keeps a few steps in flight)."""
+MAX_SLOTS = 1024  # the most slots one ring may have (each is a buffer; an engine keeps a few steps in flight)
 
 
 def set_default_max_concurrency(n: int) -> None:
-    """Set the default slot count of the rings made afterwards.
-
-    Pools, stagers, parameter tables and staged writers made with
-    ``max_concurrency=None`` take this many slots; those made before keep theirs.
-    The default is 2.
+    """Set the slot count of the rings made afterwards with ``max_concurrency=None`` (pools, stagers,
+    parameter tables, staged writers); those made before keep theirs. The default is 2.
 
     Parameters
     ----------
     n : int
-        The slot count, >= 1; values below 2 are raised to 2 (a ring needs a second
-        slot to fill while the device reads the first).
+        The slot count; below 2 is raised to 2 (a ring fills a second slot while the device reads the first).
 
     Raises
     ------
     InvalidArgumentError
-        If ``n`` is not an int >= 1 (a ``bool`` is refused).
+        If ``n`` is not an int in [1, 1024] (a ``bool`` is refused).
     """
     global _DEFAULT_MAX_CONCURRENCY
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SLOTS:
@@ -67,19 +48,13 @@ def set_default_max_concurrency(n: int) -> None:
     _DEFAULT_MAX_CONCURRENCY = max(2, n)
 
 
-def slot_count(max_concurrency: int | None) -> int:
-    """The slot count of a ring: ``max_concurrency``, or the default; at least 2."""
-    if max_concurrency is None:
+def slot_count(n: int | None) -> int:
+    """The slot count of a ring: ``n`` (its ``max_concurrency``), or the default; at least 2."""
+    if n is None:
         return _DEFAULT_MAX_CONCURRENCY
-    if (
-        isinstance(max_concurrency, bool)
-        or not isinstance(max_concurrency, int)
-        or not 1 <= max_concurrency <= MAX_SLOTS
-    ):
-        raise InvalidArgumentError(
-            f"max_concurrency={max_concurrency!r} must be None or an int in [1, {MAX_SLOTS}]"
-        )
-    return max(2, max_concurrency)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SLOTS:
+        raise InvalidArgumentError(f"max_concurrency={n!r} must be None or an int in [1, {MAX_SLOTS}]")
+    return max(2, n)
 
 
 class Event(Protocol):
@@ -155,41 +130,25 @@ def make_event(device: torch.device) -> Event | None:
     if device.type != "cuda":
         return None
     if device.index is None or device.index == torch.cuda.current_device():
-        # cuda-bindings' runtime records against the calling thread's current device, so
-        # the cheap path is only for the current device (one process per GPU, the usual
-        # engine layout); an event for another device goes through torch.
-        try:
+        # cuda-bindings records on the calling thread's current device: the cheap path is for that device
+        # only (one process per GPU, the usual engine layout); another device's event goes through torch
+        with contextlib.suppress(Exception):
             return _CudartEvent(device, load_cudart())
-        except Exception:
-            pass
     return _TorchEvent(device)
 
 
 EventFactory = Callable[[torch.device], Event | None]
 """Makes an event for a device (None where work is synchronous): ``make_event``, or a test's fake."""
 
-_CLOCK_EVENTS = 64
-"""Event objects a clock keeps, recorded in turn. Before one is recorded again, the clock asks it once
-whether its last recording completed, and keeps the answer (see ``_TICKS``); a use whose event was
-still pending then is checked against the later one (safe)."""
-_TICKS = 4096
-"""Steps (and events) whose event serial and completion a clock remembers exactly: a slot unused for
-fewer steps is checked against its own step's event, not a later one."""
+_CLOCK_EVENTS = 64  # event objects a clock records in turn; before reuse each is asked once if it completed
+_TICKS = 4096  # steps (and events) whose event and completion a clock remembers (docs/DESIGN.md has the rule)
 
 
 class StepClock:
-    """One event per step for every ring on one device.
-
-    A *step* ends when a ring that already staged in it stages again (the natural
-    engine order: stage every input once, launch the model, repeat), or when a
-    ring's uses are marked consumed and nothing else records. Ending a step
-    records one event on the device's current stream; every slot used during
-    that step is protected by it. Rings whose consumer is enqueued inside the
-    call itself (a staged-write apply, a parameter-table sync) mark their use,
-    and are protected by the first event recorded after it.
-
-    So one event is recorded per step, and one query answers for every ring,
-    where a guard per ring records and queries one per call.
+    """One event per step for every ring on one device, on its current stream, protecting every slot used in
+    the step. A step ends when a ring that already staged in it stages again, or at ``begin_step()``. A ring
+    whose consumer is enqueued inside the call (an apply, a sync) marks its use: the next event protects it
+    (the ring records one itself at its next use if none came since).
     """
 
     __slots__ = (
@@ -199,19 +158,13 @@ class StepClock:
     def __init__(self, device: torch.device, factory: EventFactory):
         self.device = device
         self.factory = factory
-        self.tick = 0
-        """The current step."""
-        self.serial = 0
-        """Events recorded so far (the next event's serial)."""
+        self.tick = 0  # the current step
+        self.serial = 0  # events recorded so far (the next event's serial)
         self._events: list[Event | None] = [None] * _CLOCK_EVENTS
-        self._done = [-1] * _CLOCK_EVENTS
-        """Per event object: the latest serial known to be complete."""
-        self.held = [-1] * _CLOCK_EVENTS
-        """Per event object: the serial it was last recorded as."""
-        self._tick_end = [-1] * _TICKS
-        """Per step (mod _TICKS): the serial of the event that ended it."""
-        self._complete = [-1] * _TICKS
-        """Per event serial (mod _TICKS): that serial, once it is known to have completed."""
+        self._done = [-1] * _CLOCK_EVENTS  # per event object: the latest serial known to be complete
+        self.held = [-1] * _CLOCK_EVENTS  # per event object: the serial it was last recorded as
+        self._tick_end = [-1] * _TICKS  # per step (mod _TICKS): the serial of the event that ended it
+        self._complete = [-1] * _TICKS  # per serial (mod _TICKS): that serial, once known to have completed
         self.active = factory(device) is not None
 
     def record(self) -> int:
@@ -242,9 +195,8 @@ class StepClock:
 
     def step_event(self, tick: int) -> int:
         """The serial of the event that ended step ``tick`` (-1: none recorded yet)."""
-        if tick >= self.tick:
-            return -1
-        return self._tick_end[tick % _TICKS]  # (a recycled entry: a later step's event, safe to wait for)
+        # (a recycled entry: a later step's event, safe to wait for)
+        return -1 if tick >= self.tick else self._tick_end[tick % _TICKS]
 
     def done(self, k: int) -> bool:
         """Whether event ``k`` (or a later one in its place) has completed; asks the device once."""
@@ -280,23 +232,21 @@ def step_clock(device: torch.device) -> StepClock:
 def begin_step(device: DeviceLike = None) -> None:
     """Begin a step on ``device``'s step clock: record the event that ends the last step.
 
-    The clock finds step boundaries by itself when every ring stages once per step.
-    An engine with a ring that skips steps (or stages twice in one) calls this at
-    the start of each step. Where the device runs synchronously (the CPU) there is
-    no clock to advance and this does nothing.
+    The clock finds step boundaries by itself when every ring stages once per step; an engine with a ring
+    that skips steps (or stages twice in one) calls this at the start of each step. On a device that runs
+    synchronously (the CPU) it does nothing.
 
     Parameters
     ----------
     device : torch.device, str, int or None, optional
-        The device whose clock to advance, as for :func:`capabilities`; None (the
-        default) is the default device.
+        The device whose clock to advance, as for :func:`capabilities`.
 
     Raises
     ------
-    SetupError, TierUnavailableError, ArgumentTypeError
-        As :func:`capabilities` raises them for ``device`` and the settings.
     CudaError
         If recording the CUDA event fails.
+    SetupError, TierUnavailableError, ArgumentTypeError
+        As :func:`capabilities` raises them for ``device`` and the settings.
     """
     dev = capabilities(device).device
     clock = step_clock(dev)

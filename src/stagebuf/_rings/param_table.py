@@ -1,21 +1,7 @@
 """``DeviceParamTable``: per-request parameters written on the host, uploaded only when changed.
 
-All fields (``name -> dtype``, ``num_rows`` values each) live in one packed host
-arena, each at a 16-byte-aligned offset; users write ``table[name].np`` (or
-``table.fields[name].np``) directly. ``table[name].gpu`` is a typed view of one
-fixed device arena (its address never changes, so CUDA graphs may read it).
-``sync()`` compares the host arena with a shadow of what was last uploaded and,
-only if a byte differs, snapshots the host arena into the next of
-``max_concurrency`` round-robin staging slots and issues one stream-ordered
-copy of the whole arena from that slot. The copy
-reads the snapshot, not the arena, so host writes after ``sync()`` never race
-the copy in flight; the slot-reuse guard (see :mod:`stagebuf._rings.guard`) makes
-sure a slot's previous copy is done before the slot is written again.
-
-Nothing is silently ignored: ``field.np = values`` (or ``.cpu``) copies the
-values into the field's host view, checked like every stagebuf input (the
-field's shape, or one scalar for every row); every other public attribute of a
-field or a table is read-only and raises AttributeError saying what to do.
+``sync()`` compares the host arena with a shadow of the last upload, byte for byte; the class docstring has
+the rest.
 """
 
 from __future__ import annotations
@@ -76,14 +62,10 @@ class _Fields(Mapping[str, "ParamField"]):
     }
 )
 class ParamField(Sealed):
-    """One field of a DeviceParamTable: ``.np``/``.cpu`` on the host, ``.gpu`` on the device.
+    """One field of a :class:`DeviceParamTable`: ``.np``/``.cpu`` on the host, ``.gpu`` on the device.
 
-    Made by :class:`DeviceParamTable`, not by hand. ``field.np = values`` (or
-    ``.cpu``) copies ``values`` (one scalar, or one value per row) into the host
-    view, like ``field.np[:] = values`` with stagebuf's value checks: it raises
-    InvalidArgumentError for another shape or a value that does not fit the dtype,
-    and ArgumentTypeError for an unsupported type. The other attributes are
-    read-only (ReadOnlyAttributeError).
+    ``field.np = values`` (or ``.cpu``) copies ``values`` (one scalar, or one value per row) in, checked as
+    a :class:`StagingBuffer`'s are; the other attributes are read-only (ReadOnlyAttributeError).
 
     Attributes
     ----------
@@ -94,7 +76,7 @@ class ParamField(Sealed):
     offset : int
         Byte offset in the table's packed arena.
     cpu : torch.Tensor
-        The host values (one per row), written by the host.
+        The host values (one per row).
     np : numpy.ndarray
         A numpy view of ``cpu``.
     gpu : torch.Tensor
@@ -135,33 +117,27 @@ class ParamField(Sealed):
 class DeviceParamTable(Sealed):
     """Per-row parameters (e.g. sampling temperature, top-k) mirrored on the device.
 
-    Every field holds ``num_rows`` values, packed with the others into one host
-    arena and one device arena at a fixed address. The host writes
-    ``table[name].np``; :meth:`sync` uploads the whole arena with one copy when a
-    value changed, from a snapshot in the next of ``max_concurrency`` staging slots,
-    so host writes after ``sync()`` never reach the copy in flight. The device
-    values keep their address for the table's life (CUDA graphs may read them).
+    Every field holds ``num_rows`` values, packed with the others into one host arena and one device arena at
+    a fixed address (CUDA graphs may read it). The host writes ``table[name].np``; :meth:`sync` uploads the
+    whole arena with one copy when a value changed, from a snapshot in the next of ``max_concurrency``
+    staging slots, so host writes after ``sync()`` never reach the copy in flight.
 
-    ``table[name]`` and ``table.fields[name]`` are the field's :class:`ParamField`
-    (a name that is not a field raises UnknownFieldError, a KeyError);
-    ``name in table``, ``len(table)`` and iteration go over the field names. The
-    table's attributes are read-only: assigning one raises ReadOnlyAttributeError
-    saying how to write the values instead.
+    ``table[name]`` and ``table.fields[name]`` are the field's :class:`ParamField` (another name raises
+    UnknownFieldError, a KeyError listing the fields); ``name in table``, ``len(table)`` and iteration go
+    over the names. Assigning an attribute raises ReadOnlyAttributeError saying how to write values instead.
 
     Parameters
     ----------
     num_rows : int
         The values per field, >= 0.
     fields : mapping of str to dtype
-        Field name (a non-empty str) -> its element type (a torch dtype, numpy dtype
-        or name: bool, uint8, int8, int16, int32, int64, float16, float32, float64),
-        in arena order; at least one field.
+        Field name (a non-empty str) -> its element type (a torch or numpy dtype, or a name: bool, uint8,
+        int8, int16, int32, int64, float16, float32, float64), in arena order; at least one field.
     device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None (the default) is the
-        current accelerator, else the CPU.
+        The target device, as for :func:`capabilities` (None, the default: the current accelerator, else CPU).
     max_concurrency : int or None, optional
-        The staging slot count, >= 1 (values below 2 are raised to 2); None (the
-        default) is :func:`set_default_max_concurrency`'s value.
+        The staging slot count, >= 1 (values below 2 are raised to 2); None (the default) is
+        :func:`set_default_max_concurrency`'s value.
 
     Attributes
     ----------
@@ -177,15 +153,13 @@ class DeviceParamTable(Sealed):
     Raises
     ------
     InvalidArgumentError
-        If ``num_rows`` is not an int >= 0, ``fields`` is not a non-empty mapping, a
-        field name is not a non-empty str, or ``max_concurrency`` is not None or an
-        int >= 1.
+        If ``num_rows`` is not an int >= 0, ``fields`` is not a non-empty mapping, a field name is not a
+        non-empty str, or ``max_concurrency`` is not None or an int >= 1.
     ArgumentTypeError
-        If a field's dtype is not a supported dtype, or ``device`` is of a type that
-        is not accepted.
+        If a field's dtype is not a supported dtype.
     DeviceAllocationError
         If the device runs out of memory for the arena or the staging slots.
-    SetupError, TierUnavailableError
+    SetupError, TierUnavailableError, ArgumentTypeError
         As :func:`capabilities` raises them for ``device`` and the settings.
     """
 
@@ -201,37 +175,33 @@ class DeviceParamTable(Sealed):
         if not isinstance(fields, Mapping) or not fields:
             raise InvalidArgumentError(f"fields={fields!r} must be a non-empty dict of name -> torch dtype")
         self.num_rows = int(num_rows)
-        layout: list[tuple[str, torch.dtype, int]] = []
+        layout: list[tuple[str, torch.dtype, int, int]] = []  # (name, dtype, offset, bytes)
         off = 0
         for name, dt in fields.items():
             if not isinstance(name, str) or not name:
                 raise InvalidArgumentError(f"field name {name!r} must be a non-empty str")
             dtype = torch_dtype(dt, f"fields[{name!r}]")
-            layout.append((name, dtype, off))
-            nbytes = self.num_rows * torch.empty((), dtype=dtype).element_size()
+            nbytes = self.num_rows * dtype.itemsize
+            layout.append((name, dtype, off, nbytes))
             off = (off + nbytes + ALIGN - 1) & -ALIGN
         self.nbytes = max(off, ALIGN)
         caps = capabilities(device)
         self.device = caps.device
-        self.max_concurrency = slot_count(max_concurrency)
+        self.max_concurrency = n = slot_count(max_concurrency)
         self._host = alloc_host((self.nbytes,), torch.uint8, pinned=False, tier=caps.tier)
         self._host_np = self._host.numpy()
         # the device arena starts zero-filled too
         self._shadow = alloc_host((self.nbytes,), torch.uint8, pinned=False, tier=caps.tier).numpy()
         self._dev = alloc_device((self.nbytes,), torch.uint8, self.device, caps.tier)
         self._ring = Ring(
-            self.max_concurrency,
-            lambda: make_buffer(self.nbytes, torch.uint8, self.device),
-            "auto",
-            "param table slot",
+            n, lambda: make_buffer(self.nbytes, torch.uint8, self.device), "auto", "param table slot"
         )
         self._syncs = {"skipped": 0, "syncs": 0}
-        self._fields: dict[str, ParamField] = {}
-        for name, dtype, o in layout:
-            n = self.num_rows * torch.empty((), dtype=dtype).element_size()
-            self._fields[name] = ParamField(
-                name, dtype, o, self._host[o : o + n].view(dtype), self._dev[o : o + n].view(dtype)
-            )
+        h, d = self._host, self._dev
+        self._fields = {
+            name: ParamField(name, dtype, o, h[o : o + b].view(dtype), d[o : o + b].view(dtype))
+            for name, dtype, o, b in layout
+        }
         self._fields_view = _Fields(self._fields)
         self._freeze()
 
@@ -242,10 +212,7 @@ class DeviceParamTable(Sealed):
 
     @property
     def fields(self) -> Mapping[str, ParamField]:
-        """name -> ParamField, read-only, in arena order (``table.fields[name]`` is ``table[name]``).
-
-        Looking up a name that is not a field raises UnknownFieldError (a KeyError).
-        """
+        """name -> ParamField, read-only, in arena order (``table.fields[name]`` is ``table[name]``)."""
         return self._fields_view
 
     def _missing_hint(self, name: str) -> str | None:
@@ -259,23 +226,7 @@ class DeviceParamTable(Sealed):
         return super()._why(name)
 
     def __getitem__(self, name: str) -> ParamField:
-        """The field ``name``.
-
-        Parameters
-        ----------
-        name : str
-            A field name, as given to the constructor.
-
-        Returns
-        -------
-        ParamField
-            The field: write ``.np`` (or ``.cpu``), read ``.gpu`` after :meth:`sync`.
-
-        Raises
-        ------
-        UnknownFieldError
-            If ``name`` is not a field (a KeyError too); the message lists the fields.
-        """
+        """The field ``name`` (UnknownFieldError if there is none: see the class docstring)."""
         return self._fields_view[name]
 
     def __contains__(self, name: object) -> bool:
@@ -291,37 +242,16 @@ class DeviceParamTable(Sealed):
         return len(self._fields)
 
     def changed(self) -> bool:
-        """Whether a host value differs from what was last uploaded (bitwise: a NaN equals itself).
-
-        Returns
-        -------
-        bool
-            True when :meth:`sync` would issue a copy.
-        """
-        return self._host_np.tobytes() != self._shadow.tobytes()  # bitwise (a NaN equals itself)
+        """Whether a host value differs, bitwise (a NaN equals itself), from what was last uploaded: whether
+        :meth:`sync` would issue a copy."""
+        return self._host_np.tobytes() != self._shadow.tobytes()
 
     def sync(self, force: bool = False) -> bool:
-        """Upload every field with one stream-ordered copy if a host value changed (or ``force``).
+        """Upload every field with one copy on the current stream, from a snapshot (see the class docstring),
+        if a host value changed or ``force``; the guard first waits until the slot's previous copy is done.
 
-        The host arena is snapshotted into the next staging slot (once the guard says
-        that slot's previous copy is done) and copied from there into the device arena
-        on the current stream: later host writes do not reach this copy.
-
-        Parameters
-        ----------
-        force : bool, optional
-            Upload even when nothing changed (default False).
-
-        Returns
-        -------
-        bool
-            True when a copy was issued, False when the device already held the host
-            values.
-
-        Raises
-        ------
-        CudaError
-            If recording or querying the guard's CUDA event fails.
+        Returns whether a copy was issued (False: the device already held the host values). Raises
+        ArgumentTypeError if ``force`` is not a bool, CudaError if the guard's CUDA event fails.
         """
         self._syncs["syncs"] += 1
         if not isinstance(force, (bool, np.bool_)):
@@ -339,16 +269,9 @@ class DeviceParamTable(Sealed):
         return True
 
     def stats(self) -> dict[str, int]:
-        """The table's counters.
-
-        Returns
-        -------
-        dict of str to int
-            ``transfers`` and ``bytes`` (uploads and their size; none on tier HOST),
-            ``growths`` (always 0: the arena never grows), ``guard_waits`` (times a
-            sync waited for a slot's previous copy), ``syncs`` (calls of
-            :meth:`sync`) and ``skipped`` (those with nothing to upload).
-        """
+        """The table's counters: ``transfers`` and ``bytes`` (uploads and their size; none on tier HOST),
+        ``growths`` (always 0: the arena never grows), ``guard_waits`` (times a sync waited for a slot's
+        previous copy), ``syncs`` (calls of :meth:`sync`) and ``skipped`` (those with nothing to upload)."""
         return {**self._ring.stats(), **self._syncs}
 
     def __repr__(self) -> str:

@@ -1,18 +1,12 @@
 """``StepStager``: all of a step's arrays in one host arena, moved with one transfer.
 
-``stage`` writes each array at the next 16-byte-aligned offset of the slot (a byte
-arena of the ring's tier) and returns the device tensor at the same offset. Leaving
-``step()`` publishes the used prefix, at the same moment on every tier: one copy on
-PINNED and PAGEABLE; on UVA and HOST a host memcpy from the scratch arena ``stage``
-wrote (none with ``in_place=True``). Check mode poisons a slot when a step begins in it
-and quarantines released slots (:mod:`stagebuf._rings.ring`). ``static=True`` keeps one
-device address (CUDA graphs).
+``stage`` writes each array at the next 16-byte-aligned offset of the slot (a byte arena of the ring's tier)
+and returns the device tensor at that offset; the flush publishes the used prefix (``Step.flush``).
 """
 
 from __future__ import annotations
 
 import math
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -30,51 +24,34 @@ from .._tiers.settings import ALIGN, POISON, check_mode
 from .guard import GuardMode, slot_count
 from .ring import Ring, arena_as, poison
 
-_MAX_VIEWS = 4096
-"""Views a slot keeps (a step's arrays of many shapes: more than a launcher's layouts)."""
+_MAX_VIEWS = 4096  # views a slot keeps (a step's arrays of many shapes: more than a launcher's layouts)
 
 _LayoutEntry = tuple[np.dtype, tuple[int, ...], np.ndarray, torch.Tensor, int, torch.dtype]
 """One stage() call of a step: (np dtype, shape, host view, device view, end offset, torch dtype)."""
 
 
 class _Slot:
-    """One arena, where the host writes it, and the views into it that steps have asked for.
-
-    ``host`` is what ``stage()`` writes: the staging buffer's own memory on the copy
-    tiers (the device sees it only through the copy at publish), a private scratch
-    arena on UVA and HOST (where the buffer's memory *is* what the device reads),
-    so that nothing a step stages is visible before the step is published; with
-    ``in_place`` the buffer's own memory on every tier.
-    """
+    """One arena and its views. ``host`` (what ``stage()`` writes) is the buffer's own memory on the copy
+    tiers or ``in_place``, else a scratch arena (UVA, HOST: the device reads the buffer) copied at flush."""
 
     __slots__ = (
         "ring", "i", "static", "in_place", "check", "buf", "dev_arena", "host", "cap", "views", "layout",
     )  # fmt: skip
 
     def __init__(self, ring: Ring, i: int, static: torch.Tensor | None, in_place: bool, check: bool):
-        self.ring, self.i = ring, i
-        self.in_place = in_place
-        self.check = check
-        """Check mode (the stager's): a grown arena is poisoned too."""
-        self.static = static
-        """The static arena every step's tensors point into (``static=True``), else None."""
-        self.buf = buf = ring.buf(i)
-        """The slot's buffer (the ring's; replaced by ``grow``)."""
-        self.dev_arena: torch.Tensor = buf.dev if static is None else static
-        """The device memory this slot's tensors point into (the static arena, or the buffer's)."""
+        self.ring, self.i, self.in_place, self.check = ring, i, in_place, check  # check: poison grown arenas
+        self.static = static  # the static arena (static=True), else None
+        self.buf = buf = ring.buf(i)  # replaced by grow()
+        self.dev_arena: torch.Tensor = buf.dev if static is None else static  # where the tensors point
         self.cap = buf.shape[0]
         self.host: np.ndarray = self._host_of(buf)
-        self.layout: list[_LayoutEntry] = []
-        """The last step's stage() calls, in order: a step that repeats them skips every check."""
+        self.layout: list[_LayoutEntry] = []  # the last step's stage() calls: a repeat skips every check
+        # the ring's cache: (offset, dtype, shape) -> (host, device view); (address, dtype) -> typed arena
         self.views: dict[tuple[Any, ...], Any] = ring.views(i)
-        """(offset, dtype, shape) -> (host view, device view); (arena address, dtype) -> typed arena
-        (the ring's cache of the slot: emptied when it grows)."""
 
     def _host_of(self, buf: StagingBuffer) -> np.ndarray:
         """What stage() writes for ``buf``: a scratch arena on UVA and HOST unless in place."""
-        if buf.tier.copies or self.in_place:
-            return buf.np
-        return np.zeros(buf.shape[0], np.uint8)  # UVA and HOST: stage into scratch, publish at exit
+        return buf.np if buf.tier.copies or self.in_place else np.zeros(buf.shape[0], np.uint8)
 
     def publish(self, buf: StagingBuffer, host: np.ndarray, used: int) -> bool:
         """Make the first ``used`` bytes staged in ``buf`` visible where its tensors point (True: copied)."""
@@ -99,9 +76,9 @@ class _Slot:
         cap = self.cap
         if self.static is not None:
             raise UsageError(
-                f"StepStager(static=True): step {seq} needs more than the {cap} bytes of its "
-                "static arena; growing would move the addresses a captured CUDA graph reads. "
-                f"Construct the stager with capacity >= {2 * cap + nbytes}."
+                f"StepStager(static=True): step {seq} needs more than the {cap} bytes of its static arena; "
+                "growing would move the addresses a captured CUDA graph reads. Construct the stager with "
+                f"capacity >= {2 * cap + nbytes}."
             )
         buf = self.buf
         if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -113,8 +90,7 @@ class _Slot:
         need = (used + ALIGN) + nbytes
         new_cap = max(2 * cap, 1 << max(need - 1, 1).bit_length())
         new = self.ring.grow(self.i, lambda tier: make_buffer(new_cap, torch.uint8, buf.device, tier))
-        self.buf, self.dev_arena = new, new.dev
-        self.cap = new_cap
+        self.buf, self.dev_arena, self.cap = new, new.dev, new_cap
         self.host = self._host_of(new)
         self.layout.clear()  # (the ring empties the slot's views)
         if self.check:  # a new arena reads poison too until the step is published
@@ -128,18 +104,15 @@ class _Slot:
         else:
             poison(self.buf)
 
-    def view(
-        self, off: int, dtype: np.dtype, shape: tuple[int, ...], dev_arena: torch.Tensor
-    ) -> tuple[np.ndarray, torch.Tensor]:
+    def view(self, off: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, torch.Tensor]:
         key = (off, dtype, shape)
         v = self.views.get(key)
         if v is None:
             if len(self.views) >= _MAX_VIEWS:
                 self.views.clear()
             n = math.prod(shape)
-            end = off + n * dtype.itemsize
-            host = self.host[off:end].view(dtype).reshape(shape)
-            base = arena_as(self.views, dev_arena, dtype)
+            host = self.host[off : off + n * dtype.itemsize].view(dtype).reshape(shape)
+            base = arena_as(self.views, self.dev_arena, dtype)
             first = off // dtype.itemsize
             dev = base[first : first + n]
             if len(shape) != 1:
@@ -149,29 +122,24 @@ class _Slot:
 
 
 class _StepState:
-    """What a step changes as it stages: plain slots, so no sealed ``__setattr__`` runs per write."""
+    """What a step changes as it stages, in plain slots (no sealed ``__setattr__`` per write)."""
 
     __slots__ = ("calls", "used", "layout", "retired", "done")
 
     def __init__(self, layout: list[_LayoutEntry]):
-        self.calls = 0
-        """stage() calls so far."""
-        self.used = 0
-        """Bytes of the arena used so far."""
-        self.layout: list[_LayoutEntry] | None = layout
-        """The slot's recorded stage() calls, replayed while they repeat (None: not recorded)."""
-        self.retired: list[tuple[StagingBuffer, np.ndarray, int]] = []
-        """(buffer, host arena, bytes used) of arenas a growth replaced during this step."""
+        self.calls = self.used = 0  # stage() calls and arena bytes used so far
+        self.layout: list[_LayoutEntry] | None = layout  # the slot's, replayed while it repeats (None: off)
+        self.retired: list[tuple[StagingBuffer, np.ndarray, int]] = []  # (buffer, host, used) grown out of
         self.done = False
 
 
 class Step(Sealed):
-    """One step's staging. Use as a context manager; ``flush()`` ends it early.
+    """One step's staging, made by :meth:`StepStager.step`: a context manager; ``flush()`` ends it early.
 
-    Made by :meth:`StepStager.step`. Tensors returned by ``stage()`` hold their data from the
-    step's publication (leaving the block, or ``flush()``) until the step that reuses the slot
-    begins, ``max_concurrency`` steps later, on every tier; before, the slot's old contents
-    (poison in check mode). Leaving by an exception publishes nothing and ends the step.
+    Tensors from ``stage()`` hold their data from the step's publication (leaving the block, or ``flush()``)
+    until the step that reuses the slot begins, ``max_concurrency`` steps later, on every tier; before, the
+    slot's old contents (poison in check mode). Leaving by an exception publishes nothing and ends the step.
+    Once the step is done, ``stage()`` and ``reserve()`` raise UsageError; a call that raises stages nothing.
     """
 
     _slot: _Slot
@@ -188,15 +156,13 @@ class Step(Sealed):
 
     @property
     def done(self) -> bool:
-        """Whether the step was published (or left by an exception); then ``stage()`` raises."""
+        """Whether the step was published (or left by an exception)."""
         return self._s.done
 
     def __enter__(self) -> Step:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.flush()
         else:
@@ -210,25 +176,17 @@ class Step(Sealed):
         x : list, tuple, numpy.ndarray or CPU tensor
             1-D or 2-D host data.
         dtype : torch.dtype, numpy.dtype, type, str or None, optional
-            The element type; None (the default) is the input's own (int64 or float64
-            for Python lists).
-
-        Returns
-        -------
-        torch.Tensor
-            On the stager's device; it shows ``x`` from the step's exit (or ``flush()``)
-            until the step that reuses its slot begins.
+            The element type; None (the default) is the input's own (int64 or float64 for Python lists).
 
         Raises
         ------
         UsageError
-            If the step was already flushed (or left), or it needs more than the arena holds
-            and cannot grow (a static stager, or a CUDA graph is being captured).
+            If the step is done, or needs more than the arena holds and cannot grow (a static stager, or a
+            CUDA graph is being captured).
         ArgumentTypeError
-            If ``x`` or its dtype (or ``dtype``) is not supported; nothing is staged.
+            If ``x`` or its dtype (or ``dtype``) is not supported.
         InvalidArgumentError
-            If ``x`` is not 1-D or 2-D, is on another device, or holds values ``dtype``
-            cannot represent exactly; nothing is staged.
+            If ``x`` is not 1-D or 2-D, is on another device or holds a value ``dtype`` cannot hold exactly.
         DeviceAllocationError
             If growing the slot runs out of device memory.
         """
@@ -254,8 +212,7 @@ class Step(Sealed):
         if arr is None or not fits or (dtype is not None and arr.dtype != want):
             arr = host_array(x, dtype, "x")
         off = self._room(arr.nbytes)
-        slot = self._slot
-        host, dev = slot.view(off, arr.dtype, arr.shape, slot.dev_arena)
+        host, dev = self._slot.view(off, arr.dtype, arr.shape)
         host[...] = arr
         layout = s.layout
         if layout is not None:
@@ -278,9 +235,9 @@ class Step(Sealed):
         return off
 
     def reserve(self, nbytes: int) -> tuple[np.ndarray, torch.Tensor, int]:
-        """``nbytes`` of this step's arena for the caller to fill before the flush: the host bytes,
-        the device arena, and the offset in it where the device reads them once published. Later
-        stage() calls of the step take the checked path (the layout is not replayed past it)."""
+        """``nbytes`` of this step's arena for the caller to fill before the flush: the host bytes, the device
+        arena, and the offset in it where the device reads them once published. Later ``stage()`` calls of
+        the step take the checked path. An ``nbytes`` that is not an int >= 0 raises InvalidArgumentError."""
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgumentError(f"nbytes={nbytes!r}; allowed: an int >= 0")
         s = self._s
@@ -294,11 +251,8 @@ class Step(Sealed):
         return slot.host[off : off + nbytes], slot.dev_arena, off
 
     def typed(self, dtype: np.dtype) -> torch.Tensor:
-        """The device arena of :meth:`reserve` viewed as ``dtype`` (made once per slot arena: a
-        slice of it is then one torch call).
-
-        Raises ``ArgumentTypeError`` if ``dtype`` is not a numpy dtype stagebuf stages.
-        """
+        """The device arena of :meth:`reserve` viewed as ``dtype``, made once per slot arena (a slice of it is
+        then one torch call); ArgumentTypeError if ``dtype`` is not a numpy dtype stagebuf stages."""
         if not isinstance(dtype, np.dtype) or dtype not in NUMPY_TO_TORCH:
             allowed = ", ".join(sorted(str(d) for d in NUMPY_TO_TORCH))
             raise ArgumentTypeError(f"dtype={dtype!r}; allowed: a numpy dtype ({allowed})")
@@ -306,11 +260,9 @@ class Step(Sealed):
         return arena_as(slot.views, slot.dev_arena, dtype)
 
     def flush(self) -> None:
-        """Publish everything staged in this step (leaving the ``with`` block calls it).
-
-        One copy on PINNED and PAGEABLE (current stream), a host copy on UVA and HOST; a static
-        stager copies into its device arena. Then ``stage()`` raises and ``flush()`` does nothing.
-        """
+        """Publish what this step staged (leaving the ``with`` block calls it; again, it does nothing): one
+        copy on PINNED and PAGEABLE (current stream), a host copy on UVA and HOST, and a static stager copies
+        into its device arena."""
         s = self._s
         if s.done:
             return
@@ -328,51 +280,47 @@ class StepStager(Sealed):
 
     Parameters
     ----------
-    device : torch.device or str or int, optional
-        Default: the current accelerator, else the CPU.
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities` (None, the default: the current accelerator, else CPU).
     capacity : int, default 1 MiB
         Bytes per slot (a slot grows when a step needs more, unless ``static``).
-    max_concurrency : int, optional
-        Slots (steps in flight); default ``set_default_max_concurrency``'s value, at least 2.
+    max_concurrency : int or None, optional
+        The slot count (steps in flight), >= 1 (values below 2 are raised to 2); None (the default) is
+        :func:`set_default_max_concurrency`'s value.
     guard : {"auto", "wait", "raise", "off"}, default "auto"
-        Before a slot is rewritten: ``wait`` for its readers, ``raise`` SlotInFlightError,
-        or ``off``; ``auto`` waits where the device reads host memory asynchronously
-        (UVA, PINNED). A slot's consumers count as enqueued when the next step begins,
-        or at ``mark_consumed()``.
+        Before a slot is rewritten: ``wait`` for its readers, ``raise`` SlotInFlightError, or ``off``;
+        ``auto`` waits where the device reads host memory asynchronously (UVA, PINNED). A slot's consumers
+        count as enqueued when the next step begins, or at ``mark_consumed()``.
     static : bool, default False
-        Give every step the same device addresses (CUDA graphs): the slots rotate on
-        the host, and publishing copies the step into one fixed device arena (one copy
-        on every tier but HOST). Stage the same shapes in the same order as when the
-        graph was captured; the arena never grows.
+        Give every step the same device addresses (CUDA graphs): the slots rotate on the host and publishing
+        copies the step into one fixed device arena (one copy on every tier but HOST). Stage the same shapes
+        in the same order as when the graph was captured; the arena never grows.
     in_place : bool, default False
-        Write each step straight into its slot on UVA and HOST too, where the device
-        reads the slot's own memory: no host copy when the step is published. For a
-        caller that enqueues no reader of a step's tensors before the step's flush (an
-        engine that stages, then launches): an earlier reader would see the writes as
-        they land, not the slot's old contents. Check mode stages into a scratch arena
-        regardless, so there such a reader reads poison.
+        Write each step straight into its slot on UVA and HOST too (no host copy at publish), for a caller
+        that enqueues no reader of a step's tensors before its flush: an earlier reader would see the writes
+        land, not the slot's old contents. Check mode ignores it (such a reader reads poison).
 
     Attributes
     ----------
     max_concurrency : int
         The slot count (at least 2).
     static : bool
-        Whether every step gets the same device addresses.
+        As given.
     in_place : bool
-        Whether steps are written straight into their slots (off in check mode).
+        As given, but off in check mode.
     device : torch.device
         The target device.
 
     Raises
     ------
     InvalidArgumentError
-        If ``capacity`` is not an int >= 16, ``max_concurrency`` is not None or an
-        int >= 1, or ``guard`` is not one of the allowed modes.
+        If ``capacity`` is not an int >= 16, ``max_concurrency`` is not None or an int >= 1, or ``guard`` is
+        not one of the allowed modes.
     ArgumentTypeError
-        If ``static`` is not a bool, or ``device`` is of a type that is not accepted.
+        If ``static`` or ``in_place`` is not a bool.
     DeviceAllocationError
         If the device runs out of memory for the slots (or the static arena).
-    SetupError, TierUnavailableError
+    SetupError, TierUnavailableError, ArgumentTypeError
         As :func:`capabilities` raises them for ``device`` and the settings.
     """
 
@@ -390,24 +338,18 @@ class StepStager(Sealed):
         for name, flag in (("static", static), ("in_place", in_place)):
             if not isinstance(flag, bool):
                 raise ArgumentTypeError(f"{name}={flag!r}; allowed: True or False")
-        self.max_concurrency = slot_count(max_concurrency)
+        self.max_concurrency = n = slot_count(max_concurrency)
         self.static = static
         # check mode quarantines released slots, except in a static stager (one device arena for all)
         self._ring = ring = Ring(
-            self.max_concurrency,
-            lambda: make_buffer(capacity, torch.uint8, device),
-            guard,
-            "step slot",
-            quarantined=not static,
+            n, lambda: make_buffer(capacity, torch.uint8, device), guard, "step slot", quarantined=not static
         )
         self.device = ring.device
         arena = alloc_device((capacity,), torch.uint8, self.device) if static else None
         self._check = check_mode()
         self.in_place = in_place and not self._check
-        # (a fallback may mix tiers)
         self._slots = [_Slot(ring, i, arena, self.in_place, self._check) for i in range(ring.slots)]
-        self._open: Cell[Step | None] = Cell(None)
-        """The last step begun (a plain slot: no sealed ``__setattr__`` per step)."""
+        self._open: Cell[Step | None] = Cell(None)  # the last step begun (a Cell: no sealed setattr per step)
         self._freeze()
 
     @property
@@ -417,16 +359,11 @@ class StepStager(Sealed):
 
     @property
     def guard(self) -> str:
-        """The guard mode in effect: ``wait``, ``raise`` or ``off`` (``auto`` resolved)."""
+        """The guard mode in effect, ``auto`` resolved to ``wait``, ``raise`` or ``off``."""
         return self._ring.mode
 
     def step(self) -> Step:
         """Begin a step in the next slot, once the guard says its readers are done.
-
-        Returns
-        -------
-        Step
-            A context manager: leaving it (or ``flush()``) publishes the step.
 
         Raises
         ------
@@ -451,24 +388,15 @@ class StepStager(Sealed):
         return st
 
     def mark_consumed(self) -> None:
-        """Say that the last step's consumers are enqueued: the clock's next event protects its slot.
-
-        Raises ``UsageError`` if a step is still open.
-        """
+        """Say that the last step's consumers are enqueued: the clock's next event protects its slot. Raises
+        UsageError if a step is still open."""
         last = self._open.value
         if last is not None and not last.done:
             raise UsageError(f"step {last.seq} is still open; flush it first")
         self._ring.mark()
 
     def stats(self) -> dict[str, int]:
-        """The stager's counters.
-
-        Returns
-        -------
-        dict of str to int
-            ``transfers`` (published steps that copied: every non-empty step on
-            PINNED and PAGEABLE, and on UVA with ``static=True``), ``bytes`` (their
-            size), ``growths`` (slots replaced by larger ones), ``guard_waits`` (times
-            the guard waited for the device) and ``steps`` (steps begun).
-        """
+        """The stager's counters: ``transfers`` (published steps that copied: every non-empty step on PINNED
+        and PAGEABLE, and on UVA with ``static=True``), ``bytes`` (their size), ``growths`` (slots replaced by
+        larger ones), ``guard_waits`` (times the guard waited for the device) and ``steps`` (steps begun)."""
         return self._ring.stats(steps=True)

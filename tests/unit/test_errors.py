@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -170,9 +171,9 @@ def test_every_error_the_package_raises_is_exported() -> None:
 def test_the_export_check_can_fail() -> None:
     """An error dropped from ``__all__``, or a new one raised but not exported, is reported."""
     sources = _package_sources()
-    line = '    "SettingValueError",\n'
-    assert sources["stagebuf"].count(line) == 1
-    cut = dict(sources, stagebuf=sources["stagebuf"].replace(line, ""))
+    dropped, n = re.subn(r'"SettingValueError",\s*', "", sources["stagebuf"])
+    assert n == 1
+    cut = dict(sources, stagebuf=dropped)
     assert unexported(cut) == [
         "SettingValueError (defined in stagebuf._common.errors, not in stagebuf.__all__)"
     ]

@@ -12,17 +12,8 @@ import torch
 from .errors import ArgumentTypeError, InvalidArgumentError
 from .types import DTypeLike
 
-TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
-    torch.bool: np.dtype(np.bool_),
-    torch.uint8: np.dtype(np.uint8),
-    torch.int8: np.dtype(np.int8),
-    torch.int16: np.dtype(np.int16),
-    torch.int32: np.dtype(np.int32),
-    torch.int64: np.dtype(np.int64),
-    torch.float16: np.dtype(np.float16),
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-}
+_NAMES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
+TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {getattr(torch, n): np.dtype(n) for n in _NAMES}
 NUMPY_TO_TORCH = {v: k for k, v in TORCH_TO_NUMPY.items()}
 SUPPORTED_DTYPES = tuple(TORCH_TO_NUMPY)
 

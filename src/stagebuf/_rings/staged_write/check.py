@@ -79,20 +79,15 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> CheckedEdits | None
             return None
         dl, ll = log.dst, log.lens
         e = len(dl)
-        if e <= 32:  # a few edits: the overlap and length checks are cheaper in Python
-            w = ll[0] if ll.count(ll[0]) == e else 0
-            n = log.full_lens(e, w) if w else np.array(ll, np.int64)
-            v = list_values(log.vals, dl, n, log.np_dtype, bad, width=w)
-            if bad:
-                _raise(log, tensor, bad)
-            stride = log.row_stride
-            dup = e > 1 and len(set(map(stride.__rfloordiv__, dl) if stride != 1 else dl)) != e
-            return CheckedEdits(target, np.array(dl, np.int64), n, v, dup, w)
         w = ll[0] if ll.count(ll[0]) == e else 0  # (one C-level pass; an array of lengths costs more)
         n = log.full_lens(e, w) if w else np.array(ll, np.int64)
         v = list_values(log.vals, dl, n, log.np_dtype, bad, width=w)
         if bad:
             _raise(log, tensor, bad)
+        if e <= 32:  # a few edits: the overlap test is cheaper in Python
+            stride = log.row_stride
+            dup = e > 1 and len(set(map(stride.__rfloordiv__, dl) if stride != 1 else dl)) != e
+            return CheckedEdits(target, np.array(dl, np.int64), n, v, dup, w)
         return _with_overlaps(log, target, np.array(dl, np.int64), n, v, w)
     batches = log.all_batches() if log.dst else [*log.batches]
     dsts, lens, vals = [], [], []

@@ -20,9 +20,8 @@ def async_copy_to_gpu(
 ) -> torch.Tensor:
     """Copy host data to the device, asynchronously: ``out``, or a new tensor; it never aliases ``x``.
 
-    Where pinned memory is available the data goes through a temporary pinned copy (torch's allocator keeps
-    it until the copy is done), else CUDA stages it from pageable memory before returning: ``x`` may change
-    once the call returns. The copy is ordered on the current stream; on the CPU (tier HOST) it is a copy.
+    Through a temporary pinned copy where pinning works, else CUDA stages the data from pageable memory:
+    either way ``x`` may change once the call returns. Ordered on the current stream (synchronous on the CPU).
 
     Parameters
     ----------
@@ -31,22 +30,19 @@ def async_copy_to_gpu(
     out : torch.Tensor, optional
         A tensor to fill and return instead of a new one: of ``x``'s shape, on the target device.
     device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None is the default device.
+        The target device, as for :func:`capabilities`.
     dtype : torch.dtype, numpy.dtype, type or str, optional
-        The result's dtype, which ``x``'s values must fit (no fractions, NaN, inf or out-of-range values
-        into an integer dtype, no finite values past a float dtype's range); None: ``out``'s dtype when
-        ``out`` is given, else ``x``'s own.
+        The result's dtype, which ``x``'s values must fit exactly (no fractions, NaN or inf into an integer
+        dtype, say); None: ``out``'s, else ``x``'s own.
 
     Raises
     ------
     ArgumentTypeError
-        If ``out`` is not a tensor or None; if ``dtype``, ``out``'s or ``x``'s dtype is not supported; if
-        ``x`` is of another type, mixes bools and numbers, or gives bools for a numeric dtype (or the
-        reverse).
+        If ``out`` is neither a tensor nor None, ``dtype``, ``out``'s or ``x``'s dtype is not supported, or
+        ``x`` is of another type or mixes bools and numbers (in itself, or with the dtype).
     InvalidArgumentError
-        If ``dtype`` and ``out.dtype`` differ; if ``out`` has another shape than ``x`` or is not on the
-        target device; if ``x`` is a tensor on an accelerator, ragged or of rank over 8; or if a value of
-        ``x`` does not fit the dtype.
+        If ``dtype`` and ``out.dtype`` differ, ``out`` has another shape than ``x`` or another device, or
+        ``x`` is a tensor on an accelerator, ragged, of rank over 8 or holds a value the dtype cannot hold.
     SetupError, TierUnavailableError, ArgumentTypeError
         As :func:`capabilities` raises them for ``device`` and the settings.
     """

@@ -44,12 +44,11 @@ from .memory import alloc_device, alloc_host
 class StagingBuffer(Sealed):
     """A host buffer and the way its rows reach the device (the tier).
 
-    The base of the four tier classes; make one with :func:`make_buffer`, or with a tier class to ask
-    for that tier. The host writes ``.np`` or ``.cpu``; ``uva(n)`` publishes the first ``n`` rows.
-    Assigning ``buf.np = x`` or ``buf.cpu = x`` copies ``x`` (one scalar, or an array of the buffer's
-    shape) in with the value checks of every other input: InvalidArgumentError for another shape or a
-    value that does not fit the dtype, ArgumentTypeError for an unsupported type, and nothing is
-    written. Assigning or deleting any other attribute raises ReadOnlyAttributeError.
+    The base of the four tier classes (make one with :func:`make_buffer`, or a tier class for that tier). The
+    host writes ``.np`` or ``.cpu``; ``uva(n)`` publishes the first ``n`` rows. ``buf.np = x`` (or ``.cpu``)
+    copies ``x`` (a scalar, or an array of the buffer's shape) in, checked: InvalidArgumentError for another
+    shape or a value the dtype cannot hold, ArgumentTypeError for an unsupported type, and nothing is written.
+    Other attributes are read-only (ReadOnlyAttributeError).
 
     Parameters
     ----------
@@ -58,17 +57,15 @@ class StagingBuffer(Sealed):
     dtype : torch.dtype, numpy.dtype, type or str
         bool, uint8, int8, int16, int32, int64, float16, float32 or float64.
     device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None is the default device.
+        The target device, as for :func:`capabilities`.
 
     Attributes
     ----------
     cpu : torch.Tensor
-        The host storage (pinned on tiers UVA and PINNED).
-    np : numpy.ndarray
-        A numpy view of ``cpu``.
+        The host storage (pinned on tiers UVA and PINNED); ``np`` is a numpy view of it.
     dev : torch.Tensor
-        The device-side storage ``uva()`` publishes into, at a fixed address: a view of ``cpu`` on tiers
-        UVA and HOST, a separate device tensor on the copy tiers.
+        The device storage ``uva()`` publishes into, at a fixed address: a view of ``cpu`` on tiers UVA and
+        HOST, a separate device tensor on the copy tiers.
     tier : Tier
         The class's tier; ``device``, ``shape`` and ``dtype`` are the arguments, resolved.
 
@@ -76,11 +73,9 @@ class StagingBuffer(Sealed):
     ------
     UsageError
         If ``StagingBuffer`` itself is made (it holds no storage).
-    InvalidArgumentError
-        If ``size`` is not an int >= 0 or a tuple of them.
-    ArgumentTypeError
-        If ``dtype`` is not a supported dtype, or ``device`` is not None, a ``str``, an ``int`` or a
-        ``torch.device``.
+    InvalidArgumentError, ArgumentTypeError
+        InvalidArgumentError if ``size`` is not an int >= 0 or a tuple of them; ArgumentTypeError if ``dtype``
+        is not supported, or ``device`` is not None, a str, an int or a torch.device.
     DeviceAllocationError
         If the device runs out of memory for ``dev`` (tiers PINNED and PAGEABLE).
     SetupError, TierUnavailableError
@@ -124,18 +119,15 @@ class StagingBuffer(Sealed):
         return pair
 
     def uva(self, n: int | None = None) -> torch.Tensor:
-        """Publish the first ``n`` rows (as for :meth:`rows`; None, the default: all): ``dev[:n]``, a view
-        of the host storage on tiers UVA and HOST (no copy: later host writes show through), else a view
-        of ``dev`` after an asynchronous copy into it on the current stream."""
+        """Publish the first ``n`` rows (as for :meth:`rows`; None, the default: all): ``dev[:n]``, a view of
+        the host storage on tiers UVA and HOST (no copy: later host writes show through), else a view of
+        ``dev`` after an asynchronous copy into it on the current stream."""
         return self.rows(n)[0]
 
     def copy_to(self, out: torch.Tensor, n: int | None = None) -> torch.Tensor:
-        """Copy the first ``n`` host rows (``n`` as for :meth:`rows`) into the device tensor ``out``, on
-        the current stream; ``out[:n]``.
-
-        ``out`` must be a tensor (else ArgumentTypeError) on this buffer's device, of its dtype and row
-        shape, with at least ``n`` rows (else InvalidArgumentError: ``copy_`` would convert silently).
-        """
+        """Copy the first ``n`` host rows (``n`` as for :meth:`rows`) into the device tensor ``out`` on the
+        current stream; ``out[:n]``. ``out`` must be a tensor (else ArgumentTypeError) on this buffer's
+        device, of its dtype and row shape, with at least ``n`` rows (else InvalidArgumentError)."""
         n = check_rows(n, self.shape[0])
         if not isinstance(out, torch.Tensor):
             raise ArgumentTypeError(f"out must be a torch.Tensor; got {type(out).__name__}")
@@ -199,10 +191,9 @@ class HostBuffer(StagingBuffer):
 class NonUvaBuffer(StagingBuffer):
     """Tier PAGEABLE: plain (pageable) host memory copied into a fixed device buffer.
 
-    ``device="cpu"`` works on any machine: a separate CPU tensor stands in for device memory, which is
-    how CPU-only CI exercises the copy path. The copy is issued with ``non_blocking=True``: from
-    pageable memory CUDA stages the source before the call returns, so the host may rewrite ``.cpu`` at
-    once. This tier can be asked for on every device. Arguments and errors: :class:`StagingBuffer`.
+    ``device="cpu"`` works on any machine: a separate CPU tensor stands in for device memory. CUDA stages the
+    pageable source before the (non-blocking) copy call returns, so the host may rewrite ``.cpu`` at once.
+    This tier can be asked for on every device. Arguments and errors: :class:`StagingBuffer`.
     """
 
     tier = Tier.PAGEABLE
@@ -224,9 +215,8 @@ class NonUvaBuffer(StagingBuffer):
 class PinnedBuffer(NonUvaBuffer):
     """Tier PINNED: pinned host memory and one asynchronous copy into a fixed device buffer.
 
-    The device reads ``.cpu`` after ``uva()`` returns, so a host write before the copy is done would
-    reach the device: rewrite a buffer only once its copy is consumed (pools and stagers guard this for
-    you). Arguments and errors: :class:`StagingBuffer`, and:
+    The device reads ``.cpu`` after ``uva()`` returns: rewrite a buffer only once its copy is consumed (pools
+    and stagers guard this for you). Arguments and errors: :class:`StagingBuffer`, and:
 
     Raises
     ------
@@ -251,9 +241,8 @@ class PinnedBuffer(NonUvaBuffer):
 class UvaBuffer(StagingBuffer):
     """Tier UVA: pinned host memory that kernels read through a device view, zero copies.
 
-    ``uva()`` returns a view of the host memory: the device reads it while kernels run, so rewrite it
-    only once they are done (pools and stagers guard this for you). Arguments and errors:
-    :class:`StagingBuffer` (no DeviceAllocationError: it makes no device buffer), and:
+    ``uva()`` returns a view of the host memory: rewrite it only once the kernels reading it are done (pools
+    and stagers guard this). Arguments and errors: :class:`StagingBuffer` (no DeviceAllocationError), and:
 
     Raises
     ------

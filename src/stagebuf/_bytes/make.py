@@ -25,17 +25,15 @@ def make_buffer(
     """A buffer of the tier chosen for ``device``, or of ``tier``.
 
     A run-time allocation failure (memlock exhausted, WSL cap, a device view refused) falls back to the next
-    tier that can work (a worse one), with one warning per process; an explicit ``tier`` that cannot work
-    here raises.
+    tier that can work (a worse one), with one warning per process.
 
     Parameters
     ----------
     size, dtype, device
         As for :class:`StagingBuffer`.
     tier : Tier, str or None, optional
-        ``"uva"``, ``"pinned"``, ``"pageable"``, ``"host"`` or a Tier; None (the default) is
-        ``capabilities(device).tier``. Allowed: PAGEABLE and HOST on the CPU; on an accelerator, the
-        chosen tier and every worse copy tier.
+        ``"uva"``, ``"pinned"``, ``"pageable"``, ``"host"`` or a Tier; None: ``capabilities(device).tier``.
+        Allowed: PAGEABLE and HOST on the CPU; on an accelerator, the chosen tier and every worse copy tier.
 
     Returns
     -------
@@ -44,16 +42,9 @@ def make_buffer(
 
     Raises
     ------
-    TierUnavailableError
-        If ``tier`` cannot work on the device; the message lists the allowed tiers.
-    InvalidArgumentError
-        If ``tier`` names no tier, or ``size`` is not an int >= 0 or a tuple of them.
-    ArgumentTypeError
-        If ``dtype`` is not a supported dtype.
-    DeviceAllocationError
-        If the device runs out of memory.
-    SetupError, TierUnavailableError, ArgumentTypeError
-        As :func:`capabilities` raises them for ``device`` and the settings.
+    InvalidArgumentError, ArgumentTypeError, DeviceAllocationError, SetupError, TierUnavailableError
+        As :class:`StagingBuffer` raises them; InvalidArgumentError also if ``tier`` names no tier,
+        TierUnavailableError if it cannot work on the device (the message lists the allowed tiers).
     """
     if tier is None:
         caps = capabilities(device)

@@ -23,12 +23,10 @@ class UsageError(StagebufError, RuntimeError):
 
 
 class SetupError(StagebufError):
-    """A setting that cannot work here, explained: the message says what was asked, why it cannot work on
-    this machine, the values that would work and what to do.
+    """A setting that cannot work here, explained: what was asked, why, what would work and what to do.
 
-    Each argument is also kept as an attribute of the same name (``allowed`` as a tuple). A bad value of a
-    setting, or a device torch does not know, raises a subclass that is a ``ValueError`` too
-    (:class:`SettingValueError`, :class:`UnknownDeviceError`).
+    Each argument is kept as an attribute (``allowed`` as a tuple). A bad setting value or a device torch does
+    not know raises a ``ValueError`` subclass (:class:`SettingValueError`, :class:`UnknownDeviceError`).
 
     Parameters
     ----------
@@ -96,8 +94,7 @@ class DeviceAllocationError(StagebufError, MemoryError, RuntimeError):
 
 
 class HostAllocationError(StagebufError, MemoryError, RuntimeError):
-    """Plain host memory could not be allocated; the message names the bytes asked for and the tier. Nothing
-    was written: what was staged before the failing call is still staged."""
+    """Plain host memory could not be allocated; nothing was written (what was staged before stays staged)."""
 
 
 class UvaError(StagebufError, RuntimeError):
@@ -123,11 +120,7 @@ class StagedWriteError(InvalidArgumentError):
     tensor : StagedWriteTensor or None
         The tensor whose edits they are.
     position : int
-        The first bad edit's position: ``edits[0]``.
-    index : int
-        The first bad edit's row.
-    start : int
-        The first bad edit's start column.
+        The first bad edit's position (``edits[0]``); ``index`` and ``start`` are its row and start column.
     """
 
     def __init__(

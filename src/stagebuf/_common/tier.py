@@ -10,20 +10,19 @@ from .sealed import Sealed, read_only
 
 @read_only({"*": "a tier is a constant of the process; it cannot be changed"})
 class Tier(Sealed, enum.IntEnum):
-    """How host data reaches the device; an ``IntEnum``, so a lower value is a better tier
-    (``Tier.UVA < Tier.PINNED``).
+    """How host data reaches the device; an ``IntEnum``, lower is better (``Tier.UVA < Tier.PINNED``).
 
     :func:`capabilities` chooses one per device; ``STAGEBUF_TIER`` (``uva``, ``pinned``, ``pageable`` or
-    ``host``) forces one, and nothing better is then used in the process. ``Tier(value)`` for a value no
-    tier has raises InvalidArgumentError; assigning a tier's attribute raises ReadOnlyAttributeError.
+    ``host``) forces one, and nothing better is then used in the process. ``Tier(value)`` for a value no tier
+    has raises InvalidArgumentError; assigning a tier's attribute raises ReadOnlyAttributeError.
 
     Attributes
     ----------
     copies : bool
         True where publishing host data costs an explicit host-to-device transfer (PINNED, PAGEABLE).
     async_host_reads : bool
-        True where the device reads host memory after the host call returned (UVA, PINNED): there a host
-        slot must not be rewritten until the device is done with it, which the slot-reuse guard ensures.
+        True where the device reads host memory after the host call returned (UVA, PINNED): a host slot must
+        then wait for the device before it is rewritten (the slot-reuse guard's job).
     """
 
     UVA = 0
@@ -45,8 +44,7 @@ class Tier(Sealed, enum.IntEnum):
         Parameters
         ----------
         value : str or Tier
-            A tier name in any case, surrounding spaces ignored (``"uva"``, ``"PINNED"``), or a Tier,
-            returned as it is.
+            A tier name in any case, spaces ignored (``"uva"``, ``"PINNED"``), or a Tier (returned as it is).
         name : str, optional
             What ``value`` was given as, for the error message (default ``"tier"``).
 

@@ -232,9 +232,8 @@ def step_clock(device: torch.device) -> StepClock:
 def begin_step(device: DeviceLike = None) -> None:
     """Begin a step on ``device``'s step clock: record the event that ends the last step.
 
-    The clock finds step boundaries by itself when every ring stages once per step; an engine with a ring
-    that skips steps (or stages twice in one) calls this at the start of each step. On a device that runs
-    synchronously (the CPU) it does nothing.
+    The clock finds step boundaries itself when every ring stages once per step; an engine with a ring that
+    skips steps (or stages twice in one) calls this at each step's start. It does nothing on the CPU.
 
     Parameters
     ----------

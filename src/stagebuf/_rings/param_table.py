@@ -64,21 +64,14 @@ class _Fields(Mapping[str, "ParamField"]):
 class ParamField(Sealed):
     """One field of a :class:`DeviceParamTable`: ``.np``/``.cpu`` on the host, ``.gpu`` on the device.
 
-    ``field.np = values`` (or ``.cpu``) copies ``values`` (one scalar, or one value per row) in, checked as
-    a :class:`StagingBuffer`'s are; the other attributes are read-only (ReadOnlyAttributeError).
+    Assigning ``.np`` or ``.cpu`` copies the values (one scalar, or one value per row) in, checked as a
+    :class:`StagingBuffer`'s are; the other attributes (``name``, ``dtype``, ``offset``: the field's byte
+    offset in the packed arena, and ``gpu``) are read-only (ReadOnlyAttributeError).
 
     Attributes
     ----------
-    name : str
-        The field's name.
-    dtype : torch.dtype
-        The field's element type.
-    offset : int
-        Byte offset in the table's packed arena.
     cpu : torch.Tensor
-        The host values (one per row).
-    np : numpy.ndarray
-        A numpy view of ``cpu``.
+        The host values (one per row); ``np`` is a numpy view of it.
     gpu : torch.Tensor
         The device values, at a fixed address, written by ``table.sync()``.
     """
@@ -119,44 +112,29 @@ class DeviceParamTable(Sealed):
 
     Every field holds ``num_rows`` values, packed with the others into one host arena and one device arena at
     a fixed address (CUDA graphs may read it). The host writes ``table[name].np``; :meth:`sync` uploads the
-    whole arena with one copy when a value changed, from a snapshot in the next of ``max_concurrency``
-    staging slots, so host writes after ``sync()`` never reach the copy in flight.
+    whole arena with one copy when a value changed, from a snapshot in the next of ``max_concurrency`` staging
+    slots, so host writes after ``sync()`` never reach the copy in flight.
 
-    ``table[name]`` and ``table.fields[name]`` are the field's :class:`ParamField` (another name raises
-    UnknownFieldError, a KeyError listing the fields); ``name in table``, ``len(table)`` and iteration go
-    over the names. Assigning an attribute raises ReadOnlyAttributeError saying how to write values instead.
+    ``table[name]`` is the field's :class:`ParamField` (another name raises UnknownFieldError, a KeyError);
+    ``in``, ``len()`` and iteration go over the names. ``num_rows``, ``device``, ``max_concurrency`` (at least
+    2) and ``nbytes`` (the arena's size, fields 16-byte aligned) are read-only (ReadOnlyAttributeError).
 
     Parameters
     ----------
     num_rows : int
         The values per field, >= 0.
     fields : mapping of str to dtype
-        Field name (a non-empty str) -> its element type (a torch or numpy dtype, or a name: bool, uint8,
-        int8, int16, int32, int64, float16, float32, float64), in arena order; at least one field.
+        Field name (a non-empty str) -> dtype (as for :class:`StagingBuffer`), in arena order; at least one.
     device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities` (None, the default: the current accelerator, else CPU).
+        The target device, as for :func:`capabilities`.
     max_concurrency : int or None, optional
-        The staging slot count, >= 1 (values below 2 are raised to 2); None (the default) is
-        :func:`set_default_max_concurrency`'s value.
-
-    Attributes
-    ----------
-    num_rows : int
-        The values per field.
-    nbytes : int
-        The packed arena's size in bytes (each field starts 16-byte aligned).
-    device : torch.device
-        The target device.
-    max_concurrency : int
-        The staging slot count (at least 2).
+        The staging slot count, 1 to 1024 (raised to at least 2); None: :func:`set_default_max_concurrency`'s.
 
     Raises
     ------
-    InvalidArgumentError
-        If ``num_rows`` is not an int >= 0, ``fields`` is not a non-empty mapping, a field name is not a
-        non-empty str, or ``max_concurrency`` is not None or an int >= 1.
-    ArgumentTypeError
-        If a field's dtype is not a supported dtype.
+    InvalidArgumentError, ArgumentTypeError
+        InvalidArgumentError if ``num_rows``, ``fields`` (or a field name) or ``max_concurrency`` is not as
+        allowed above; ArgumentTypeError if a field's dtype is not supported.
     DeviceAllocationError
         If the device runs out of memory for the arena or the staging slots.
     SetupError, TierUnavailableError, ArgumentTypeError
@@ -247,12 +225,9 @@ class DeviceParamTable(Sealed):
         return self._host_np.tobytes() != self._shadow.tobytes()
 
     def sync(self, force: bool = False) -> bool:
-        """Upload every field with one copy on the current stream, from a snapshot (see the class docstring),
-        if a host value changed or ``force``; the guard first waits until the slot's previous copy is done.
-
-        Returns whether a copy was issued (False: the device already held the host values). Raises
-        ArgumentTypeError if ``force`` is not a bool, CudaError if the guard's CUDA event fails.
-        """
+        """Upload every field with one copy on the current stream, from a snapshot, if a host value changed or
+        ``force`` (the guard first waits for the slot's previous copy); whether a copy was issued. Raises
+        ArgumentTypeError if ``force`` is not a bool, CudaError if the guard's CUDA event fails."""
         self._syncs["syncs"] += 1
         if not isinstance(force, (bool, np.bool_)):
             raise ArgumentTypeError(f"force={force!r}; allowed: True or False")

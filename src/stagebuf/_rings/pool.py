@@ -25,41 +25,29 @@ from .ring import Ring
 class UvaBufferPool(Sealed):
     """``max_concurrency`` staging buffers used round-robin.
 
-    Each ``copy_to_uva``/``copy_to_gpu`` call that changes the values takes the next slot, so a slot's
-    device readers must be done before the pool comes round to it again (after ``max_concurrency`` more
-    such calls, growth included); ``guard`` checks this. A slot's rows grow to the next power of two for
-    a longer input (dtype, trailing dims and tier are kept). In check mode (``STAGEBUF_CHECK=1``) a
-    released slot reads poison (int -1, float NaN) for ``STAGEBUF_CHECK_QUARANTINE`` (default 16) more
-    uses. The attributes are read-only (ReadOnlyAttributeError): ``shape`` (``size`` as a tuple),
-    ``dtype``, ``max_concurrency`` (at least 2) and ``device`` are the arguments, resolved.
+    Each ``copy_to_uva``/``copy_to_gpu`` call that changes the values takes the next slot, so a slot's device
+    readers must be done before the pool comes round to it again (after ``max_concurrency`` more such calls,
+    growth included); ``guard`` checks this. A slot's rows grow to the next power of two for a longer input
+    (same dtype, trailing dims and tier). In check mode (``STAGEBUF_CHECK=1``) a released slot reads poison
+    (int -1, float NaN) for ``STAGEBUF_CHECK_QUARANTINE`` (default 16) more uses. ``shape`` (``size`` as a
+    tuple), ``dtype``, ``max_concurrency`` (at least 2) and ``device`` are the arguments, resolved, and
+    read-only (ReadOnlyAttributeError).
 
     Parameters
     ----------
-    size : int or sequence of int
-        A slot's shape: a row count, or a tuple whose first entry is the row count.
-    dtype : torch.dtype, numpy.dtype, type or str
-        bool, uint8, int8, int16, int32, int64, float16, float32 or float64.
+    size, dtype, device
+        As for :class:`StagingBuffer`, per slot.
     max_concurrency : int or None, optional
-        The slot count, >= 1 (values below 2 are raised to 2); None (the default) is
-        :func:`set_default_max_concurrency`'s value.
-    device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities`; None (the default) is the default device.
-    guard : {"auto", "wait", "raise", "off"}, optional
-        Before a slot is rewritten: ``"wait"`` for its readers (counted in ``stats()["guard_waits"]``),
-        ``"raise"`` SlotInFlightError, or ``"off"`` (trust the caller); ``"auto"`` (the default) is
-        ``"wait"`` where the device reads host memory asynchronously (UVA, PINNED), else ``"off"``.
+        The slot count, 1 to 1024 (raised to at least 2); None: :func:`set_default_max_concurrency`'s.
+    guard : {"auto", "wait", "raise", "off"}, default "auto"
+        Before a slot is rewritten: ``"wait"`` for its readers, ``"raise"`` SlotInFlightError, or ``"off"``
+        (trust the caller); ``"auto"`` waits where the device reads host memory asynchronously (UVA, PINNED).
 
     Raises
     ------
-    InvalidArgumentError
-        If ``size`` is not an int >= 0 or a tuple of them, ``max_concurrency`` is not None or an int
-        >= 1, or ``guard`` is not one of the allowed modes.
-    ArgumentTypeError
-        If ``dtype`` is not a supported dtype, or ``device`` is of a type that is not accepted.
-    DeviceAllocationError
-        If the device runs out of memory for the slots.
-    SetupError, TierUnavailableError
-        As :func:`capabilities` raises them for ``device`` and the settings.
+    InvalidArgumentError, ArgumentTypeError, DeviceAllocationError, SetupError, TierUnavailableError
+        As :class:`StagingBuffer` raises them for ``size``, ``dtype``, ``device`` and the slots' memory;
+        InvalidArgumentError also if ``max_concurrency`` or ``guard`` is not as allowed above.
     """
 
     def __init__(
@@ -123,21 +111,18 @@ class UvaBufferPool(Sealed):
     def copy_to_uva(self, x: HostData) -> torch.Tensor:
         """Stage ``x`` in the next slot; the device tensor of its ``len(x)`` rows.
 
-        ``x`` is host data (a numpy array, CPU tensor, list or tuple) of the pool's rank and trailing
-        shape, any number of rows, whose values fit ``dtype`` exactly. The slot is published at return:
-        the result is a view of its host memory on tiers UVA and HOST (no copy), its device buffer after
-        one asynchronous copy on the current stream on PINNED and PAGEABLE. It holds ``x`` until the pool
-        has taken ``max_concurrency`` more slots; in check mode it reads poison after. Values equal to the
-        last call's first ``len(x)`` rows reuse its slot: the same tensor comes back, with no copy and no
-        new slot. A call that raises takes no slot and writes nothing.
+        ``x`` is host data (a numpy array, CPU tensor, list or tuple) of the pool's rank and trailing shape,
+        any number of rows, whose values fit ``dtype`` exactly. Published at return: a view of the slot's host
+        memory on tiers UVA and HOST (no copy), its device buffer after one asynchronous copy on the current
+        stream on PINNED and PAGEABLE. It holds ``x`` until the pool has taken ``max_concurrency`` more slots
+        (in check mode it reads poison after). Values equal to the last call's first ``len(x)`` rows reuse its
+        slot and tensor, with no copy. A call that raises takes no slot and writes nothing.
 
         Raises
         ------
-        ArgumentTypeError
-            If ``x`` is not a list, tuple, numpy array or CPU tensor, or its dtype is not supported.
-        InvalidArgumentError
-            If ``x`` has another rank or trailing shape, is a tensor on another device, or holds values
-            ``dtype`` cannot represent (fractions, NaN or out-of-range values into an integer dtype, say).
+        ArgumentTypeError, InvalidArgumentError
+            ArgumentTypeError if ``x`` or its dtype is not supported; InvalidArgumentError if ``x`` has
+            another rank or trailing shape, is on another device, or holds values ``dtype`` cannot hold.
         SlotInFlightError
             With ``guard="raise"``, if the device may still read the next slot.
         StepRuleError
@@ -154,18 +139,17 @@ class UvaBufferPool(Sealed):
         return buf.uva(n)
 
     def copy_to_gpu(self, x: HostData, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Stage ``x`` (as for :meth:`copy_to_uva`) in the next slot and copy it into device memory: into
-        ``out``, or a new tensor; that tensor.
+        """Stage ``x`` as :meth:`copy_to_uva` does and copy it to ``out`` or a new device tensor; that tensor.
 
         ``out`` must be None or exactly ``(len(x), *shape[1:])`` of ``dtype`` on ``device``. The copy is
-        issued on the current stream (a CPU copy on tier HOST); the result is device memory of its own,
-        not a view of the slot, so it stays valid however often the pool comes round.
+        issued on the current stream (a CPU copy on tier HOST); the result is device memory of its own, not a
+        view of the slot, so it stays valid however often the pool comes round.
 
         Raises
         ------
         ArgumentTypeError, InvalidArgumentError, SlotInFlightError, StepRuleError, CudaError
-            As :meth:`copy_to_uva`; also if ``out`` is not None or a tensor (ArgumentTypeError) or has
-            another shape, dtype or device (InvalidArgumentError).
+            As :meth:`copy_to_uva`; also if ``out`` is not None or a tensor (ArgumentTypeError) or has another
+            shape, dtype or device (InvalidArgumentError).
         DeviceAllocationError
             If growing the slot, or allocating the result, runs out of device memory.
         """
@@ -189,9 +173,9 @@ class UvaBufferPool(Sealed):
             )
 
     def stats(self) -> dict[str, int]:
-        """The pool's counters: ``transfers`` (host-to-device copies: ``copy_to_uva`` on PINNED and
-        PAGEABLE, ``copy_to_gpu`` on every tier but HOST), ``bytes`` (their size), ``growths`` (slots
-        replaced by larger ones) and ``guard_waits`` (times the guard waited for the device)."""
+        """The pool's counters: ``transfers`` (host-to-device copies: ``copy_to_uva`` on PINNED and PAGEABLE,
+        ``copy_to_gpu`` on every tier but HOST), ``bytes`` (their size), ``growths`` (slots replaced by larger
+        ones) and ``guard_waits`` (times the guard waited for the device)."""
         return self._ring.stats()
 
 
@@ -200,10 +184,9 @@ class UvaBackedTensor(Sealed):
     """A host tensor that is the source of truth, published to the device on request.
 
     The host writes ``.cpu``/``.np``; ``copy_to_uva(n)`` snapshots the first ``n`` rows into a slot of a
-    :class:`UvaBufferPool` and sets ``.gpu``, which later host writes do not reach and which lives as
-    that pool's :meth:`~UvaBufferPool.copy_to_uva` result does (unchanged values take no slot and return
-    the same tensor). Assigning ``.np`` or ``.cpu`` copies the values in, checked as for
-    :class:`StagingBuffer`; assigning any other attribute raises ReadOnlyAttributeError.
+    :class:`UvaBufferPool` and sets ``.gpu``, which later host writes do not reach and which lives as that
+    pool's :meth:`~UvaBufferPool.copy_to_uva` result does. Assigning ``.np`` or ``.cpu`` copies the values in,
+    checked as for :class:`StagingBuffer`; any other attribute is read-only (ReadOnlyAttributeError).
 
     Parameters
     ----------
@@ -213,9 +196,7 @@ class UvaBackedTensor(Sealed):
     Attributes
     ----------
     cpu : torch.Tensor
-        The host values (zero-filled at construction).
-    np : numpy.ndarray
-        A numpy view of ``cpu``.
+        The host values (zero-filled at construction); ``np`` is a numpy view of it.
     pool : UvaBufferPool
         The pool that publishes the rows (``guard="auto"``); ``dtype`` and ``device`` are the pool's.
     """
@@ -248,9 +229,9 @@ class UvaBackedTensor(Sealed):
         return self.pool.tier
 
     def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
-        """Publish the first ``n`` rows (None, the default: all); the device tensor, also kept as ``.gpu``,
-        as :meth:`UvaBufferPool.copy_to_uva` returns it. Raises InvalidArgumentError unless ``n`` is None
-        or an int in ``[0, rows]``; StepRuleError and CudaError as that method."""
+        """Publish the first ``n`` rows (None, the default: all); the device tensor, also kept as ``.gpu``, as
+        :meth:`UvaBufferPool.copy_to_uva` returns it. Raises InvalidArgumentError unless ``n`` is None or an
+        int in ``[0, rows]``; StepRuleError and CudaError as that method."""
         src = self.np if n is None else self.np[: check_rows(n, self.np.shape[0])]
         gpu = self._gpu.value = self.pool.copy_to_uva(src)
         return gpu

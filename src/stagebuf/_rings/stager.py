@@ -183,10 +183,9 @@ class Step(Sealed):
         UsageError
             If the step is done, or needs more than the arena holds and cannot grow (a static stager, or a
             CUDA graph is being captured).
-        ArgumentTypeError
-            If ``x`` or its dtype (or ``dtype``) is not supported.
-        InvalidArgumentError
-            If ``x`` is not 1-D or 2-D, is on another device or holds a value ``dtype`` cannot hold exactly.
+        ArgumentTypeError, InvalidArgumentError
+            ArgumentTypeError if ``x`` or its dtype (or ``dtype``) is not supported; InvalidArgumentError if
+            ``x`` is not 1-D or 2-D, is on another device or holds a value ``dtype`` cannot hold exactly.
         DeviceAllocationError
             If growing the slot runs out of device memory.
         """
@@ -236,8 +235,8 @@ class Step(Sealed):
 
     def reserve(self, nbytes: int) -> tuple[np.ndarray, torch.Tensor, int]:
         """``nbytes`` of this step's arena for the caller to fill before the flush: the host bytes, the device
-        arena, and the offset in it where the device reads them once published. Later ``stage()`` calls of
-        the step take the checked path. An ``nbytes`` that is not an int >= 0 raises InvalidArgumentError."""
+        arena and the offset in it where the device reads them once published. Raises InvalidArgumentError
+        unless ``nbytes`` is an int >= 0."""
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgumentError(f"nbytes={nbytes!r}; allowed: an int >= 0")
         s = self._s
@@ -260,9 +259,9 @@ class Step(Sealed):
         return arena_as(slot.views, slot.dev_arena, dtype)
 
     def flush(self) -> None:
-        """Publish what this step staged (leaving the ``with`` block calls it; again, it does nothing): one
-        copy on PINNED and PAGEABLE (current stream), a host copy on UVA and HOST, and a static stager copies
-        into its device arena."""
+        """Publish what this step staged (leaving the ``with`` block calls it; again, a no-op): one copy on
+        the current stream on PINNED and PAGEABLE, a host copy on UVA and HOST; a static stager copies into
+        its device arena."""
         s = self._s
         if s.done:
             return
@@ -278,46 +277,31 @@ class Step(Sealed):
 class StepStager(Sealed):
     """Coalesced per-step staging with a slot-reuse guard: all of a step's arrays, one transfer.
 
+    ``max_concurrency`` (at least 2), ``static``, ``in_place`` and ``device`` are the arguments, resolved.
+
     Parameters
     ----------
     device : torch.device, str, int or None, optional
-        The target device, as for :func:`capabilities` (None, the default: the current accelerator, else CPU).
+        The target device, as for :func:`capabilities`.
     capacity : int, default 1 MiB
-        Bytes per slot (a slot grows when a step needs more, unless ``static``).
+        Bytes per slot, >= 16 (a slot grows when a step needs more, unless ``static``).
     max_concurrency : int or None, optional
-        The slot count (steps in flight), >= 1 (values below 2 are raised to 2); None (the default) is
-        :func:`set_default_max_concurrency`'s value.
+        Steps in flight (slots), 1 to 1024, raised to at least 2; None: :func:`set_default_max_concurrency`'s.
     guard : {"auto", "wait", "raise", "off"}, default "auto"
-        Before a slot is rewritten: ``wait`` for its readers, ``raise`` SlotInFlightError, or ``off``;
-        ``auto`` waits where the device reads host memory asynchronously (UVA, PINNED). A slot's consumers
-        count as enqueued when the next step begins, or at ``mark_consumed()``.
+        As for :class:`UvaBufferPool`; a slot's consumers count as enqueued when the next step begins, or at
+        ``mark_consumed()``.
     static : bool, default False
-        Give every step the same device addresses (CUDA graphs): the slots rotate on the host and publishing
-        copies the step into one fixed device arena (one copy on every tier but HOST). Stage the same shapes
-        in the same order as when the graph was captured; the arena never grows.
+        Same device addresses every step (CUDA graphs): publishing copies the step into one fixed device arena
+        that never grows; stage the same shapes in the same order as at capture.
     in_place : bool, default False
-        Write each step straight into its slot on UVA and HOST too (no host copy at publish), for a caller
-        that enqueues no reader of a step's tensors before its flush: an earlier reader would see the writes
-        land, not the slot's old contents. Check mode ignores it (such a reader reads poison).
-
-    Attributes
-    ----------
-    max_concurrency : int
-        The slot count (at least 2).
-    static : bool
-        As given.
-    in_place : bool
-        As given, but off in check mode.
-    device : torch.device
-        The target device.
+        Write each step straight into its slot on UVA and HOST too (no copy at publish); only if no reader of
+        a step's tensors is enqueued before its flush (it would see the writes land). Off in check mode.
 
     Raises
     ------
-    InvalidArgumentError
-        If ``capacity`` is not an int >= 16, ``max_concurrency`` is not None or an int >= 1, or ``guard`` is
-        not one of the allowed modes.
-    ArgumentTypeError
-        If ``static`` or ``in_place`` is not a bool.
+    InvalidArgumentError, ArgumentTypeError
+        InvalidArgumentError if ``capacity``, ``max_concurrency`` or ``guard`` is not as allowed above;
+        ArgumentTypeError if ``static`` or ``in_place`` is not a bool.
     DeviceAllocationError
         If the device runs out of memory for the slots (or the static arena).
     SetupError, TierUnavailableError, ArgumentTypeError
@@ -369,12 +353,8 @@ class StepStager(Sealed):
         ------
         UsageError
             If the previous step is still open.
-        SlotInFlightError
-            With ``guard="raise"``, if the device may still read the slot.
-        StepRuleError
-            In check mode, if the step clock would have released a slot still being read.
-        CudaError
-            If recording or querying the guard's CUDA event fails.
+        SlotInFlightError, StepRuleError, CudaError
+            As :meth:`UvaBufferPool.copy_to_uva` raises them for the next slot.
         """
         last = self._open.value
         if last is not None and not last.done:

@@ -87,9 +87,8 @@ def usable_devices() -> list[str]:
 class Capabilities(Sealed):
     """What one device can do, the tier chosen for it, and why.
 
-    Made by the probe behind :func:`capabilities`; read it, do not build one. Every buffer, pool and
-    stager takes its tier from here, so it is read-only: assigning or deleting an attribute raises
-    ReadOnlyAttributeError.
+    Made by the probe behind :func:`capabilities`; read it, do not build one. Every buffer, pool and stager
+    takes its tier from here, so it is read-only (ReadOnlyAttributeError).
 
     Attributes
     ----------
@@ -100,8 +99,7 @@ class Capabilities(Sealed):
     pin_memory : bool
         Whether a pinned host allocation succeeded and came back pinned; always False on the CPU.
     uva : bool
-        Whether the UVA probe passed: a device view of pinned memory saw a host write made after the
-        view existed. The tier can still be worse than UVA when ``STAGEBUF_TIER`` forces one.
+        Whether the UVA probe passed: a device view of pinned memory saw a host write made after it existed.
     tier : Tier
         The tier chosen: the best that works on ``device``, or the one ``STAGEBUF_TIER`` forces.
     reasons : list of str
@@ -113,8 +111,8 @@ class Capabilities(Sealed):
     memlock_limit : int or None
         The ``RLIMIT_MEMLOCK`` soft limit in bytes; None means unlimited.
     versions : dict of str to str
-        ``torch`` and ``python``, and where present ``cuda_runtime``, ``triton``, ``cuda_bindings``,
-        ``cuda_driver_api`` and ``device_name``.
+        ``torch``, ``python`` and where present ``cuda_runtime``, ``triton``, ``cuda_bindings``,
+        ``cuda_driver_api``, ``device_name``.
     torch_build : str
         What torch was built for: ``"CPU build"``, ``"CUDA 13.0 build"``, ``"ROCm 6.4 build"``.
     cpu_cause : str or None
@@ -138,8 +136,8 @@ class Capabilities(Sealed):
     cpu_fix: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """Every attribute as a plain value (what ``stagebuf doctor --json`` prints): ``device`` as a
-        string, ``tier`` as its name, copies of ``reasons`` and ``versions``."""
+        """Every attribute as a plain value (what ``stagebuf doctor --json`` prints): ``device`` as a string,
+        ``tier`` as its name, copies of ``reasons`` and ``versions``."""
         out = {f.name: getattr(self, f.name) for f in fields(self)} | {"versions": dict(self.versions)}
         return out | {"device": str(self.device), "tier": self.tier.name, "reasons": list(self.reasons)}
 

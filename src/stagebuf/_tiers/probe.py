@@ -277,30 +277,23 @@ _lock = threading.Lock()
 def capabilities(device: DeviceLike = None) -> Capabilities:
     """The capabilities of ``device``, and the tier chosen for it.
 
-    The first call for a device probes it: it checks the settings, allocates pinned memory and, on CUDA,
-    checks that a device view of it is live. The result is cached per device until
-    :func:`reset_capabilities`.
+    The first call for a device probes it (the settings, a pinned allocation and, on CUDA, a live device view
+    of it); later calls return the same object, until :func:`reset_capabilities`.
 
     Parameters
     ----------
     device : torch.device, str, int or None, optional
-        A ``torch.device``, a name such as ``"cuda:0"`` or ``"cpu"``, or a CUDA index. None (the
-        default) is the current accelerator, else the CPU (the CPU also under ``STAGEBUF_TIER=host``).
-
-    Returns
-    -------
-    Capabilities
-        The probe's result; later calls for the same device return the same object.
+        A ``torch.device``, a name such as ``"cuda:0"`` or ``"cpu"``, or a CUDA index. None (the default) is
+        the current accelerator, else the CPU (the CPU also under ``STAGEBUF_TIER=host``).
 
     Raises
     ------
     SetupError
-        (a ``ValueError`` too) If a stagebuf setting (``STAGEBUF_TIER``, ``STAGEBUF_CHECK``,
-        ``STAGEBUF_WRITE_KERNEL`` and the like) holds a value it does not take, or torch does not know
-        ``device``; the message names the allowed values.
+        (a ``ValueError`` too) If a ``STAGEBUF_*`` setting holds a value it does not take, or torch does not
+        know ``device``; the message names the allowed values.
     TierUnavailableError
-        If ``device`` is an accelerator torch cannot use here (no driver, a CPU build of torch, an index
-        past the device count, ``meta``), or ``STAGEBUF_TIER`` forces a tier that cannot work on it.
+        If ``device`` is an accelerator torch cannot use here (no driver, a CPU build of torch, an index past
+        the device count, ``meta``), or ``STAGEBUF_TIER`` forces a tier that cannot work on it.
     ArgumentTypeError
         If ``device`` is not None, a ``str``, an ``int`` or a ``torch.device`` (a ``bool`` is refused).
     """
@@ -340,16 +333,11 @@ def reset_capabilities() -> None:
 
 
 def is_pin_memory_available(device: DeviceLike = None) -> bool:
-    """Whether pinned host memory works for ``device``: ``capabilities(device).pin_memory``, False on CPU.
-
-    ``device`` and what it raises are as for :func:`capabilities`.
-    """
+    """Whether pinned host memory works for ``device`` (False on the CPU); raises as :func:`capabilities`."""
     return capabilities(device).pin_memory
 
 
 def is_uva_available(device: DeviceLike = None) -> bool:
-    """Whether ``capabilities(device).tier is Tier.UVA`` (False where ``STAGEBUF_TIER`` forces a worse tier).
-
-    ``device`` and what it raises are as for :func:`capabilities`.
-    """
+    """Whether ``capabilities(device).tier is Tier.UVA`` (False where ``STAGEBUF_TIER`` forces a worse tier);
+    raises as :func:`capabilities`."""
     return capabilities(device).tier is Tier.UVA

@@ -55,38 +55,35 @@ def _dtype(dtype: DTypeLike) -> torch.dtype:
 class StagedWriteTensor(Sealed):
     """A zero-filled device tensor edited by staged ``(row, start, values)`` writes.
 
-    Edits are collected on the host and applied all at once by ``apply_write()``, with one transfer and
-    one launch; overlapping edits apply in staging order. A list of values is checked at apply, with the
-    whole batch (staging stays a list append); every other input is checked when staged.
+    Edits are collected on the host and applied all at once by ``apply_write()``, with one transfer and one
+    launch; overlapping edits apply in staging order. A list of values is checked at apply, with the whole
+    batch (staging stays a list append); every other input is checked when staged.
 
     Parameters
     ----------
     size : int or tuple of int
-        ``(rows, cols)``, or ``n`` (n rows of one column: ``stage_write_elem(i, v)`` sets ``gpu[i]``).
-    dtype : torch.dtype or numpy dtype or str
+        ``(rows, cols)``, or ``n`` rows of one column (``stage_write_elem(i, v)`` sets ``gpu[i]``); ints >= 0.
+    dtype : torch.dtype, numpy.dtype or str
         ``int32``, ``int64`` or ``float32``.
-    device : torch.device or str or int, optional
-        Default: the current accelerator, else the CPU.
-    max_concurrency : int, optional
+    device : torch.device, str, int or None, optional
+        The target device, as for :func:`capabilities`.
+    max_concurrency : int or None, optional
         Staging slots, as for :class:`UvaBufferPool`.
     uva_instead_of_gpu : bool, default False
-        Keep the tensor in pinned host memory that kernels read through UVA (tier UVA only; elsewhere it
-        is a device tensor, logged once).
+        Pinned host memory read through UVA instead of device memory (tier UVA only, else logged once).
 
     Attributes
     ----------
     gpu : torch.Tensor
-        The target tensor, at a fixed address (zero-filled at construction), of ``shape``, ``dtype`` and
-        ``device``: ``rows`` (``num_rows`` too) rows of ``cols`` values (1 for a 1-D target). ``tier``
-        is the device's (``capabilities(device).tier``).
+        The target tensor (zero-filled, at a fixed address) of ``shape``, ``dtype`` and ``device``: ``rows``
+        (``num_rows`` too) rows of ``cols`` values (1 for a 1-D target); ``tier`` is the device's.
 
     Raises
     ------
-    InvalidArgumentError
-        If ``size`` is not an int >= 0 or a tuple of one or two of them, ``dtype`` is not one of the
-        allowed dtypes, or ``max_concurrency`` is not None or an int >= 1.
-    ArgumentTypeError, DeviceAllocationError, SetupError, TierUnavailableError
-        As :class:`UvaBufferPool` raises them for ``device`` (and the tensor's memory).
+    InvalidArgumentError, ArgumentTypeError, DeviceAllocationError, SetupError, TierUnavailableError
+        As :class:`UvaBufferPool` raises them for ``max_concurrency``, ``device`` and memory;
+        InvalidArgumentError also for a ``size`` or ``dtype`` not allowed above, ArgumentTypeError for a
+        non-bool ``uva_instead_of_gpu``.
     """
 
     _target: WriteTarget
@@ -171,17 +168,15 @@ class StagedWriteTensor(Sealed):
     def stage_write(self, index: int, start: int, values: HostData) -> None:
         """Stage ``gpu[index, start:start + len(values)] = values``, applied by ``apply_write()``.
 
-        ``index`` is the row, in ``[0, rows)``; ``start`` the first column (a Python or numpy int >= 0),
-        and the edit must end within the row. ``values`` are 1-D: a list (checked at apply, with the
-        whole batch), tuple, numpy array or CPU tensor (checked now).
+        ``index`` is the row and ``start`` the first column (Python or numpy ints); ``values`` are 1-D: a list
+        (checked at apply, with the whole batch), tuple, numpy array or CPU tensor (checked now).
 
         Raises
         ------
-        InvalidArgumentError
-            If ``index`` or ``start`` is not an int in range, the edit ends past the row, or non-list
-            ``values`` are not 1-D or do not fit the dtype. A staging call that raises stages nothing.
-        ArgumentTypeError
-            If non-list ``values`` are of an unsupported type or dtype.
+        InvalidArgumentError, ArgumentTypeError
+            InvalidArgumentError if ``index`` is not an int in ``[0, rows)``, ``start`` not an int >= 0, the
+            edit ends past the row, or non-list ``values`` are not 1-D or do not fit the dtype;
+            ArgumentTypeError if they are of an unsupported type or dtype. Nothing is staged then.
         """
         if type(values) is list and type(index) is int:
             if type(start) is not int:  # vLLM passes numpy ints here (a row's block count)
@@ -215,24 +210,24 @@ class StagedWriteTensor(Sealed):
     ) -> None:
         """Stage a batch of edits from arrays: edit i writes row ``rows[i]`` from column ``starts[i]``.
 
+        Everything is checked now, with numpy: a bad edit raises naming its position, and nothing is staged.
+
         Parameters
         ----------
         rows, starts : array-like of int
             One row and one start column per edit.
         values : array-like
-            ``(E, L)`` (each edit writes L values), ``(E,)`` (one value each), or, with ``lengths``, a
-            flat array whose consecutive runs of ``lengths[i]`` values are the edits.
+            ``(E, L)`` (each edit writes L values), ``(E,)`` (one value each), or, with ``lengths``, a flat
+            array whose consecutive runs of ``lengths[i]`` values are the edits.
         lengths : array-like of int, optional
             Per-edit lengths for flat ``values``.
 
         Raises
         ------
-        InvalidArgumentError
-            As :meth:`stage_write` for each edit, or if the arrays' lengths disagree. Everything is
-            checked now, with numpy: a bad edit raises naming its position, and nothing is staged.
-        ArgumentTypeError
-            If an argument is of an unsupported type or dtype (``rows``, ``starts`` and ``lengths`` must
-            hold integers).
+        InvalidArgumentError, ArgumentTypeError
+            InvalidArgumentError as :meth:`stage_write` for each edit, or if the arrays' lengths disagree;
+            ArgumentTypeError if an argument is of an unsupported type or dtype (``rows``, ``starts`` and
+            ``lengths`` must hold integers).
         """
         self._log.stage_writes(rows, starts, values, lengths)
 
@@ -245,9 +240,8 @@ class StagedWriteTensor(Sealed):
 
     def discard_staged(self, positions: Iterable[int]) -> None:
         """Drop the staged edits at ``positions`` (as ``pending_writes()`` numbers them: ``err.edits`` of a
-        ``StagedWriteError``, say). Raises InvalidArgumentError for a position outside
-        ``[0, num_staged)``, ArgumentTypeError if ``positions`` is not an iterable of ints; nothing is
-        dropped then."""
+        ``StagedWriteError``, say). Raises InvalidArgumentError for a position outside ``[0, num_staged)``,
+        ArgumentTypeError if ``positions`` is not an iterable of ints; nothing is dropped then."""
         self._log.discard(positions)
 
     def apply_write(self) -> None:
@@ -256,9 +250,8 @@ class StagedWriteTensor(Sealed):
         Raises
         ------
         StagedWriteError
-            If a staged list value is not a number or does not fit the dtype exactly: nothing is
-            written, every staged edit stays staged, and ``err.edits`` names every bad one
-            (``discard_staged(err.edits)``, then apply again).
+            If a staged list value is not a number or does not fit the dtype exactly: nothing is written and
+            ``err.edits`` names every bad edit (``discard_staged(err.edits)``, then apply again).
         UsageError
             If a staging slot must grow while a CUDA graph is being captured.
         DeviceAllocationError
@@ -277,10 +270,10 @@ class StagedWriteTensor(Sealed):
         self._log.clear()
 
     def stats(self) -> dict[str, int]:
-        """This tensor's staging counters (of ``apply_write()``; a fused apply counts on its writer):
-        ``transfers`` and ``bytes`` (host-to-device copies of packed edits and their size: on PINNED and
-        PAGEABLE), ``growths`` (slots replaced by larger ones), ``guard_waits`` (times an apply waited
-        for a slot's last launch) and ``steps`` (applies that packed a slot: none on HOST)."""
+        """This tensor's counters (of ``apply_write()``; a fused apply counts on its writer): ``transfers``
+        and ``bytes`` (copies of packed edits and their size, on PINNED and PAGEABLE), ``growths`` (slots
+        replaced by larger ones), ``guard_waits`` (times an apply waited for a slot's last launch) and
+        ``steps`` (applies that packed a slot: none on HOST)."""
         return self._launcher.stats()
 
     def __repr__(self) -> str:
@@ -293,25 +286,23 @@ class StagedWriteTensor(Sealed):
 class FusedStagedWriter(Sealed):
     """Applies the staged edits of several StagedWriteTensors of one dtype: one transfer, one launch.
 
-    The writer owns its staging slots (made at the first apply that packs one), not the tensors'.
-    ``device`` and ``max_concurrency`` (at least 2) are the arguments, resolved.
+    The writer owns its staging slots (made at the first apply that packs one), not the tensors'. ``device``
+    and ``max_concurrency`` (at least 2) are the arguments, resolved.
 
     Parameters
     ----------
     device : torch.device, str, int or None, optional
-        The tensors' device, as for :func:`capabilities`; None (the default) is the default device.
-    max_writes : int, optional
-        The expected number of edits per apply, >= 1 (default 1024): it sizes the staging slots; a
-        larger apply grows them.
+        The tensors' device, as for :func:`capabilities`.
+    max_writes : int, default 1024
+        The expected edits per apply, >= 1: it sizes the staging slots (a larger apply grows them).
     max_concurrency : int or None, optional
         The staging slot count, as for :class:`UvaBufferPool`.
 
     Raises
     ------
-    InvalidArgumentError
-        If ``max_writes`` is not an int >= 1, or ``max_concurrency`` is not None or an int >= 1.
-    ArgumentTypeError, SetupError, TierUnavailableError
-        As :class:`UvaBufferPool` raises them for ``device``.
+    InvalidArgumentError, ArgumentTypeError, SetupError, TierUnavailableError
+        As :class:`UvaBufferPool` raises them for ``max_concurrency`` and ``device``; InvalidArgumentError
+        also if ``max_writes`` is not an int >= 1.
     """
 
     def __init__(self, device: DeviceLike = None, max_writes: int = 1024, max_concurrency: int | None = None):
@@ -330,9 +321,9 @@ class FusedStagedWriter(Sealed):
 
     @property
     def kernel(self) -> Kernel:
-        """The kernel the last apply ran, ``scatter`` (also before the first) or ``triton`` (``host`` on
-        tier HOST). ``STAGEBUF_WRITE_KERNEL`` (``auto``, ``scatter`` or ``triton``) chooses where Triton
-        can run (else ``scatter``); overlapping edits always use ``scatter``."""
+        """The kernel the last apply ran, ``scatter`` (also before the first), ``triton`` or ``host`` (tier
+        HOST). ``STAGEBUF_WRITE_KERNEL`` (``auto``, ``scatter``, ``triton``) picks where Triton runs;
+        overlapping edits use ``scatter``."""
         return self._kernel.value
 
     @property
@@ -348,20 +339,18 @@ class FusedStagedWriter(Sealed):
     def apply(
         self, tensors: Iterable[StagedWriteTensor], output_ptrs: Any = None, output_strides: Any = None
     ) -> None:
-        """Apply and clear the staged edits of ``tensors`` (one dtype, this device) at once.
+        """Apply and clear the staged edits of ``tensors`` at once.
 
-        All or nothing: every tensor's edits are gathered and checked before anything is written, then
-        they go out in one packed transfer and one launch. A tensor listed twice is applied once; with
-        nothing staged nothing happens.
+        All or nothing: every tensor's edits are checked before anything is written. A tensor listed twice is
+        applied once; with nothing staged nothing happens.
 
         Parameters
         ----------
         tensors : iterable of StagedWriteTensor
             The tensors, all of one dtype and on this writer's device (a list, not a single tensor).
         output_ptrs : sequence of int, torch.Tensor or None, optional
-            vLLM's call shape: each tensor's ``gpu.data_ptr()``, in the order of ``tensors``; checked
-            against them when given. A device tensor's contents are read once per tensor version (every
-            call in check mode), since that read waits for the device.
+            vLLM's call shape: each tensor's ``gpu.data_ptr()`` in ``tensors`` order, checked; a device tensor
+            is read once per version (every call in check mode), as that read waits for the device.
         output_strides : sequence of int, torch.Tensor or None, optional
             Each tensor's row stride (``row_stride``), checked as ``output_ptrs``.
 
@@ -371,12 +360,11 @@ class FusedStagedWriter(Sealed):
             If ``tensors`` is not an iterable of StagedWriteTensor (a single one included), or
             ``output_ptrs``/``output_strides`` is not a sequence (or tensor) of ints.
         InvalidArgumentError
-            If the tensors mix dtypes or one is on another device, or ``output_ptrs``/``output_strides``
-            does not match them (values, length, dtype, or a device other than the CPU or this one).
+            If the tensors mix dtypes or one is on another device, or ``output_ptrs``/``output_strides`` does
+            not match them (values, length, dtype, or a device other than the CPU or this one).
         StagedWriteError
-            As :meth:`StagedWriteTensor.apply_write`, on every tensor: nothing is written on any.
-            ``err.tensor`` is the first tensor with a bad edit and ``err.edits`` its bad edits'
-            positions: call ``err.tensor.discard_staged(err.edits)``, then apply again.
+            As :meth:`StagedWriteTensor.apply_write`, over every tensor (nothing is written on any);
+            ``err.tensor`` is the first tensor with a bad edit, ``err.edits`` its bad edits.
         UsageError, DeviceAllocationError, CudaError
             As :meth:`StagedWriteTensor.apply_write`.
         """

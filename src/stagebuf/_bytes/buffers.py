@@ -16,11 +16,7 @@ import numpy as np
 import torch
 
 from .._common.convert import check_rows, fill_host, shape_of, torch_dtype
-from .._common.errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-    UsageError,
-)
+from .._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from .._common.sealed import COPY_HINT, Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike

@@ -39,20 +39,9 @@ class Tier(Sealed, enum.IntEnum):
 
     @classmethod
     def parse(cls, value: str | Tier, name: str = "tier") -> Tier:
-        """The tier named by ``value``.
-
-        Parameters
-        ----------
-        value : str or Tier
-            A tier name in any case, spaces ignored (``"uva"``, ``"PINNED"``), or a Tier (returned as it is).
-        name : str, optional
-            What ``value`` was given as, for the error message (default ``"tier"``).
-
-        Raises
-        ------
-        InvalidArgumentError
-            If ``value`` names no tier; the message lists the allowed names.
-        """
+        """The tier ``value`` names: a name in any case, spaces ignored (``"uva"``, ``"PINNED"``), or a Tier
+        (returned as is); else InvalidArgumentError, naming the allowed names and ``name`` (what ``value``
+        was given as)."""
         if isinstance(value, Tier):
             return value
         try:

@@ -341,6 +341,45 @@ def plan(module: Any | None = None, runner: Any | None = None, version: str | No
     return Plan(True, "patch", why, _bindings(module, mine) + step, carried, requested)
 
 
+_ACTIONS = {
+    "patch": "would replace MRV2's buffer layer",
+    "patched": "replaced MRV2's buffer layer",
+    "leave": "would leave vLLM as it is",
+    "off": "vLLM uses its own buffer layer",
+}
+
+
+def _plain(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if v is None:
+        return "-"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_plain(x)}" for k, x in v.items()) or "-"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_plain(x) for x in v) or "-"
+    return str(v)
+
+
+def rows() -> list[tuple[str, str]]:
+    """doctor's rows: vLLM's version, and every item of :func:`plan`'s ``as_dict()``, as text."""
+    version = vllm_version()
+    out = [("vLLM", f"{version} (tested: {', '.join(TESTED)})" if version else "not installed")]
+    for key, value in plan().as_dict().items():
+        text = _plain(value)
+        if key == "action" and value in _ACTIONS:
+            text += f" ({_ACTIONS[value]})"
+        out.append((f"vLLM plugin {key}", text))
+    return out
+
+
+def report() -> dict[str, Any]:
+    """doctor's ``--json`` part: vLLM's version, the setting, and every item of ``plan().as_dict()``."""
+    version = vllm_version()
+    out: dict[str, Any] = {"installed": version is not None, "version": version, "tested": list(TESTED)}
+    return {**out, "setting": os.environ.get(ENV_VLLM), **plan().as_dict()}
+
+
 def _apply(p: Plan) -> None:
     done: list[tuple[Any, str, Any]] = []
     try:

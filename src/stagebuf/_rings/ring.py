@@ -39,12 +39,7 @@ class Ring:
     )  # fmt: skip
 
     def __init__(
-        self,
-        n: int,
-        make: Callable[[], StagingBuffer],
-        mode: GuardMode,
-        what: str,
-        quarantined: bool = False,
+        self, n: int, make: Callable[[], StagingBuffer], mode: GuardMode, what: str, quarantined: bool = False
     ):
         extra = quarantine() if quarantined and check_mode() else 0
         bufs = [make() for _ in range(n + extra)]

@@ -90,9 +90,7 @@ def diagnose(device: str | None = None) -> Capabilities | Problem:
 
 
 def _limit(v: int | None) -> str:
-    if v is None:
-        return "unlimited"
-    return f"{v} bytes ({v / (1 << 20):.1f} MiB)"
+    return "unlimited" if v is None else f"{v} bytes ({v / (1 << 20):.1f} MiB)"
 
 
 def build_text(build: str) -> str:
@@ -170,44 +168,9 @@ def rows(caps: Capabilities) -> list[tuple[str, str]]:
     return out
 
 
-_ACTIONS = {
-    "patch": "would replace MRV2's buffer layer",
-    "patched": "replaced MRV2's buffer layer",
-    "leave": "would leave vLLM as it is",
-    "off": "vLLM uses its own buffer layer",
-}
-
-
-def _plain(v: Any) -> str:
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if v is None:
-        return "-"
-    if isinstance(v, dict):
-        return ", ".join(f"{k}={_plain(x)}" for k, x in v.items()) or "-"
-    if isinstance(v, (list, tuple)):
-        return ", ".join(_plain(x) for x in v) or "-"
-    return str(v)
-
-
 def vllm_rows() -> list[tuple[str, str]]:
-    """vLLM's version, every item of the plugin's ``plan().as_dict()``, and nano-vllm's status."""
-    version = _vllm.vllm_version()
-    rows_ = [("vLLM", f"{version} (tested: {', '.join(_vllm.TESTED)})" if version else "not installed")]
-    for key, value in _vllm.plan().as_dict().items():
-        text = _plain(value)
-        if key == "action" and value in _ACTIONS:
-            text += f" ({_ACTIONS[value]})"
-        rows_.append((f"vLLM plugin {key}", text))
-    rows_.append(("nano-vllm", nanovllm.status()["note"]))
-    return rows_
-
-
-def vllm_report() -> dict[str, Any]:
-    """The vLLM part of ``doctor --json``: vLLM's version, and every item of ``plan().as_dict()``."""
-    version = _vllm.vllm_version()
-    out: dict[str, Any] = {"installed": version is not None, "version": version, "tested": list(_vllm.TESTED)}
-    return {**out, "setting": os.environ.get(ENV_VLLM), **_vllm.plan().as_dict()}
+    """The vLLM plugin's rows (:func:`stagebuf._engines.vllm.rows`) and nano-vllm's status."""
+    return [*_vllm.rows(), ("nano-vllm", nanovllm.status()["note"])]
 
 
 def render_text(caps: Capabilities) -> str:
@@ -269,8 +232,8 @@ def render(caps: Capabilities, console: Any = None) -> None:
 
 
 def to_json(caps: Capabilities) -> str:
-    report = {"stagebuf": __version__, **caps.as_dict(), "settings": settings(caps)}
-    return json.dumps({**report, "vllm": vllm_report(), "nanovllm": nanovllm.status()}, indent=2, default=str)
+    report = {"stagebuf": __version__, **caps.as_dict(), "settings": settings(caps), "vllm": _vllm.report()}
+    return json.dumps({**report, "nanovllm": nanovllm.status()}, indent=2, default=str)
 
 
 def _broken_pipe() -> None:

@@ -309,7 +309,8 @@ class FusedStagedWriter(Sealed):
         self._max_writes = int_in(max_writes, "max_writes", 1, None, "")
         self.max_concurrency = slot_count(max_concurrency)
         self.device = capabilities(device).device
-        self._launcher = _Launcher(self.device, self.max_concurrency, self._capacity(self._max_writes))
+        # a slot per apply: per edit an 8-byte destination and about 8 values of 8 bytes, or 32 bytes of rows
+        self._launcher = _Launcher(self.device, self.max_concurrency, 1024 + 96 * self._max_writes)
         self._sink: Callable[[list[CheckedEdits]], Kernel] = self._launcher.apply
         """As :class:`StagedWriteTensor`'s."""
         self._edit_growths = 0
@@ -330,11 +331,6 @@ class FusedStagedWriter(Sealed):
     def max_writes(self) -> int:
         """Edits per apply the slots were sized for (an apply with more sets the next power of two)."""
         return self._max_writes
-
-    @staticmethod
-    def _capacity(max_writes: int) -> int:
-        # per edit: an 8-byte destination and about 8 values of 8 bytes, or 32 bytes of Triton metadata
-        return 1024 + 96 * max_writes
 
     def apply(
         self, tensors: Iterable[StagedWriteTensor], output_ptrs: Any = None, output_strides: Any = None
@@ -387,7 +383,7 @@ class FusedStagedWriter(Sealed):
                     f"tensors[{i}] has dtype {t.dtype} but tensors[0] has {targets[0].dtype}; "
                     "one fused apply needs one dtype"
                 )
-            if not any(t is u for u in targets):
+            if t not in targets:  # (identity: a tensor defines no ==)
                 targets.append(t)
         if output_ptrs is not None:
             ptrs = [t.gpu.data_ptr() for t in tensors]

@@ -46,6 +46,7 @@ class _Launcher:
         self.ring: Ring | None = None
         """Made at the first apply (a tensor that is never applied allocates no slots)."""
         self.forced = write_kernel()
+        self.triton: bool | None = None  # whether Triton runs on the device, asked once (_triton)
         self.views: dict[Any, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]] = {}
         """Per (slot, layout): the host and device views of a scatter's destinations and values."""
 
@@ -70,7 +71,7 @@ class _Launcher:
             kernel = "scatter"  # overlaps: de-duplicated on the host, then one scatter
         elif kernel == "auto":
             kernel = "triton" if not one or p0.vals.shape[0] >= TRITON_MIN_ELEMS else "scatter"
-        if kernel == "triton" and not triton_usable(self.device):
+        if kernel == "triton" and not (self.triton if self.triton is not None else self._triton()):
             if self.forced == "triton":
                 warn_once(
                     ("staged-write-no-triton", str(self.device)),
@@ -131,6 +132,10 @@ class _Launcher:
                 p.target.flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
                 a = b
         return kernel
+
+    def _triton(self) -> bool:
+        self.triton = triton_usable(self.device)
+        return self.triton
 
     def _make_ring(self) -> Ring:
         self.ring = Ring(

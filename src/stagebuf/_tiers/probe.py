@@ -135,9 +135,10 @@ def probe(device: DeviceLike = None) -> Capabilities:
     write_kernel()
     forced = _forced_tier()
     dev = _resolve_device(device, forced)
-    name = forced.name.lower() if forced is not None else ""
-    caps = Capabilities(dev, dev.type, False, False, Tier.HOST, [], name or None, _is_wsl(), _memlock_limit())
-    caps.torch_build, reasons = torch_build(), caps.reasons
+    name = forced.name.lower() if forced is not None else None  # (not a truth test: Tier.UVA is 0)
+    caps = Capabilities(dev, dev.type, False, False, Tier.HOST, [], name, _is_wsl(), _memlock_limit())
+    caps.torch_build = torch_build()
+    reasons = caps.reasons
     if dev.type == "cpu":
         cause, hint = _cpu_cause(device, forced)
         caps.cpu_cause, caps.cpu_fix = cause, hint

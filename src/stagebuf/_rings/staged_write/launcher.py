@@ -43,10 +43,9 @@ class _Launcher:
         self.device = device
         self.n = max_concurrency
         self.capacity = max(capacity, ALIGN)
-        self.ring: Ring | None = None
-        """Made at the first apply (a tensor that is never applied allocates no slots)."""
+        self.ring: Ring | None = None  # made at the first apply: a tensor never applied allocates no slots
         self.forced = write_kernel()
-        self.triton: bool | None = None  # whether Triton runs on the device, asked once (_triton)
+        self.triton: bool | None = None  # whether Triton runs here, asked at the first apply that wants it
         self.views: dict[Any, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]] = {}
         """Per (slot, layout): the host and device views of a scatter's destinations and values."""
 
@@ -71,7 +70,9 @@ class _Launcher:
             kernel = "scatter"  # overlaps: de-duplicated on the host, then one scatter
         elif kernel == "auto":
             kernel = "triton" if not one or p0.vals.shape[0] >= TRITON_MIN_ELEMS else "scatter"
-        if kernel == "triton" and not (self.triton if self.triton is not None else self._triton()):
+        if kernel == "triton" and self.triton is None:
+            self.triton = triton_usable(self.device)
+        if kernel == "triton" and not self.triton:
             if self.forced == "triton":
                 warn_once(
                     ("staged-write-no-triton", str(self.device)),
@@ -132,10 +133,6 @@ class _Launcher:
                 p.target.flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
                 a = b
         return kernel
-
-    def _triton(self) -> bool:
-        self.triton = triton_usable(self.device)
-        return self.triton
 
     def _make_ring(self) -> Ring:
         self.ring = Ring(

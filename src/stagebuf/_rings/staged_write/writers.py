@@ -311,8 +311,7 @@ class FusedStagedWriter(Sealed):
         self.device = capabilities(device).device
         # a slot per apply: per edit an 8-byte destination and about 8 values of 8 bytes, or 32 bytes of rows
         self._launcher = _Launcher(self.device, self.max_concurrency, 1024 + 96 * self._max_writes)
-        self._sink: Callable[[list[CheckedEdits]], Kernel] = self._launcher.apply
-        """As :class:`StagedWriteTensor`'s."""
+        self._sink: Callable[[list[CheckedEdits]], Kernel] = self._launcher.apply  # as StagedWriteTensor's
         self._edit_growths = 0
         self._kernel: Cell[Kernel] = Cell("scatter")
         self._verified: set[tuple[Any, ...]] = set()

@@ -13,6 +13,8 @@ steps, outside the timing); medians over steps, then over interleaved repeats.
   distinct rows of a (max(4096, E), max(64, L)) int32 table, then ``apply_write``.
 * ``fused``: ``FusedStagedWriter.apply`` over two such tables (E/2 edits each),
   with vLLM's call shape: device tensors of the tables' pointers and strides.
+* ``stage``: a ``writes`` cell's ``stage_write`` calls alone (then ``clear_staged_writes``), E <= 256, for
+  vLLM UVA and stagebuf UVA: what of a cell is staging and what is the apply.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def _time(step: Callable[[int], None], device: torch.device, steps: int, warmup:
     return float(np.median(ts)) * 1e6
 
 
-def _writes_case(bu: Any, device: torch.device, e: int, ln: int, fused: bool) -> Callable[[int], None]:
+def _writes_case(
+    bu: Any, device: torch.device, e: int, ln: int, fused: bool, stage_only: bool = False
+) -> Callable[[int], None]:
     rows, cols = max(4096, e), max(64, ln)
     rng = np.random.default_rng(e * 100 + ln)
     rows_sel = rng.permutation(rows)[:e].tolist()
@@ -63,12 +67,13 @@ def _writes_case(bu: Any, device: torch.device, e: int, ln: int, fused: bool) ->
     if not fused:
         t = bu.StagedWriteTensor((rows, cols), torch.int32, device)
         sw = t.stage_write
+        end = t.clear_staged_writes if stage_only else t.apply_write
 
         def step(i: int) -> None:
             v = vals[i & 3]
             for r in rows_sel:
                 sw(r, 0, v)
-            t.apply_write()
+            end()
 
         return step
     ts = [bu.StagedWriteTensor((rows, cols), torch.int32, device) for _ in range(2)]
@@ -145,6 +150,9 @@ def run(
             cases.append(
                 (f"writes|{e}x{ln}", functools.partial(_writes_case, device=device, e=e, ln=ln, fused=False))
             )
+            if e <= 256:
+                only = functools.partial(_writes_case, device=device, e=e, ln=ln, fused=False)
+                cases.append((f"stage|{e}x{ln}", functools.partial(only, stage_only=True)))
             if e >= 2:
                 cases.append(
                     (
@@ -158,6 +166,8 @@ def run(
             for pname, bu, tier in peers:
                 forced = pname.endswith("_triton")
                 if forced and not cname.startswith(("fused", "writes")):
+                    continue
+                if cname.startswith("stage") and pname not in ("vllm_uva", "stagebuf_uva"):
                     continue
                 with stagebuf_tier(tier), _kernel("triton" if forced else None):
                     step = make(bu)

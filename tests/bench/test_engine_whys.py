@@ -1,0 +1,62 @@
+"""The engine and vs-vLLM targets say why they missed, from the numbers of the same run (no GPU needed)."""
+
+from __future__ import annotations
+
+from benchmarks import engine as E
+
+
+def _sections(writes: float, publish: float, tables: float, copies: float) -> dict[str, float]:
+    return dict(zip(E.SECTIONS, (writes, publish, tables, copies)))
+
+
+def test_a_missed_busy_ratio_names_the_part_that_grew_and_the_guard_waits() -> None:
+    meds = {
+        "vllm_uva|g1|idle": {"prep_us": 1000.0, "buffer_us": 500.0},
+        "vllm_uva|g1|busy": {"prep_us": 1000.0, "buffer_us": 500.0},
+        "stagebuf_step_uva|g1|idle": {"prep_us": 800.0, "buffer_us": 300.0},
+        "stagebuf_step_uva|g1|busy": {"prep_us": 960.0, "buffer_us": 380.0},  # busy/idle 1.2: +0.2
+    }
+    runs = {
+        "stagebuf_step_uva|g1|idle": [{"sections_us": _sections(100, 20, 60, 120), "guard_waits": 0}],
+        "stagebuf_step_uva|g1|busy": [
+            {"sections_us": _sections(100, 20, 60, 300), "guard_waits": 2},
+            {"sections_us": _sections(110, 25, 70, 200), "guard_waits": 1},
+        ],
+    }
+    res = {"medians": meds, "runs": runs, "setups": ["vllm_uva", "stagebuf_step_uva"]}
+    t = E.targets(res, None)["engine_busy_ratio_vs_vllm"]
+    assert t["passed"] is False and t["measured"] == 0.2
+    assert t["why"] == (
+        "the part that grows most on the busy GPU (stagebuf_step_uva, 1g, last run, mean µs a step): "
+        "per_step_copies 120.0 -> 200.0; guard waits in its busy runs: 3"
+    )
+
+
+def test_a_missed_staged_write_cell_splits_staging_from_the_apply() -> None:
+    med = {
+        "writes|16x1": {"stagebuf_uva": 30.0, "vllm_uva": 60.0},  # 0.5: met
+        "writes|256x1": {"stagebuf_uva": 105.0, "vllm_uva": 150.0},  # 0.7: the worst cell, missed
+        "stage|256x1": {"stagebuf_uva": 70.0, "vllm_uva": 120.0},
+    }
+    t = E.targets(None, {"median_us": med})["vllm_staged_write_per_cell"]
+    assert t["passed"] is False and t["measured"] == 0.7
+    assert t["why"] == (
+        "E x L = 256x1: stagebuf 105.0 µs (70.0 staging + 35.0 apply) against "
+        "vLLM 0.33 150.0 µs (120.0 staging + 30.0 apply)"
+    )
+
+
+def test_a_missed_backed_copy_names_the_cost_of_a_call_and_of_the_guard() -> None:
+    med = {
+        "backed|k8": {"stagebuf_uva": 24.0, "vllm_uva": 24.0},  # 1.0: missed
+        "backed|k1": {"stagebuf_uva": 7.0, "vllm_uva": 3.5},
+        "pool|k8": {"stagebuf_uva": 12.0, "vllm_uva": 24.0},  # 0.5: met, no reason
+        "pool|k1": {"stagebuf_uva": 4.0, "vllm_uva": 3.5},
+    }
+    t = E.targets(None, {"median_us": med})
+    b = t["vllm_backed_copy_to_uva"]
+    assert b["passed"] is False and b["why"] == (
+        "a call: 3.00 µs against vLLM's 3.00; with one call a step (each pays the slot guard's event record "
+        "and query) 7.0 against 3.5: vLLM's has no guard"
+    )
+    assert t["vllm_pool_copy_to_uva"]["passed"] is True and "why" not in t["vllm_pool_copy_to_uva"]

@@ -13,6 +13,12 @@ A cell is *slower beyond noise* when every after run's median is above every
 before run's median and the ratio exceeds 1 plus the cell's noise. Peers (vLLM's
 classes, the baselines, the floor) run the same code on both sides, so their
 count of such cells is the rate at which noise alone flags a cell.
+
+A run's drift: where the machine as a whole got faster or slower from one run to
+the next (runs minutes apart on a shared host), every cell of that run moves with
+it. ``--drift`` divides each run's samples by its drift factor, the median over the
+peers' cells of that run's median over the cell's geometric mean across all runs
+(printed); the peers' flags still say how often noise alone flags a cell.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 Samples = list[float]
+_TIE = 1 + 1e-9  # medians equal to float rounding (runs divided by their drift factors) are not a move
 
 
 @dataclass
@@ -56,15 +63,15 @@ class Cell:
         """Every after run above every before run, by more than the cell's noise (never without one)."""
         if self.noise is None:
             return False  # one run a side: nothing says how far the same code moves
-        separated = min(_medians(self.after)) > max(_medians(self.before))
-        return separated and self.ratio > 1 + self.noise
+        separated = min(_medians(self.after)) > max(_medians(self.before)) * _TIE
+        return separated and self.ratio > (1 + self.noise) * _TIE
 
     @property
     def faster(self) -> bool:
         if self.noise is None:
             return False
-        separated = max(_medians(self.after)) < min(_medians(self.before))
-        return separated and 1 / self.ratio > 1 + self.noise
+        separated = max(_medians(self.after)) * _TIE < min(_medians(self.before))
+        return separated and 1 / self.ratio > (1 + self.noise) * _TIE
 
 
 def _medians(runs: list[Samples]) -> list[float]:
@@ -97,16 +104,34 @@ def cells_of(report: dict[str, Any], metric: str) -> Iterator[tuple[str, bool, S
                 yield f"vs_vllm {cell} {name}", name.startswith("stagebuf"), list(samples)
 
 
-def pair(before: list[dict[str, Any]], after: list[dict[str, Any]], metric: str) -> list[Cell]:
-    """The cells every report of both sets measured, in the first report's order."""
+def pair(
+    before: list[dict[str, Any]], after: list[dict[str, Any]], metric: str, drift: list[float] | None = None
+) -> list[Cell]:
+    """The cells every report of both sets measured, in the first report's order; with ``drift`` (one
+    factor per report, before then after: see ``drift_factors``), each run's samples divided by its own."""
     sides: list[list[dict[str, tuple[bool, Samples]]]] = [
         [{k: (o, s) for k, o, s in cells_of(r, metric)} for r in reports] for reports in (before, after)
     ]
     first = sides[0][0]
     common = [k for k in first if all(k in run for side in sides for run in side)]
-    return [
-        Cell(k, first[k][0], [run[k][1] for run in sides[0]], [run[k][1] for run in sides[1]]) for k in common
-    ]
+    f = drift or [1.0] * (len(before) + len(after))
+    fb, fa = f[: len(before)], f[len(before) :]
+
+    def runs(side: int, k: str, fs: list[float]) -> list[Samples]:
+        return [[v / x for v in run[k][1]] for run, x in zip(sides[side], fs)]
+
+    return [Cell(k, first[k][0], runs(0, k, fb), runs(1, k, fa)) for k in common]
+
+
+def drift_factors(cells: list[Cell]) -> list[float]:
+    """Per report (before, then after): the median over the peers' cells of that run's median divided by
+    the cell's geometric mean over every run; all 1.0 without peers."""
+    peers = [c for c in cells if not c.ours]
+    n = len(cells[0].before) + len(cells[0].after) if cells else 0
+    if not peers:
+        return [1.0] * n
+    rel = [[m / _center(c.before + c.after) for m in _medians(c.before + c.after)] for c in peers]
+    return [statistics.median(r[i] for r in rel) for i in range(n)]
 
 
 def summary(cells: list[Cell]) -> dict[str, Any]:
@@ -133,6 +158,10 @@ ONE_RUN_WARNING = (
 )
 
 
+def _join(xs: list[float]) -> str:
+    return ", ".join(f"{x:.3f}" for x in xs)
+
+
 def _load(paths: tuple[str, ...]) -> list[dict[str, Any]]:
     return [json.loads(Path(p).read_text()) for p in paths]
 
@@ -149,15 +178,22 @@ def _load(paths: tuple[str, ...]) -> list[dict[str, Any]]:
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write cells and summary.")
 @click.option("--all", "show_all", is_flag=True, help="Print every cell, not only the 25 largest ratios.")
+@click.option("--drift", is_flag=True, help="Divide each run's samples by its drift factor (see above).")
 def main(
-    before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path: str | None, show_all: bool
-) -> None:
+    before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path: str | None, show_all: bool,
+    drift: bool,
+) -> None:  # fmt: skip
     """Compare bench reports of the code before and after a change, cell by cell."""
     b, a = _load(before), _load(after)
     cells = pair(b, a, metric)
     if not cells:
         raise click.ClickException("no cell is in every report")
+    factors = drift_factors(cells) if drift else None
+    if factors:
+        cells = pair(b, a, metric, factors)
     console = Console(width=None if Console().is_terminal else 160)
+    if factors:
+        console.print(f"per-run drift factors, divided out (before, then after): {_join(factors)}")
     if len(b) < 2 and len(a) < 2:
         click.echo(ONE_RUN_WARNING, err=True)
     table = Table("cell", "ours", "before µs", "after µs", "after/before", "noise", "verdict")
@@ -187,6 +223,7 @@ def main(
             "before": [{"commit": r.get("commit"), "started_utc": r.get("started_utc")} for r in b],
             "after": [{"commit": r.get("commit"), "started_utc": r.get("started_utc")} for r in a],
             "metric": metric,
+            "drift_factors": factors and [round(x, 4) for x in factors],
             "summary": s,
             "cells": [
                 {

@@ -126,3 +126,21 @@ def test_one_run_a_side_warns_and_flags_nothing(base: dict[str, Any], tmp_path: 
     assert "one run a side" in res.output and "SLOWER" not in res.output
     data = json.loads(out.read_text())
     assert data["summary"]["ours"]["slower_beyond_noise"] == []
+
+
+def test_drift_of_a_whole_run_is_divided_out_and_a_real_slowdown_still_shows(base: dict[str, Any]) -> None:
+    """The machine 40 % slower on both after runs moves every cell, peers too: raw, most cells read slower
+    beyond noise; with the drift factors (the peers' median move per run) divided out, only the cell that
+    also got 1.5x slower is flagged."""
+    key = "writes staged_write_uva 16x1"
+    before = [base, _scaled(base, 1.02)]
+    after = [_scaled(base, 1.4), _scaled(_scaled(base, 1.43), 1.5, key)]
+    after[0] = _scaled(after[0], 1.5, key)
+    raw = C.pair(before, after, "e2e_us")
+    f = C.drift_factors(raw)
+    g = statistics.geometric_mean([1.0, 1.02, 1.4, 1.43])
+    assert f == pytest.approx([1.0 / g, 1.02 / g, 1.4 / g, 1.43 / g])
+    assert sum(c.slower for c in raw) > len(raw) // 2  # the drift alone flags most cells
+    fixed = {c.key: c for c in C.pair(before, after, "e2e_us", f)}
+    assert fixed[key].slower and fixed[key].ratio == pytest.approx(1.5)  # the drift cancels out
+    assert [k for k, c in fixed.items() if c.slower] == [key]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .._common.tier import Tier
-from .._rings.staged_write.check import CheckedEdits
+from .._rings.staged_write.check import CheckedEdits, expand_runs
 from .._rings.staged_write.kernel import MAX_BLOCK, launch_at, triton_usable
 from .._rings.stager import Step, StepStager
 
@@ -224,7 +224,9 @@ class StepBatch:
         for ptr in dict.fromkeys(meta[:, 0].tolist()):
             rows = meta[meta[:, 0] == ptr]
             lens = rows[:, 2]
-            out.append((self.targets[ptr], _expand(rows[:, 1], lens), _expand(rows[:, 3], lens)))
+            n = int(lens.sum())
+            dest, src = expand_runs(rows[:, 1], lens, n), expand_runs(rows[:, 3], lens, n)
+            out.append((self.targets[ptr], dest, src))
         return out
 
     def _write_host(self, meta: np.ndarray, words: np.ndarray) -> None:
@@ -237,11 +239,6 @@ class StepBatch:
         self, meta: np.ndarray, st: Step
     ) -> list[tuple[WordTarget, torch.Tensor, torch.Tensor]]:
         return [(t, st.stage(dest), st.stage(src)) for t, dest, src in self._per_target(meta)]
-
-
-def _expand(first: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """The index of every element of runs starting at ``first``, ``lens`` long."""
-    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
 
 
 _Plan = list[tuple[WordTarget, torch.Tensor, torch.Tensor]]

@@ -60,14 +60,18 @@ class CheckedEdits:
         elif self.width:  # every edit of one length: one broadcast add
             dest = (first[:, None] + _arange(self.width)).reshape(-1)
         else:  # runs: each edit's first offset, repeated, plus the element's number
-            lens = self.lens
-            dest = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
+            dest = expand_runs(first, self.lens, n)
         vals = self.vals
         if self.dup:
             _, last = np.unique(dest[::-1], return_index=True)  # each destination's last staged element
             keep = (n - 1) - last
             dest, vals = dest[keep], vals[keep]
         return dest, vals
+
+
+def expand_runs(first: np.ndarray, lens: np.ndarray, n: int) -> np.ndarray:
+    """The index of every element of runs starting at ``first``, ``lens`` long (``n`` in all)."""
+    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
 
 
 def check(log: EditLog, target: WriteTarget, tensor: Any) -> CheckedEdits | None:

@@ -46,8 +46,6 @@ class _Launcher:
         self.ring: Ring | None = None  # made at the first apply: a tensor never applied allocates no slots
         self.forced = write_kernel()
         self.triton: bool | None = None  # whether Triton runs here, asked at the first apply that wants it
-        self.views: dict[Any, tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]] = {}
-        """Per (slot, layout): the host and device views of a scatter's destinations and values."""
 
     def stats(self) -> dict[str, int]:
         ring = self.ring
@@ -103,10 +101,11 @@ class _Launcher:
             host[: head.nbytes].view(np.int64)[:] = head.reshape(-1)
             host[off:used].view(vals.dtype)[:] = vals
         else:
-            key = (cur, head.shape[0], vals.dtype, vals.shape[0])
-            v = self.views.get(key)
+            key = (head.shape[0], vals.dtype, vals.shape[0])
+            views = ring.views(cur)
+            v = views.get(key)
             if v is None:
-                v = self._views_for(ring, cur, key, off, used)
+                v = _views_for(ring, cur, views, key, off, used)
             h_dest, h_vals, d_dest, d_vals = v
             h_dest[...] = head
             h_vals[...] = vals
@@ -148,23 +147,24 @@ class _Launcher:
                 "apply once with the largest batch before capturing"
             )
         cap = 1 << max(used - 1, 1).bit_length()
-        self.views.clear()
         return ring.grow(cur, lambda tier: make_buffer(cap, torch.uint8, self.device, tier))
 
-    def _views_for(self, ring: Ring, cur: int, key: Any, off: int, used: int) -> Any:
-        """Host and device views of slot ``cur`` for a scatter of ``key``'s layout, cached."""
-        if len(self.views) >= MAX_VIEWS:
-            self.views.clear()
-        _, e, dtype, n = key
-        buf = ring.buf(cur)
-        first = off // dtype.itemsize
-        self.views[key] = v = (
-            buf.np[: 8 * e].view(np.int64),
-            buf.np[off:used].view(dtype),
-            ring.typed(cur, _INT64)[:e],
-            ring.typed(cur, dtype)[first : first + n],
-        )
-        return v
+
+def _views_for(ring: Ring, cur: int, views: dict[Any, Any], key: Any, off: int, used: int) -> Any:
+    """Host and device views of slot ``cur`` for a scatter of ``key``'s layout, cached in ``views`` (the
+    slot's cache, which the ring empties when the slot grows)."""
+    if len(views) >= MAX_VIEWS:
+        views.clear()
+    e, dtype, n = key
+    buf = ring.buf(cur)
+    first = off // dtype.itemsize
+    views[key] = v = (
+        buf.np[: 8 * e].view(np.int64),
+        buf.np[off:used].view(dtype),
+        ring.typed(cur, _INT64)[:e],
+        ring.typed(cur, dtype)[first : first + n],
+    )
+    return v
 
 
 def _edit_meta(parts: Sequence[CheckedEdits]) -> tuple[np.ndarray, np.ndarray, int]:

@@ -126,45 +126,21 @@ def _views(
     return hs, ts
 
 
-def _runs(
-    hb: np.ndarray, typed: Callable[[np.dtype], torch.Tensor], off: int, start: int,
-    runs: tuple[tuple[np.dtype, tuple[int, ...]], ...],
-) -> tuple[list[np.ndarray], list[torch.Tensor]]:  # fmt: skip
-    """As :func:`_views`, for 1-D arrays packed from ``start`` (aligned for the first dtype): of each
-    ``(dtype, sizes)`` run in turn, one array per size, each run ending aligned for the next (int64,
-    then int32). One host view and one ``split_with_sizes`` per run."""
-    hs: list[np.ndarray] = []
-    ts: list[torch.Tensor] = []
-    pos = start
-    for dt, sizes in runs:
-        k = dt.itemsize
-        total = sum(sizes)
-        h = hb[pos : pos + total * k].view(dt)
-        whole = typed(dt)
-        first = (off + pos) // k
-        parts = whole.split_with_sizes([first, *sizes, whole.shape[0] - first - total])
-        a = 0
-        for c, t in zip(sizes, parts[1:]):
-            hs.append(h[a : a + c])
-            ts.append(t)
-            a += c
-        pos += total * k
-    return hs, ts
-
-
 def _fill_sample(target: list[Any], hs: list[np.ndarray]) -> tuple[bool, ...]:
-    """prepare_sample's arrays of ``target`` written into ``hs`` (top-k, temperature, cfg scale, top-p,
-    repetition penalty). Returns nano-vllm's flags, exactly: top-k is handed on when one is > 0;
-    top-p and the repetition penalty when one equals 1.0 (its tests read "== 1.0" where "!= 1.0"
-    looks meant)."""
-    top_k = [0 if s.top_k is None else s.top_k for s in target]
+    """prepare_sample's arrays of ``target`` written into ``hs``: top-k, and one (4, m) view of the
+    temperature, cfg scale, top-p and repetition penalty rows. Returns nano-vllm's flags, exactly: top-k
+    is handed on when one is > 0; top-p and the repetition penalty when one equals 1.0 (its tests read
+    "== 1.0" where "!= 1.0" looks meant)."""
+    top_k = [s.top_k or 0 for s in target]
     top_p = [s.top_p for s in target]
     rep = [s.repetition_penalty for s in target]
     hs[0][:] = top_k
-    hs[1][:] = [s.temperature for s in target]
-    hs[2][:] = [s.cfg_scale for s in target]
-    hs[3][:] = [1.0 if p is None else p for p in top_p]
-    hs[4][:] = [1.0 if r is None else r for r in rep]
+    hs[1][...] = (
+        [s.temperature for s in target],
+        [s.cfg_scale for s in target],
+        [1.0 if p is None else p for p in top_p],
+        [1.0 if r is None else r for r in rep],
+    )
     # (C-level tests, no generator per call: None counts as 0 for top-k, and is never == 1.0)
     return max(top_k, default=0) > 0, 1.0 in top_p, 1.0 in rep
 
@@ -191,9 +167,10 @@ class Prep:
         self.max_bs = int(cfg.max_num_seqs)
         max_tokens = int(cfg.max_num_batched_tokens)
         max_blocks = -(-int(cfg.max_model_len) // self.block_size)
-        # one prefill at the batched-token budget, or one decode, fits a slot without growing
-        # (with the sampling arrays)
-        cap = 20 * max_tokens + 28 * (self.max_bs + 1) + 4 * self.max_bs * (max_blocks + 4) + 16 * 8
+        # one prefill at the batched-token budget (and a block's slots more per sequence), or one decode,
+        # fits a slot without growing (with the sampling arrays)
+        cap = 20 * max_tokens + 28 * (self.max_bs + 1) + 4 * self.max_bs * (max_blocks + 4 + self.block_size)
+        cap += 16 * 8
         # in place: every step stages, then returns; no reader is enqueued before its flush
         self.stager = StepStager(capacity=max(1 << (cap - 1).bit_length(), 1 << 16), in_place=True)
         self.device = self.stager.device
@@ -242,33 +219,34 @@ class Prep:
         return cfg, seqs[: len(seqs) // 2] if cfg else seqs
 
     def _arrays(
-        self, st: Step, key: tuple[Any, ...], fixed: Callable[[], Segments],
-        n64: tuple[int, ...] = (), n32: tuple[int, ...] = (),
-    ) -> tuple[list[np.ndarray], list[torch.Tensor]]:  # fmt: skip
+        self, st: Step, key: tuple[Any, ...], fixed: Callable[[], Segments], extra: int = 0
+    ) -> tuple[list[np.ndarray], list[torch.Tensor], tuple[np.ndarray, dict[np.dtype, torch.Tensor], int]]:
         """The arrays of one step reserved in step ``st``: their host views, to fill before the step
-        ends, and their device tensors. First ``fixed()``'s, the same for every step of ``key`` (the
-        sizes that decide them), then 1-D int64 arrays of ``n64`` elements and int32 ones of ``n32``.
-        The fixed part's views are made once per (arena, offset, key) and kept: a decode of the
-        batch size and table width of an earlier one in that slot makes no view (on a CUDA tensor,
-        views cost more on the host than the numpy work of a step)."""
+        ends, and their device tensors; ``fixed()``'s, the same for every step of ``key`` (the sizes that
+        decide them), then ``extra`` bytes more, from ``start``: the third item is (the reserved host
+        bytes, the arena as each dtype, the arena's byte offset of ``start``). The fixed part's views are made
+        once per (arena, offset, key) and kept: a decode of the batch size and table width of an earlier
+        one in that slot makes no view (on a CUDA tensor, views cost more on the host than the numpy
+        work of a step)."""
         lay = self._layouts.get(key)
         if lay is None:
             segs = fixed()
             offs, end = _offsets(segs)
             lay = self._layouts[key] = (segs, offs, (end + 7) & -8)
         segs, offs, start = lay
-        hb, arena, off = st.reserve(start + 8 * sum(n64) + 4 * sum(n32))
+        hb, arena, off = st.reserve(start + extra)
         vkey = (arena.data_ptr(), off, key)
         hit = self._views.get(vkey)
         if hit is None or (hit[0] and hit[0][0].base is not hb.base):  # (a grown slot: new memory)
             if len(self._views) >= _MAX_CACHED:
                 self._views.clear()
             typed = {dt: st.typed(dt) for dt in (_I64, _I32, _F32)}
-            hit = self._views[vkey] = (*_views(hb, typed.__getitem__, off, segs, offs), typed)
-        if not (n64 or n32):
-            return hit[0], hit[1]
-        hs, ts = _runs(hb, hit[2].__getitem__, off, start, ((_I64, n64), (_I32, n32)))
-        return hit[0] + hs, hit[1] + ts
+            hs, ts = _views(hb, typed.__getitem__, off, segs, offs)
+            # the four float32 sampling arrays (every layout ends with them) as one (4, m) host view
+            o, m = offs[-4], segs[-1][1][0]
+            hs[-4:] = [hb[o : o + 16 * m].view(np.float32).reshape(4, m)]
+            hit = self._views[vkey] = (hs, ts, typed)
+        return hit[0], hit[1], (hb[start:], hit[2], off + start)
 
     def _keep(
         self, seqs: list[Any], cfg: bool | None, ts: list[torch.Tensor], keep: tuple[bool, ...]
@@ -316,13 +294,18 @@ class Prep:
         need = max(nq, ns, max(lens, default=0))
         if len(ar) < need:
             ar = self._ar = np.arange(2 * need, dtype=np.int64)
+        nbt = n * w
         with self.stager.step() as st:
-            hs, ts = self._arrays(
+            # after the fixed part: ids and positions (int64), the block tables, then every slot of the
+            # blocks written (int32: the slot mapping is their first ns, or a gather of them)
+            hs, ts, (h, typed, at) = self._arrays(
                 st, ("prefill", n, m), lambda: ((_I32, (n + 1,)), (_I32, (n + 1,)), *_sampling(m)),
-                (nq, nq), (ns, n * w),
+                16 * nq + 4 * (nbt + nb * B),
             )  # fmt: skip
-            h_ids, h_pos, h_slot, h_bt = hs[7:]
-            h_ids[:] = np.fromiter(ids, np.int64, nq)
+            h64 = h[: 16 * nq].view(np.int64)
+            h32 = h[16 * nq :].view(np.int32)
+            h64[:nq] = np.fromiter(ids, np.int64, nq)
+            h_pos = h64[nq:]
             if n == 1:
                 h_pos[:] = ar[cached[0] : lens[0]]
             else:  # range(cached, length) per sequence: one arange less each sequence's offset
@@ -330,21 +313,25 @@ class Prep:
             hs[0][:] = cu_q
             hs[1][:] = cu_k
             if ns:
-                # every slot of those blocks, row by row; of each sequence's rows, its first nslots
-                full = ((np.array(blocks, np.int32) * B)[:, None] + self._in_block).reshape(-1)
-                if nb * B - ns == -nslots[-1] % B:  # no block short but the last one: no gaps
-                    h_slot[:] = full[:ns]
-                else:
-                    full.take(ar[:ns] + np.array(starts).repeat(nslots), out=h_slot)
+                bl = np.array(blocks, np.int32)
+                bl *= B
+                full = h32[nbt : nbt + nb * B]
+                np.add(bl[:, None], self._in_block, out=full.reshape(nb, B))
+                if nb * B - ns != -nslots[-1] % B:  # a block short but the last one: gather around the gaps
+                    full[:ns] = full.take(ar[:ns] + np.array(starts).repeat(nslots))
             if prefix:
-                _padded_tables(tables, out=h_bt.reshape(n, w))
-            keep = (False,) * 3 if cfg is None else _fill_sample(target, hs[2:7])
-        self._keep(seqs, cfg, ts[2:7], keep)
+                _padded_tables(tables, out=h32[:nbt].reshape(n, w))
+            keep = (False,) * 3 if cfg is None else _fill_sample(target, hs[2:])
+        self._keep(seqs, cfg, ts[2:], keep)
+        # the step's own tensors: one as_strided each (the cheapest view of a CUDA tensor measured)
+        i64, i32 = typed[_I64], typed[_I32]
+        o64 = i64.storage_offset() + at // 8
+        o32 = i32.storage_offset() + at // 4 + 4 * nq
         self.set_context(
-            True, ts[0], ts[1], max([0, *q]), max([0, *lens]), ts[9], None,
-            ts[10].view(n, w) if prefix else None,
+            True, ts[0], ts[1], max([0, *q]), max([0, *lens]), i32.as_strided((ns,), (1,), o32 + nbt), None,
+            i32.as_strided((n, w), (w, 1), o32) if prefix else None,
         )  # fmt: skip
-        return ts[7], ts[8]
+        return i64.as_strided((nq,), (1,), o64), i64.as_strided((nq,), (1,), o64 + nq)
 
     def _decode_arrays(self, seqs: list[Any]) -> tuple[np.ndarray, ...]:
         n = len(seqs)
@@ -367,7 +354,7 @@ class Prep:
         cfg, target = self._next_sample(seqs)
         m = len(target)
         with self.stager.step() as st:
-            hs, ts = self._arrays(
+            hs, ts, _ = self._arrays(
                 st, ("decode", n, w, m),
                 lambda: (
                     (_I64, (n,)), (_I64, (n,)), (_I32, (n,)), (_I32, (n,)), (_I32, (n, w)), *_sampling(m)
@@ -396,7 +383,7 @@ class Prep:
         target = seqs[: len(seqs) // 2] if is_cfg_batch else seqs
         with self.sampler.step() as st:
             m = len(target)
-            hs, ts = self._arrays(st, ("sample", m), lambda: _sampling(m))
+            hs, ts, _ = self._arrays(st, ("sample", m), lambda: _sampling(m))
             keep = _fill_sample(target, hs)
         return _sampled(ts, keep)
 

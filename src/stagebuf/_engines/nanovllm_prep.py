@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from itertools import accumulate, chain
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -167,10 +167,9 @@ class Prep:
         self.max_bs = int(cfg.max_num_seqs)
         max_tokens = int(cfg.max_num_batched_tokens)
         max_blocks = -(-int(cfg.max_model_len) // self.block_size)
-        # one prefill at the batched-token budget (and a block's slots more per sequence), or one decode,
-        # fits a slot without growing (with the sampling arrays)
-        cap = 20 * max_tokens + 28 * (self.max_bs + 1) + 4 * self.max_bs * (max_blocks + 4 + self.block_size)
-        cap += 16 * 8
+        # one decode, or a prefill at the batched-token budget, fits a slot without growing (with the
+        # sampling arrays; a prefill grows it once where its blocks' slots pass that budget by much)
+        cap = 20 * max_tokens + 28 * (self.max_bs + 1) + 4 * self.max_bs * (max_blocks + 4) + 16 * 8
         # in place: every step stages, then returns; no reader is enqueued before its flush
         self.stager = StepStager(capacity=max(1 << (cap - 1).bit_length(), 1 << 16), in_place=True)
         self.device = self.stager.device
@@ -260,32 +259,33 @@ class Prep:
         ids: list[int] = []
         lens: list[int] = []
         cached: list[int] = []
+        q: list[int] = []  # the tokens computed, per sequence
+        cu_q, cu_k = [0], [0]
         blocks: list[int] = []  # each sequence's blocks from its first uncached one on
         nslots: list[int] = []  # the slots written: every token of those blocks
         # per sequence: where its slots begin among those of `blocks`, less the slots before it
         starts: list[int] = []
-        ns = 0
+        nq = nk = ns = 0
         for s in seqs:
             length, c = s.num_tokens, s.num_cached_tokens
             ids += s.token_ids[c:] if c else s.token_ids
             lens.append(length)
             cached.append(c)
+            q.append(length - c)
+            nq += length - c
+            nk += length
+            cu_q.append(nq)
+            cu_k.append(nk)
+            starts.append(len(blocks) * B - ns)
+            k = 0
             if s.block_table:  # warmup's sequences have no blocks, and no slots
                 first = c // B
-                starts.append(len(blocks) * B - ns)
                 blocks += s.block_table[first : -(-length // B)]
                 k = length - first * B
-                nslots.append(k)
-                ns += k
-            else:
-                starts.append(len(blocks) * B - ns)
-                nslots.append(0)
-        n = len(seqs)
-        q = [k - c for k, c in zip(lens, cached)]
-        cu_q = list(accumulate(q, initial=0))
-        cu_k = list(accumulate(lens, initial=0))
-        nq, nb = cu_q[-1], len(blocks)
-        prefix = cu_k[-1] > nq  # prefix-cache hits: the attention reads the block tables
+            nslots.append(k)
+            ns += k
+        n, nb = len(seqs), len(blocks)
+        prefix = nk > nq  # prefix-cache hits: the attention reads the block tables
         tables = [s.block_table for s in seqs] if prefix else []
         w = max(map(len, tables)) if prefix else 0
         cfg, target = self._next_sample(seqs)

@@ -9,7 +9,8 @@ attention context through the runner's own ``set_context``):
   one :class:`StepStager` step (:meth:`Step.reserve`): one transfer per engine step on
   PINNED and PAGEABLE, none on UVA and HOST. The tensors are views of the slot's arena;
   those whose place and size repeat (all of a decode's, a prefill's cumulative lengths and
-  sampling arrays) are made once per slot and layout (see :meth:`Prep._arrays`);
+  sampling arrays) are made once per slot and layout (see :meth:`Prep._arrays`), a prefill's
+  own with one ``as_strided`` each;
 * ``sample``: the arrays staged with that prefill or decode when it follows it for the
   same batch, as in ``run``; otherwise (another batch, another ``is_cfg_batch``, a graph
   decode) one step of a second stager (a :class:`DeviceParamTable` of rows by batch

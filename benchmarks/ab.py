@@ -1,0 +1,213 @@
+"""``python -m benchmarks.ab --before REV``: is a change slower? The old and the new code in one process.
+
+``benchmarks.compare`` judges a change from separate bench runs, and a run moves as a whole
+(one process lands in a faster or slower state of a shared host), so a cell's noise is that
+of whole processes. Here three copies of the package build the same vs-vLLM cases
+(``benchmarks.vs_vllm``: pool, backed, writes and fused cells, on each tier) side by side in
+one process: *before* (``src/stagebuf`` at git revision ``REV``, imported as
+``stagebuf_before``), *after* (the ``stagebuf`` imported: the checkout's, with
+``PYTHONPATH=src``) and *control* (a second copy of after, ``stagebuf_control``). Their
+steps take turns, the order rotating every step, so drift falls on all three alike.
+
+Per cell and round (each round builds fresh objects): a side's time is its median step, the
+ratio is after over before, and the cell's noise is how far control and after, the same
+code, lie apart (the largest over the rounds). A cell is SLOWER when in every round after is
+above before by more than that noise; faster likewise. ``--before HEAD`` (before, after and
+control all the same code) shows how often the method alone flags a cell (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from . import vs_vllm
+from .engine import env_var
+
+ROOT = Path(__file__).resolve().parent.parent
+SIDES = ("before", "after", "control")
+Step = Callable[[int], None]
+
+
+def load_copy(source: str, name: str, where: Path) -> Any:
+    """A copy of the package imported as ``name`` (its modules import each other relatively, so any
+    name works): ``src/stagebuf`` of git revision ``source``, or ``source/stagebuf`` where ``source``
+    is a directory (a tree's ``src``, as on a machine whose checkout has no history)."""
+    dest = where / name
+    if (Path(source) / "stagebuf" / "__init__.py").is_file():
+        shutil.copytree(Path(source) / "stagebuf", dest)
+    else:
+        git = ["git", "-C", str(ROOT), "archive", source, "src/stagebuf"]
+        blob = subprocess.run(git, check=True, capture_output=True).stdout
+        unpacked = where / f"{name}.tree"
+        with tarfile.open(fileobj=io.BytesIO(blob)) as t:
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            t.extractall(unpacked, **safe)  # type: ignore[arg-type]
+        (unpacked / "src" / "stagebuf").rename(dest)
+    if str(where) not in sys.path:
+        sys.path.insert(0, str(where))
+    return importlib.import_module(name)
+
+
+def as_buffer_utils(pkg: Any) -> Any:
+    """A stand-in for vLLM's ``buffer_utils`` whose classes are ``pkg``'s (what the vs-vLLM cases build)."""
+    names = ("StagedWriteTensor", "FusedStagedWriter", "UvaBufferPool", "UvaBackedTensor")
+    return types.SimpleNamespace(**{n: getattr(pkg, n) for n in names})
+
+
+@contextlib.contextmanager
+def tier(pkgs: tuple[Any, ...], name: str) -> Iterator[None]:
+    """``STAGEBUF_TIER=name`` for the block, every package's probe forgotten before and after."""
+    with env_var("STAGEBUF_TIER", name):
+        for p in pkgs:
+            p.reset_capabilities()
+        try:
+            yield
+        finally:
+            for p in pkgs:
+                p.reset_capabilities()
+
+
+def cases(device: torch.device) -> list[tuple[str, Callable[[Any], Step]]]:
+    """The vs-vLLM cells: (name, a builder of one step from a ``buffer_utils``)."""
+    out: list[tuple[str, Callable[[Any], Step]]] = []
+    for k in (1, 8):
+        out.append((f"pool|k{k}", functools.partial(vs_vllm._pool_case, device=device, k=k)))
+        out.append((f"backed|k{k}", functools.partial(vs_vllm._backed_case, device=device, k=k)))
+    for e in (1, 16, 256, 4096):
+        for ln in (1, 8, 64):
+            for fused in (False, True) if e >= 2 else (False,):
+                case = functools.partial(vs_vllm._writes_case, device=device, e=e, ln=ln, fused=fused)
+                out.append((f"{'fused' if fused else 'writes'}|{e}x{ln}", case))
+    return out
+
+
+def measure(steps: list[Step], device: torch.device, n: int, warmup: int) -> list[float]:
+    """The median step time (µs, host) of each of ``steps``, which take turns, the order rotating."""
+    times: list[list[float]] = [[] for _ in steps]
+    clock = time.perf_counter
+    k = len(steps)
+    for i in range(warmup + n):
+        for j in range(k):
+            s = (i + j) % k
+            t0 = clock()
+            steps[s](i)
+            t1 = clock()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                times[s].append((t1 - t0) * 1e6)
+    return [float(np.median(t)) for t in times]
+
+
+def verdict(rounds: list[list[float]]) -> dict[str, Any]:
+    """A cell from its rounds' (before, after, control) medians: ratio (geometric mean over the rounds of
+    after/before), noise (the largest |control/after - 1|), and whether it is slower or faster."""
+    ratios = [a / b for b, a, _ in rounds]
+    noise = max(abs(c / a - 1) for _, a, c in rounds)
+    return {
+        "ratio": float(np.exp(np.mean(np.log(ratios)))),
+        "round_ratios": ratios,
+        "noise": noise,
+        "slower": all(r > 1 + noise for r in ratios),
+        "faster": all(1 / r > 1 + noise for r in ratios),
+    }
+
+
+def run(
+    rev: str, device: torch.device, rounds: int = 3, steps: int = 60, warmup: int = 10,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:  # fmt: skip
+    """Every cell on every tier the machine has (not HOST on a GPU), ``rounds`` times."""
+    import stagebuf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(tmp)
+        here = str(Path(stagebuf.__file__).resolve().parent.parent)  # the after side's own source
+        pkgs = (
+            load_copy(rev, "stagebuf_before", where),
+            stagebuf,
+            load_copy(here, "stagebuf_control", where),
+        )
+        sides = [as_buffer_utils(p) for p in pkgs]
+        caps = stagebuf.capabilities(device)
+        cuda = device.type == "cuda"
+        tiers = [t.name.lower() for t in stagebuf.Tier if caps.tier <= t < stagebuf.Tier.HOST] if cuda else []
+        medians: dict[str, list[list[float]]] = {}
+        for r in range(rounds):
+            for name, make in cases(device):
+                n = max(10, steps // 4) if name.endswith("4096x64") else steps
+                for t in tiers or ["host", "pageable"]:
+                    with tier(pkgs, t):
+                        order = sides[r % 3 :] + sides[: r % 3]  # which side builds (and starts) first
+                        built = {id(s): make(s) for s in order}
+                        got = measure([built[id(s)] for s in sides], device, n, warmup)
+                    medians.setdefault(f"{name} {t}", []).append(got)
+            log(f"ab round {r + 1}/{rounds} done")
+    cells = [{"cell": k, "medians_us": m, **verdict(m)} for k, m in medians.items()]
+    return {
+        "before": rev,
+        "device": str(device),
+        "rounds": rounds,
+        "steps": steps,
+        "sides": SIDES,
+        "cells": cells,
+    }
+
+
+@click.command()
+@click.option(
+    "--before", "rev", required=True,
+    help="The old code: a git revision, or a directory holding its stagebuf package.",
+)  # fmt: skip
+@click.option("--rounds", default=3, show_default=True, help="Rounds over every cell, fresh objects each.")
+@click.option("--steps", default=60, show_default=True, help="Timed steps a side per cell and round.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every cell.")
+@click.option("--all", "show_all", is_flag=True, help="Print every cell, not only the 25 largest ratios.")
+def main(rev: str, rounds: int, steps: int, json_path: str | None, show_all: bool) -> None:
+    """Time the vs-vLLM cells of the code at REV and of the checkout in one process, in turns."""
+    if rounds < 2:
+        raise click.BadParameter("needs 2 or more (the noise is judged across rounds)", param_hint="--rounds")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as the bench's CPU runs: one thread, an engine's host thread
+    res = run(rev, device, rounds, steps, log=lambda s: click.echo(s, err=True))
+    table = Table("cell", "before µs", "after µs", "after/before", "noise", "verdict")
+    shown = sorted(res["cells"], key=lambda c: -c["ratio"])
+    for c in shown if show_all else shown[:25]:
+        b = float(np.median([m[0] for m in c["medians_us"]]))
+        a = float(np.median([m[1] for m in c["medians_us"]]))
+        v = "SLOWER" if c["slower"] else "faster" if c["faster"] else ""
+        table.add_row(c["cell"], f"{b:.1f}", f"{a:.1f}", f"{c['ratio']:.3f}", f"{c['noise']:.3f}", v)
+    Console(width=None if Console().is_terminal else 140).print(table)
+    cells = res["cells"]
+    mid = np.median([c["ratio"] for c in cells])
+    click.echo(
+        f"{len(cells)} cells against {rev}: median after/before {mid:.3f}; "
+        f"slower beyond noise {sum(c['slower'] for c in cells)}, faster {sum(c['faster'] for c in cells)}"
+    )
+    if json_path:
+        Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,8 @@
 #   multigpu  torchrun decode across GPUs (scripts/gpu_reliability.sh mp)
 #   bench     the full bench, python -m benchmarks (scripts/gpu_bench.sh): bench.json, bench.md, bench.png;
 #             its engine workload needs vLLM 0.33.0's files: without network, carry .cache/vllm-0.33.0
+#   ab        python -m benchmarks.ab --before $AB_BEFORE (a git revision, or a directory holding the old
+#             stagebuf package), then the same against the checkout itself (the method's own rate): ab*.json
 # Each stage writes its log under $OUT and a line to $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +34,13 @@ for stage in "$@"; do
     bench)
       OUT="$OUT/bench" timeout "${BENCH_TIMEOUT:-540}" bash scripts/gpu_bench.sh > "$OUT/bench_run.log" 2>&1
       rc=$?; line=$(grep -E "total .* s" "$OUT/bench_run.log" | tail -n 1) ;;
-    *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench" >&2; exit 2 ;;
+    ab)
+      timeout "${AB_TIMEOUT:-200}" python3 -m benchmarks.ab --before "${AB_BEFORE:?set AB_BEFORE}" \
+        --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1 &&
+        timeout "${AB_TIMEOUT:-200}" python3 -m benchmarks.ab --before src --json "$OUT/ab_same.json" \
+          > "$OUT/ab_same.log" 2>&1
+      rc=$?; line="$(tail -n 1 "$OUT/ab.log"); the same code: $(tail -n 1 "$OUT/ab_same.log")" ;;
+    *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench ab" >&2; exit 2 ;;
   esac
   echo "$stage: exit $rc in $((SECONDS - t0)) s: $line" | tee -a "$OUT/summary.txt"
 done

@@ -9,6 +9,7 @@ CPU device: the tier comes from ``STAGEBUF_TIER`` (``pageable`` exercises the co
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -19,14 +20,17 @@ import torch
 
 import stagebuf
 
+PKG = os.path.dirname(stagebuf.__file__) + os.sep
+"""The package's own files (wherever the checkout lives: its folder's name may be stagebuf too)."""
+
 
 def calls(f: Callable[[], Any]) -> list[str]:
     seen: list[str] = []
 
     def prof(frame: FrameType, event: str, arg: Any) -> None:
         co = frame.f_code
-        if event == "call" and "stagebuf" in co.co_filename:
-            key = f"{co.co_filename.split('stagebuf/')[-1]}:{co.co_name}"
+        if event == "call" and co.co_filename.startswith(PKG):
+            key = f"{co.co_filename[len(PKG) :]}:{co.co_name}"
             if key not in seen:
                 seen.append(key)
 
@@ -38,18 +42,13 @@ def calls(f: Callable[[], Any]) -> list[str]:
     return seen
 
 
-def report(name: str, seen: list[str]) -> None:
-    modules = {k.split(":")[0] for k in seen}
-    print(f"{name}: {len(seen)} functions in {len(modules)} modules")
-    print("    " + " -> ".join(seen))
-
-
-def main() -> None:
+def paths() -> dict[str, list[str]]:
+    """The package functions each path enters, in order of first call."""
     pool = stagebuf.UvaBufferPool(64, torch.int32, device="cpu")
     x = np.arange(64, dtype=np.int32)
     pool.copy_to_uva(x)
     pool.copy_to_uva(x + 1)
-    report("pool publish", calls(lambda: pool.copy_to_uva(x + 2)))
+    out = {"pool publish": calls(lambda: pool.copy_to_uva(x + 2))}
 
     t = stagebuf.StagedWriteTensor((16, 8), torch.int32, device="cpu")
 
@@ -61,7 +60,18 @@ def main() -> None:
         stage()
         t.apply_write()
     stage()
-    report("staged apply", calls(t.apply_write))
+    out["staged apply"] = calls(t.apply_write)
+    return out
+
+
+def modules(seen: list[str]) -> int:
+    return len({k.split(":")[0] for k in seen})
+
+
+def main() -> None:
+    for name, seen in paths().items():
+        print(f"{name}: {len(seen)} functions in {modules(seen)} modules")
+        print("    " + " -> ".join(seen))
 
 
 if __name__ == "__main__":

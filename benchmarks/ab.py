@@ -18,7 +18,6 @@ control all the same code) shows how often the method alone flags a cell (docs/B
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import io
@@ -30,7 +29,7 @@ import tarfile
 import tempfile
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +39,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import vs_vllm
-from .engine import env_var
+from . import vllm_mrv2, vs_vllm
+from .engine import stagebuf_tier
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("before", "after", "control")
@@ -70,21 +69,7 @@ def load_copy(source: str, name: str, where: Path) -> Any:
 
 def as_buffer_utils(pkg: Any) -> Any:
     """A stand-in for vLLM's ``buffer_utils`` whose classes are ``pkg``'s (what the vs-vLLM cases build)."""
-    names = ("StagedWriteTensor", "FusedStagedWriter", "UvaBufferPool", "UvaBackedTensor")
-    return types.SimpleNamespace(**{n: getattr(pkg, n) for n in names})
-
-
-@contextlib.contextmanager
-def tier(pkgs: tuple[Any, ...], name: str) -> Iterator[None]:
-    """``STAGEBUF_TIER=name`` for the block, every package's probe forgotten before and after."""
-    with env_var("STAGEBUF_TIER", name):
-        for p in pkgs:
-            p.reset_capabilities()
-        try:
-            yield
-        finally:
-            for p in pkgs:
-                p.reset_capabilities()
+    return types.SimpleNamespace(**{n: getattr(pkg, n) for n in vllm_mrv2.SUBSTITUTED})
 
 
 def cases(device: torch.device) -> list[tuple[str, Callable[[Any], Step]]]:
@@ -157,7 +142,7 @@ def run(
             for name, make in cases(device):
                 n = max(10, steps // 4) if name.endswith("4096x64") else steps
                 for t in tiers or ["host", "pageable"]:
-                    with tier(pkgs, t):
+                    with stagebuf_tier(t, pkgs[0], pkgs[2]):
                         order = sides[r % 3 :] + sides[: r % 3]  # which side builds (and starts) first
                         built = {id(s): make(s) for s in order}
                         got = measure([built[id(s)] for s in sides], device, n, warmup)

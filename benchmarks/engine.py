@@ -225,16 +225,20 @@ def env_var(name: str, value: str | None) -> Iterator[None]:
 
 
 @contextmanager
-def stagebuf_tier(tier: str | None) -> Iterator[None]:
-    """``STAGEBUF_TIER=tier`` (None: unset) for the block, the probe forgotten before and after."""
+def stagebuf_tier(tier: str | None, *others: Any) -> Iterator[None]:
+    """``STAGEBUF_TIER=tier`` (None: unset) for the block, the probe forgotten before and after (also by
+    ``others``: more copies of the package, as ``benchmarks.ab`` loads them)."""
     import stagebuf
 
+    pkgs = (stagebuf, *others)
     with env_var("STAGEBUF_TIER", tier):
-        stagebuf.reset_capabilities()
+        for p in pkgs:
+            p.reset_capabilities()
         try:
             yield
         finally:
-            stagebuf.reset_capabilities()
+            for p in pkgs:
+                p.reset_capabilities()
 
 
 def modules(setup: Setup, device: torch.device) -> vllm_mrv2.Mrv2:

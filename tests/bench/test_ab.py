@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from benchmarks import ab
+from benchmarks.engine import stagebuf_tier
 
 import stagebuf
 
@@ -47,7 +48,7 @@ def test_a_copy_is_its_own_working_package(tmp_path: Path, source: str) -> None:
     try:
         pkg = ab.load_copy(str(SRC) if source == "dir" else source, name, tmp_path)
         assert pkg.__name__ == name and pkg.UvaBufferPool is not stagebuf.UvaBufferPool
-        with ab.tier((pkg,), "host"):
+        with stagebuf_tier("host", pkg):
             pool = pkg.UvaBufferPool(8, torch.int32, device="cpu")
             src = np.arange(8, dtype=np.int32) * 3
             assert pool.copy_to_uva(src).tolist() == src.tolist()

@@ -44,6 +44,7 @@ class _Launcher:
         self.n = max_concurrency
         self.capacity = max(capacity, ALIGN)
         self.ring: Ring | None = None  # made at the first apply: a tensor never applied allocates no slots
+        self.views: list[dict[Any, Any]] = []  # the ring's per-slot view caches (growth empties in place)
         self.forced = write_kernel()
         self.triton: bool | None = None  # whether Triton runs here, asked at the first apply that wants it
 
@@ -102,7 +103,7 @@ class _Launcher:
             host[off:used].view(vals.dtype)[:] = vals
         else:
             key = (head.shape[0], vals.dtype, vals.shape[0])
-            views = ring.views(cur)
+            views = self.views[cur]
             v = views.get(key)
             if v is None:
                 v = _views_for(ring, cur, views, key, off, used)
@@ -134,10 +135,11 @@ class _Launcher:
         return kernel
 
     def _make_ring(self) -> Ring:
-        self.ring = Ring(
+        self.ring = ring = Ring(
             self.n, lambda: make_buffer(self.capacity, torch.uint8, self.device), "auto", "staged-write slot"
         )
-        return self.ring
+        self.views = [ring.views(i) for i in range(ring.slots)]
+        return ring
 
     def _grow(self, ring: Ring, cur: int, used: int) -> StagingBuffer:
         """Slot ``cur``'s buffer, replaced by one of at least ``used`` bytes (not while capturing)."""
@@ -155,12 +157,11 @@ def _views_for(ring: Ring, cur: int, views: dict[Any, Any], key: Any, off: int, 
     slot's cache, which the ring empties when the slot grows)."""
     if len(views) >= MAX_VIEWS:
         views.clear()
-    e, dtype, n = key
-    buf = ring.buf(cur)
+    (e, dtype, n), host = key, ring.buf(cur).np
     first = off // dtype.itemsize
     views[key] = v = (
-        buf.np[: 8 * e].view(np.int64),
-        buf.np[off:used].view(dtype),
+        host[: 8 * e].view(np.int64),
+        host[off:used].view(dtype),
         ring.typed(cur, _INT64)[:e],
         ring.typed(cur, dtype)[first : first + n],
     )

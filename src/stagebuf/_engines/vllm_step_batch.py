@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .._common.tier import Tier
-from .._rings.staged_write.check import CheckedEdits, expand_runs
+from .._rings.staged_write.check import CheckedEdits
 from .._rings.staged_write.kernel import MAX_BLOCK, launch_at, triton_usable
 from .._rings.stager import Step, StepStager
 
@@ -224,8 +224,8 @@ class StepBatch:
         for ptr in dict.fromkeys(meta[:, 0].tolist()):
             rows = meta[meta[:, 0] == ptr]
             lens = rows[:, 2]
-            n = int(lens.sum())
-            dest, src = expand_runs(rows[:, 1], lens, n), expand_runs(rows[:, 3], lens, n)
+            within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+            dest, src = np.repeat(rows[:, 1], lens) + within, np.repeat(rows[:, 3], lens) + within
             out.append((self.targets[ptr], dest, src))
         return out
 

@@ -10,7 +10,7 @@ import torch
 
 from ..._common.errors import StagedWriteError
 from ..._common.tier import Tier
-from .log import EditLog
+from .log import FULL_LENS, EditLog, full_lens
 from .values import Bad, list_values
 
 _ARANGE = np.arange(1024, dtype=np.int64)
@@ -58,20 +58,16 @@ class CheckedEdits:
         if n == first.shape[0]:  # one element per edit
             dest = first
         elif self.width:  # every edit of one length: one broadcast add
-            dest = (first[:, None] + _arange(self.width)).reshape(-1)
-        else:  # runs: each edit's first offset, repeated, plus the element's number
-            dest = expand_runs(first, self.lens, n)
+            dest = (first[:, None] + np.arange(self.width, dtype=np.int64)).reshape(-1)
+        else:  # runs: each edit's first offset, less the elements before it, repeated; plus the index
+            lens = self.lens
+            dest = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
         vals = self.vals
         if self.dup:
             _, last = np.unique(dest[::-1], return_index=True)  # each destination's last staged element
             keep = (n - 1) - last
             dest, vals = dest[keep], vals[keep]
         return dest, vals
-
-
-def expand_runs(first: np.ndarray, lens: np.ndarray, n: int) -> np.ndarray:
-    """The index of every element of runs starting at ``first``, ``lens`` long (``n`` in all)."""
-    return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n, dtype=np.int64)
 
 
 def check(log: EditLog, target: WriteTarget, tensor: Any) -> CheckedEdits | None:
@@ -84,7 +80,12 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> CheckedEdits | None
         dl, ll = log.dst, log.lens
         e = len(dl)
         w = ll[0] if ll.count(ll[0]) == e else 0  # (one C-level pass; an array of lengths costs more)
-        n = log.full_lens(e, w) if w else np.array(ll, np.int64)
+        if w:
+            n = FULL_LENS.get((e, w))
+            if n is None:
+                n = full_lens(e, w)
+        else:
+            n = np.array(ll, np.int64)
         v = list_values(log.vals, dl, n, log.np_dtype, bad, width=w)
         if bad:
             _raise(log, tensor, bad)

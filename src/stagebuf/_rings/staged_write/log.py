@@ -14,6 +14,21 @@ from ..._common.convert import host_array, numpy_dtype, why_unfit
 from ..._common.errors import ArgumentTypeError, InvalidArgumentError
 from .values import checked_values
 
+FULL_LENS: dict[tuple[int, int], np.ndarray] = {}
+"""The lengths of ``e`` edits all ``width`` long, by ``(e, width)`` (read-only; ``full_lens`` makes them)."""
+
+
+def full_lens(e: int, width: int) -> np.ndarray:
+    """``np.full(e, width)`` (int64, read-only), cached in ``FULL_LENS``."""
+    a = FULL_LENS.get((e, width))
+    if a is None:
+        if len(FULL_LENS) >= 256:
+            FULL_LENS.clear()
+        a = FULL_LENS[e, width] = np.full(e, width, np.int64)
+        a.flags.writeable = False
+    return a
+
+
 NP_INTS = frozenset(np.dtype(c).type for c in "bBhHiIlLqQ")
 """numpy's integer scalar types (taken as a start column like a Python int)."""
 
@@ -71,7 +86,6 @@ class EditLog:
         self.lens: list[int] = []
         self.vals: list[Any] = []
         self.batches: list[StagedBatch] = []
-        self._lens_cache: dict[tuple[int, int], np.ndarray] = {}
         self.mark: np.ndarray | None = None
         """A per-row marker array the check's overlap test reuses (made at its first use)."""
 
@@ -152,7 +166,7 @@ class EditLog:
                 dst = rows.astype(np.int64)
                 dst *= self.row_stride
                 dst += starts
-                self.stage_batch(dst, self.full_lens(e, width), values.reshape(-1).copy())
+                self.stage_batch(dst, full_lens(e, width), values.reshape(-1).copy())
                 return
         self._stage_writes_checked(rows, starts, values, lengths)
 
@@ -222,16 +236,6 @@ class EditLog:
         if dst.shape[0]:
             self._seal()
             self.batches.append(StagedBatch(dst, lens, vals, True))
-
-    def full_lens(self, e: int, width: int) -> np.ndarray:
-        """``np.full(e, width)`` (int64), cached: read-only downstream."""
-        key = (e, width)
-        a = self._lens_cache.get(key)
-        if a is None:
-            if len(self._lens_cache) >= 64:
-                self._lens_cache.clear()
-            a = self._lens_cache[key] = np.full(e, width, np.int64)
-        return a
 
     def _seal(self) -> None:
         """Move the list-staged edits into a batch, so later batches keep staging order."""

@@ -42,8 +42,9 @@ def calls(f: Callable[[], Any]) -> list[str]:
     return seen
 
 
-def paths() -> dict[str, list[str]]:
-    """The package functions each path enters, in order of first call."""
+def paths(second: list[int] | None = None) -> dict[str, list[str]]:
+    """The package functions each path enters, in order of first call; the apply's second edit is
+    ``second`` (default ``[4, 5]``, shorter than the first: edits of mixed lengths)."""
     pool = stagebuf.UvaBufferPool(64, torch.int32, device="cpu")
     x = np.arange(64, dtype=np.int32)
     pool.copy_to_uva(x)
@@ -54,7 +55,7 @@ def paths() -> dict[str, list[str]]:
 
     def stage() -> None:
         t.stage_write(1, 0, [1, 2, 3])
-        t.stage_write(2, 1, [4, 5])
+        t.stage_write(2, 1, second or [4, 5])
 
     for _ in range(2):
         stage()

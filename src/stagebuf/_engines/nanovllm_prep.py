@@ -80,6 +80,8 @@ def _padded_tables(
 
 _I32, _I64, _F32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
 Segments = tuple[tuple[np.dtype, tuple[int, ...]], ...]
+Typed = dict[np.dtype, tuple[torch.Tensor, int]]
+"""A slot's arena as each dtype, with that view's storage offset."""
 """A step's arrays as laid out in its arena: (dtype, shape) each, in order."""
 
 _MAX_CACHED = 256  # views kept per Prep (per arena, offset and layout)
@@ -195,7 +197,7 @@ class Prep:
         """(seqs, is_cfg_batch, the arrays) staged with the last prefill or decode, for its prepare_sample."""
         self._layouts: dict[tuple[Any, ...], tuple[Segments, list[int], int]] = {}
         """A step's key -> its fixed part's segments, their offsets and the end (see _arrays)."""
-        self._views: dict[Any, tuple[list[np.ndarray], list[torch.Tensor], dict[np.dtype, torch.Tensor]]] = {}
+        self._views: dict[Any, tuple[list[np.ndarray], list[torch.Tensor], Typed]] = {}
         """(arena address, offset, layout) -> the fixed part's host and device views, and the arena as
         each dtype (see _arrays)."""
         self._ar = np.arange(max(max_tokens, int(cfg.max_model_len)), dtype=np.int64)
@@ -220,14 +222,14 @@ class Prep:
 
     def _arrays(
         self, st: Step, key: tuple[Any, ...], fixed: Callable[[], Segments], extra: int = 0
-    ) -> tuple[list[np.ndarray], list[torch.Tensor], tuple[np.ndarray, dict[np.dtype, torch.Tensor], int]]:
+    ) -> tuple[list[np.ndarray], list[torch.Tensor], tuple[np.ndarray, int, Typed, int]]:
         """The arrays of one step reserved in step ``st``: their host views, to fill before the step
         ends, and their device tensors; ``fixed()``'s, the same for every step of ``key`` (the sizes that
         decide them), then ``extra`` bytes more, from ``start``: the third item is (the reserved host
-        bytes, the arena as each dtype, the arena's byte offset of ``start``). The fixed part's views are made
-        once per (arena, offset, key) and kept: a decode of the batch size and table width of an earlier
-        one in that slot makes no view (on a CUDA tensor, views cost more on the host than the numpy
-        work of a step)."""
+        bytes, ``start``, the arena as each dtype with its storage offset, the arena's byte offset of
+        the reservation). The fixed part's views are made once per (arena, offset, key) and kept: a
+        decode of the batch size and table width of an earlier one in that slot makes no view (on a
+        CUDA tensor, views cost more on the host than the numpy work of a step)."""
         lay = self._layouts.get(key)
         if lay is None:
             segs = fixed()
@@ -242,11 +244,12 @@ class Prep:
                 self._views.clear()
             typed = {dt: st.typed(dt) for dt in (_I64, _I32, _F32)}
             hs, ts = _views(hb, typed.__getitem__, off, segs, offs)
+            offsets: Typed = {dt: (t, int(t.storage_offset())) for dt, t in typed.items()}
             # the four float32 sampling arrays (every layout ends with them) as one (4, m) host view
             o, m = offs[-4], segs[-1][1][0]
             hs[-4:] = [hb[o : o + 16 * m].view(np.float32).reshape(4, m)]
-            hit = self._views[vkey] = (hs, ts, typed)
-        return hit[0], hit[1], (hb[start:], hit[2], off + start)
+            hit = self._views[vkey] = (hs, ts, offsets)
+        return hit[0], hit[1], (hb, start, hit[2], off)
 
     def _keep(
         self, seqs: list[Any], cfg: bool | None, ts: list[torch.Tensor], keep: tuple[bool, ...]
@@ -299,12 +302,12 @@ class Prep:
         with self.stager.step() as st:
             # after the fixed part: ids and positions (int64), the block tables, then every slot of the
             # blocks written (int32: the slot mapping is their first ns, or a gather of them)
-            hs, ts, (h, typed, at) = self._arrays(
+            hs, ts, (hb, start, typed, at) = self._arrays(
                 st, ("prefill", n, m), lambda: ((_I32, (n + 1,)), (_I32, (n + 1,)), *_sampling(m)),
                 16 * nq + 4 * (nbt + nb * B),
             )  # fmt: skip
-            h64 = h[: 16 * nq].view(np.int64)
-            h32 = h[16 * nq :].view(np.int32)
+            h64 = hb[start : start + 16 * nq].view(np.int64)
+            h32 = hb[start + 16 * nq :].view(np.int32)
             h64[:nq] = np.fromiter(ids, np.int64, nq)
             h_pos = h64[nq:]
             if n == 1:
@@ -325,9 +328,10 @@ class Prep:
             keep = (False,) * 3 if cfg is None else _fill_sample(target, hs[2:])
         self._keep(seqs, cfg, ts[2:], keep)
         # the step's own tensors: one as_strided each (the cheapest view of a CUDA tensor measured)
-        i64, i32 = typed[_I64], typed[_I32]
-        o64 = i64.storage_offset() + at // 8
-        o32 = i32.storage_offset() + at // 4 + 4 * nq
+        (i64, o64), (i32, o32) = typed[_I64], typed[_I32]
+        at += start
+        o64 += at // 8
+        o32 += at // 4 + 4 * nq
         self.set_context(
             True, ts[0], ts[1], max([0, *q]), max([0, *lens]), i32.as_strided((ns,), (1,), o32 + nbt), None,
             i32.as_strided((n, w), (w, 1), o32) if prefix else None,

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagebuf
+from helpers import force_tier
 from stagebuf import FusedStagedWriter, StagedWriteError, StagedWriteTensor
 from stagebuf._rings.staged_write import kernel as sw_kernel
 from stagebuf._tiers.settings import ENV_KERNEL
@@ -850,6 +851,44 @@ def test_forced_kernels_match_the_model(cpu_tier, monkeypatch, kernel):
     if kernel == "triton" and not HAS_TRITON:
         pytest.skip("needs triton")
     forced_kernels(monkeypatch, cpu_tier, device_of(cpu_tier), kernel)
+
+
+@pytest.mark.parametrize(
+    ("targets", "edits", "length", "want"),
+    [
+        (1, 16, 8, "scatter"),  # one target: one launch either way; few elements
+        (1, 1024, 8, "triton"),  # 8 192 elements, edits of 8
+        (1, 8192, 1, "scatter"),  # as many elements, but lone ones
+        (2, 16, 1, "triton"),  # few edits: one launch, not two
+        (2, 64, 1, "scatter"),  # many lone elements on two targets
+        (2, 64, 2, "triton"),
+        (8, 1024, 1, "triton"),  # many lone elements, but eight targets: seven launches fewer
+        (8, 2048, 1, "scatter"),
+    ],
+)
+def test_auto_runs_the_kernel_measured_cheaper_and_writes_the_same(monkeypatch, targets, edits, length, want):
+    # the rule is docs/DESIGN.md's (python -m benchmarks.kernels on the H200); the interpreter runs Triton
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    tier = force_tier(monkeypatch, "pageable")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rng = np.random.default_rng(edits + targets)
+    rows = edits // targets
+    pairs = [make((rows, length), torch.int32, tier) for _ in range(targets)]
+    for t, m in pairs:
+        for r in range(rows):  # one edit a row: none overlap (overlaps would force the scatter)
+            stage_both(t, m, r, 0, rng.integers(0, 1 << 20, length).tolist())
+    if targets == 1:
+        pairs[0][0].apply_write()
+        ran = pairs[0][0].kernel
+    else:
+        w = FusedStagedWriter("cpu", max_writes=edits)
+        w.apply([t for t, _ in pairs])
+        ran = w.kernel
+    assert ran == want
+    for t, m in pairs:
+        m.apply()
+        check(t, m)
 
 
 def test_forced_triton_without_interpreter_falls_back_once(cpu_tier, monkeypatch, caplog):

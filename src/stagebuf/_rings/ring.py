@@ -20,10 +20,6 @@ MAX_VIEWS = 1024
 """Layouts a slot's view cache holds before its user empties it."""
 
 
-def _counters() -> dict[str, int]:
-    return {"transfers": 0, "bytes": 0, "growths": 0}
-
-
 class Ring:
     """``n`` slots of staging buffers (plus a quarantine in check mode) taken in turn, guarded by the
     device's step clock: ``acquire()`` the next slot, fill it (``grow()`` it first if too small;
@@ -68,7 +64,7 @@ class Ring:
         # check mode: an event of its own per use too, to catch the clock releasing a slot still read
         self._exact: list[int] | None = [-1] * size if self.active and check_mode() else None
         self.bufs = bufs
-        self.counts = _counters()
+        self.counts = {"transfers": 0, "bytes": 0, "growths": 0}
         self.poisons = quarantined and check_mode()
         self._typed: list[dict[Any, torch.Tensor]] = [{} for _ in bufs]
         """Per slot: its device arena viewed as each dtype asked for (``typed()``)."""

@@ -13,13 +13,6 @@ from ..._common.tier import Tier
 from .log import FULL_LENS, EditLog, full_lens
 from .values import Bad, list_values
 
-_ARANGE = np.arange(1024, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """``np.arange(n)`` (int64) from a cached array where it is long enough (read-only use)."""
-    return _ARANGE[:n] if n <= _ARANGE.shape[0] else np.arange(n, dtype=np.int64)
-
 
 class WriteTarget:
     """What an apply writes: a target's flat device view, its numpy view on HOST, address, tier."""
@@ -120,11 +113,7 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> CheckedEdits | None
 def _raise(log: EditLog, tensor: Any, bad: Bad) -> None:
     pos, flat, why = bad[0]
     row, start = divmod(flat, log.row_stride)
-    more = (
-        f"; {len(bad) - 1} more bad edit(s), at positions {[b[0] for b in bad[1:]][:8]}"
-        if len(bad) > 1
-        else ""
-    )
+    more = f"; {len(bad) - 1} more bad edit(s), at positions {[b[0] for b in bad[1:9]]}" if bad[1:] else ""
     n = log.lens_at(pos)
     raise StagedWriteError(
         f"staged edit {pos} (stage_write(index={row}, start={start}, {n} values)) cannot be applied "
@@ -150,7 +139,7 @@ def _with_overlaps(
         if mark is None:
             mark = log.mark = np.empty(log.rows, np.int64)
         r = d // log.row_stride if log.row_stride != 1 else d
-        ar = _arange(e)
+        ar = np.arange(e, dtype=np.int64)
         mark[r] = ar
         dup = bool((mark[r] != ar).any())  # exact whichever duplicate numpy wrote last
     return CheckedEdits(target, d, n, v, dup, width)

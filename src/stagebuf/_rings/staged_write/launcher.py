@@ -23,11 +23,13 @@ from .check import CheckedEdits
 from .kernel import _block_for, _triton_error, launch_at, triton_usable
 
 TRITON_MIN_ELEMS = 1 << 13
-"""``auto`` writes one target with the Triton kernel from this many staged elements on, and several
-targets with it always (one launch; measured: docs/DESIGN.md)."""
+"""``auto`` writes one target with Triton from this many elements (two or more an edit on average) on."""
 _INT64 = np.dtype(np.int64)
 _PY_ROWS = 16
 """Up to this many edits, an apply's Triton rows are built in Python (numpy's per-call cost is more)."""
+_ROWS_A_LAUNCH = 256
+"""Triton rows of lone-element edits that cost the host about one launch (building them in numpy, one
+more): past ``_PY_ROWS`` such edits, several targets' launches cost less only while fewer."""
 _CAPACITY = 1 << 14
 
 
@@ -67,8 +69,17 @@ class _Launcher:
         kernel = self.forced
         if p0.dup if one else any(p.dup for p in parts):
             kernel = "scatter"  # overlaps: de-duplicated on the host, then one scatter
-        elif kernel == "auto":
-            kernel = "triton" if not one or p0.vals.shape[0] >= TRITON_MIN_ELEMS else "scatter"
+        elif kernel == "auto":  # measured: docs/DESIGN.md ("Staged writes")
+            if one:  # one launch either way: Triton costs less per element, from TRITON_MIN_ELEMS on
+                n = p0.vals.shape[0]
+                kernel = "triton" if n >= TRITON_MIN_ELEMS and n >= 2 * p0.dst.shape[0] else "scatter"
+            else:  # one launch, not one a target, unless many lone elements make Triton's rows cost more
+                edits = elems = 0
+                for p in parts:
+                    edits += p.dst.shape[0]
+                    elems += p.vals.shape[0]
+                few = edits <= _PY_ROWS or edits + _ROWS_A_LAUNCH <= _ROWS_A_LAUNCH * (len(parts) - 1)
+                kernel = "triton" if elems >= 2 * edits or few else "scatter"
         if kernel == "triton" and self.triton is None:
             self.triton = triton_usable(self.device)
         if kernel == "triton" and not self.triton:
@@ -84,12 +95,9 @@ class _Launcher:
         elif one:
             head, vals = p0.dest()
         else:
-            dests, values = [], []
-            for p in parts:
-                d, x = p.dest()
-                dests.append(d)
-                values.append(x)
-            head, vals = np.concatenate(dests), np.concatenate(values)
+            pairs = [p.dest() for p in parts]
+            dests = [d for d, _ in pairs]
+            head, vals = np.concatenate(dests), np.concatenate([x for _, x in pairs])
         # pack: the head (int64) at offset 0, the values after it, in the next slot's host memory
         off = (head.nbytes + ALIGN - 1) & -ALIGN
         used = off + vals.nbytes
@@ -180,9 +188,7 @@ def _edit_meta(parts: Sequence[CheckedEdits]) -> tuple[np.ndarray, np.ndarray, i
                 src += n
         vals_ = parts[0].vals if len(parts) == 1 else np.concatenate([p.vals for p in parts])
         return np.array(rows, np.int64).reshape(-1, 4), vals_, max(rows[2::4])
-    metas, vals = [], []
-    src = 0
-    longest = 1
+    metas, vals, src, longest = [], [], 0, 1
     for p in parts:
         e = p.dst.shape[0]
         m = np.empty((e, 4), np.int64)

@@ -15,11 +15,10 @@ from ..._common.errors import ArgumentTypeError, InvalidArgumentError
 from .values import checked_values
 
 FULL_LENS: dict[tuple[int, int], np.ndarray] = {}
-"""The lengths of ``e`` edits all ``width`` long, by ``(e, width)`` (read-only; ``full_lens`` makes them)."""
 
 
 def full_lens(e: int, width: int) -> np.ndarray:
-    """``np.full(e, width)`` (int64, read-only), cached in ``FULL_LENS``."""
+    """``np.full(e, width)`` (int64, read-only), cached in ``FULL_LENS`` by ``(e, width)``."""
     a = FULL_LENS.get((e, width))
     if a is None:
         if len(FULL_LENS) >= 256:

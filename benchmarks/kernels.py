@@ -1,0 +1,134 @@
+"""``python -m benchmarks.kernels``: which staged-write kernel is cheaper per shape; what ``auto`` costs.
+
+A cell is T targets (int32 tables of 4096 x 64) and E edits of L values each, spread evenly over
+the targets, applied by one writer: a ``StagedWriteTensor`` for one target, a
+``FusedStagedWriter`` for more. Three writers of the cell take turns, the order rotating each
+step: the kernel forced to ``scatter``, forced to ``triton`` (``STAGEBUF_WRITE_KERNEL``) and left
+to ``auto``. A step stages the edits (not timed), then times the apply on the host and waits for
+the device, so every apply starts on an idle GPU. A side's time is its median apply (µs).
+
+The table gives triton/scatter, the kernel ``auto`` ran, and auto over the faster forced kernel;
+the last line, in how many cells ``auto`` ran the faster kernel and what it cost at worst.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .engine import env_var, stagebuf_tier
+
+KERNELS = ("scatter", "triton", "auto")
+ROWS, COLS = 4096, 64
+
+
+def writer(device: torch.device, targets: int, edits: int, length: int, kernel: str) -> tuple[Any, Any]:
+    """(stage(i), the writer) of one side of the cell, made with ``kernel`` forced: a StagedWriteTensor,
+    or (FusedStagedWriter, its tensors, their addresses, their row strides)."""
+    import stagebuf
+
+    rng = np.random.default_rng(edits * 100 + length)
+    rows = [rng.permutation(ROWS)[: -(-edits // targets)].tolist() for _ in range(targets)]
+    per = [len(r) for r in np.array_split(np.arange(edits), targets)]
+    vals = [rng.integers(0, 1 << 20, length).tolist() for _ in range(4)]
+    with env_var("STAGEBUF_WRITE_KERNEL", kernel):
+        ts = [stagebuf.StagedWriteTensor((ROWS, COLS), torch.int32, device) for _ in range(targets)]
+        fused = stagebuf.FusedStagedWriter(device, ROWS * targets) if targets > 1 else None
+    plan = [(t.stage_write, r[:k]) for t, r, k in zip(ts, rows, per)]
+
+    def stage(i: int) -> None:
+        v = vals[i & 3]
+        for sw, rs in plan:
+            for r in rs:
+                sw(r, 0, v)
+
+    if fused is None:
+        return stage, ts[0]
+    ptrs = torch.tensor([t.gpu.data_ptr() for t in ts], dtype=torch.uint64, device=device)
+    strides = torch.tensor([t.gpu.stride(0) for t in ts], dtype=torch.int64, device=device)
+    return stage, (fused, ts, ptrs, strides)
+
+
+def cell(device: torch.device, targets: int, edits: int, length: int, steps: int) -> dict[str, Any]:
+    """The median apply (µs) of each kernel, and the kernel ``auto`` ran."""
+    sides = [writer(device, targets, edits, length, k) for k in KERNELS]
+    applies: list[Callable[[], None]] = []
+    for _, w in sides:
+        if isinstance(w, tuple):
+            fused, ts, ptrs, strides = w
+            applies.append(lambda f=fused, t=ts, p=ptrs, s=strides: f.apply(t, p, s))
+        else:
+            applies.append(w.apply_write)
+    times: list[list[float]] = [[] for _ in KERNELS]
+    warmup, clock = 10, time.perf_counter
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
+    for i in range(warmup + steps):
+        for j in range(len(KERNELS)):
+            s = (i + j) % len(KERNELS)
+            sides[s][0](i)
+            sync(device)
+            t0 = clock()
+            applies[s]()
+            t1 = clock()
+            sync(device)
+            if i >= warmup:
+                times[s].append((t1 - t0) * 1e6)
+    auto = sides[2][1]
+    ran = (auto[0] if isinstance(auto, tuple) else auto).kernel
+    med = {k: float(np.median(t)) for k, t in zip(KERNELS, times)}
+    return {"targets": targets, "edits": edits, "length": length, "us": med, "auto_ran": ran}
+
+
+def run(
+    device: torch.device, tiers: list[str], steps: int, log: Callable[[str], None] = print
+) -> list[dict[str, Any]]:
+    out = []
+    for tier in tiers:
+        with stagebuf_tier(tier):
+            for targets in (1, 2, 4, 8):
+                for edits in (16, 64, 256, 1024, 4096):
+                    for length in (1, 2, 8, 64):
+                        n = max(10, steps // 4) if edits * length > 50_000 else steps
+                        out.append({"tier": tier, **cell(device, targets, edits, length, n)})
+        log(f"kernels: {tier} done")
+    return out
+
+
+@click.command()
+@click.option("--steps", default=100, show_default=True, help="Timed applies a kernel per cell.")
+@click.option("--tiers", default="uva,pinned,pageable", show_default=True, help="Comma-separated.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every cell.")
+def main(steps: int, tiers: str, json_path: str | None) -> None:
+    """Time scatter, triton and auto for every cell on a CUDA device."""
+    if not torch.cuda.is_available():
+        raise click.UsageError("needs a CUDA device (the Triton kernel runs only there)")
+    cells = run(torch.device("cuda"), tiers.split(","), steps, log=lambda s: click.echo(s, err=True))
+    table = Table("tier", "T x E x L", "scatter µs", "triton µs", "triton/scatter", "auto ran", "auto/best")
+    worst, right = 1.0, 0
+    for c in cells:
+        us = c["us"]
+        best = min(us["scatter"], us["triton"])
+        worst = max(worst, us["auto"] / best)
+        right += c["auto_ran"] == ("triton" if us["triton"] < us["scatter"] else "scatter")
+        table.add_row(
+            c["tier"], f"{c['targets']} x {c['edits']} x {c['length']}", f"{us['scatter']:.1f}",
+            f"{us['triton']:.1f}", f"{us['triton'] / us['scatter']:.3f}", c["auto_ran"],
+            f"{us['auto'] / best:.3f}",
+        )  # fmt: skip
+    Console(width=None if Console().is_terminal else 140).print(table)
+    click.echo(f"auto ran the faster kernel in {right} of {len(cells)} cells; at worst auto/best {worst:.3f}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(cells, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -80,9 +80,9 @@ def _padded_tables(
 
 _I32, _I64, _F32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
 Segments = tuple[tuple[np.dtype, tuple[int, ...]], ...]
+"""A step's arrays as laid out in its arena: (dtype, shape) each, in order."""
 Typed = dict[np.dtype, tuple[torch.Tensor, int]]
 """A slot's arena as each dtype, with that view's storage offset."""
-"""A step's arrays as laid out in its arena: (dtype, shape) each, in order."""
 
 _MAX_CACHED = 256  # views kept per Prep (per arena, offset and layout)
 

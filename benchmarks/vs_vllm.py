@@ -15,16 +15,24 @@ steps, outside the timing); medians over steps, then over interleaved repeats.
   with vLLM's call shape: device tensors of the tables' pointers and strides.
 * ``stage``: a ``writes`` cell's ``stage_write`` calls alone (then ``clear_staged_writes``), E <= 256, for
   vLLM UVA and stagebuf UVA: what of a cell is staging and what is the apply.
+
+``python -m benchmarks.vs_vllm --json FILE`` runs these cells alone (half a minute on an H200, where
+the full bench takes minutes) and writes a report that ``benchmarks.compare`` reads: one side's run
+of a compare (``scripts/gpu.sh compare`` runs both sides in turns).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import click
 import numpy as np
 import torch
 
@@ -177,3 +185,35 @@ def run(
         log(f"vs_vllm repeat {rep + 1}/{repeats} done")
     med = {c: {p: float(np.median(v)) for p, v in d.items()} for c, d in raw.items()}
     return {"median_us": med, "raw_us": raw, "repeats": repeats, "steps": steps}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+@click.command()
+@click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False), help="The report.")
+@click.option("--repeats", default=3, show_default=True, help="Interleaved repeats of every cell.")
+@click.option("--steps", default=60, show_default=True, help="Timed steps a cell and repeat.")
+@click.option("--edits", default="1,16,256,4096", show_default=True, help="E of the writes cells.")
+@click.option("--lengths", default="1,8,64", show_default=True, help="L of the writes cells.")
+def main(json_path: str, repeats: int, steps: int, edits: str, lengths: str) -> None:
+    """Time the vs-vLLM cells alone; the report's commit is ``STAGEBUF_BENCH_COMMIT`` (or unknown)."""
+    vllm_mrv2.fetch()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise click.UsageError("on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1")
+    t0 = time.time()
+    res = run(device, _ints(edits), _ints(lengths), repeats, steps, log=lambda s: click.echo(s, err=True))
+    report = {
+        "commit": os.environ.get("STAGEBUF_BENCH_COMMIT", "unknown"),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        "device": str(device),
+        "vs_vllm": res,
+    }
+    Path(json_path).write_text(json.dumps(report) + "\n")
+    click.echo(f"vs_vllm: {len(res['raw_us'])} cells in {time.time() - t0:.1f} s -> {json_path}")
+
+
+if __name__ == "__main__":
+    main()

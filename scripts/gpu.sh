@@ -12,6 +12,9 @@
 #             its engine workload needs vLLM 0.33.0's files: without network, carry .cache/vllm-0.33.0
 #   ab        python -m benchmarks.ab --before $AB_BEFORE (a git revision, or a directory holding the old
 #             stagebuf package), then the same against the checkout itself (the method's own rate): ab*.json
+#   compare   python -m benchmarks.vs_vllm $COMPARE_ARGS, RUNS (default 2) runs a side in turns, the old
+#             side with the stagebuf package of $COMPARE_BEFORE (a directory holding it, or a git
+#             revision), then python -m benchmarks.compare over them: vs_*.json, compare.log
 # Each stage writes its log under $OUT and a line to $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +43,26 @@ for stage in "$@"; do
         timeout "${AB_TIMEOUT:-200}" python3 -m benchmarks.ab --before src --json "$OUT/ab_same.json" \
           > "$OUT/ab_same.log" 2>&1
       rc=$?; line="$(tail -n 1 "$OUT/ab.log"); the same code: $(tail -n 1 "$OUT/ab_same.log")" ;;
-    *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench ab" >&2; exit 2 ;;
+    compare)
+      old=${COMPARE_BEFORE:?set COMPARE_BEFORE}
+      if [ ! -f "$old/stagebuf/__init__.py" ]; then  # a revision: its src, unpacked
+        tree=$(mktemp -d) && git archive "$old" src | tar -x -C "$tree" && old=$tree/src
+      fi
+      args=()
+      for i in $(seq "${RUNS:-2}"); do
+        for side in before after; do
+          pp=src; label=${STAGEBUF_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+          [ "$side" = before ] && pp=$old && label=$COMPARE_BEFORE
+          # shellcheck disable=SC2086
+          PYTHONPATH=$pp:. STAGEBUF_BENCH_COMMIT=$label timeout "${COMPARE_TIMEOUT:-120}" \
+            python3 -m benchmarks.vs_vllm --json "$OUT/vs_$side$i.json" ${COMPARE_ARGS:-} \
+            >> "$OUT/compare_runs.log" 2>&1
+          args+=("--$side" "$OUT/vs_$side$i.json")
+        done
+      done
+      python3 -m benchmarks.compare "${args[@]}" > "$OUT/compare.log" 2>&1
+      rc=$?; line=$(tail -n 2 "$OUT/compare.log" | tr '\n' ' ') ;;
+    *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench ab compare" >&2; exit 2 ;;
   esac
   echo "$stage: exit $rc in $((SECONDS - t0)) s: $line" | tee -a "$OUT/summary.txt"
 done

@@ -7,8 +7,6 @@ run in Triton's CPU interpreter (``TRITON_INTERPRET=1``), as vLLM's CPU worker r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from benchmarks import engine as E
@@ -19,15 +17,7 @@ SMALL = {"max_num_reqs": 24, "max_model_len": 256, "max_num_batched_tokens": 192
          "prompt": (16, 120), "output": (1, 6), "steps": 12}  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_files() -> Iterator[None]:
-    pytest.importorskip("triton", reason="vLLM's MRV2 kernels are Triton kernels")
-    try:
-        vllm_mrv2.fetch()
-    except vllm_mrv2.Unavailable as e:
-        pytest.skip(f"vLLM {vllm_mrv2.VERSION}'s files could not be fetched: {e}")
-    with E.env_var("TRITON_INTERPRET", "1"):  # read when vLLM's kernels are decorated: before loading
-        yield
+pytestmark = pytest.mark.usefixtures("vllm_interpreted")
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -75,13 +75,17 @@ def test_identical_inputs_through_the_vllm_plugin(tier: str) -> None:
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("tier", ["host", "pageable"])
-def test_identical_inputs_in_step_mode(tier: str, groups: int) -> None:
+@pytest.mark.parametrize(("tier", "kernel"), [("host", "auto"), ("pageable", "auto"), ("pageable", "triton")])
+def test_identical_inputs_in_step_mode(
+    tier: str, kernel: str, groups: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """STAGEBUF_VLLM=step through vLLM's own plugin loader: every device-visible input equals vLLM's
     own layer's, step by step, and each step is one publish of the step's batch (one transfer on
-    PAGEABLE) with one write launch (Triton's CPU interpreter; on HOST numpy writes, no launch)."""
+    PAGEABLE). Its writes: numpy on HOST; on PAGEABLE a gather and an ``index_copy_`` per target, or
+    with ``STAGEBUF_WRITE_KERNEL=triton`` one Triton launch (the CPU interpreter) a step."""
     from stagebuf._engines import vllm_step as _vllm_step
 
+    monkeypatch.setenv("STAGEBUF_WRITE_KERNEL", kernel)
     cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:groups], **SMALL)
     try:
         r = E.check(E.Setup("step", tier), cfg, CPU)
@@ -90,9 +94,13 @@ def test_identical_inputs_in_step_mode(tier: str, groups: int) -> None:
     finally:
         E.close_plugin_modules()
     assert r["steps"] == cfg.steps and r["mismatches"] == []
+    assert b.triton is (kernel == "triton")
     if tier == "pageable":  # the sampler's two publishes at construction, then one per step
         assert stats["transfers"] == cfg.steps + 2
-        assert b.launches == b.flushes == cfg.steps + 2
+        if kernel == "triton":
+            assert b.launches == b.flushes == cfg.steps + 2
+        else:  # two launches (a gather and an index_copy_) per target written
+            assert b.launches > 2 * b.flushes and b.launches % 2 == 0
 
 
 def test_step_modes_deferral_is_what_the_check_sees() -> None:

@@ -866,15 +866,23 @@ def test_forced_kernels_match_the_model(cpu_tier, monkeypatch, kernel):
         (8, 2048, 1, "scatter"),
     ],
 )
-def test_auto_runs_the_kernel_measured_cheaper_and_writes_the_same(monkeypatch, targets, edits, length, want):
-    # the rule is docs/DESIGN.md's (python -m benchmarks.kernels on the H200); the interpreter runs Triton
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_auto_runs_the_kernel_measured_cheaper_and_writes_the_same(
+    monkeypatch, device, targets, edits, length, want
+):
+    """On CUDA, the kernel of docs/DESIGN.md's rule (python -m benchmarks.kernels on the H200); on the CPU
+    the scatter, even where Triton's interpreter could run (it is never the cheaper one)."""
     if not HAS_TRITON:
         pytest.skip("needs triton")
-    tier = force_tier(monkeypatch, "pageable")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    tier = force_tier(monkeypatch, "pageable" if device == "cpu" else "uva")
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert sw_kernel.triton_usable(torch.device("cpu"))
     rng = np.random.default_rng(edits + targets)
     rows = edits // targets
-    pairs = [make((rows, length), torch.int32, tier) for _ in range(targets)]
+    pairs = [make((rows, length), torch.int32, tier, device) for _ in range(targets)]
     for t, m in pairs:
         for r in range(rows):  # one edit a row: none overlap (overlaps would force the scatter)
             stage_both(t, m, r, 0, rng.integers(0, 1 << 20, length).tolist())
@@ -882,10 +890,10 @@ def test_auto_runs_the_kernel_measured_cheaper_and_writes_the_same(monkeypatch, 
         pairs[0][0].apply_write()
         ran = pairs[0][0].kernel
     else:
-        w = FusedStagedWriter("cpu", max_writes=edits)
+        w = FusedStagedWriter(device, max_writes=edits)
         w.apply([t for t, _ in pairs])
         ran = w.kernel
-    assert ran == want
+    assert ran == (want if device == "cuda" else "scatter")
     for t, m in pairs:
         m.apply()
         check(t, m)

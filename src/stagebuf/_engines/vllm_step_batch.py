@@ -4,7 +4,8 @@
 address, first word, word count, source word) and its words, then at ``flush()`` writes the rows
 and words into one reserved run of a :class:`StepStager` step (one transfer; none on UVA) and
 runs one Triton launch per wave (a target written twice starts a new wave, so later writes win).
-Without Triton: a gather and an ``index_copy_`` per target; on HOST, numpy writes. vLLM's step
+Without Triton (and on the CPU unless ``STAGEBUF_WRITE_KERNEL=triton``): a gather and an
+``index_copy_`` per target; on HOST, numpy writes. vLLM's step
 mode (``vllm_step``) defers into it.
 """
 
@@ -19,6 +20,7 @@ from .._common.tier import Tier
 from .._rings.staged_write.check import CheckedEdits
 from .._rings.staged_write.kernel import MAX_BLOCK, launch_at, triton_usable
 from .._rings.stager import Step, StepStager
+from .._tiers.settings import write_kernel
 
 _BLOCK = MAX_BLOCK
 """Columns per Triton program: one value for every flush, so the kernel is compiled once (a new
@@ -51,7 +53,9 @@ class StepBatch:
         self.tier = tier
         # in place: vLLM's step enqueues no reader of the step's tensors before the flush
         self.stager = StepStager(device, capacity=1 << 16, in_place=True)
-        self.triton = tier is not Tier.HOST and triton_usable(device)
+        # Triton on CUDA; on the CPU its interpreter only where STAGEBUF_WRITE_KERNEL=triton asks for it
+        runs = device.type == "cuda" or write_kernel() == "triton"
+        self.triton = tier is not Tier.HOST and runs and triton_usable(device)
         self.step: Step | None = None
         self.targets: dict[int, WordTarget] = {}
         self.rows: list[int] = []

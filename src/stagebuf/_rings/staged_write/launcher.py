@@ -6,7 +6,7 @@ one numpy assignment.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -28,9 +28,21 @@ _INT64 = np.dtype(np.int64)
 _PY_ROWS = 16
 """Up to this many edits, an apply's Triton rows are built in Python (numpy's per-call cost is more)."""
 _ROWS_A_LAUNCH = 256
-"""Triton rows of lone-element edits that cost the host about one launch (building them in numpy, one
-more): past ``_PY_ROWS`` such edits, several targets' launches cost less only while fewer."""
+"""Triton rows of lone-element edits that cost the host about a launch: past ``_PY_ROWS``, fewer win."""
 _CAPACITY = 1 << 14
+
+
+def auto_kernel(parts: Sequence[CheckedEdits]) -> Literal["scatter", "triton"]:
+    """The kernel ``auto`` runs for ``parts`` (no overlaps) on CUDA (docs/DESIGN.md, "Staged writes")."""
+    if len(parts) == 1:
+        n = parts[0].vals.shape[0]
+        return "triton" if n >= TRITON_MIN_ELEMS and n >= 2 * parts[0].dst.shape[0] else "scatter"
+    edits = elems = 0
+    for p in parts:
+        edits += p.dst.shape[0]
+        elems += p.vals.shape[0]
+    few = edits <= _PY_ROWS or edits + _ROWS_A_LAUNCH <= _ROWS_A_LAUNCH * (len(parts) - 1)
+    return "triton" if elems >= 2 * edits or few else "scatter"
 
 
 # --- the launcher: one packed transfer, one launch --------------------------------------
@@ -69,17 +81,8 @@ class _Launcher:
         kernel = self.forced
         if p0.dup if one else any(p.dup for p in parts):
             kernel = "scatter"  # overlaps: de-duplicated on the host, then one scatter
-        elif kernel == "auto":  # measured: docs/DESIGN.md ("Staged writes")
-            if one:  # one launch either way: Triton costs less per element, from TRITON_MIN_ELEMS on
-                n = p0.vals.shape[0]
-                kernel = "triton" if n >= TRITON_MIN_ELEMS and n >= 2 * p0.dst.shape[0] else "scatter"
-            else:  # one launch, not one a target, unless many lone elements make Triton's rows cost more
-                edits = elems = 0
-                for p in parts:
-                    edits += p.dst.shape[0]
-                    elems += p.vals.shape[0]
-                few = edits <= _PY_ROWS or edits + _ROWS_A_LAUNCH <= _ROWS_A_LAUNCH * (len(parts) - 1)
-                kernel = "triton" if elems >= 2 * edits or few else "scatter"
+        elif kernel == "auto":  # Triton where it is measured cheaper; never the CPU interpreter
+            kernel = auto_kernel(parts) if self.device.type == "cuda" else "scatter"
         if kernel == "triton" and self.triton is None:
             self.triton = triton_usable(self.device)
         if kernel == "triton" and not self.triton:

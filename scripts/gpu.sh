@@ -15,6 +15,8 @@
 #   compare   python -m benchmarks.vs_vllm $COMPARE_ARGS, RUNS (default 2) runs a side in turns, the old
 #             side with the stagebuf package of $COMPARE_BEFORE (a directory holding it, or a git
 #             revision), then python -m benchmarks.compare over them: vs_*.json, compare.log
+#   profile   python -m benchmarks.engine_profile $PROFILE_ARGS: the engine workload's parts, timed (with
+#             the floor) and profiled with call counts: profile.json, profile.md (needs .cache/vllm-0.33.0)
 # Each stage writes its log under $OUT and a line to $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,7 +64,12 @@ for stage in "$@"; do
       done
       python3 -m benchmarks.compare "${args[@]}" > "$OUT/compare.log" 2>&1
       rc=$?; line=$(tail -n 2 "$OUT/compare.log" | tr '\n' ' ') ;;
-    *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench ab compare" >&2; exit 2 ;;
+    profile)
+      # shellcheck disable=SC2086
+      timeout "${PROFILE_TIMEOUT:-240}" python3 -m benchmarks.engine_profile --json "$OUT/profile.json" \
+        --markdown "$OUT/profile.md" ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
+      rc=$?; line=$(grep -c "^#### " "$OUT/profile.md" 2>/dev/null || echo 0)" runs profiled" ;;
+    *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench ab compare profile" >&2; exit 2 ;;
   esac
   echo "$stage: exit $rc in $((SECONDS - t0)) s: $line" | tee -a "$OUT/summary.txt"
 done

@@ -1,0 +1,219 @@
+"""``python -m benchmarks.engine_profile``: where each setup's buffer work goes, part by part, with calls.
+
+The engine workload (:mod:`benchmarks.engine`: vLLM 0.33.0's own MRV2 input path), in one process:
+
+1. the timed lockstep run of the chosen setups and the floor (``run_lockstep``, as the bench runs it):
+   µs per step of each part, unprofiled;
+2. each setup again over the same trace under ``cProfile``, one profile per part (``engine.SECTIONS``):
+   the functions with the most own time, with calls and µs per step. cProfile's overhead inflates
+   Python functions; a C call (a launch, a copy, an event record) keeps about its own cost.
+
+The parts are the calls the bench times: ``RequestState``, ``SamplingStates`` and ``BlockTables``'
+``apply_staged_writes``, and the step's ``async_tensor_h2d`` copies (in step mode the last one
+flushes the step's batch). Own-API setups time other calls and are not profiled here.
+
+    PYTHONPATH=src:. python -m benchmarks.engine_profile --json out/profile.json  # a CPU: TRITON_INTERPRET=1
+"""
+
+from __future__ import annotations
+
+import cProfile
+import functools
+import json
+import os
+import pstats
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from . import engine as E
+
+DEFAULT_SETUPS = {
+    "cuda": "vllm_uva,vllm_nopin,stagebuf_dropin_uva,stagebuf_dropin_pageable,"
+    "stagebuf_step_uva,stagebuf_step_pageable",
+    "cpu": "vllm_uva,stagebuf_dropin_pageable,stagebuf_step_host,stagebuf_step_pageable",
+}
+"""The setups profiled unless ``--setups`` names others (the floor is always timed)."""
+
+
+def _profiled(f: Callable[..., Any], prof: cProfile.Profile) -> Callable[..., Any]:
+    @functools.wraps(f)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        prof.enable()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            prof.disable()
+
+    return call
+
+
+def _hook(eng: E.Engine, profs: dict[str, cProfile.Profile]) -> None:
+    """Profile each part's calls of ``eng`` into its own profile."""
+    parts = zip((eng.req_states, eng.sampling, eng.block_tables), E.SECTIONS[:3])
+    for obj, part in parts:
+        obj.apply_staged_writes = _profiled(obj.apply_staged_writes, profs[part])
+    eng.h2d = _profiled(eng.h2d, profs[E.SECTIONS[3]])
+
+
+def _name(key: tuple[str, int, str]) -> str:
+    file, line, func = key
+    if file == "~":  # a C function: cProfile names it "<built-in method ...>" or "<method ... of ...>"
+        return func
+    parts = Path(file).parts
+    for root in ("stagebuf", "vllm", "benchmarks"):
+        if root in parts:
+            parts = parts[len(parts) - 1 - parts[::-1].index(root) :]
+            break
+    return f"{'/'.join(parts[-3:])}:{line}({func})"
+
+
+def top(prof: cProfile.Profile, steps: int, k: int) -> dict[str, Any]:
+    """The ``k`` functions of ``prof`` with the most own time: calls and own µs per step; the total."""
+    st = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(st.items(), key=lambda kv: -kv[1][2])
+    total = sum(v[2] for v in st.values())
+    return {
+        "profiled_us": total / steps * 1e6,
+        "top": [
+            {"function": _name(key), "calls": v[1] / steps, "own_us": v[2] / steps * 1e6}
+            for key, v in rows[:k]
+        ],
+    }
+
+
+def profile_setup(
+    setup: E.Setup, cfg: E.TraceConfig, device: torch.device, plans: list[E.StepPlan], busy_cycles: int,
+    warmup: int, k: int,
+) -> dict[str, Any]:  # fmt: skip
+    """One setup over ``plans``, each part profiled after ``warmup`` steps, two steps in flight when busy."""
+    import stagebuf
+
+    with E.stagebuf_tier(E._tier_of(setup)):
+        eng = E.Engine(setup, cfg, device)
+    profs = {p: cProfile.Profile() for p in E.SECTIONS}
+    cuda = device.type == "cuda"
+    prev = None
+    for i, plan in enumerate(plans):
+        if i == warmup:
+            _hook(eng, profs)
+        if cuda and not busy_cycles:
+            torch.cuda.synchronize(device)
+        if setup.layer != "vllm":
+            stagebuf.begin_step(device)
+        eng.prepare(plan)
+        eng.finish(plan, busy_cycles)
+        if cuda and busy_cycles:
+            ev = torch.cuda.Event()
+            ev.record()
+            if prev is not None:
+                while not prev.query():
+                    time.sleep(50e-6)
+            prev = ev
+    if cuda:
+        torch.cuda.synchronize(device)
+    steps = max(len(plans) - warmup, 1)
+    return {part: top(profs[part], steps, k) for part in E.SECTIONS}
+
+
+def run(
+    device: torch.device, names: list[str], groups: tuple[int, ...], modes: tuple[bool, ...], steps: int,
+    warmup: int, k: int, busy_ms: float = 3.0, trace: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The lockstep timings and the per-part profiles of the setups ``names`` (with the floor); ``trace``:
+    ``TraceConfig`` fields other than the default's (tests run a small one)."""
+    cuda = device.type == "cuda"
+    have = E.setups(cuda, have_uva=True, have_pinned=True)
+    known = {s.name: s for s in have}
+    unknown = [n for n in names if n not in known or known[n].api == "own" or n == "floor"]
+    if unknown:
+        allowed = ", ".join(n for n, s in known.items() if s.api != "own" and n != "floor")
+        raise click.BadParameter(f"{', '.join(unknown)}; allowed: {allowed}", param_hint="--setups")
+    chosen = [known[n] for n in names]
+    cycles = E.sleep_cycles_for(busy_ms, device) if cuda else 0
+    out: dict[str, Any] = {"steps": steps, "warmup": warmup, "setups": names, "runs": {}}
+    try:
+        for g in groups:
+            cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:g], **{**(trace or {}), "steps": steps})
+            plans = E.make_trace(cfg)
+            for busy in modes:
+                mode = "busy" if busy else "idle"
+                timed = E.run_lockstep(
+                    [*chosen, E.Setup("floor", "floor")], cfg, device, plans, cycles * busy, warmup
+                )
+                for s in chosen:
+                    prof = profile_setup(s, cfg, device, plans, cycles * busy, warmup, k)
+                    out["runs"][f"{s.name}|g{g}|{mode}"] = {
+                        "sections_us": timed[s.name]["sections_us"],
+                        "floor_us": timed["floor"]["sections_us"],
+                        "parts": prof,
+                    }
+    finally:
+        E.close_plugin_modules()
+    return out
+
+
+def render(report: dict[str, Any], k: int = 6) -> str:
+    """The report as Markdown: per run, each part's µs (unprofiled), its floor, and its top functions."""
+    lines = []
+    for key, r in report["runs"].items():
+        lines += [
+            f"#### {key}",
+            "",
+            "part | µs | floor µs | top functions (calls, own µs per step)",
+            "---|---|---|---",
+        ]
+        for part in E.SECTIONS:
+            fns = "; ".join(
+                f"`{t['function']}` {t['calls']:.1f}, {t['own_us']:.1f}" for t in r["parts"][part]["top"][:k]
+            )
+            lines.append(f"{part} | {r['sections_us'][part]:.1f} | {r['floor_us'][part]:.1f} | {fns}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False), help="The report.")
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), help="Also the report as Markdown.")
+@click.option("--setups", help="Comma-separated setup names (default: DEFAULT_SETUPS of the device).")
+@click.option("--groups", default="1,2", show_default=True, help="KV-cache groups, comma-separated.")
+@click.option("--mode", type=click.Choice(["both", "busy", "idle"]), default="both", show_default=True)
+@click.option("--steps", default=80, show_default=True, help="Steps of the trace, warm-up included.")
+@click.option("--warmup", default=20, show_default=True, help="Steps before timing and profiling.")
+@click.option("--top", "k", default=12, show_default=True, help="Functions kept per part.")
+def main(
+    json_path: str,
+    md_path: str | None,
+    setups: str | None,
+    groups: str,
+    mode: str,
+    steps: int,
+    warmup: int,
+    k: int,
+) -> None:
+    """Profile the engine workload's buffer work, part by part (see the module docstring)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise click.UsageError("on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1")
+    if warmup >= steps:
+        raise click.BadParameter(
+            f"{warmup} >= --steps {steps}; allowed: fewer than --steps", param_hint="--warmup"
+        )
+    modes = {"both": (False, True), "busy": (True,), "idle": (False,)}[mode]
+    names = [n.strip() for n in (setups or DEFAULT_SETUPS[device.type]).split(",") if n.strip()]
+    report = run(device, names, tuple(int(g) for g in groups.split(",")), modes, steps, warmup, k)
+    report["commit"] = os.environ.get("STAGEBUF_BENCH_COMMIT", "unknown")
+    report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    Path(json_path).write_text(json.dumps(report, indent=1))
+    md = render(report)
+    if md_path:
+        Path(md_path).write_text(md)
+    click.echo(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,8 +5,7 @@ address, first word, word count, source word) and its words, then at ``flush()``
 and words into one reserved run of a :class:`StepStager` step (one transfer; none on UVA) and
 runs one Triton launch per wave (a target written twice starts a new wave, so later writes win).
 Without Triton (and on the CPU unless ``STAGEBUF_WRITE_KERNEL=triton``): a gather and an
-``index_copy_`` per target; on HOST, numpy writes. vLLM's step
-mode (``vllm_step``) defers into it.
+``index_copy_`` per target; on HOST, numpy writes. vLLM's step mode (``vllm_step``) defers into it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import cProfile
 import functools
 import json
 import os
-import pstats
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,7 +73,8 @@ def _name(key: tuple[str, int, str]) -> str:
 
 def top(prof: cProfile.Profile, steps: int, k: int) -> dict[str, Any]:
     """The ``k`` functions of ``prof`` with the most own time: calls and own µs per step; the total."""
-    st = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    prof.create_stats()  # (pstats.Stats refuses a profile that never ran: a part with no calls)
+    st = {key: v for key, v in prof.stats.items() if "_lsprof.Profiler" not in key[2]}  # type: ignore
     rows = sorted(st.items(), key=lambda kv: -kv[1][2])
     total = sum(v[2] for v in st.values())
     return {

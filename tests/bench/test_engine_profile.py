@@ -5,6 +5,8 @@ vLLM 0.33.0's real MRV2 modules (fetched as for tests/bench/test_engine.py), a s
 
 from __future__ import annotations
 
+import cProfile
+
 import click
 import pytest
 import torch
@@ -45,3 +47,8 @@ def test_an_unknown_or_own_api_setup_is_refused_naming_the_allowed_ones() -> Non
     for bad in ("stagebuf_own_pageable", "nope"):
         with pytest.raises(click.BadParameter, match=f"{bad}; allowed: vllm_uva, "):
             P.run(CPU, ["vllm_uva", bad], (1,), (False,), steps=6, warmup=2, k=5, trace=SMALL)
+
+
+def test_a_part_never_called_has_an_empty_profile() -> None:
+    """A part no step after the warm-up calls (no arrivals: no request writes) reads as nothing."""
+    assert P.top(cProfile.Profile(), steps=5, k=3) == {"profiled_us": 0.0, "top": []}

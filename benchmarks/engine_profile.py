@@ -29,6 +29,8 @@ from typing import Any
 import click
 import torch
 
+import stagebuf
+
 from . import engine as E
 
 DEFAULT_SETUPS = {
@@ -63,12 +65,7 @@ def _name(key: tuple[str, int, str]) -> str:
     file, line, func = key
     if file == "~":  # a C function: cProfile names it "<built-in method ...>" or "<method ... of ...>"
         return func
-    parts = Path(file).parts
-    for root in ("stagebuf", "vllm", "benchmarks"):
-        if root in parts:
-            parts = parts[len(parts) - 1 - parts[::-1].index(root) :]
-            break
-    return f"{'/'.join(parts[-3:])}:{line}({func})"
+    return f"{'/'.join(Path(file).parts[-3:])}:{line}({func})"  # the file's last three path parts
 
 
 def top(prof: cProfile.Profile, steps: int, k: int) -> dict[str, Any]:
@@ -91,8 +88,6 @@ def profile_setup(
     warmup: int, k: int,
 ) -> dict[str, Any]:  # fmt: skip
     """One setup over ``plans``, each part profiled after ``warmup`` steps, two steps in flight when busy."""
-    import stagebuf
-
     with E.stagebuf_tier(E._tier_of(setup)):
         eng = E.Engine(setup, cfg, device)
     profs = {p: cProfile.Profile() for p in E.SECTIONS}

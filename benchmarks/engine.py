@@ -618,6 +618,7 @@ def run_lockstep(
     plans: list[StepPlan],
     busy_cycles: int,
     warmup: int,
+    before_step: Callable[[int, list[Any]], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """One timed run of the trace by every setup in lockstep: step i of each, in a rotating order.
 
@@ -645,6 +646,10 @@ def run_lockstep(
     clock = time.perf_counter
     k = len(engines)
     for i, plan in enumerate(plans):
+        if (
+            before_step is not None
+        ):  # (benchmarks.engine_profile: hooks the engines' parts at the warm-up's end)
+            before_step(i, engines)
         for j in range(k):
             e = (i + j) % k
             eng = engines[e]

@@ -21,15 +21,12 @@ import cProfile
 import functools
 import json
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 import torch
-
-import stagebuf
 
 from . import engine as E
 
@@ -87,30 +84,14 @@ def profile_setup(
     setup: E.Setup, cfg: E.TraceConfig, device: torch.device, plans: list[E.StepPlan], busy_cycles: int,
     warmup: int, k: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """One setup over ``plans``, each part profiled after ``warmup`` steps, two steps in flight when busy."""
-    with E.stagebuf_tier(E._tier_of(setup)):
-        eng = E.Engine(setup, cfg, device)
+    """One setup alone over ``plans`` (``run_lockstep``), each part profiled after ``warmup`` steps."""
     profs = {p: cProfile.Profile() for p in E.SECTIONS}
-    cuda = device.type == "cuda"
-    prev = None
-    for i, plan in enumerate(plans):
+
+    def hook(i: int, engines: list[Any]) -> None:
         if i == warmup:
-            _hook(eng, profs)
-        if cuda and not busy_cycles:
-            torch.cuda.synchronize(device)
-        if setup.layer != "vllm":
-            stagebuf.begin_step(device)
-        eng.prepare(plan)
-        eng.finish(plan, busy_cycles)
-        if cuda and busy_cycles:
-            ev = torch.cuda.Event()
-            ev.record()
-            if prev is not None:
-                while not prev.query():
-                    time.sleep(50e-6)
-            prev = ev
-    if cuda:
-        torch.cuda.synchronize(device)
+            _hook(engines[0], profs)
+
+    E.run_lockstep([setup], cfg, device, plans, busy_cycles, warmup, before_step=hook)
     steps = max(len(plans) - warmup, 1)
     return {part: top(profs[part], steps, k) for part in E.SECTIONS}
 

@@ -68,7 +68,7 @@ for stage in "$@"; do
       # shellcheck disable=SC2086
       timeout "${PROFILE_TIMEOUT:-240}" python3 -m benchmarks.engine_profile --json "$OUT/profile.json" \
         --markdown "$OUT/profile.md" ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
-      rc=$?; line=$(grep -c "^#### " "$OUT/profile.md" 2>/dev/null || echo 0)" runs profiled" ;;
+      rc=$?; line="$(grep -c "^#### " "$OUT/profile.md" 2>/dev/null) runs profiled" ;;
     *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench ab compare profile" >&2; exit 2 ;;
   esac
   echo "$stage: exit $rc in $((SECONDS - t0)) s: $line" | tee -a "$OUT/summary.txt"

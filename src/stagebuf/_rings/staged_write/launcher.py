@@ -59,7 +59,7 @@ class _Launcher:
         self.capacity = max(capacity, ALIGN)
         self.ring: Ring | None = None  # made at the first apply: a tensor never applied allocates no slots
         self.views: list[dict[Any, Any]] = []  # the ring's per-slot view caches (growth empties in place)
-        self.forced = write_kernel()
+        self.forced = "scatter" if (k := write_kernel()) == "auto" and device.type != "cuda" else k
         self.triton: bool | None = None  # whether Triton runs here, asked at the first apply that wants it
 
     def stats(self) -> dict[str, int]:
@@ -81,8 +81,8 @@ class _Launcher:
         kernel = self.forced
         if p0.dup if one else any(p.dup for p in parts):
             kernel = "scatter"  # overlaps: de-duplicated on the host, then one scatter
-        elif kernel == "auto":  # Triton where it is measured cheaper; never the CPU interpreter
-            kernel = auto_kernel(parts) if self.device.type == "cuda" else "scatter"
+        elif kernel == "auto":  # on CUDA (elsewhere the scatter: Triton's interpreter is never cheaper)
+            kernel = auto_kernel(parts)
         if kernel == "triton" and self.triton is None:
             self.triton = triton_usable(self.device)
         if kernel == "triton" and not self.triton:

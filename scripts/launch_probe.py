@@ -51,10 +51,6 @@ def main() -> None:
     )  # stagebuf's kernel: one edit
     sw_jit = sw._triton_kernel(interpret=False)
     sw.launch_at(dev0, row.data_ptr(), vals.data_ptr(), torch.int32, 1, 1024, lambda: (row, vals))
-    sw.launch_at(dev0, row.data_ptr(), vals.data_ptr(), torch.int32, 1, 1024, lambda: (row, vals))
-    (direct,) = [d for key, d in sw._compiled.items() if key[:3] == (dev0.index, 1024, torch.int32)]
-    own = sw._Direct(direct.compiled)
-    own.cu = None  # the compiled kernel's own launcher (Triton's Python), as without cuda-bindings
     ops: dict[str, Callable[[], object]] = {
         "add_": lambda: x.add_(1),
         "index_copy_ (8)": lambda: x.index_copy_(0, idx, vals),
@@ -68,9 +64,6 @@ def main() -> None:
         "staged-write kernel (dispatcher)": lambda: sw_jit[(1,)](row, vals, BLOCK=1024, num_warps=4),
         "staged-write kernel (launch_at)": lambda: sw.launch_at(
             dev0, row.data_ptr(), vals.data_ptr(), torch.int32, 1, 1024, lambda: (row, vals)
-        ),
-        "staged-write kernel (Triton's launcher)": lambda: own(
-            1, raw(dev0.index), row.data_ptr(), vals.data_ptr(), 1024
         ),
         "cudaEventRecord (cuda-bindings)": lambda: rt.cudaEventRecord(ev, raw(0)),
         "torch.cuda.Event.record": lambda: tev.record(),

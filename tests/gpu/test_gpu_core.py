@@ -111,14 +111,7 @@ def test_direct_launches_write_as_the_dispatcher_and_a_launch_hook_sends_them_ba
         )
         model[0:8], model[32:40] = np.arange(8) + 100 * k, np.arange(8, 16) + 100 * k
         np.testing.assert_array_equal(out.cpu().numpy(), model)
-    direct = [d for key, d in kernel._compiled.items() if key[0] == dev.index and key[2] is torch.int32]
-    assert direct
-    try:
-        import cuda.bindings.driver  # noqa: F401
-    except ImportError:
-        pass
-    else:  # with cuda-bindings a direct launch is one cuLaunchKernel, and it did not fail
-        assert all(d.cu is not None for d in direct)
+    assert any(key[0] == dev.index and key[2] is torch.int32 for key in kernel._compiled)
     seen: list[object] = []
     rt = triton.knobs.runtime
     old = rt.launch_enter_hook
@@ -138,25 +131,3 @@ def test_direct_launches_write_as_the_dispatcher_and_a_launch_hook_sends_them_ba
     model[0:8], model[32:40] = np.arange(8) - 7, np.arange(8, 16) - 7
     np.testing.assert_array_equal(out.cpu().numpy(), model)
     assert seen, "a launch hook did not see the launch: launch_at bypassed it"
-
-
-def test_direct_launches_without_cuda_bindings_use_tritons_launcher_and_write_the_same(monkeypatch):
-    """Where cuda-bindings' driver module cannot be imported, a direct launch calls the compiled
-    kernel's own launcher (no cuLaunchKernel); the values written are the numpy model's."""
-    from stagebuf._rings.staged_write import kernel
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    assert kernel._triton_available()
-    monkeypatch.setattr(kernel, "_compiled", {})
-    monkeypatch.setattr(kernel, "_driver", [None])
-    out = torch.zeros(96, dtype=torch.int32, device=dev)
-    model = np.zeros(96, np.int32)
-    rows = [[out.data_ptr(), 5, 9, 0], [out.data_ptr(), 60, 3, 9]]  # (target, first, length, source)
-    meta = torch.tensor(rows, dtype=torch.int64, device=dev)
-    for k in range(3):
-        vals = torch.arange(12, dtype=torch.int32, device=dev) * (k + 2)
-        kernel.launch_at(dev, meta.data_ptr(), vals.data_ptr(), torch.int32, 2, 512, lambda v=vals: (meta, v))
-        model[5:14], model[60:63] = np.arange(9) * (k + 2), np.arange(9, 12) * (k + 2)
-        np.testing.assert_array_equal(out.cpu().numpy(), model)
-    (direct,) = kernel._compiled.values()
-    assert direct.cu is None

@@ -9,7 +9,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..._common.log import warn_once
@@ -96,68 +95,10 @@ def _block_for(longest: int) -> int:
     return b
 
 
-_compiled: dict[tuple[Any, ...], _Direct] = {}
-"""(device index, BLOCK, content dtype, both addresses 16-byte aligned) -> the compiled kernel's launch."""
+_compiled: dict[tuple[Any, ...], Any] = {}
+"""(device index, BLOCK, content dtype, both addresses 16-byte aligned) -> Triton's compiled kernel."""
 _direct: list[bool] = [True]
 """Whether launches may skip Triton's dispatcher (off after a launcher that refused the call)."""
-_driver: list[Any] = []
-"""cuda-bindings' driver module, or None where it cannot be imported (looked up at the first compile)."""
-
-
-class _Direct:
-    """A compiled kernel launched without Triton's Python: ``cuLaunchKernel`` (cuda-bindings) over one
-    parameter block (the two addresses, then Triton's global and profile scratch pointers, null), or the
-    compiled kernel's own launcher where the kernel needs what that block lacks (scratch memory, clusters,
-    programmatic or cooperative launch) or cuda-bindings is missing. The block is the kernel's: one
-    thread launches on a device, as one thread drives its rings."""
-
-    __slots__ = ("compiled", "cu", "fn", "threads", "shared", "vals", "params", "params_at")
-
-    def __init__(self, compiled: Any):
-        self.compiled = compiled
-        md = compiled.metadata
-        if not _driver:
-            try:
-                from cuda.bindings import driver
-            except Exception:  # not installed, or broken: Triton's launcher
-                driver = None
-            _driver.append(driver)
-        drv = _driver[0]
-        needs = ("global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
-        self.threads = 32 * getattr(md, "num_warps", 0)
-        self.shared = getattr(md, "shared", -1)
-        plain = drv is not None and self.threads > 0 and self.shared >= 0 and getattr(md, "num_ctas", 1) == 1
-        plain = plain and not any(getattr(md, a, 0) for a in needs)
-        self.cu = drv.cuLaunchKernel if plain else None
-        self.fn = drv.CUfunction(compiled.function) if plain else None
-        self.vals = np.zeros(4, np.uint64)
-        """The kernel's parameters: metadata and content addresses, two null scratch pointers."""
-        self.params = np.arange(4, dtype=np.uint64) * 8 + self.vals.ctypes.data
-        """Their addresses: the ``void**`` that cuLaunchKernel reads (at ``params_at``)."""
-        self.params_at: int = self.params.ctypes.data
-
-    def __call__(self, n: int, stream: int, meta_addr: int, content_addr: int, block: int) -> bool:
-        """Launch ``n`` programs on ``stream``; False if Triton's dispatcher must launch instead."""
-        cu = self.cu
-        if cu is not None:
-            vals = self.vals
-            vals[0], vals[1] = meta_addr, content_addr
-            (err,) = cu(self.fn, n, 1, 1, self.threads, 1, 1, self.shared, stream, self.params_at, 0)
-            if not int(err):
-                return True
-            self.cu = None  # e.g. another context current: the compiled kernel's own launcher from now on
-            warn_once(("triton-cu",), f"staged-write launches go through Triton's launcher ({err})")
-        k = self.compiled
-        try:
-            k.run(
-                n, 1, 1, stream, k.function, k.packed_metadata, None, None, None,
-                meta_addr, content_addr, block,
-            )  # fmt: skip
-            return True
-        except TypeError as e:  # another Triton's launcher signature: the dispatcher from now on
-            _direct[0] = False
-            warn_once(("triton-direct",), f"staged-write launches go through Triton's dispatcher ({e})")
-            return False
 
 
 def launch_at(
@@ -172,8 +113,8 @@ def launch_at(
     """Launch the kernel over metadata and content at these device addresses (CPU: the interpreter).
 
     The first launch of each specialisation (``key``: what Triton specialises these arguments on) goes
-    through Triton's dispatcher, with the tensors ``tensors()`` makes; later ones launch the compiled
-    kernel directly (``_Direct``; docs/DESIGN.md, "Staged writes"). A launch hook (a profiler) or a
+    through Triton's dispatcher, with the tensors ``tensors()`` makes; later ones call the compiled
+    kernel's launcher directly (docs/DESIGN.md, "Staged writes"). A launch hook (a profiler) or a
     launcher that refuses the call sends every launch through the dispatcher.
     """
     if device.type != "cuda":
@@ -183,9 +124,17 @@ def launch_at(
     key = (device.index, block, dtype, not (meta_addr | content_addr) & 15)
     k = _compiled.get(key) if _direct[0] else None
     current = torch.cuda.current_device() == device.index
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if k is not None and current else 0
-    if k is not None and current and not _hooked() and k(n_edits, stream, meta_addr, content_addr, block):
-        return
+    if k is not None and current and not _hooked():
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        try:
+            k.run(
+                n_edits, 1, 1, stream, k.function, k.packed_metadata, None, None, None,
+                meta_addr, content_addr, block,
+            )  # fmt: skip
+            return
+        except TypeError as e:  # another Triton's launcher signature: the dispatcher from now on
+            _direct[0] = False
+            warn_once(("triton-direct",), f"staged-write launches go through Triton's dispatcher ({e})")
     meta, content = tensors()
     launch = _triton_kernel(interpret=False)[(n_edits,)]
     warps = max(1, min(4, block // 128))
@@ -195,7 +144,7 @@ def launch_at(
         with torch.cuda.device(device):
             got = launch(meta, content, BLOCK=block, num_warps=warps)
     if current and _direct[0] and hasattr(got, "packed_metadata") and hasattr(got, "function"):
-        _compiled[key] = _Direct(got)
+        _compiled[key] = got
 
 
 def _hooked() -> bool:

@@ -6,7 +6,10 @@ The engine workload (:mod:`benchmarks.engine`: vLLM 0.33.0's own MRV2 input path
    µs per step of each part, unprofiled;
 2. each setup again over the same trace under ``cProfile``, one profile per part (``engine.SECTIONS``):
    the functions with the most own time, with calls and µs per step. cProfile's overhead inflates
-   Python functions; a C call (a launch, a copy, an event record) keeps about its own cost.
+   Python functions; a C call (a launch, a copy, an event record) keeps about its own cost;
+3. with ``--timers``, each setup once more with wall-clock timers on stagebuf's step functions
+   (``TIMED``) instead: calls, own µs (less the timed calls inside) and total µs per step and part,
+   at the cost of one timer per call.
 
 The parts are the calls the bench times: ``RequestState``, ``SamplingStates`` and ``BlockTables``'
 ``apply_staged_writes``, and the step's ``async_tensor_h2d`` copies (in step mode the last one
@@ -21,6 +24,7 @@ import cProfile
 import functools
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,12 +54,109 @@ def _profiled(f: Callable[..., Any], prof: cProfile.Profile) -> Callable[..., An
     return call
 
 
-def _hook(eng: E.Engine, profs: dict[str, cProfile.Profile]) -> None:
-    """Profile each part's calls of ``eng`` into its own profile."""
+def _hook(eng: E.Engine, wrap: Callable[[Callable[..., Any], str], Callable[..., Any]]) -> None:
+    """Wrap each part's calls of ``eng``: ``wrap(call, part)``."""
     parts = zip((eng.req_states, eng.sampling, eng.block_tables), E.SECTIONS[:3])
     for obj, part in parts:
-        obj.apply_staged_writes = _profiled(obj.apply_staged_writes, profs[part])
-    eng.h2d = _profiled(eng.h2d, profs[E.SECTIONS[3]])
+        obj.apply_staged_writes = wrap(obj.apply_staged_writes, part)
+    eng.h2d = wrap(eng.h2d, E.SECTIONS[3])
+
+
+TIMED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("stagebuf._engines.vllm_step", "", ("close_window",)),
+    ("stagebuf._engines.vllm_step_batch", "", ("launch_at",)),
+    ("stagebuf._engines.vllm_step_batch", "StepBatch", ("flush", "open_step", "add", "add_whole")),
+    ("stagebuf._rings.staged_write.writers", "", ("check",)),
+    ("stagebuf._rings.staged_write.check", "", ("list_values",)),
+    ("stagebuf._rings.staged_write.launcher", "", ("launch_at",)),
+    ("stagebuf._rings.staged_write.launcher", "_Launcher", ("apply",)),
+    ("stagebuf._rings.stager", "StepStager", ("step",)),
+    ("stagebuf._rings.stager", "Step", ("stage", "reserve", "flush")),
+    ("stagebuf._rings.ring", "Ring", ("acquire", "publish")),
+    ("stagebuf._rings.guard", "StepClock", ("record", "done")),
+    ("stagebuf._rings.pool", "UvaBufferPool", ("copy_to_uva",)),
+)
+"""(module, class or "" for a module's function, names): the functions ``--timers`` times, where callers
+look them up (a function imported by name is timed in the importing module)."""
+
+
+class Timers:
+    """Wall-clock timers on ``TIMED``'s functions, counted for the part that is running (``part``)."""
+
+    def __init__(self) -> None:
+        self.part: str | None = None
+        self.stats: dict[str, dict[str, list[float]]] = {p: {} for p in E.SECTIONS}
+        """Per part and function: calls, own seconds, total seconds."""
+        self._inner: list[float] = []  # per timed call running: the time of the timed calls inside it
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def install(self) -> None:
+        """Put a timer on each of ``TIMED``'s functions (AttributeError if one is missing)."""
+        import importlib
+
+        for module, cls, names in TIMED:
+            owner: Any = importlib.import_module(module)
+            if cls:
+                owner = getattr(owner, cls)
+            for name in names:
+                f = owner.__dict__.get(name) if cls else getattr(owner, name, None)
+                if not callable(f):
+                    raise AttributeError(f"TIMED: {module} has no function {cls + '.' if cls else ''}{name}")
+                label = f"{cls or module.rsplit('.', 1)[1]}.{name}"
+                self._undo.append((owner, name, f))
+                setattr(owner, name, self._timed(label, f))
+
+    def remove(self) -> None:
+        """Put every timed function back."""
+        while self._undo:
+            owner, name, f = self._undo.pop()
+            setattr(owner, name, f)
+
+    def _timed(self, label: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        inner, clock = self._inner, time.perf_counter
+
+        @functools.wraps(f)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            part = self.part
+            if part is None:
+                return f(*args, **kwargs)
+            t = clock()
+            inner.append(0.0)
+            try:
+                return f(*args, **kwargs)
+            finally:
+                d = clock() - t
+                s = self.stats[part].setdefault(label, [0, 0.0, 0.0])
+                s[0] += 1
+                s[1] += d - inner.pop()
+                s[2] += d
+                if inner:
+                    inner[-1] += d
+
+        return timed
+
+    def during(self, f: Callable[..., Any], part: str) -> Callable[..., Any]:
+        """``f``, counting the timed calls it makes for ``part``."""
+
+        @functools.wraps(f)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.part = part
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.part = None
+
+        return call
+
+    def report(self, steps: int) -> dict[str, list[dict[str, Any]]]:
+        """Per part, every timed function that part called: calls, own and total µs per step."""
+        return {
+            part: [
+                {"function": fn, "calls": c / steps, "own_us": o / steps * 1e6, "total_us": t / steps * 1e6}
+                for fn, (c, o, t) in sorted(fns.items(), key=lambda kv: -kv[1][1])
+            ]
+            for part, fns in self.stats.items()
+        }
 
 
 def _name(key: tuple[str, int, str]) -> str:
@@ -89,19 +190,39 @@ def profile_setup(
 
     def hook(i: int, engines: list[Any]) -> None:
         if i == warmup:
-            _hook(engines[0], profs)
+            _hook(engines[0], lambda f, part: _profiled(f, profs[part]))
 
     E.run_lockstep([setup], cfg, device, plans, busy_cycles, warmup, before_step=hook)
     steps = max(len(plans) - warmup, 1)
     return {part: top(profs[part], steps, k) for part in E.SECTIONS}
 
 
+def time_setup(
+    setup: E.Setup, cfg: E.TraceConfig, device: torch.device, plans: list[E.StepPlan], busy_cycles: int,
+    warmup: int,
+) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+    """One setup alone over ``plans``, ``TIMED``'s functions timed per part after ``warmup`` steps."""
+    timers = Timers()
+
+    def hook(i: int, engines: list[Any]) -> None:
+        if i == warmup:
+            _hook(engines[0], timers.during)
+
+    timers.install()
+    try:
+        E.run_lockstep([setup], cfg, device, plans, busy_cycles, warmup, before_step=hook)
+    finally:
+        timers.remove()
+    return timers.report(max(len(plans) - warmup, 1))
+
+
 def run(
     device: torch.device, names: list[str], groups: tuple[int, ...], modes: tuple[bool, ...], steps: int,
-    warmup: int, k: int, busy_ms: float = 3.0, trace: dict[str, Any] | None = None,
+    warmup: int, k: int, busy_ms: float = 3.0, trace: dict[str, Any] | None = None, timers: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The lockstep timings and the per-part profiles of the setups ``names`` (with the floor); ``trace``:
-    ``TraceConfig`` fields other than the default's (tests run a small one)."""
+    ``TraceConfig`` fields other than the default's (tests run a small one); ``timers``: also each
+    setup's ``TIMED`` functions per part (``time_setup``)."""
     cuda = device.type == "cuda"
     have = E.setups(cuda, have_uva=True, have_pinned=True)
     known = {s.name: s for s in have}
@@ -123,11 +244,13 @@ def run(
                 )
                 for s in chosen:
                     prof = profile_setup(s, cfg, device, plans, cycles * busy, warmup, k)
-                    out["runs"][f"{s.name}|g{g}|{mode}"] = {
+                    one = out["runs"][f"{s.name}|g{g}|{mode}"] = {
                         "sections_us": timed[s.name]["sections_us"],
                         "floor_us": timed["floor"]["sections_us"],
                         "parts": prof,
                     }
+                    if timers:
+                        one["timers"] = time_setup(s, cfg, device, plans, cycles * busy, warmup)
     finally:
         E.close_plugin_modules()
     return out
@@ -149,6 +272,15 @@ def render(report: dict[str, Any], k: int = 6) -> str:
             )
             lines.append(f"{part} | {r['sections_us'][part]:.1f} | {r['floor_us'][part]:.1f} | {fns}")
         lines.append("")
+        if "timers" in r:
+            lines += ["part | timed functions (calls, own µs, total µs per step)", "---|---"]
+            for part in E.SECTIONS:
+                fns = "; ".join(
+                    f"`{t['function']}` {t['calls']:.1f}, {t['own_us']:.1f}, {t['total_us']:.1f}"
+                    for t in r["timers"][part]
+                )
+                lines.append(f"{part} | {fns}")
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -161,6 +293,7 @@ def render(report: dict[str, Any], k: int = 6) -> str:
 @click.option("--steps", default=80, show_default=True, help="Steps of the trace, warm-up included.")
 @click.option("--warmup", default=20, show_default=True, help="Steps before timing and profiling.")
 @click.option("--top", "k", default=12, show_default=True, help="Functions kept per part.")
+@click.option("--timers", is_flag=True, help="Also time TIMED's functions per part, one more run a setup.")
 def main(
     json_path: str,
     md_path: str | None,
@@ -170,6 +303,7 @@ def main(
     steps: int,
     warmup: int,
     k: int,
+    timers: bool,
 ) -> None:
     """Profile the engine workload's buffer work, part by part (see the module docstring)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -181,7 +315,8 @@ def main(
         )
     modes = {"both": (False, True), "busy": (True,), "idle": (False,)}[mode]
     names = [n.strip() for n in (setups or DEFAULT_SETUPS[device.type]).split(",") if n.strip()]
-    report = run(device, names, tuple(int(g) for g in groups.split(",")), modes, steps, warmup, k)
+    gs = tuple(int(g) for g in groups.split(","))
+    report = run(device, names, gs, modes, steps, warmup, k, timers=timers)
     report["commit"] = os.environ.get("STAGEBUF_BENCH_COMMIT", "unknown")
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     Path(json_path).write_text(json.dumps(report, indent=1))

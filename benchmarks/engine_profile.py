@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import cProfile
 import functools
+import importlib
 import json
 import os
 import time
@@ -92,8 +93,6 @@ class Timers:
 
     def install(self) -> None:
         """Put a timer on each of ``TIMED``'s functions (AttributeError if one is missing)."""
-        import importlib
-
         for module, cls, names in TIMED:
             owner: Any = importlib.import_module(module)
             if cls:

@@ -646,9 +646,7 @@ def run_lockstep(
     clock = time.perf_counter
     k = len(engines)
     for i, plan in enumerate(plans):
-        if (
-            before_step is not None
-        ):  # (benchmarks.engine_profile: hooks the engines' parts at the warm-up's end)
+        if before_step is not None:  # (engine_profile: hooks the engines' parts after the warm-up)
             before_step(i, engines)
         for j in range(k):
             e = (i + j) % k

@@ -180,19 +180,28 @@ def top(prof: cProfile.Profile, steps: int, k: int) -> dict[str, Any]:
     }
 
 
+def _run_hooked(
+    setup: E.Setup, cfg: E.TraceConfig, device: torch.device, plans: list[E.StepPlan], busy_cycles: int,
+    warmup: int, wrap: Callable[[Callable[..., Any], str], Callable[..., Any]],
+) -> int:  # fmt: skip
+    """One setup alone over ``plans`` (``run_lockstep``), its parts wrapped (``_hook``) after ``warmup``
+    steps; the steps after it."""
+
+    def hook(i: int, engines: list[Any]) -> None:
+        if i == warmup:
+            _hook(engines[0], wrap)
+
+    E.run_lockstep([setup], cfg, device, plans, busy_cycles, warmup, before_step=hook)
+    return max(len(plans) - warmup, 1)
+
+
 def profile_setup(
     setup: E.Setup, cfg: E.TraceConfig, device: torch.device, plans: list[E.StepPlan], busy_cycles: int,
     warmup: int, k: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """One setup alone over ``plans`` (``run_lockstep``), each part profiled after ``warmup`` steps."""
+    """One setup alone over ``plans``, each part profiled after ``warmup`` steps."""
     profs = {p: cProfile.Profile() for p in E.SECTIONS}
-
-    def hook(i: int, engines: list[Any]) -> None:
-        if i == warmup:
-            _hook(engines[0], lambda f, part: _profiled(f, profs[part]))
-
-    E.run_lockstep([setup], cfg, device, plans, busy_cycles, warmup, before_step=hook)
-    steps = max(len(plans) - warmup, 1)
+    steps = _run_hooked(setup, cfg, device, plans, busy_cycles, warmup, lambda f, p: _profiled(f, profs[p]))
     return {part: top(profs[part], steps, k) for part in E.SECTIONS}
 
 
@@ -202,17 +211,12 @@ def time_setup(
 ) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """One setup alone over ``plans``, ``TIMED``'s functions timed per part after ``warmup`` steps."""
     timers = Timers()
-
-    def hook(i: int, engines: list[Any]) -> None:
-        if i == warmup:
-            _hook(engines[0], timers.during)
-
     timers.install()
     try:
-        E.run_lockstep([setup], cfg, device, plans, busy_cycles, warmup, before_step=hook)
+        steps = _run_hooked(setup, cfg, device, plans, busy_cycles, warmup, timers.during)
     finally:
         timers.remove()
-    return timers.report(max(len(plans) - warmup, 1))
+    return timers.report(steps)
 
 
 def run(

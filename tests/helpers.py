@@ -23,6 +23,11 @@ from stagebuf._rings import guard as guard_mod
 from stagebuf._rings.staged_write import launcher as sw_launcher
 from stagebuf._tiers import probe as caps_mod
 
+# compute-sanitizer slows every CUDA call on the host more than the work on the device, so host timings
+# mean nothing under it. scripts/gpu_reliability.sh and sanitize_lanes.sh set STAGEBUF_UNDER_SANITIZER; the
+# sanitizer's own injection variable is a second sign.
+UNDER_SANITIZER = bool(os.environ.get("STAGEBUF_UNDER_SANITIZER") or os.environ.get("CUDA_INJECTION64_PATH"))
+
 
 def force_tier(monkeypatch: pytest.MonkeyPatch, tier: str) -> stagebuf.Tier:
     """Force ``tier`` through STAGEBUF_TIER and drop the cached probe."""

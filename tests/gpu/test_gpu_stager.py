@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from benchmarks.runahead import run_ahead
 
+from helpers import UNDER_SANITIZER
 from stagebuf import SlotInFlightError, StepStager, Tier
 
 pytestmark = pytest.mark.gpu
 
 N = 256
-# compute-sanitizer slows every CUDA call on the host more than the consumer on the device, so
-# the host cannot run ahead there: fewer steps, and no check that the guard had to wait.
-# scripts/gpu_reliability.sh sets STAGEBUF_UNDER_SANITIZER; the sanitizer's own injection
-# variable is a second sign.
-UNDER_SANITIZER = bool(os.environ.get("STAGEBUF_UNDER_SANITIZER") or os.environ.get("CUDA_INJECTION64_PATH"))
+# Under compute-sanitizer (UNDER_SANITIZER) the host cannot run ahead: fewer steps, and no check that
+# the guard had to wait.
 RUN_AHEAD_STEPS = 200 if UNDER_SANITIZER else 1500
 
 

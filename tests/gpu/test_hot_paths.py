@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import stagebuf
-from helpers import force_tier
+from helpers import UNDER_SANITIZER, force_tier
 from stagebuf import (
     DeviceParamTable,
     FusedStagedWriter,
@@ -254,9 +254,10 @@ def test_long_kernel_in_flight_delays_nothing(tier, monkeypatch):
     ex.verify()
     kernel_s = start.elapsed_time(busy) / 1000
     rig.check_kernels()
-    assert host_s < 0.25 * kernel_s, (
-        f"one round took {host_s * 1e3:.1f} ms behind a {kernel_s * 1e3:.0f} ms kernel"
-    )
     assert still_busy, (
         f"the {kernel_s * 1e3:.0f} ms kernel ended before the round did ({host_s * 1e3:.1f} ms)"
     )
+    if not UNDER_SANITIZER:  # (the sanitizer's instrumentation is most of a round's host time there)
+        assert host_s < 0.25 * kernel_s, (
+            f"one round took {host_s * 1e3:.1f} ms behind a {kernel_s * 1e3:.0f} ms kernel"
+        )

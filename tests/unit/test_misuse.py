@@ -340,8 +340,8 @@ class _Armed:
     Python, so a one-shot timer would let a hung call run until memory runs out: the timer repeats.
     Its interval is random: a fixed one locks in phase with a loop whose period divides it (each
     swallowed raise ends the finalizer, so the next tick lands at the same point of the loop). With
-    ticks every 20 ms and a loop of 1 ms in a finalizer and 1 ms outside, every one of 400 ticks
-    landed in the finalizer (Python 3.11), and the hang was never reported.
+    ticks every 20 ms and a loop of 1 ms in a finalizer and 1 ms outside, all 401 ticks of a 10 s
+    call landed in the finalizer (Python 3.11), and the hang was never reported.
     What is swallowed goes to ``sys.unraisablehook``: while armed, a hook that drops the _Hung ones
     (pytest's hook would report them as errors of the test) and passes the others on.
     """

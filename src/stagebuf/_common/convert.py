@@ -3,6 +3,7 @@ Everything here raises before any buffer is written, so a rejected call leaves s
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -70,10 +71,14 @@ def host_array(
     trailing: tuple[int, ...] | None = None,
     iterables: bool = False,
 ) -> np.ndarray:
-    """``x`` (list, tuple, numpy array, CPU tensor; any iterable if ``iterables``) as an array of ``dtype``
-    (or its own), checked: TypeError for its type or dtype, ValueError for its shape, device or values."""
+    """``x`` (list, tuple, numpy array, ``array.array`` or a subclass such as vLLM's ``TokenBuffer``, CPU
+    tensor; any iterable if ``iterables``) as an array of ``dtype`` (or its own), checked: TypeError for its
+    type or dtype, ValueError for its shape, device or values. An ``array.array`` is read as one block (a
+    view of its buffer: the caller copies what it keeps)."""
     if isinstance(x, np.ndarray):
         arr = x
+    elif isinstance(x, array):
+        arr = _from_array(x, name)
     elif isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise InvalidArgumentError(
@@ -121,6 +126,19 @@ def fill_host(dst: np.ndarray, value: Any, dtype: torch.dtype, name: str) -> Non
             "(or one scalar for every element)"
         )
     np.copyto(dst, arr)
+
+
+ARRAY_TYPECODES = "bBhHiIlLqQfd"
+"""``array.array`` typecodes read as numbers (``u``/``w``, characters, are refused)."""
+
+
+def _from_array(x: array[Any], name: str) -> np.ndarray:
+    """An ``array.array`` as a 1-D numpy view of its buffer, in the array's own C type."""
+    if x.typecode not in ARRAY_TYPECODES:
+        raise ArgumentTypeError(
+            f"{name} is an array.array of typecode {x.typecode!r}; allowed typecodes: {', '.join(ARRAY_TYPECODES)}"
+        )
+    return np.frombuffer(x, np.dtype(x.typecode))
 
 
 def _from_sequence(x: Sequence[Any], dtype: DTypeLike | None, name: str) -> np.ndarray:

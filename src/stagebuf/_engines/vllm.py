@@ -12,7 +12,6 @@ a tier there (the probe initialises CUDA, which vLLM's API server never needs).
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import sys
 import threading
@@ -26,37 +25,9 @@ from .._common.log import logger
 from .._tiers import probe as _probe
 from .._tiers.settings import ENV_VLLM
 from . import vllm_step as _vllm_step
-
-TESTED = ("0.33.0",)
-"""vLLM versions whose MRV2 modules were run on stagebuf (the engine workload and its tests)."""
+from .vllm_check import REPLACED, TESTED, _params, api_differences, window_differences
 
 TARGET = "vllm.v1.worker.gpu.buffer_utils"
-
-API: dict[str, dict[str, tuple[str, ...]]] = {
-    "UvaBuffer": {"__init__": ("size", "dtype"), "uva": ("n",)},
-    "NonUvaBuffer": {"__init__": ("size", "dtype"), "uva": ("n",)},
-    "UvaBufferPool": {
-        "__init__": ("size", "dtype", "max_concurrency"),
-        "copy_to_uva": ("x",),
-        "copy_to_gpu": ("x", "out"),
-    },
-    "UvaBackedTensor": {"__init__": ("size", "dtype", "max_concurrency"), "copy_to_uva": ("n",)},
-    "StagedWriteTensor": {
-        "__init__": ("size", "dtype", "device", "max_concurrency", "uva_instead_of_gpu"),
-        "stage_write": ("index", "start", "x"),
-        "stage_write_elem": ("index", "x"),
-        "apply_write": (),
-        "clear_staged_writes": (),
-    },
-    "FusedStagedWriter": {
-        "__init__": ("device", "max_writes", "max_concurrency"),
-        "apply": ("tensors", "output_ptrs", "output_strides"),
-    },
-    "set_default_max_concurrency": {"": ("n",)},
-}
-"""The parameters (after ``self``) of what the plugin replaces, as in the tested vLLM versions."""
-
-REPLACED = tuple(API)
 
 
 MODES = ("0", "1", "step")
@@ -103,52 +74,6 @@ def _not_used() -> str | None:
     return None
 
 
-def _params(obj: Any) -> tuple[str, ...]:
-    sig = inspect.signature(obj)
-    return tuple(p for p in sig.parameters if p != "self")
-
-
-ApiTable = dict[str, dict[str, tuple[str, ...]]]
-
-
-def api_of(module: Any, api: ApiTable | None = None) -> ApiTable:
-    """The API of ``module`` in the shape of ``api`` (default :data:`API`; only the names in it)."""
-    out: dict[str, dict[str, tuple[str, ...]]] = {}
-    for name, methods in (api or API).items():
-        obj = getattr(module, name, None)
-        if obj is None:
-            continue
-        if not inspect.isclass(obj):
-            out[name] = {"": _params(obj)}
-            continue
-        got = {}
-        for m in methods:
-            fn = getattr(obj, m, None)
-            if fn is not None:
-                got[m] = _params(fn)
-        out[name] = got
-    return out
-
-
-def api_differences(module: Any, api: ApiTable | None = None) -> list[str]:
-    """What differs between ``module``'s API and ``api`` (default :data:`API`; empty: the same)."""
-    api = api or API
-    have = api_of(module, api)
-    diffs = []
-    for name, methods in api.items():
-        if name not in have:
-            diffs.append(f"{name} is missing")
-            continue
-        for m, params in methods.items():
-            what = f"{name}.{m}" if m else name
-            got = have[name].get(m)
-            if got is None:
-                diffs.append(f"{what} is missing")
-            elif got != params:
-                diffs.append(f"{what}({', '.join(got)}) instead of ({', '.join(params)})")
-    return diffs
-
-
 def vllm_version() -> str | None:
     """The installed vLLM's version (from its metadata; vLLM is not imported), or None."""
     try:
@@ -172,12 +97,12 @@ STEP_API: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "async_tensor_h2d": {"": ("data", "device", "dtype", "out")},
 }  # fmt: skip
-"""What step mode patches in ``model_runner`` (besides :data:`API`), as in the tested vLLM versions.
+"""What step mode patches in ``model_runner`` (besides :data:`API`), as the tested releases spell it.
 
-Step mode relies on vLLM 0.33's order in ``execute_model``: every staged-write apply,
-sampler publish and ``async_tensor_h2d`` of the step comes before its
-``async_tensor_h2d(query_start_loc_np, out=...)``, and no kernel reads their targets before
-it. It is on only for the vLLM versions in :data:`TESTED`.
+Step mode relies on the release's order in ``execute_model``: every call before its
+``async_tensor_h2d(query_start_loc_np, out=...)`` is one :data:`~vllm_check.REVIEWED_WINDOW` holds
+(read from the release's own source by :func:`~vllm_check.window_differences`), so no kernel
+reads a deferred target before the window closes.
 """
 
 STEP_CLASSES = {
@@ -266,23 +191,29 @@ def _bindings(module: Any, mine: dict[str, Any]) -> list[tuple[Any, str, Any, An
     return reps
 
 
-def _step_replacements(
-    version: str | None, runner: Any | None
-) -> tuple[list[tuple[Any, str, Any, Any]], str]:
-    """Step mode's model-runner patches, or none and why not."""
-    if version not in TESTED:
-        return (
-            [],
-            f"step mode needs a tested vLLM ({', '.join(TESTED)}), not {version or 'an unknown version'}",
-        )
+def _step_replacements(runner: Any | None) -> tuple[list[tuple[Any, str, Any, Any]], str]:
+    """Step mode's model-runner patches, or none and why not: the runner's signatures must be
+    :data:`STEP_API`'s, and every call of its step window one that was reviewed."""
     if runner is None:
         try:
             runner = importlib.import_module(STEP_TARGET)
         except Exception as e:
             return [], f"{STEP_TARGET} cannot be imported ({type(e).__name__}: {e})"[:300]
-    diffs = api_differences(runner, STEP_API)
+    diffs = []
+    for name, methods in STEP_API.items():
+        obj = getattr(runner, name, None)
+        for m, params in methods.items():
+            fn = getattr(obj, m, None) if m else obj
+            got = None if fn is None else _params(fn)
+            if got != params:
+                what = f"{name}.{m}" if m else name
+                shape = f"({', '.join(got)}) instead of ({', '.join(params)})" if got is not None else ""
+                diffs.append(f"{what}{shape}" if shape else f"{what} is missing")
     if diffs:
         return [], f"{STEP_TARGET} differs from the tested one: {'; '.join(diffs)}"
+    order = window_differences(runner)
+    if order:
+        return [], f"step mode's window differs from the reviewed one: {'; '.join(order)}"
     cls = runner.GPUModelRunner
     return [
         (runner, "async_tensor_h2d", runner.async_tensor_h2d, _vllm_step.wrap_h2d(runner.async_tensor_h2d)),
@@ -294,7 +225,10 @@ def plan(module: Any | None = None, runner: Any | None = None, version: str | No
     """What :func:`register` would do now, and why; changes nothing (after it ran: what it did).
 
     ``module``, ``runner`` and ``version`` stand in for vLLM's ``buffer_utils``, ``model_runner``
-    and version (tests). Raises SettingValueError for a bad ``STAGEBUF_VLLM``.
+    and version (tests). The version is only reported: what decides is vLLM's API, compared both
+    ways (:func:`~vllm_check.api_differences`), and for step mode its window's calls
+    (:func:`~vllm_check.window_differences`), so a release that changed neither works the day it
+    ships. Raises SettingValueError for a bad ``STAGEBUF_VLLM``.
     """
     requested = mode()
     if requested == "0":
@@ -313,7 +247,8 @@ def plan(module: Any | None = None, runner: Any | None = None, version: str | No
         except Exception as e:
             why = f"{TARGET} cannot be imported ({type(e).__name__}: {e})"[:300]
             return Plan(True, "leave", why, requested=requested)
-    diffs = api_differences(module)
+    mine = {n: getattr(stagebuf, n) for n in REPLACED}
+    diffs = api_differences(module, mine)
     version = version or vllm_version()
     if diffs:
         return Plan(
@@ -323,7 +258,6 @@ def plan(module: Any | None = None, runner: Any | None = None, version: str | No
             f"(vLLM {', '.join(TESTED)}): {'; '.join(diffs)}; vLLM's own layer stays in place",
             requested=requested,
         )
-    mine = {n: getattr(stagebuf, n) for n in REPLACED}
     why = (
         f"vLLM {version or '?'}'s MRV2 buffer layer ({TARGET}) matches the API stagebuf was tested "
         f"with (vLLM {', '.join(TESTED)})"
@@ -331,7 +265,7 @@ def plan(module: Any | None = None, runner: Any | None = None, version: str | No
     carried = "1"
     step: list[tuple[Any, str, Any, Any]] = []
     if requested == "step":
-        step, why_not = _step_replacements(version, runner)
+        step, why_not = _step_replacements(runner)
         if step:
             carried = "step"
             mine.update(STEP_CLASSES)

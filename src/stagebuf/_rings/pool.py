@@ -138,6 +138,31 @@ class UvaBufferPool(Sealed):
             return buf.rows(n)[0]
         return buf.uva(n)
 
+    def copy_chunks_to_uva(self, chunks: Sequence[HostData], n: int) -> torch.Tensor:
+        """Stage the ``n`` rows of ``chunks`` joined in order, as :meth:`copy_to_uva` stages one array.
+
+        vLLM 0.34's call shape: each chunk is host data as for :meth:`copy_to_uva` (an ``array.array`` or
+        ndarray is read as one block), and ``n`` must be their total row count. Unlike vLLM's (a cast with
+        ``casting="unsafe"``), a value ``dtype`` cannot hold exactly is refused, before any slot is taken.
+
+        Raises
+        ------
+        ArgumentTypeError, InvalidArgumentError
+            As :meth:`copy_to_uva` for a chunk (named by its position); ArgumentTypeError if ``chunks`` is
+            not a sequence; InvalidArgumentError if ``n`` is not the chunks' total row count.
+        SlotInFlightError, StepRuleError, DeviceAllocationError, CudaError
+            As :meth:`copy_to_uva`.
+        """
+        if not isinstance(chunks, (list, tuple)):
+            raise ArgumentTypeError(f"chunks must be a list or tuple of host arrays; got {type(chunks).__name__}")
+        rank, trailing = len(self.shape), self._trailing
+        parts = [host_array(c, self.dtype, f"chunks[{i}]", ndims=(rank,), trailing=trailing) for i, c in enumerate(chunks)]
+        total = sum(p.shape[0] for p in parts)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n != total:
+            raise InvalidArgumentError(f"n={n!r} is not the chunks' row count; allowed: {total}")
+        joined = np.concatenate(parts) if parts else np.empty((0, *trailing), self._np_dtype)
+        return self.copy_to_uva(joined)
+
     def copy_to_gpu(self, x: HostData, out: torch.Tensor | None = None) -> torch.Tensor:
         """Stage ``x`` as :meth:`copy_to_uva` does and copy it to ``out`` or a new device tensor; that tensor.
 

@@ -20,7 +20,7 @@ def checked_values(values: Any, target: np.dtype, name: str) -> np.ndarray:
     dtype: torch.dtype = NUMPY_TO_TORCH[target]
     if target.kind == "f":  # a float target: convert's checks are exact
         return host_array(values, dtype, name, ndims=(1,), iterables=True)
-    if not isinstance(values, (list, tuple, np.ndarray, torch.Tensor, str, bytes, dict)) and isinstance(
+    if not isinstance(values, (list, tuple, np.ndarray, torch.Tensor, array, str, bytes, dict)) and isinstance(
         values, Iterable
     ):
         values = list(values)  # read a one-shot iterable once

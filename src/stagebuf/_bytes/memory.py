@@ -50,14 +50,14 @@ def alloc_host(
     n = _nbytes(shape, dtype)
     if not pinned:
         try:
-            return torch.zeros(shape, dtype=dtype)
+            return torch.zeros(shape, dtype=dtype, device="cpu")
         except (RuntimeError, MemoryError) as e:  # torch's CPU allocator raises RuntimeError
             raise HostAllocationError(
                 f"out of host memory: allocating {n} bytes ({_human(n)}, {shape} {dtype}){_for(tier)} "
                 f"failed ({str(e).strip().splitlines()[0][:160]}); free host memory or ask for a smaller size"
             ) from e
     try:
-        t = torch.zeros(shape, dtype=dtype, pin_memory=True)
+        t = torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=True)
     except Exception as e:
         raise PinnedAllocationError(
             f"pinned allocation of {shape} {dtype} ({n} bytes, {_human(n)}{_for(tier)}) failed: "

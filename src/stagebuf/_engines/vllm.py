@@ -25,7 +25,7 @@ from .._common.log import logger
 from .._tiers import probe as _probe
 from .._tiers.settings import ENV_VLLM
 from . import vllm_step as _vllm_step
-from .vllm_check import REPLACED, TESTED, _params, api_differences, window_differences
+from .vllm_check import REPLACED, TESTED, _params, api_differences, release, window_differences
 
 TARGET = "vllm.v1.worker.gpu.buffer_utils"
 
@@ -55,18 +55,23 @@ def setting() -> bool:
     return mode() != "0"
 
 
-def _not_used() -> str | None:
-    """Why vLLM would not run the plugin's patch in this environment (None: it would).
+def _not_used(version: str | None) -> str | None:
+    """Why vLLM ``version`` would not run the plugin's patch in this environment (None: it would).
 
-    As vLLM 0.33 decides: ``VLLM_PLUGINS`` (when set, the general plugins it names are the
-    only ones loaded) and ``VLLM_USE_V2_MODEL_RUNNER=0`` (the V1 model runner, which does not
-    use MRV2's buffer layer).
+    As vLLM decides: ``VLLM_PLUGINS`` (when set, the general plugins it names are the only ones
+    loaded) and, on releases that still have it (0.33 and older), ``VLLM_USE_V2_MODEL_RUNNER=0``
+    (the V1 model runner, which does not use MRV2's buffer layer; from 0.34 vLLM refuses that value).
     """
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None and "stagebuf" not in allowed.split(","):
         return f"VLLM_PLUGINS={allowed!r} does not name stagebuf: vLLM does not load the plugin"
     v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     if v2 is not None and v2.strip() not in ("", "1"):
+        if not release(version).v1_runner:
+            return (
+                f"VLLM_USE_V2_MODEL_RUNNER={v2!r}: vLLM {version or '(version unknown)'} has no V1 model "
+                "runner and refuses this setting at start-up; unset it"
+            )
         return (
             f"VLLM_USE_V2_MODEL_RUNNER={v2!r}: vLLM runs its V1 model runner, which does not use MRV2's "
             "buffer layer"
@@ -238,7 +243,8 @@ def plan(module: Any | None = None, runner: Any | None = None, version: str | No
         if done.action == "patch":
             return Plan(True, "patched", done.why, done.replacements, done.mode, done.requested)
         return done  # type: ignore[no-any-return]
-    unused = _not_used()
+    version = version or vllm_version()
+    unused = _not_used(version)
     if unused:
         return Plan(True, "off", unused, requested=requested)
     if module is None:
@@ -249,7 +255,6 @@ def plan(module: Any | None = None, runner: Any | None = None, version: str | No
             return Plan(True, "leave", why, requested=requested)
     mine = {n: getattr(stagebuf, n) for n in REPLACED}
     diffs = api_differences(module, mine)
-    version = version or vllm_version()
     if diffs:
         return Plan(
             True,

@@ -24,6 +24,9 @@ class Release:
     that reads a target step mode defers, after that target's write in vLLM's own order."""
 
     window_added: frozenset[str] = frozenset()
+    v1_runner: bool = False
+    """Whether ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the V1 model runner (removed in 0.34: vLLM then
+    refuses the setting at start-up)."""
 
 
 _BASE_WINDOW = frozenset(
@@ -65,11 +68,12 @@ _BASE_WINDOW = frozenset(
 )  # fmt: skip
 
 RELEASES: dict[str, Release] = {
-    "0.32.0": Release(_BASE_WINDOW),
+    "0.32.0": Release(_BASE_WINDOW, v1_runner=True),
     "0.33.0": Release(
         frozenset({
             "self.encoder_cache.update_encoder_inputs", "scheduler_output.encoder_input_updates.items",
-        })
+        }),
+        v1_runner=True,
     ),
     # draft_tokens_handler's begin_step/discard and the suffix speculator's add_request keep host lists; the
     # speculator's on_requests_finished launches on its own corpus from host values, before any deferred write
@@ -86,6 +90,27 @@ TESTED = tuple(RELEASES)
 NEWEST = TESTED[-1]
 REVIEWED_WINDOW = frozenset().union(*(r.window_added for r in RELEASES.values()))
 """Every call reviewed for step mode's window, over all tested releases."""
+
+
+def release(version: str | None) -> Release:
+    """The table's entry for ``version``; an untested release is taken as the nearest older tested one
+    (the newest for one past the table), and None or an unparsable one as the newest."""
+    if version in RELEASES:
+        return RELEASES[version]
+    key = _key(version)
+    if key is None:
+        return RELEASES[NEWEST]
+    older = [r for r in TESTED if (_key(r) or ()) <= key]
+    return RELEASES[older[-1] if older else TESTED[0]]
+
+
+def _key(version: str | None) -> tuple[int, ...] | None:
+    parts = (version or "").split("+")[0].split(".")[:3]
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        return None
+
 
 _HOST_ONLY = frozenset(
     {"len", "int", "bool", "max", "min", "sum", "zip", "map", "list", "sorted", "tuple", "set"}

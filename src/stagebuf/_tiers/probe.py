@@ -58,7 +58,7 @@ def _uva_probe(device: torch.device) -> None:
     view = _uva.device_view(host, device)
     for seed in (0x5A5A, 0x1234):
         # Write on the host *after* the view exists, read on the device.
-        expect = torch.arange(seed, seed + host.numel(), dtype=torch.int32)
+        expect = torch.arange(seed, seed + host.numel(), dtype=torch.int32, device="cpu")
         host.copy_(expect)
         if device.type == "cuda" and torch.cuda.is_available():
             torch.cuda.synchronize(device)

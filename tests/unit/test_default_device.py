@@ -95,7 +95,10 @@ CASES: dict[str, tuple[Callable[[], list[np.ndarray]], list[np.ndarray]]] = {
     "UvaBackedTensor": (_backed, [np.arange(6, dtype=np.float32).reshape(3, 2)]),
     "StagedWriteTensor+FusedStagedWriter": (
         _staged,
-        [np.array([[0, 5, 6, 0], [0, 0, 0, 0], [7, 8, 0, 0]]), np.array([[0, 0, 0, 0], [9, 0, 0, 0], [0] * 4])],
+        [
+            np.array([[0, 5, 6, 0], [0, 0, 0, 0], [7, 8, 0, 0]]),
+            np.array([[0, 0, 0, 0], [9, 0, 0, 0], [0, 0, 0, 0]]),
+        ],
     ),
     "StepStager": (_stager, [np.array([3, 1, 2]), np.array([1.5, 2.5])]),
     "DeviceParamTable": (_table, [np.array([1, 2, 3, 4]), np.array([0.5, 1.0, 1.5, 2.0])]),

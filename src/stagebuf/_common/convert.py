@@ -136,7 +136,8 @@ def _from_array(x: array[Any], name: str) -> np.ndarray:
     """An ``array.array`` as a 1-D numpy view of its buffer, in the array's own C type."""
     if x.typecode not in ARRAY_TYPECODES:
         raise ArgumentTypeError(
-            f"{name} is an array.array of typecode {x.typecode!r}; allowed typecodes: {', '.join(ARRAY_TYPECODES)}"
+            f"{name} is an array.array of typecode {x.typecode!r}; "
+            f"allowed typecodes: {', '.join(ARRAY_TYPECODES)}"
         )
     return np.frombuffer(x, np.dtype(x.typecode))
 

@@ -154,9 +154,14 @@ class UvaBufferPool(Sealed):
             As :meth:`copy_to_uva`.
         """
         if not isinstance(chunks, (list, tuple)):
-            raise ArgumentTypeError(f"chunks must be a list or tuple of host arrays; got {type(chunks).__name__}")
+            raise ArgumentTypeError(
+                f"chunks must be a list or tuple of host arrays; got {type(chunks).__name__}"
+            )
         rank, trailing = len(self.shape), self._trailing
-        parts = [host_array(c, self.dtype, f"chunks[{i}]", ndims=(rank,), trailing=trailing) for i, c in enumerate(chunks)]
+        parts = [
+            host_array(c, self.dtype, f"chunks[{i}]", ndims=(rank,), trailing=trailing)
+            for i, c in enumerate(chunks)
+        ]
         total = sum(p.shape[0] for p in parts)
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n != total:
             raise InvalidArgumentError(f"n={n!r} is not the chunks' row count; allowed: {total}")

@@ -20,9 +20,8 @@ def checked_values(values: Any, target: np.dtype, name: str) -> np.ndarray:
     dtype: torch.dtype = NUMPY_TO_TORCH[target]
     if target.kind == "f":  # a float target: convert's checks are exact
         return host_array(values, dtype, name, ndims=(1,), iterables=True)
-    if not isinstance(values, (list, tuple, np.ndarray, torch.Tensor, array, str, bytes, dict)) and isinstance(
-        values, Iterable
-    ):
+    eager = (list, tuple, np.ndarray, torch.Tensor, array, str, bytes, dict)
+    if not isinstance(values, eager) and isinstance(values, Iterable):
         values = list(values)  # read a one-shot iterable once
     try:
         arr = host_array(values, None, name, ndims=(1,), iterables=True)

@@ -9,7 +9,7 @@ warning once per process, in ``make_buffer`` only (the tier classes raise): docs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -231,7 +231,15 @@ class PinnedBuffer(NonUvaBuffer):
         self.cpu = alloc_host(self.shape, self.dtype, pinned=True, tier=self.tier)
         self.np = host_view(self.cpu, f"{type(self).__name__}.np")
         self.dev = alloc_device(self.shape, self.dtype, self.device, self.tier)
+        for hook in UPLOAD_TARGET_HOOKS:
+            hook(self.dev)
         self._freeze()
+
+
+UPLOAD_TARGET_HOOKS: list[Callable[[torch.Tensor], None]] = []
+"""Called with each PINNED buffer's device tensor when it is made: an engine that reroutes asynchronous
+uploads (vLLM 0.34 under confidential computing) registers the targets it may write in place. stagebuf
+rewrites a slot's device tensor only once its readers are done (the guard), which is what that asks."""
 
 
 class UvaBuffer(StagingBuffer):

@@ -20,6 +20,7 @@ from typing import Any
 
 import stagebuf
 
+from .._bytes.buffers import UPLOAD_TARGET_HOOKS
 from .._common.errors import SettingValueError
 from .._common.log import logger
 from .._tiers import probe as _probe
@@ -355,6 +356,19 @@ def _announce(caps: Any) -> None:
     )
 
 
+CONF_COMPUTE = "vllm.v1.conf_compute_utils"
+
+
+def _inplace_target_hook() -> Any | None:
+    """vLLM's ``register_inplace_h2d_target`` (0.34 on), which its confidential-computing copy path asks
+    of every upload target that may be written in place; None where the release has none."""
+    try:
+        mod = importlib.import_module(CONF_COMPUTE)
+    except Exception:
+        return None
+    return getattr(mod, "register_inplace_h2d_target", None)
+
+
 def register() -> None:
     """vLLM's general-plugin entry point: make stagebuf MRV2's buffer layer if ``STAGEBUF_VLLM`` asks.
 
@@ -385,6 +399,10 @@ def register() -> None:
             logger.warning("vLLM plugin: %s", p.why)
             return
         _apply(p)
+        hook = _inplace_target_hook()
+        if hook is not None:
+            UPLOAD_TARGET_HOOKS.append(hook)
+            _done["hook"] = hook
         _done["announce"] = p
         _probe.on_decision.append(_announce)
         for caps in _probe.decided()[:1]:  # a tier already decided in this process
@@ -400,6 +418,9 @@ def unregister() -> None:
     with _lock:
         p = _done.pop("plan", None)
         _done.pop("announce", None)
+        hook = _done.pop("hook", None)
+        if hook in UPLOAD_TARGET_HOOKS:
+            UPLOAD_TARGET_HOOKS.remove(hook)
         if p is None or p.action != "patch":
             return
         _vllm_step.reset()

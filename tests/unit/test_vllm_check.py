@@ -31,7 +31,7 @@ def release(request: pytest.FixtureRequest) -> str:
 
 
 def test_the_plugin_and_the_harness_test_the_same_releases() -> None:
-    assert vllm_check.TESTED == tuple(vllm_mrv2.RELEASES)
+    assert tuple(vllm_mrv2.RELEASES) == vllm_check.TESTED
 
 
 def _mine() -> dict[str, Any]:
@@ -61,7 +61,7 @@ def test_a_method_vllm_adds_is_a_difference_and_leaves_vllm_whole(
 
     class StagedWriteTensor(bu.StagedWriteTensor):  # type: ignore[misc, name-defined]
         def __init__(  # vLLM's parameters
-            self, size: Any, dtype: Any, device: Any, max_concurrency: Any = 2, uva_instead_of_gpu: bool = False
+            self, size: Any, dtype: Any, device: Any, max_concurrency: Any = 2, uva_instead_of_gpu: Any = False
         ) -> None:
             super().__init__(size, dtype, device, max_concurrency, uva_instead_of_gpu)
             self.pinned_contents = None

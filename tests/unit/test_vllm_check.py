@@ -61,7 +61,7 @@ def test_a_method_vllm_adds_is_a_difference_and_leaves_vllm_whole(
 
     class StagedWriteTensor(bu.StagedWriteTensor):  # type: ignore[misc, name-defined]
         def __init__(  # vLLM's parameters
-            self, size: Any, dtype: Any, device: Any, max_concurrency: Any = 2, uva_instead_of_gpu: Any = False
+            self, size: Any, dtype: Any, device: Any, max_concurrency: Any = 2, uva_instead_of_gpu: Any = 0
         ) -> None:
             super().__init__(size, dtype, device, max_concurrency, uva_instead_of_gpu)
             self.pinned_contents = None

@@ -189,3 +189,27 @@ def test_the_v1_runner_reason_follows_the_release(
         assert "runs its V1 model runner" in p.why
     else:
         assert f"vLLM {version} has no V1 model runner and refuses this setting" in p.why
+
+
+def test_a_100000_token_prompt_as_vllm_passes_it_lands_as_in_vllms_own_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.34 hands prompts over as its ``TokenBuffer``: staged on stagebuf's StagedWriteTensor and on
+    vLLM's own (its Triton kernel interpreted on the CPU), the targets are equal."""
+    releases = [r for r in RELEASES if vllm_mrv2.spec(r).token_buffer]
+    if not releases or vllm_mrv2.available(releases[-1]):
+        pytest.skip("needs a vLLM release with TokenBuffer (0.34 on) and its files")
+    release = releases[-1]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    token_buffer = vllm_mrv2.token_buffer(release)
+    theirs = vllm_mrv2.load("vllm", device=CPU, release=release).buffer_utils
+    ids = torch.randint(0, 152_000, (100_000,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    got = []
+    for cls in (stagebuf.StagedWriteTensor, theirs.StagedWriteTensor):
+        t = cls((2, 100_008), torch.int32, CPU)
+        t.stage_write(1, 8, token_buffer(ids.numpy()))
+        t.stage_write(0, 0, [5, 6])
+        t.apply_write()
+        got.append(t.gpu.clone())
+    assert torch.equal(got[0], got[1])
+    assert torch.equal(got[0][1, 8:], ids) and got[0][0, :3].tolist() == [5, 6, 0]

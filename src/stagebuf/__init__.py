@@ -30,6 +30,7 @@ from ._common.errors import (
     DeviceAllocationError,
     HostAllocationError,
     InvalidArgumentError,
+    NotCopyableError,
     PinnedAllocationError,
     ReadOnlyAttributeError,
     SettingValueError,
@@ -60,13 +61,13 @@ __version__ = "0.1.0"
 __all__ = [
     "ArgumentTypeError", "Capabilities", "CudaError", "DeviceAllocationError", "DeviceParamTable",
     "FusedStagedWriter", "HostAllocationError", "HostBuffer", "InvalidArgumentError", "NonUvaBuffer",
-    "ParamField", "PinnedAllocationError", "PinnedBuffer", "ReadOnlyAttributeError", "SettingValueError",
-    "SetupError", "SlotInFlightError", "StagebufError", "StagedWriteError", "StagedWriteTensor",
-    "StagingBuffer", "Step", "StepRuleError", "StepStager", "Tier", "TierUnavailableError",
-    "UnknownAttributeError", "UnknownDeviceError", "UnknownFieldError", "UsageError", "UvaBackedTensor",
-    "UvaBuffer", "UvaBufferPool", "UvaError", "async_copy_to_gpu", "begin_step", "capabilities",
-    "is_pin_memory_available", "is_uva_available", "make_buffer", "reset_capabilities",
-    "set_default_max_concurrency",
+    "NotCopyableError", "ParamField", "PinnedAllocationError", "PinnedBuffer", "ReadOnlyAttributeError",
+    "SettingValueError", "SetupError", "SlotInFlightError", "StagebufError", "StagedWriteError",
+    "StagedWriteTensor", "StagingBuffer", "Step", "StepRuleError", "StepStager", "Tier",
+    "TierUnavailableError", "UnknownAttributeError", "UnknownDeviceError", "UnknownFieldError",
+    "UsageError", "UvaBackedTensor", "UvaBuffer", "UvaBufferPool", "UvaError", "async_copy_to_gpu",
+    "begin_step", "capabilities", "is_pin_memory_available", "is_uva_available", "make_buffer",
+    "reset_capabilities", "set_default_max_concurrency",
 ]
 # fmt: on
 

@@ -149,6 +149,11 @@ class UnknownAttributeError(StagebufError, AttributeError):
     names its public attributes and, where the name is close to one, what to write instead."""
 
 
+class NotCopyableError(StagebufError, TypeError):
+    """``copy.copy``, ``copy.deepcopy`` or pickling of an object that owns buffers, slots or device memory: a
+    copy would share its slots or read back zeros. The message says what to make instead."""
+
+
 class UnknownFieldError(StagebufError, KeyError):
     """``DeviceParamTable[name]`` for a name that is not one of its fields."""
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar
 
-from .errors import ReadOnlyAttributeError, UnknownAttributeError
+from .errors import NotCopyableError, ReadOnlyAttributeError, UnknownAttributeError
 
 COPY_HINT = "write its values through .np or .cpu"
 """The end of a host-backed object's read-only messages."""
@@ -83,6 +83,32 @@ class Sealed:
                 + (f"; {hint}" if hint else "")
                 + f". Its attributes: {', '.join(public)}"
             )
+
+    _COPYABLE: ClassVar[bool] = False
+    """Whether copies and pickles are allowed (values with no buffers: ``Tier``, ``Capabilities``)."""
+
+    def __copy__(self) -> Any:
+        if self._COPYABLE:
+            return self
+        raise self._not_copyable("copy.copy")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        if self._COPYABLE:
+            return self
+        raise self._not_copyable("copy.deepcopy")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self._COPYABLE:
+            return super().__reduce_ex__(protocol)
+        raise self._not_copyable("pickling")
+
+    def _not_copyable(self, what: str) -> NotCopyableError:
+        name = type(self).__name__
+        return NotCopyableError(
+            f"{what} of a {name} is refused: it owns staging slots and device memory, which a copy would "
+            f"share or lose (its values would read back as zeros). Make a new {name} with the same "
+            "arguments instead, and stage the values into it; in another process, make it there"
+        )
 
     def _missing_hint(self, name: str) -> str | None:
         """What to write instead of reading the missing attribute ``name`` (None: nothing to say)."""

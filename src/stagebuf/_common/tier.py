@@ -62,6 +62,7 @@ class Tier(Sealed, enum.IntEnum):
         return self.name
 
 
+type.__setattr__(Tier, "_COPYABLE", True)  # a value: copies and pickles are the member itself
 # Plain member attributes, not properties: the hot paths read them per staged array. Then sealed.
 for _t in Tier:
     _t.copies = _t in (Tier.PINNED, Tier.PAGEABLE)

@@ -85,7 +85,7 @@ def usable_devices() -> list[str]:
 )
 @dataclass
 class Capabilities(Sealed):
-    """What one device can do, the tier chosen for it, and why.
+    """What one device can do, the tier chosen for it, and why (a value: copies and pickles are allowed).
 
     Made by the probe behind :func:`capabilities`; read it, do not build one. Every buffer, pool and stager
     takes its tier from here, so it is read-only (ReadOnlyAttributeError).
@@ -120,6 +120,8 @@ class Capabilities(Sealed):
     cpu_fix : str or None
         What to do to target an accelerator instead, where there is something to do (else None).
     """
+
+    _COPYABLE = True
 
     device: torch.device
     device_type: str

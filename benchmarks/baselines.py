@@ -1,13 +1,13 @@
 """What stagebuf is compared with.
 
-* vLLM Model Runner V2 (MRV2): vLLM 0.33.0's own classes, fetched at run time and
+* vLLM Model Runner V2 (MRV2): vLLM's own classes (``vllm_mrv2.NEWEST``'s), fetched at run time and
   loaded by ``vllm_mrv2`` (never committed): its ``UvaBufferPool`` with pinned memory
   (``mrv2_uva_pool``) and without (``mrv2_fallback_pool``: its NonUvaBuffer fallback),
   and its ``StagedWriteTensor`` (``mrv2_staged_write``).
 * ``uva_pool_cached``: the same round-robin UVA pool on stagebuf's ``UvaBuffer``
   (cached row views): the strongest UVA-pool design, the floor for "no tier slower".
-* vLLM V1's ``CpuGpuBuffer`` (``vllm/v1/utils.py``, still in 0.33.0), its own class:
-  a fixed pinned buffer and a fixed device buffer, one async copy per array.
+* vLLM V1's ``CpuGpuBuffer`` (``vllm/v1/utils.py``, still in every release of ``vllm_mrv2.RELEASES``),
+  its own class: a fixed pinned buffer and a fixed device buffer, one async copy per array.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def uva_pool_cached(size: int, dtype: torch.dtype, device: torch.device) -> Roun
     return RoundRobinPool(size, dtype, lambda shape: UvaBuffer(shape, dtype, device))
 
 
-# --- vLLM Model Runner V2's buffer layer: vLLM 0.33.0's own classes ---------------------------
+# --- vLLM Model Runner V2's buffer layer: vLLM's own classes (vllm_mrv2.NEWEST's) ----------------
 
 MRV2_SLOTS = 2
 """MRV2's default round-robin depth of a UVA buffer pool (``_DEFAULT_MAX_CONCURRENCY``)."""
@@ -80,25 +80,25 @@ PoolMaker = Callable[[int, torch.dtype, torch.device], Pool]
 
 
 def _vllm(device: torch.device, pin: bool, uva: bool | None = None) -> Any:
-    """vLLM 0.33.0's own ``buffer_utils`` (see ``vllm_mrv2``), on a machine with or without pinned memory."""
+    """vLLM's own ``buffer_utils`` (``vllm_mrv2.NEWEST``'s), on a machine with or without pinned memory."""
     return vllm_mrv2.load("vllm", pin=pin, device=device, uva=uva).buffer_utils
 
 
 def mrv2_uva_pool(size: int, dtype: torch.dtype, device: torch.device) -> Pool:
-    """vLLM 0.33's own UvaBufferPool with pinned memory: device views of pinned slots, round robin."""
+    """vLLM's own UvaBufferPool with pinned memory: device views of pinned slots, round robin."""
     if device.type != "cuda":
         raise ValueError(f"vLLM's UVA pool needs a CUDA device; got {device}")
     return _vllm(device, pin=True).UvaBufferPool(size, dtype)  # type: ignore[no-any-return]
 
 
 def mrv2_fallback_pool(size: int, dtype: torch.dtype, device: torch.device) -> Pool:
-    """vLLM 0.33's own UvaBufferPool without pinned memory: its NonUvaBuffer fallback (a copy per call;
+    """vLLM's own UvaBufferPool without pinned memory: its NonUvaBuffer fallback (a copy per call;
     on a CPU the CPU stands in for the device)."""
     return _vllm(device, pin=False, uva=False).UvaBufferPool(size, dtype)  # type: ignore[no-any-return]
 
 
 def mrv2_staged_write(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Any:
-    """vLLM 0.33's own StagedWriteTensor (pinned memory and UVA where the device has them)."""
+    """vLLM's own StagedWriteTensor (pinned memory and UVA where the device has them)."""
     return _vllm(device, pin=device.type == "cuda").StagedWriteTensor(shape, dtype, device)
 
 
@@ -112,11 +112,11 @@ def triton_error() -> str | None:
 
 
 def vllm_error() -> str | None:
-    """Why vLLM 0.33.0's MRV2 modules cannot be loaded here (None: they can)."""
+    """Why vLLM's MRV2 modules (``vllm_mrv2.NEWEST``'s) cannot be loaded here (None: they can)."""
     return vllm_mrv2.available()
 
 
 def cpu_gpu_buffer(size: int, dtype: torch.dtype, device: torch.device) -> Any:
-    """vLLM V1's own CpuGpuBuffer (vLLM 0.33.0): a fixed pinned buffer and a fixed device buffer,
+    """vLLM V1's own CpuGpuBuffer (``vllm_mrv2.NEWEST``'s): a fixed pinned buffer and a fixed device buffer,
     one async copy per ``copy_to_gpu(n)``."""
     return vllm_mrv2.load("vllm", pin=True, device=device).CpuGpuBuffer(size, dtype=dtype, device=device)

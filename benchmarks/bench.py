@@ -49,7 +49,8 @@ from . import workloads as W
 
 WORKLOADS = ("micro", "decode", "writes")
 ENGINE = "engine"
-"""vLLM 0.33.0's own MRV2 input path (engine.py) and the micro-benchmarks against its classes (vs_vllm.py)."""
+"""vLLM's own MRV2 input path (engine.py) and the micro-benchmarks against its classes (vs_vllm.py), on
+``vllm_mrv2.NEWEST``."""
 NANOVLLM = "nanovllm"
 """nano-vllm-fork 20260210's input preparation, its own against stagebuf's (nanovllm_engine.py)."""
 ALL_WORKLOADS = (*WORKLOADS, ENGINE, NANOVLLM)
@@ -277,7 +278,7 @@ def _missing(s: W.Strategy, m: Machine) -> str | None:
         if need == "triton" and BL.triton_error():
             return f"needs Triton: {BL.triton_error()}"
         if need == "vllm" and BL.vllm_error():
-            return f"needs vLLM {vllm_mrv2.VERSION}'s MRV2 modules: {BL.vllm_error()}"
+            return f"needs vLLM {vllm_mrv2.NEWEST}'s MRV2 modules: {BL.vllm_error()}"
     if s.tier is not None and s.tier in m.unavailable:
         return m.unavailable[s.tier]
     return None
@@ -1464,7 +1465,7 @@ def engine_section(cfg: BenchConfig, device: torch.device, console: Console) -> 
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         why = "on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1 (tests/bench/test_engine.py checks)"
         return {"engine": {"skipped": why}, "vs_vllm": {"skipped": why}}
-    log(f"engine: vLLM {vllm_mrv2.VERSION}'s MRV2 modules from {root}")
+    log(f"engine: vLLM {vllm_mrv2.NEWEST}'s MRV2 modules from {root}")
     reps = max(3, cfg.repeats)
     eng = E.bench(
         device, repeats=reps, steps=cfg.engine_steps, warmup=30, check_steps=cfg.engine_steps, log=log

@@ -1,6 +1,7 @@
-"""The engine workload: vLLM 0.33.0's own MRV2 input path, step by step, on a scheduler-like trace.
+"""The engine workload: vLLM's own MRV2 input path, step by step, on a scheduler-like trace.
 
-The modules are vLLM's (``vllm_mrv2``): ``RequestState``, ``BlockTables``,
+The modules are vLLM's, of one release (``release``, default ``vllm_mrv2.NEWEST``; any of
+``vllm_mrv2.RELEASES``): ``RequestState``, ``BlockTables``,
 ``SamplingStates``, ``InputBuffers`` and the prepare, gather, slot-mapping and
 post-update kernels. Each step does what ``GPUModelRunner.execute_model`` and
 ``prepare_inputs`` do with them, in their order: remove finished requests, add
@@ -10,7 +11,10 @@ running requests (new blocks, ``num_computed_tokens``), apply the block tables,
 copy ``idx_mapping`` and ``query_start_loc`` to the device, and launch the
 prepare, gather and slot-mapping kernels. Then a stand-in forward pass
 (``torch.cuda._sleep`` on a busy GPU, nothing on an idle one) and vLLM's
-``post_update`` with deterministic "sampled" tokens.
+``post_update`` with deterministic "sampled" tokens. On a release with ``TokenBuffer`` (0.34 on)
+a new request's prompt reaches ``RequestState.add_request`` as one, as vLLM's scheduler output
+carries it (``NewRequestData.prefill_token_ids``: the request's ``prompt_token_ids``, a
+``TokenBuffer``), made before the step's timing starts.
 
 Configurations (``Setup``):
 
@@ -74,6 +78,19 @@ class NewReq:
     block_ids: tuple[list[int], ...]
     max_tokens: int
     params: Any
+    prompt: Any = None
+    """``token_ids`` as the model runner receives them (``received``): a ``TokenBuffer`` on 0.34 on."""
+
+
+def received(nr: NewReq, token_buffer: Any) -> Any:
+    """The prompt as vLLM's model runner gets it in ``scheduler_output.scheduled_new_reqs``: the list on
+    a release without ``TokenBuffer``; else a ``TokenBuffer`` of it, as vLLM's ``Request`` builds its
+    ``prompt_token_ids`` (kept on ``nr``: the engines of a lockstep run share one)."""
+    if token_buffer is None:
+        return nr.token_ids
+    if type(nr.prompt) is not token_buffer:
+        nr.prompt = token_buffer(nr.token_ids)
+    return nr.prompt
 
 
 @dataclass
@@ -241,17 +258,17 @@ def stagebuf_tier(tier: str | None, *others: Any) -> Iterator[None]:
                 p.reset_capabilities()
 
 
-def modules(setup: Setup, device: torch.device) -> vllm_mrv2.Mrv2:
+def modules(setup: Setup, device: torch.device, release: str = vllm_mrv2.NEWEST) -> vllm_mrv2.Mrv2:
     if setup.layer in ("plugin", "step"):
-        return plugin_modules(device, "step" if setup.layer == "step" else "1")
-    return vllm_mrv2.load(setup.layer, pin=setup.tier != "nopin", device=device)
+        return plugin_modules(device, "step" if setup.layer == "step" else "1", release)
+    return vllm_mrv2.load(setup.layer, pin=setup.tier != "nopin", device=device, release=release)
 
 
 _PLUGIN: dict[str, Any] = {}
 
 
-def plugin_modules(device: torch.device, mode: str = "1") -> vllm_mrv2.Mrv2:
-    """MRV2's modules as vLLM would run them with stagebuf's plugin on: vLLM 0.33.0 importable under
+def plugin_modules(device: torch.device, mode: str = "1", release: str = vllm_mrv2.NEWEST) -> vllm_mrv2.Mrv2:
+    """MRV2's modules as vLLM would run them with stagebuf's plugin on: vLLM ``release`` importable under
     its own names (``vllm_mrv2.as_installed``), the plugin run by vLLM's own loader (or, where
     stagebuf is not installed and so has no entry point, by calling it as the loader would), then
     MRV2's modules imported. Kept until ``close_plugin_modules()``."""
@@ -261,10 +278,12 @@ def plugin_modules(device: torch.device, mode: str = "1") -> vllm_mrv2.Mrv2:
 
     got = _PLUGIN.get("mods")
     if got is not None:
-        if got[1:] != (str(device), mode):
-            raise ValueError(f"the plugin's modules are loaded for {got[1:]}, not {(str(device), mode)}")
+        if got[1:] != (str(device), mode, release):
+            raise ValueError(
+                f"the plugin's modules are loaded for {got[1:]}, not {(str(device), mode, release)}"
+            )
         return got[0]  # type: ignore[no-any-return]
-    cm = vllm_mrv2.as_installed(device)
+    cm = vllm_mrv2.as_installed(device, release=release)
     inst = cm.__enter__()
     try:
         import sys
@@ -294,8 +313,10 @@ def plugin_modules(device: torch.device, mode: str = "1") -> vllm_mrv2.Mrv2:
         CpuGpuBuffer=inst._imports["_CpuGpuBuffer"],
         layer="plugin",
         pin=True,
+        release=release,
+        TokenBuffer=inst.TokenBuffer,
     )
-    _PLUGIN["mods"] = (m, str(device), mode)
+    _PLUGIN["mods"] = (m, str(device), mode, release)
     _PLUGIN["cm"] = cm
     return m
 
@@ -314,9 +335,9 @@ def close_plugin_modules() -> None:
 class Engine:
     """The MRV2 input-side state of one model runner, driven by a trace."""
 
-    def __init__(self, setup: Setup, cfg: TraceConfig, device: torch.device):
-        self.setup, self.cfg, self.device = setup, cfg, device
-        m = self.m = modules(setup, device)
+    def __init__(self, setup: Setup, cfg: TraceConfig, device: torch.device, release: str = vllm_mrv2.NEWEST):
+        self.setup, self.cfg, self.device, self.release = setup, cfg, device, release
+        m = self.m = modules(setup, device, release)
         g = len(cfg.block_sizes)
         self.req_states = m.states.RequestState(
             cfg.max_num_reqs, cfg.max_model_len, cfg.max_num_batched_tokens, 0, cfg.vocab, device
@@ -370,6 +391,10 @@ class Engine:
 
     # the step, as GPUModelRunner runs it; returns (host preparation µs, buffer work µs)
     def prepare(self, plan: StepPlan) -> tuple[float, float]:
+        tb = self.m.TokenBuffer
+        if tb is not None:  # the scheduler output as the worker receives it: before the step's timing
+            for nr in plan.new:
+                received(nr, tb)
         if self.runner is None:
             return self._prepare(plan, time.perf_counter())
         # step mode: inside the model runner's execute_model, which the plugin wraps
@@ -384,11 +409,12 @@ class Engine:
         buf = 0.0
         for rid in plan.finished:
             rs.remove_request(rid)
+        tb = self.m.TokenBuffer
         for nr in plan.new:
             rs.add_request(
                 req_id=nr.req_id,
                 prompt_len=nr.prompt_len,
-                all_token_ids=nr.token_ids,
+                all_token_ids=received(nr, tb),
                 num_computed_tokens=0,
                 max_tokens=nr.max_tokens,
             )
@@ -472,7 +498,13 @@ class Engine:
             num_reqs,
             1,
         )
-        tables = bt.gather_block_tables(idx_mapping, num_reqs, num_computed_tokens=rs.num_computed_tokens.gpu)
+        # as the model runner's prepare_attn calls it (0.32's takes no num_computed_tokens)
+        nct_kw = (
+            {"num_computed_tokens": rs.num_computed_tokens.gpu}
+            if self.m.spec.gather_masks_sliding_window
+            else {}
+        )
+        tables = bt.gather_block_tables(idx_mapping, num_reqs, **nct_kw)
         slots = bt.compute_slot_mappings(idx_mapping, query_start_loc, self.buffers.positions, num_tokens)
         t1 = clock()
         self.last = {
@@ -554,17 +586,19 @@ def check(
     reference: Setup | None = None,
     trace: list[StepPlan] | None = None,
     tamper: Callable[[Engine, int], None] | None = None,
+    release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:
-    """Run ``setup`` and vLLM's own layer in lockstep; compare every device-visible input each step.
+    """Run ``setup`` and vLLM's own layer in lockstep, both on vLLM ``release``'s modules; compare every
+    device-visible input each step.
 
     Returns ``{"steps": n, "mismatches": [...]}``; a mismatch names the step and the input.
     """
     ref_setup = reference or Setup("vllm", "uva")
     plans = trace if trace is not None else make_trace(cfg)
     with stagebuf_tier(_tier_of(ref_setup)):
-        ref = Engine(ref_setup, cfg, device)
+        ref = Engine(ref_setup, cfg, device, release)
     with stagebuf_tier(_tier_of(setup)):
-        eng = Engine(setup, cfg, device)
+        eng = Engine(setup, cfg, device, release)
         mismatches: list[str] = []
         for i, plan in enumerate(plans):
             ref.prepare(plan)
@@ -584,7 +618,13 @@ def check(
                 break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return {"steps": len(plans), "mismatches": mismatches, "setup": setup.name, "reference": ref_setup.name}
+    return {
+        "steps": len(plans),
+        "mismatches": mismatches,
+        "setup": setup.name,
+        "reference": ref_setup.name,
+        "release": release,
+    }
 
 
 def sleep_cycles_for(ms: float, device: torch.device) -> int:
@@ -619,6 +659,7 @@ def run_lockstep(
     busy_cycles: int,
     warmup: int,
     before_step: Callable[[int, list[Any]], None] | None = None,
+    release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, dict[str, Any]]:
     """One timed run of the trace by every setup in lockstep: step i of each, in a rotating order.
 
@@ -635,7 +676,8 @@ def run_lockstep(
     engines: list[Any] = []
     for s in setups_:
         with stagebuf_tier(_tier_of(s)):
-            engines.append(FloorEngine(cfg, device) if s.layer == "floor" else Engine(s, cfg, device))
+            eng = FloorEngine(cfg, device) if s.layer == "floor" else Engine(s, cfg, device, release)
+            engines.append(eng)
     stagebuf.capabilities(device)  # cached with no tier forced: begin_step() asks it per step
     waits0 = [_batch_waits(eng.setup) for eng in engines]
     cuda = device.type == "cuda"
@@ -697,7 +739,7 @@ BlockTables.apply_staged_writes (own API: every staged write of the step in one 
 num_blocks), idx_mapping and query_start_loc to the device."""
 
 PARAMS = ("temperature", "top_k", "top_p", "min_p", "seeds")
-"""SamplingStates' per-request parameters (vLLM 0.33: UvaBackedTensors published every step)."""
+"""SamplingStates' per-request parameters (UvaBackedTensors published every step)."""
 
 
 def _guard_waits(eng: Engine) -> int:
@@ -800,8 +842,10 @@ def bench(
     busy_ms: float = 3.0,
     check_steps: int = 150,
     log: Callable[[str], None] = print,
+    release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:
-    """The whole engine workload: identical-inputs checks, then interleaved timed repeats."""
+    """The whole engine workload on vLLM ``release``: identical-inputs checks, then interleaved timed
+    repeats."""
     import stagebuf
 
     cuda = device.type == "cuda"
@@ -814,7 +858,7 @@ def bench(
     cycles = sleep_cycles_for(busy_ms, device) if cuda else 0
     modes = (False, True) if cuda else (False,)
     out: dict[str, Any] = {
-        "vllm_version": vllm_mrv2.VERSION,
+        "vllm_version": release,
         "trace": {k: v for k, v in vars(TraceConfig()).items() if k not in ("block_sizes", "steps")},
         "busy_ms": busy_ms if cuda else 0,
         "steps": steps,
@@ -833,13 +877,16 @@ def bench(
                 if s.layer == "vllm" and s.tier == "uva" or s.layer == "floor":
                     continue
                 for busy in modes:
-                    r = check(s, cfg, device, cycles if busy else 0, trace=plans[:check_steps])
+                    cyc = cycles if busy else 0
+                    r = check(s, cfg, device, cyc, trace=plans[:check_steps], release=release)
                     r.update(groups=g, busy=busy)
                     out["checks"].append(r)
                     log(f"check {s.name} groups={g} busy={busy}: {len(r['mismatches'])} mismatches")
             for rep in range(repeats):
                 for busy in modes:
-                    res = run_lockstep(all_setups, cfg, device, plans[:steps], cycles if busy else 0, warmup)
+                    res = run_lockstep(
+                        all_setups, cfg, device, plans[:steps], cycles if busy else 0, warmup, release=release
+                    )
                     for name, r in res.items():
                         out["runs"].setdefault(f"{name}|g{g}|{'busy' if busy else 'idle'}", []).append(r)
                 log(f"engine groups={g}: repeat {rep + 1}/{repeats} done")
@@ -899,6 +946,7 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
     groups = sorted({int(k.split("|")[1][1:]) for k in meds}) or [1, 2]
     sb = [s for s in res.get("setups", []) if s.startswith("stagebuf_")]
     gpu = "needs a GPU"
+    peer = (micro or {}).get("vllm_version") or res.get("vllm_version") or vllm_mrv2.NEWEST
 
     def ratio(num: str, den: str, g: int, m: str, what: str = "buffer_us") -> float | None:
         a, b = meds.get(f"{num}|g{g}|{m}"), meds.get(f"{den}|g{g}|{m}")
@@ -984,7 +1032,7 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
     rs = {c.split("|")[1]: d["stagebuf_uva"] / d["vllm_uva"] for c, d in cells.items()}
     w = max(rs.items(), key=lambda kv: kv[1]) if rs else None
     e = out["vllm_staged_write_per_cell"] = _entry(
-        "StagedWriteTensor, E stage_write calls of L values + apply_write: stagebuf UVA / vLLM 0.33's "
+        f"StagedWriteTensor, E stage_write calls of L values + apply_write: stagebuf UVA / vLLM {peer}'s "
         "on UVA, worst E x L cell",
         None if w is None else w[1], "<=", 0.6, None if w is None else f"E x L = {w[0]}", "needs a GPU",
     )  # fmt: skip
@@ -992,7 +1040,7 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
         d, st = cells[f"writes|{w[0]}"], med.get(f"stage|{w[0]}", {})
         parts = [
             f"{who} {d[p]:.1f} µs" + (f" ({st[p]:.1f} staging + {d[p] - st[p]:.1f} apply)" if p in st else "")
-            for who, p in (("stagebuf", "stagebuf_uva"), ("vLLM 0.33", "vllm_uva"))
+            for who, p in (("stagebuf", "stagebuf_uva"), (f"vLLM {peer}", "vllm_uva"))
         ]
         e["why"] = f"E x L = {w[0]}: {' against '.join(parts)}"
     for case, label in (
@@ -1002,7 +1050,7 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
         d = med.get(case, {})
         v = d["stagebuf_uva"] / d["vllm_uva"] if "stagebuf_uva" in d and d.get("vllm_uva") else None
         e = out[f"vllm_{case.split('|')[0]}_copy_to_uva"] = _entry(
-            f"{label}, 8 per step of 256 int32: stagebuf UVA / vLLM 0.33's on UVA", v, "<=", 0.8,
+            f"{label}, 8 per step of 256 int32: stagebuf UVA / vLLM {peer}'s on UVA", v, "<=", 0.8,
             missing="needs a GPU",
         )  # fmt: skip
         one = med.get(case.replace("k8", "k1"), {})
@@ -1017,7 +1065,12 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
 
 
 def sync_check(
-    setup: Setup, cfg: TraceConfig, device: torch.device, warmup: int = 20, busy_cycles: int = 0
+    setup: Setup,
+    cfg: TraceConfig,
+    device: torch.device,
+    warmup: int = 20,
+    busy_cycles: int = 0,
+    release: str = vllm_mrv2.NEWEST,
 ) -> str | None:
     """Run the trace with ``torch.cuda.set_sync_debug_mode("error")`` after ``warmup`` steps.
 
@@ -1025,7 +1078,7 @@ def sync_check(
     """
     plans = make_trace(cfg)
     with stagebuf_tier(_tier_of(setup)):
-        eng = Engine(setup, cfg, device)
+        eng = Engine(setup, cfg, device, release)
         prev: Any = None
         try:
             for i, plan in enumerate(plans):
@@ -1121,12 +1174,19 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
         for d in med.values():
             peers += [p for p in d if p not in peers]
         rows = [[c, *(f"{d[p]:.1f}" if p in d else "-" for p in peers)] for c, d in med.items()]
-        out.append(("vs vLLM 0.33's own classes: host µs per step, idle GPU", ["case", *peers], rows))
+        rel = micro.get("vllm_version") or eng.get("vllm_version")
+        whose = f"vLLM {rel}'s" if rel else "vLLM's"
+        out.append((f"vs {whose} own classes: host µs per step, idle GPU", ["case", *peers], rows))
     return out
 
 
 def plugin_vs_dropin(
-    device: torch.device, tiers: tuple[str, ...], repeats: int = 3, steps: int = 150, busy_ms: float = 3.0
+    device: torch.device,
+    tiers: tuple[str, ...],
+    repeats: int = 3,
+    steps: int = 150,
+    busy_ms: float = 3.0,
+    release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:
     """stagebuf through its vLLM plugin against the direct substitution: identical inputs (each against
     vLLM's own layer, 2 KV groups, busy GPU) and buffer-work timings in lockstep, busy GPU."""
@@ -1137,10 +1197,11 @@ def plugin_vs_dropin(
     try:
         for t in tiers:
             for s in (Setup("stagebuf", t), Setup("plugin", t)):
-                out["checks"][s.name] = check(s, cfg, device, cycles, trace=plans)["mismatches"]
+                r = check(s, cfg, device, cycles, trace=plans, release=release)
+                out["checks"][s.name] = r["mismatches"]
         pairs = [s for t in tiers for s in (Setup("stagebuf", t), Setup("plugin", t))]
         for _ in range(repeats):
-            for name, r in run_lockstep(pairs, cfg, device, plans, cycles, 30).items():
+            for name, r in run_lockstep(pairs, cfg, device, plans, cycles, 30, release=release).items():
                 out["runs"].setdefault(name, []).append({k: r[k] for k in ("prep_us", "buffer_us")})
     finally:
         close_plugin_modules()

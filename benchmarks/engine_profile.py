@@ -1,6 +1,7 @@
 """``python -m benchmarks.engine_profile``: where each setup's buffer work goes, part by part, with calls.
 
-The engine workload (:mod:`benchmarks.engine`: vLLM 0.33.0's own MRV2 input path), in one process:
+The engine workload (:mod:`benchmarks.engine`: vLLM's own MRV2 input path, ``--release``'s, default
+``vllm_mrv2.NEWEST``), in one process:
 
 1. the timed lockstep run of the chosen setups and the floor (``run_lockstep``, as the bench runs it):
    µs per step of each part, unprofiled;
@@ -34,6 +35,7 @@ import click
 import torch
 
 from . import engine as E
+from . import vllm_mrv2
 
 DEFAULT_SETUPS = {
     "cuda": "vllm_uva,vllm_nopin,stagebuf_dropin_uva,stagebuf_dropin_pageable,"
@@ -183,6 +185,7 @@ def top(prof: cProfile.Profile, steps: int, k: int) -> dict[str, Any]:
 def _run_hooked(
     setup: E.Setup, cfg: E.TraceConfig, device: torch.device, plans: list[E.StepPlan], busy_cycles: int,
     warmup: int, wrap: Callable[[Callable[..., Any], str], Callable[..., Any]],
+    release: str = vllm_mrv2.NEWEST,
 ) -> int:  # fmt: skip
     """One setup alone over ``plans`` (``run_lockstep``), its parts wrapped (``_hook``) after ``warmup``
     steps; the steps after it."""
@@ -191,29 +194,31 @@ def _run_hooked(
         if i == warmup:
             _hook(engines[0], wrap)
 
-    E.run_lockstep([setup], cfg, device, plans, busy_cycles, warmup, before_step=hook)
+    E.run_lockstep([setup], cfg, device, plans, busy_cycles, warmup, before_step=hook, release=release)
     return max(len(plans) - warmup, 1)
 
 
 def profile_setup(
     setup: E.Setup, cfg: E.TraceConfig, device: torch.device, plans: list[E.StepPlan], busy_cycles: int,
-    warmup: int, k: int,
+    warmup: int, k: int, release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:  # fmt: skip
     """One setup alone over ``plans``, each part profiled after ``warmup`` steps."""
     profs = {p: cProfile.Profile() for p in E.SECTIONS}
-    steps = _run_hooked(setup, cfg, device, plans, busy_cycles, warmup, lambda f, p: _profiled(f, profs[p]))
+    steps = _run_hooked(
+        setup, cfg, device, plans, busy_cycles, warmup, lambda f, p: _profiled(f, profs[p]), release
+    )
     return {part: top(profs[part], steps, k) for part in E.SECTIONS}
 
 
 def time_setup(
     setup: E.Setup, cfg: E.TraceConfig, device: torch.device, plans: list[E.StepPlan], busy_cycles: int,
-    warmup: int,
+    warmup: int, release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """One setup alone over ``plans``, ``TIMED``'s functions timed per part after ``warmup`` steps."""
     timers = Timers()
     timers.install()
     try:
-        steps = _run_hooked(setup, cfg, device, plans, busy_cycles, warmup, timers.during)
+        steps = _run_hooked(setup, cfg, device, plans, busy_cycles, warmup, timers.during, release)
     finally:
         timers.remove()
     return timers.report(steps)
@@ -222,6 +227,7 @@ def time_setup(
 def run(
     device: torch.device, names: list[str], groups: tuple[int, ...], modes: tuple[bool, ...], steps: int,
     warmup: int, k: int, busy_ms: float = 3.0, trace: dict[str, Any] | None = None, timers: bool = False,
+    release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:  # fmt: skip
     """The lockstep timings and the per-part profiles of the setups ``names`` (with the floor); ``trace``:
     ``TraceConfig`` fields other than the default's (tests run a small one); ``timers``: also each
@@ -235,7 +241,13 @@ def run(
         raise click.BadParameter(f"{', '.join(unknown)}; allowed: {allowed}", param_hint="--setups")
     chosen = [known[n] for n in names]
     cycles = E.sleep_cycles_for(busy_ms, device) if cuda else 0
-    out: dict[str, Any] = {"steps": steps, "warmup": warmup, "setups": names, "runs": {}}
+    out: dict[str, Any] = {
+        "steps": steps,
+        "warmup": warmup,
+        "setups": names,
+        "vllm_version": release,
+        "runs": {},
+    }
     try:
         for g in groups:
             cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:g], **{**(trace or {}), "steps": steps})
@@ -243,17 +255,23 @@ def run(
             for busy in modes:
                 mode = "busy" if busy else "idle"
                 timed = E.run_lockstep(
-                    [*chosen, E.Setup("floor", "floor")], cfg, device, plans, cycles * busy, warmup
+                    [*chosen, E.Setup("floor", "floor")],
+                    cfg,
+                    device,
+                    plans,
+                    cycles * busy,
+                    warmup,
+                    release=release,
                 )
                 for s in chosen:
-                    prof = profile_setup(s, cfg, device, plans, cycles * busy, warmup, k)
+                    prof = profile_setup(s, cfg, device, plans, cycles * busy, warmup, k, release)
                     one = out["runs"][f"{s.name}|g{g}|{mode}"] = {
                         "sections_us": timed[s.name]["sections_us"],
                         "floor_us": timed["floor"]["sections_us"],
                         "parts": prof,
                     }
                     if timers:
-                        one["timers"] = time_setup(s, cfg, device, plans, cycles * busy, warmup)
+                        one["timers"] = time_setup(s, cfg, device, plans, cycles * busy, warmup, release)
     finally:
         E.close_plugin_modules()
     return out
@@ -297,6 +315,13 @@ def render(report: dict[str, Any], k: int = 6) -> str:
 @click.option("--warmup", default=20, show_default=True, help="Steps before timing and profiling.")
 @click.option("--top", "k", default=12, show_default=True, help="Functions kept per part.")
 @click.option("--timers", is_flag=True, help="Also time TIMED's functions per part, one more run a setup.")
+@click.option(
+    "--release",
+    type=click.Choice(list(vllm_mrv2.RELEASES)),
+    default=vllm_mrv2.NEWEST,
+    show_default=True,
+    help="The vLLM release whose MRV2 modules run.",
+)
 def main(
     json_path: str,
     md_path: str | None,
@@ -307,6 +332,7 @@ def main(
     warmup: int,
     k: int,
     timers: bool,
+    release: str,
 ) -> None:
     """Profile the engine workload's buffer work, part by part (see the module docstring)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -319,7 +345,7 @@ def main(
     modes = {"both": (False, True), "busy": (True,), "idle": (False,)}[mode]
     names = [n.strip() for n in (setups or DEFAULT_SETUPS[device.type]).split(",") if n.strip()]
     gs = tuple(int(g) for g in groups.split(","))
-    report = run(device, names, gs, modes, steps, warmup, k, timers=timers)
+    report = run(device, names, gs, modes, steps, warmup, k, timers=timers, release=release)
     report["commit"] = os.environ.get("STAGEBUF_BENCH_COMMIT", "unknown")
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     Path(json_path).write_text(json.dumps(report, indent=1))

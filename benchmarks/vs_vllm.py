@@ -1,4 +1,5 @@
-"""Micro-benchmarks against vLLM 0.33.0's own buffer classes (``buffer_utils``, loaded by ``vllm_mrv2``).
+"""Micro-benchmarks against vLLM's own buffer classes (``buffer_utils`` of ``vllm_mrv2.NEWEST``, or of
+``--release``, loaded by ``vllm_mrv2``).
 
 Each case builds the same object from vLLM's module and from stagebuf's (on a
 forced tier) and times one step on the host, the GPU idle (synchronised between
@@ -130,21 +131,23 @@ def run(
     steps: int = 60,
     warmup: int = 10,
     log: Callable[[str], None] = print,
+    release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:
-    """Every case on vLLM's layer (UVA; and its NonUvaBuffer fallback) and stagebuf's tiers."""
+    """Every case on vLLM ``release``'s layer (UVA; and its NonUvaBuffer fallback) and stagebuf's tiers."""
     import stagebuf
 
     cuda = device.type == "cuda"
     peers: list[tuple[str, Any, str | None]] = []
-    vllm_uva = vllm_mrv2.load("vllm", pin=True, device=device).buffer_utils
+    vllm_uva = vllm_mrv2.load("vllm", pin=True, device=device, release=release).buffer_utils
     peers.append(("vllm_uva", vllm_uva, None))
     if cuda:
-        peers.append(("vllm_nopin", vllm_mrv2.load("vllm", pin=False, device=device).buffer_utils, None))
+        nopin = vllm_mrv2.load("vllm", pin=False, device=device, release=release).buffer_utils
+        peers.append(("vllm_nopin", nopin, None))
         caps = stagebuf.capabilities(device)
         tiers = [t.name.lower() for t in stagebuf.Tier if caps.tier <= t < stagebuf.Tier.HOST]
     else:
         tiers = ["host", "pageable"]
-    sb = vllm_mrv2.stagebuf_buffer_utils(vllm_uva)
+    sb = vllm_mrv2.stagebuf_buffer_utils(vllm_uva, release)
     for t in tiers:
         peers.append((f"stagebuf_{t}", sb, t))
     if cuda and tiers and tiers[0] == "uva":
@@ -184,7 +187,7 @@ def run(
                 raw.setdefault(cname, {}).setdefault(pname, []).append(us)
         log(f"vs_vllm repeat {rep + 1}/{repeats} done")
     med = {c: {p: float(np.median(v)) for p, v in d.items()} for c, d in raw.items()}
-    return {"median_us": med, "raw_us": raw, "repeats": repeats, "steps": steps}
+    return {"median_us": med, "raw_us": raw, "repeats": repeats, "steps": steps, "vllm_version": release}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -197,14 +200,22 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--steps", default=60, show_default=True, help="Timed steps a cell and repeat.")
 @click.option("--edits", default="1,16,256,4096", show_default=True, help="E of the writes cells.")
 @click.option("--lengths", default="1,8,64", show_default=True, help="L of the writes cells.")
-def main(json_path: str, repeats: int, steps: int, edits: str, lengths: str) -> None:
+@click.option(
+    "--release",
+    type=click.Choice(list(vllm_mrv2.RELEASES)),
+    default=vllm_mrv2.NEWEST,
+    show_default=True,
+    help="The vLLM release whose classes are the peer.",
+)
+def main(json_path: str, repeats: int, steps: int, edits: str, lengths: str, release: str) -> None:
     """Time the vs-vLLM cells alone; the report's commit is ``STAGEBUF_BENCH_COMMIT`` (or unknown)."""
-    vllm_mrv2.fetch()
+    vllm_mrv2.fetch(release)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise click.UsageError("on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1")
     t0 = time.time()
-    res = run(device, _ints(edits), _ints(lengths), repeats, steps, log=lambda s: click.echo(s, err=True))
+    log = lambda s: click.echo(s, err=True)  # noqa: E731
+    res = run(device, _ints(edits), _ints(lengths), repeats, steps, log=log, release=release)
     report = {
         "commit": os.environ.get("STAGEBUF_BENCH_COMMIT", "unknown"),
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),

@@ -12,7 +12,7 @@ the stagebuf strategies use the public classes on a forced tier.
 * writes: a sweep over E edits of L elements each (distinct rows), staged and
   applied once per step to a 2-D device table.
 
-The ``mrv2_*`` baselines are vLLM 0.33.0's own Model Runner V2 classes
+The ``mrv2_*`` baselines are vLLM's own Model Runner V2 classes (``vllm_mrv2.NEWEST``'s)
 (``baselines``, loaded by ``vllm_mrv2``): ``mrv2_uva_pool`` (its UvaBufferPool on
 pinned memory), ``mrv2_fallback_per_array`` (the same pool on a machine without
 pinned memory: its NonUvaBuffer fallback), ``mrv2_staged_write`` (its
@@ -34,6 +34,7 @@ import torch
 
 from stagebuf import StepStager, Tier, UvaBufferPool
 
+from . import vllm_mrv2
 from .baselines import (
     MRV2_SLOTS,
     PoolMaker,
@@ -43,6 +44,9 @@ from .baselines import (
     mrv2_uva_pool,
     uva_pool_cached,
 )
+
+_V = vllm_mrv2.NEWEST.rpartition(".")[0]
+"""The peer's vLLM release in strategy descriptions, as "0.34"."""
 
 # --- shared pieces ------------------------------------------------------------------------------
 
@@ -95,7 +99,7 @@ class Strategy:
     tier: Tier | None = None
     """The forced stagebuf tier (None: built with STAGEBUF_TIER unset)."""
     needs: tuple[str, ...] = ()
-    """Subset of 'cuda', 'pinned', 'uva', 'triton', 'vllm' (vLLM 0.33.0's files, fetched): what the
+    """Subset of 'cuda', 'pinned', 'uva', 'triton', 'vllm' (vLLM's files, fetched): what the
     strategy needs from the machine."""
 
 
@@ -588,7 +592,7 @@ def decode_baseline_pool(make_pool: PoolMaker, name: str, pinned_table: bool) ->
 
 
 def decode_mrv2(make_pool: PoolMaker = mrv2_uva_pool) -> Callable[[Env, int], Case]:
-    """MRV2's decode step with vLLM 0.33's own classes: per-step arrays through its UvaBufferPools,
+    """MRV2's decode step with vLLM's own classes: per-step arrays through its UvaBufferPools,
     block-table appends through its StagedWriteTensor (one stage_write per edit, one apply per step).
     ``make_pool`` lets a CPU test use the fallback pool."""
 
@@ -605,7 +609,7 @@ def decode_mrv2(make_pool: PoolMaker = mrv2_uva_pool) -> Callable[[Env, int], Ca
             "mrv2_decode",
             _pool_stage(make_pool, dev),
             make_table,
-            lambda: {"peer": "vLLM 0.33.0", "pool_slots": MRV2_SLOTS},
+            lambda: {"peer": f"vLLM {vllm_mrv2.NEWEST}", "pool_slots": MRV2_SLOTS},
         )
 
     return build
@@ -838,7 +842,7 @@ def writes_staged_batched(env: Env, cell: WriteCell, kernel: str | None = None) 
 
 
 def writes_mrv2() -> Callable[[Env, WriteCell], Case]:
-    """vLLM 0.33's own StagedWriteTensor: one stage_write per edit from Python lists, then apply_write."""
+    """vLLM's own StagedWriteTensor: one stage_write per edit from Python lists, then apply_write."""
 
     def build(env: Env, cell: WriteCell) -> Case:
         ws = write_sets(env, cell)
@@ -850,7 +854,7 @@ def writes_mrv2() -> Callable[[Env, WriteCell], Case]:
             _per_edit(sw.stage_write, ws),
             sw.apply_write,
             lambda: sw.gpu,
-            lambda: {"peer": "vLLM 0.33.0"},
+            lambda: {"peer": f"vLLM {vllm_mrv2.NEWEST}"},
         )
 
     return build
@@ -873,7 +877,7 @@ def micro_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         ),
         Strategy(
             "pinned_buffer_per_array",
-            "vLLM 0.33 V1 CpuGpuBuffer per array (fixed pinned buffer + async copy)",
+            f"vLLM {_V} V1 CpuGpuBuffer per array (fixed pinned buffer + async copy)",
             "baseline",
             micro_pinned_buffer,
             needs=(
@@ -883,7 +887,7 @@ def micro_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         ),
         Strategy(
             "mrv2_fallback_per_array",
-            "vLLM 0.33 UvaBufferPool without pinned memory (NonUvaBuffer) per array",
+            f"vLLM {_V} UvaBufferPool without pinned memory (NonUvaBuffer) per array",
             "baseline",
             micro_baseline_pool(mrv2_fallback_pool, "mrv2_fallback_per_array"),
             needs=("vllm",),
@@ -897,7 +901,7 @@ def micro_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         ),
         Strategy(
             "mrv2_uva_pool",
-            "vLLM 0.33 UvaBufferPool per array (2 UVA slots, no guard)",
+            f"vLLM {_V} UvaBufferPool per array (2 UVA slots, no guard)",
             "baseline",
             micro_baseline_pool(mrv2_uva_pool, "mrv2_uva_pool"),
             needs=(
@@ -973,7 +977,7 @@ def decode_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         ),
         Strategy(
             "pinned_buffer_per_array",
-            "vLLM 0.33 V1 CpuGpuBuffer per array; pinned row copies",
+            f"vLLM {_V} V1 CpuGpuBuffer per array; pinned row copies",
             "baseline",
             decode_pinned_buffer,
             needs=(
@@ -983,7 +987,7 @@ def decode_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         ),
         Strategy(
             "mrv2_fallback_per_array",
-            "vLLM 0.33 UvaBufferPool without pinned memory (NonUvaBuffer) per array; row copies",
+            f"vLLM {_V} UvaBufferPool without pinned memory (NonUvaBuffer) per array; row copies",
             "baseline",
             decode_baseline_pool(mrv2_fallback_pool, "mrv2_fallback_per_array", False),
             needs=("vllm",),
@@ -997,7 +1001,7 @@ def decode_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         ),
         Strategy(
             "mrv2_decode",
-            "vLLM 0.33 MRV2: UvaBufferPool per array; StagedWriteTensor appends",
+            f"vLLM {_V} MRV2: UvaBufferPool per array; StagedWriteTensor appends",
             "baseline",
             decode_mrv2(),
             needs=("vllm", "uva", "triton"),
@@ -1034,7 +1038,7 @@ def writes_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         ),
         Strategy(
             "mrv2_staged_write",
-            "vLLM 0.33 StagedWriteTensor (its own class)",
+            f"vLLM {_V} StagedWriteTensor (its own class)",
             "baseline",
             writes_mrv2(),
             needs=("vllm", "uva", "triton"),

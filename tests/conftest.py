@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -70,7 +71,8 @@ def any_tier(request, monkeypatch) -> stagebuf.Tier:
 
 @pytest.fixture
 def vllm_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM 0.33.0's MRV2 modules loadable, their Triton kernels in Triton's CPU interpreter.
+    """The newest vLLM release's MRV2 modules loadable (``vllm_mrv2.NEWEST``), their Triton kernels in
+    Triton's CPU interpreter.
 
     Skips, saying why, where vLLM's files cannot be fetched (``benchmarks.vllm_mrv2``) or Triton
     is missing.
@@ -79,5 +81,25 @@ def vllm_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
 
     why = vllm_mrv2.available()
     if why:
-        pytest.skip(f"needs vLLM {vllm_mrv2.VERSION}'s MRV2 modules: {why}")
+        pytest.skip(f"needs vLLM {vllm_mrv2.NEWEST}'s MRV2 modules: {why}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _releases() -> list[Any]:
+    from benchmarks import vllm_mrv2
+
+    return [pytest.param(r, id=f"v{r}") for r in vllm_mrv2.RELEASES]
+
+
+@pytest.fixture(params=_releases())
+def vllm_release(request: pytest.FixtureRequest) -> str:
+    """Each vLLM release the harness knows (``benchmarks.vllm_mrv2.RELEASES``, ids like ``v0.34.0``), its
+    files fetched: a test that runs vLLM's MRV2 code takes it to run on every release. Where a release's
+    files cannot be had (no network) or Triton is missing, its tests skip, saying why."""
+    from benchmarks import vllm_mrv2
+
+    release: str = request.param
+    why = vllm_mrv2.available(release)
+    if why:
+        pytest.skip(f"needs vLLM {release}'s MRV2 modules: {why}")
+    return release

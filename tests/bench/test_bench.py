@@ -492,7 +492,7 @@ def test_named_commit_wins_over_what_git_finds(monkeypatch: pytest.MonkeyPatch) 
     assert found != "0123abc"
 
 
-# --- the MRV2 baselines: vLLM 0.33.0's own classes --------------------------------------------------
+# --- the MRV2 baselines: vLLM's own classes (vllm_mrv2.NEWEST's) ------------------------------------
 
 CPU = torch.device("cpu")
 
@@ -555,7 +555,7 @@ def test_mrv2_decode_loop_checks_its_answers_on_cpu(vllm_interpreted: None) -> N
     for _ in range(W.DECODE_WARMUP + 20):
         case.step()
     got = case.finish()
-    assert got["checks"] >= 10 and got["peer"] == "vLLM 0.33.0"
+    assert got["checks"] >= 10 and got["peer"] == f"vLLM {vllm_mrv2.NEWEST}"
 
 
 def test_mrv2_decode_catches_a_wrong_table(vllm_interpreted: None, monkeypatch: pytest.MonkeyPatch) -> None:

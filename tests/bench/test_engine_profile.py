@@ -1,6 +1,6 @@
 """benchmarks.engine_profile on the CPU: each part's profile holds the calls that part makes.
 
-vLLM 0.33.0's real MRV2 modules (fetched as for tests/bench/test_engine.py), a small trace.
+vLLM's real MRV2 modules (``vllm_mrv2.NEWEST``'s, fetched as for tests/bench/test_engine.py), a small trace.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``python -m benchmarks.vs_vllm --json``: a run of the vs-vLLM cells alone is one side of
-``benchmarks.compare`` (vLLM 0.33.0's own classes against stagebuf's, on this CPU: its Triton
-kernels in the interpreter). Skips where vLLM's files cannot be fetched."""
+``benchmarks.compare`` (vLLM's own classes, ``vllm_mrv2.NEWEST``'s, against stagebuf's, on this CPU: its
+Triton kernels in the interpreter). Skips where vLLM's files cannot be fetched."""
 
 from __future__ import annotations
 

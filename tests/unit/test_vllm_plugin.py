@@ -1,9 +1,10 @@
-"""stagebuf's vLLM plugin, run by vLLM 0.33.0's own plugin loader on vLLM 0.33.0's own MRV2 modules.
+"""stagebuf's vLLM plugin, run by vLLM's own plugin loader on vLLM's own MRV2 modules, of every release in
+``benchmarks.vllm_mrv2.RELEASES`` (the ``vllm_release`` fixture: ids ``v0.32.0`` ...).
 
-``benchmarks.vllm_mrv2.as_installed`` makes vLLM's released files importable as ``vllm`` (its
+``benchmarks.vllm_mrv2.as_installed`` makes a release's files importable as ``vllm`` (its
 ``vllm.plugins`` and ``vllm.v1.worker.gpu.*``); ``vllm.plugins.load_general_plugins()`` then finds
-stagebuf's entry point through ``importlib.metadata``, as in a vLLM process. Without vLLM's files
-(no network) or Triton, the tests skip and say why.
+stagebuf's entry point through ``importlib.metadata``, as in a vLLM process. Without a release's files
+(no network) or Triton, its tests skip and say why.
 """
 
 from __future__ import annotations
@@ -24,19 +25,22 @@ from benchmarks import vllm_mrv2
 import stagebuf
 from helpers import force_tier, invoke
 from stagebuf._engines import vllm as _vllm
+from stagebuf._engines import vllm_check
 from stagebuf._rings import guard as _guard
 from stagebuf._tiers.cli import main
 
 CPU = torch.device("cpu")
-NAMES = _vllm.REPLACED
+NAMES = vllm_check.REPLACED
 ENTRY_POINT = "stagebuf = stagebuf._engines.vllm:register"
 
 
 @contextmanager
-def _installed(device: torch.device, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
-    why = vllm_mrv2.available()
+def _installed(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, release: str = vllm_mrv2.NEWEST
+) -> Iterator[Any]:
+    why = vllm_mrv2.available(release)
     if why:
-        pytest.skip(f"needs vLLM {vllm_mrv2.VERSION}'s files: {why}")
+        pytest.skip(f"needs vLLM {release}'s files: {why}")
     if "vllm" in sys.modules:
         pytest.skip("a real vLLM is imported in this process")
     if not any(e.name == "stagebuf" for e in entry_points(group="vllm.general_plugins")):
@@ -49,7 +53,7 @@ def _installed(device: torch.device, monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     old_default = _guard._DEFAULT_MAX_CONCURRENCY
-    with vllm_mrv2.as_installed(device) as inst:
+    with vllm_mrv2.as_installed(device, release=release) as inst:
         try:
             yield inst
         finally:
@@ -58,8 +62,9 @@ def _installed(device: torch.device, monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
 
 @pytest.fixture
-def vllm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[vllm_mrv2.Installed]:
-    with _installed(CPU, monkeypatch, tmp_path) as inst:
+def vllm(vllm_release: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[vllm_mrv2.Installed]:
+    """vLLM ``vllm_release`` importable as ``vllm`` (CPU): a test that takes it runs on each release."""
+    with _installed(CPU, monkeypatch, tmp_path, vllm_release) as inst:
         yield inst
 
 
@@ -69,7 +74,7 @@ def _originals() -> dict[str, Any]:
 
 
 def _load_plugins() -> None:
-    import vllm.plugins  # the real file, vLLM 0.33.0's plugin loader
+    import vllm.plugins  # the real file, the release's plugin loader
 
     assert any(e.name == "stagebuf" for e in entry_points(group="vllm.general_plugins"))
     vllm.plugins.load_general_plugins()
@@ -110,7 +115,9 @@ TIERS = ["host", "pageable", pytest.param("uva", marks=GPU), pytest.param("pinne
 
 @pytest.mark.parametrize("order", ["modules first", "plugins first"])
 @pytest.mark.parametrize("tier", TIERS)
-def test_the_plugin_makes_mrv2_build_stagebufs_classes(tmp_path, monkeypatch, order, tier) -> None:
+def test_the_plugin_makes_mrv2_build_stagebufs_classes(
+    vllm_release, tmp_path, monkeypatch, order, tier
+) -> None:
     """With STAGEBUF_VLLM=1, BlockTables, RequestState and the sampler's states build stagebuf's
     classes, whether MRV2's modules were imported before the plugins loaded or after."""
     name, _, where = tier.partition("-")
@@ -119,7 +126,7 @@ def test_the_plugin_makes_mrv2_build_stagebufs_classes(tmp_path, monkeypatch, or
         pytest.skip("needs a CUDA device")
     want = force_tier(monkeypatch, name)
     monkeypatch.setenv("STAGEBUF_VLLM", "1")
-    with _installed(device, monkeypatch, tmp_path) as inst:
+    with _installed(device, monkeypatch, tmp_path, vllm_release) as inst:
         names = ("block_table", "states", "sample.states")
         mods = {n: inst.load(n) for n in names} if order == "modules first" else {}
         _load_plugins()
@@ -200,32 +207,32 @@ def test_the_entry_point_is_declared() -> None:
     assert '[project.entry-points."vllm.general_plugins"]\n' + ENTRY_POINT.replace("= ", '= "') + '"' in text
 
 
-def test_the_tested_api_is_vllm_0_33s(vllm) -> None:
-    """The table the plugin checks against is the API of vLLM 0.33.0's own buffer_utils."""
+def test_each_release_is_tested_and_its_api_is_stagebufs(vllm, vllm_release) -> None:
+    """Each release the harness runs is one the plugin is tested with, and its own buffer_utils (as vLLM
+    imports it) differs from stagebuf's classes in nothing the plugin checks."""
     bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
-    assert _vllm.api_of(bu) == _vllm.API
-    assert _vllm.api_differences(bu) == []
-    assert vllm_mrv2.VERSION in _vllm.TESTED
+    assert vllm_release in _vllm.TESTED and sys.modules["vllm"].__version__ == vllm_release
+    assert vllm_check.api_differences(bu, {n: getattr(stagebuf, n) for n in NAMES}) == []
 
 
 def test_stagebufs_classes_take_vllms_calls() -> None:
     """Each replacement accepts every parameter of what it replaces, by position and by name."""
-    for name, methods in _vllm.API.items():
+    for name, methods in vllm_check.API.items():
         obj = getattr(stagebuf, name)
         for m, params in methods.items():
             fn = obj if not m else getattr(obj, m)
-            mine = _vllm._params(fn)
+            mine = vllm_check._params(fn)
             assert mine[: len(params)] == params or m in ("stage_write", "stage_write_elem"), (name, m, mine)
 
 
 # --- doctor --------------------------------------------------------------------------------------
 
 
-def _fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM 0.33.0's package metadata, as an installed vLLM has it (the files come from as_installed)."""
-    d = tmp_path / "vllm-0.33.0.dist-info"
+def _fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, release: str) -> None:
+    """vLLM ``release``'s package metadata, as an installed vLLM has it (the files come from as_installed)."""
+    d = tmp_path / f"vllm-{release}.dist-info"
     d.mkdir()
-    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {release}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
@@ -248,17 +255,18 @@ def test_doctor_without_vllm(monkeypatch, as_json) -> None:
 
 
 @pytest.mark.parametrize("as_json", [False, True])
-def test_doctor_with_vllm(vllm, tmp_path, monkeypatch, as_json) -> None:
-    _fake_dist(tmp_path, monkeypatch)
+def test_doctor_with_vllm(vllm, vllm_release, tmp_path, monkeypatch, as_json) -> None:
+    _fake_dist(tmp_path, monkeypatch, vllm_release)
     args = ["doctor", "--json"] if as_json else ["doctor"]
     res = invoke(main, args, {"STAGEBUF_VLLM": "1"})
     assert res.exit_code == 0 and res.exception is None
     if as_json:
         rep = json.loads(res.stdout)["vllm"]
-        assert rep["version"] == "0.33.0" and rep["enabled"] is True and rep["action"] == "patch"
+        assert rep["version"] == vllm_release and rep["enabled"] is True and rep["action"] == "patch"
         assert "matches the API" in rep["why"]
     else:
-        assert "0.33.0 (tested: 0.33.0)" in res.stdout and "would replace MRV2's buffer layer" in res.stdout
+        tested = f"{vllm_release} (tested: {', '.join(_vllm.TESTED)})"
+        assert tested in res.stdout and "would replace MRV2's buffer layer" in res.stdout
     res = invoke(main, args, {"STAGEBUF_VLLM": "maybe"})  # a bad value: explained, exit 2, no traceback
     assert res.exit_code == 2 and res.exception is None
     if as_json:

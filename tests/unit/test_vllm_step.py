@@ -1,13 +1,17 @@
-"""The vLLM plugin's step mode (``STAGEBUF_VLLM=step``), loaded by vLLM 0.33.0's own plugin loader.
+"""The vLLM plugin's step mode (``STAGEBUF_VLLM=step``), loaded by vLLM's own plugin loader, on every
+release of ``benchmarks.vllm_mrv2.RELEASES`` (the ``vllm_release`` fixture).
 
 The model runner is the harness's stand-in (``benchmarks.vllm_mrv2``): vLLM's own
-``async_tensor_h2d`` bound where the model runner binds it, and ``GPUModelRunner`` with vLLM 0.33's
-``execute_model``/``prepare_inputs`` signatures. Identical inputs on vLLM's real MRV2 modules are
+``async_tensor_h2d`` bound where the model runner binds it, and ``GPUModelRunner`` with vLLM's
+``execute_model``/``prepare_inputs`` signatures, its module's file the release's real
+``model_runner.py`` (whose window step mode reads). Identical inputs on vLLM's real MRV2 modules are
 tests/bench/test_engine.py's (CPU) and tests/gpu/test_gpu_engine.py's (GPU).
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import logging
 import sys
 from collections.abc import Iterator
@@ -17,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from benchmarks import vllm_mrv2
 from test_vllm_plugin import CPU, _installed, _load_plugins, _originals
 
 import stagebuf
@@ -27,14 +32,38 @@ MR = "vllm.v1.worker.gpu.model_runner"
 
 
 @pytest.fixture
-def vllm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
-    with _installed(CPU, monkeypatch, tmp_path) as inst:
+def vllm(vllm_release: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    with _installed(CPU, monkeypatch, tmp_path, vllm_release) as inst:
         yield inst
 
 
 def _runner() -> tuple[Any, Any, Any]:
     mr = sys.modules[MR]
     return mr, mr.async_tensor_h2d, mr.GPUModelRunner.execute_model
+
+
+def _real_params(source: str, method: str) -> list[str]:
+    """The parameters of ``GPUModelRunner.<method>`` in a model_runner.py's source (self left out)."""
+    cls = next(
+        n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "GPUModelRunner"
+    )
+    fn = next(m for m in cls.body if isinstance(m, ast.FunctionDef) and m.name == method)
+    a = fn.args
+    return [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)][1:]
+
+
+def test_the_stand_in_runner_reads_as_the_releases_own(vllm, vllm_release) -> None:
+    """What reads the model runner's source through its module reads the release's real model_runner.py,
+    and the stand-in takes the calls the real execute_model and prepare_inputs take."""
+    mr = sys.modules[MR]
+    real = vllm_mrv2.fetch(vllm_release) / "vllm/v1/worker/gpu/model_runner.py"
+    assert Path(mr.__file__) == real and mr.GPUModelRunner.__module__ == MR
+    assert Path(inspect.getsourcefile(mr.GPUModelRunner) or "") == real
+    source = real.read_text()
+    assert "class GPUModelRunner" in source and "async_tensor_h2d(query_start_loc_np, out=" in source
+    for method in ("execute_model", "prepare_inputs"):
+        mine = list(inspect.signature(getattr(mr.GPUModelRunner, method)).parameters)[1:]
+        assert mine == _real_params(source, method), method
 
 
 def test_step_mode_patches_the_layer_and_the_model_runner(vllm, monkeypatch, caplog) -> None:
@@ -86,12 +115,15 @@ def test_a_changed_model_runner_falls_back_to_class_replacement(vllm, monkeypatc
     assert want in lines[0] and "class replacement only" in lines[0]
 
 
-def test_an_untested_vllm_version_falls_back_to_class_replacement(vllm, monkeypatch) -> None:
+def test_an_untested_vllm_version_is_judged_by_what_it_runs(vllm, vllm_release, monkeypatch) -> None:
+    """A version outside TESTED (0.35.0) whose buffer layer and model-runner window are a tested release's:
+    step mode as on that release, the version only reported."""
+    assert "0.35.0" not in _vllm.TESTED
     monkeypatch.setenv("STAGEBUF_VLLM", "step")
-    p = _vllm.plan(version="0.34.0")
-    assert (p.action, p.mode) == ("patch", "1")
-    assert "needs a tested vLLM (0.33.0), not 0.34.0" in p.why
-    assert not any(attr in ("async_tensor_h2d", "execute_model") for _m, attr, _o, _n in p.replacements)
+    p = _vllm.plan(version="0.35.0")
+    assert (p.action, p.mode) == ("patch", "step"), p.why
+    assert "vLLM 0.35.0's" in p.why and f"tested with (vLLM {', '.join(_vllm.TESTED)})" in p.why
+    assert {"async_tensor_h2d", "execute_model"} <= {attr for _m, attr, _o, _n in p.replacements}
 
 
 @pytest.mark.parametrize("value", ["2", "steps", "on", "true"])

@@ -3,24 +3,34 @@
 #
 #   OUT=dir STAGEBUF_BENCH_COMMIT=<sha> bash scripts/gpu.sh STAGE [STAGE ...]
 #
+# vLLM's files: the GPU tests, bench and profile run vLLM's own MRV2 code of every release in
+# benchmarks/vllm_mrv2.py's RELEASES, fetched with pip. A GPU machine without network gets them carried
+# inside the checkout: here, once, with network,
+#   STAGEBUF_CACHE_DIR=$PWD/.cache python -m benchmarks.vllm_mrv2 --fetch   # .cache/vllm-<release>/
+# then carry .cache (ignored by git) with the tree. This script sets STAGEBUF_CACHE_DIR=$PWD/.cache
+# (unless set), so they are found there; a release missing there is fetched if the network allows, or
+# its tests skip saying so.
+#
 # Stages:
-#   tests     pytest -m gpu (every GPU test, fuzz machines at their default sizes, CUDA graphs)
+#   tests     pytest -m gpu (every GPU test, fuzz machines at their default sizes, CUDA graphs; the engine
+#             tests once per vLLM release, so TESTS_TIMEOUT defaults to 480 s)
 #   fuzz      the CUDA-tier state machines with FUZZ_EXAMPLES examples (scripts/gpu_reliability.sh fuzz)
 #   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (scripts/gpu_reliability.sh)
 #   multigpu  torchrun decode across GPUs (scripts/gpu_reliability.sh mp)
 #   bench     the full bench, python -m benchmarks (scripts/gpu_bench.sh): bench.json, bench.md, bench.png;
-#             its engine workload needs vLLM 0.33.0's files: without network, carry .cache/vllm-0.33.0
+#             its engine workload needs the newest release's files (.cache/vllm-<release>, see above)
 #   ab        python -m benchmarks.ab --before $AB_BEFORE (a git revision, or a directory holding the old
 #             stagebuf package), then the same against the checkout itself (the method's own rate): ab*.json
 #   compare   python -m benchmarks.vs_vllm $COMPARE_ARGS, RUNS (default 2) runs a side in turns, the old
 #             side with the stagebuf package of $COMPARE_BEFORE (a directory holding it, or a git
 #             revision), then python -m benchmarks.compare over them: vs_*.json, compare.log
 #   profile   python -m benchmarks.engine_profile $PROFILE_ARGS: the engine workload's parts, timed (with
-#             the floor) and profiled with call counts: profile.json, profile.md (needs .cache/vllm-0.33.0)
+#             the floor) and profiled with call counts: profile.json, profile.md (needs vLLM's files, above)
 # Each stage writes its log under $OUT and a line to $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH}
+export STAGEBUF_CACHE_DIR=${STAGEBUF_CACHE_DIR:-$PWD/.cache}  # vLLM's files, carried (see above)
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 unset STAGEBUF_TIER
@@ -29,7 +39,7 @@ for stage in "$@"; do
   t0=$SECONDS
   case "$stage" in
     tests)
-      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+      timeout "${TESTS_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
       rc=$?; line=$(tail -n 1 "$OUT/gpu_tests.log") ;;
     fuzz|sanitize|multigpu)
       sub=$stage; [ "$stage" = sanitize ] && sub="memcheck racecheck"; [ "$stage" = multigpu ] && sub=mp

@@ -946,7 +946,8 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
     groups = sorted({int(k.split("|")[1][1:]) for k in meds}) or [1, 2]
     sb = [s for s in res.get("setups", []) if s.startswith("stagebuf_")]
     gpu = "needs a GPU"
-    peer = (micro or {}).get("vllm_version") or res.get("vllm_version") or vllm_mrv2.NEWEST
+    release = (micro or {}).get("vllm_version") or res.get("vllm_version") or vllm_mrv2.NEWEST
+    peer = ".".join(str(release).split(".")[:2])  # the peer's release in the descriptions, as "0.34"
 
     def ratio(num: str, den: str, g: int, m: str, what: str = "buffer_us") -> float | None:
         a, b = meds.get(f"{num}|g{g}|{m}"), meds.get(f"{den}|g{g}|{m}")

@@ -219,6 +219,7 @@ def fetch(release: str = NEWEST, quiet: bool = True) -> Path:
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+        tmp.chmod(0o755)  # (mkdtemp's 0700) as a folder made by mkdir would be
     except OSError as e:
         raise Unavailable(f"vLLM {release}'s files cannot be kept in {root.parent}: {e}") from e
     try:

@@ -38,12 +38,15 @@ def test_a_missed_staged_write_cell_splits_staging_from_the_apply() -> None:
         "writes|256x1": {"stagebuf_uva": 105.0, "vllm_uva": 150.0},  # 0.7: the worst cell, missed
         "stage|256x1": {"stagebuf_uva": 70.0, "vllm_uva": 120.0},
     }
-    t = E.targets(None, {"median_us": med})["vllm_staged_write_per_cell"]
+    t = E.targets(None, {"median_us": med, "vllm_version": "0.33.0"})["vllm_staged_write_per_cell"]
     assert t["passed"] is False and t["measured"] == 0.7
     assert t["why"] == (
         "E x L = 256x1: stagebuf 105.0 µs (70.0 staging + 35.0 apply) against "
         "vLLM 0.33 150.0 µs (120.0 staging + 30.0 apply)"
     )
+    assert "/ vLLM 0.33's on UVA" in t["description"]
+    newest = E.vllm_mrv2.NEWEST.rpartition(".")[0]  # a run that does not say: the harness's newest
+    assert f"vLLM {newest} 150.0" in E.targets(None, {"median_us": med})["vllm_staged_write_per_cell"]["why"]
 
 
 def test_a_missed_backed_copy_names_the_cost_of_a_call_and_of_the_guard() -> None:

@@ -87,6 +87,9 @@ class BenchConfig:
     decode_steps: int = W.Env.decode_steps
     engine_steps: int = 150
     """engine: steps of the trace per run (the first 30 are warm-up)."""
+    engine_releases: tuple[str, ...] = tuple(reversed(list(vllm_mrv2.RELEASES)[-2:]))
+    """engine: the vLLM releases whose own layer is the peer, the main one first (the newest; the one
+    before it is the second column, with fewer repeats and no micro-benchmarks)."""
     threads: int | None = None
     """torch intra-op threads during the run (None: 1 when the device is the CPU, else torch's)."""
     seed: int = 0
@@ -1440,6 +1443,9 @@ def run(
     if ENGINE in cfg.workloads:
         report.update(engine_section(cfg, m.env.device, console))
         report["ratios"].update(E.targets(report["engine"], report["vs_vllm"]))
+        for eng in report.get("engine_also", {}).values():  # engine targets alone: no micro-benchmarks
+            more = E.targets(eng, None)
+            report["ratios"].update({k: v for k, v in more.items() if k.startswith("engine_")})
     if NANOVLLM in cfg.workloads:
         report["nanovllm"] = nanovllm_section(cfg, console)
         report["ratios"].update(NV.targets(report["nanovllm"]))
@@ -1453,28 +1459,35 @@ def run(
 
 
 def engine_section(cfg: BenchConfig, device: torch.device, console: Console) -> dict[str, Any]:
-    """The engine workload and the vs-vLLM micro-benchmarks; ``skipped`` says why not, where not run."""
+    """The engine workload on each of ``cfg.engine_releases`` and the vs-vLLM micro-benchmarks on the first;
+    ``skipped`` says why not, where not run. The first release's run is ``engine``, the others
+    ``engine_also`` (by release)."""
 
     def log(msg: str) -> None:
         console.print(escape(msg), highlight=False)
 
+    main, *others = cfg.engine_releases
     try:
-        root = vllm_mrv2.fetch()
+        roots = {r: vllm_mrv2.fetch(r) for r in cfg.engine_releases}
     except vllm_mrv2.Unavailable as e:
         return {"engine": {"skipped": str(e)}, "vs_vllm": {"skipped": str(e)}}
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         why = "on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1 (tests/bench/test_engine.py checks)"
         return {"engine": {"skipped": why}, "vs_vllm": {"skipped": why}}
-    log(f"engine: vLLM {vllm_mrv2.NEWEST}'s MRV2 modules from {root}")
-    reps = max(3, cfg.repeats)
-    eng = E.bench(
-        device, repeats=reps, steps=cfg.engine_steps, warmup=30, check_steps=cfg.engine_steps, log=log
-    )
-    if not eng["identical_inputs"]:
-        bad = [c for c in eng["checks"] if c["mismatches"]]
-        raise W.BenchCheckError(f"engine: device inputs differ from vLLM's own layer: {bad[:3]}")
-    micro = V.run(device, edits=cfg.edits, lengths=cfg.lengths, repeats=3, log=log)
-    return {"engine": eng, "vs_vllm": micro}
+    runs: dict[str, Any] = {}
+    for r in cfg.engine_releases:
+        log(f"engine: vLLM {r}'s MRV2 modules from {roots[r]}")
+        reps = max(3, cfg.repeats) if r == main else 3
+        eng = E.bench(
+            device, repeats=reps, steps=cfg.engine_steps, warmup=30, check_steps=cfg.engine_steps, log=log,
+            release=r,
+        )  # fmt: skip
+        if not eng["identical_inputs"]:
+            bad = [c for c in eng["checks"] if c["mismatches"]]
+            raise W.BenchCheckError(f"engine: device inputs differ from vLLM {r}'s own layer: {bad[:3]}")
+        runs[r] = eng
+    micro = V.run(device, edits=cfg.edits, lengths=cfg.lengths, repeats=3, log=log, release=main)
+    return {"engine": runs[main], "engine_also": {r: runs[r] for r in others}, "vs_vllm": micro}
 
 
 def nanovllm_section(cfg: BenchConfig, console: Console) -> dict[str, Any]:

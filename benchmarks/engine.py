@@ -933,11 +933,28 @@ def _floor_why(meds: dict[str, Any], runs: dict[str, Any], setup: str, g: int) -
     return f"most above the floor: {part} {mine_us:.1f} µs against {floor_us:.1f} µs ({setup}, {g}g)"
 
 
+GOALS: dict[str, dict[str, float]] = {
+    "0.33.0": {"step_uva_vs_vllm_uva": 0.4, "step_pageable_vs_vllm_uva": 0.5, "dropin_uva_vs_vllm_uva": 0.7,
+               "dropin_pageable_vs_vllm_nopin": 0.6},
+    "0.34.0": {"step_uva_vs_vllm_uva": 0.5, "step_pageable_vs_vllm_uva": 0.6, "dropin_uva_vs_vllm_uva": 0.9,
+               "dropin_pageable_vs_vllm_nopin": 0.7},
+}  # fmt: skip
+"""The engine goals that differ by the peer's release (the others are the same for every release); a
+release without an entry takes the newest entry's."""
+
+
+def release_suffix(release: str) -> str:
+    """The suffix of a target measured against vLLM ``release``: ``_v034`` for 0.34.x."""
+    major, minor = release.split(".")[:2]
+    return f"_v{int(major)}{int(minor):02d}"
+
+
 def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """The engine and vs-vLLM targets, ratios of medians measured in one run, each with pass/fail.
 
     An engine ratio is measured on the idle and the busy GPU (``measured_idle``, ``measured_busy``);
-    ``measured`` is the worse of the two, so a target passes only where both pass.
+    ``measured`` is the worse of the two, so a target passes only where both pass. Each engine target's
+    name ends in its peer's release (``_v034``), and its goal is that release's (:data:`GOALS`).
     """
     res = res or {}
     out: dict[str, dict[str, Any]] = {}
@@ -948,6 +965,9 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
     gpu = "needs a GPU"
     release = (micro or {}).get("vllm_version") or res.get("vllm_version") or vllm_mrv2.NEWEST
     peer = ".".join(str(release).split(".")[:2])  # the peer's release in the descriptions, as "0.34"
+    eng_release = res.get("vllm_version") or vllm_mrv2.NEWEST
+    sfx = release_suffix(eng_release)
+    goals = GOALS.get(eng_release) or GOALS[max(GOALS, key=lambda r: tuple(map(int, r.split("."))))]
 
     def ratio(num: str, den: str, g: int, m: str, what: str = "buffer_us") -> float | None:
         a, b = meds.get(f"{num}|g{g}|{m}"), meds.get(f"{den}|g{g}|{m}")
@@ -973,7 +993,7 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
                     worst = (r, f"{s}, {g} KV groups: busy/idle {busy['prep_us'] / idle['prep_us']:.3f}, "
                                 f"vLLM UVA's {vllm_r:.3f}")  # fmt: skip
                     at = (s, g)
-    e = out["engine_busy_ratio_vs_vllm"] = _entry(
+    e = out[f"engine_busy_ratio_vs_vllm{sfx}"] = _entry(
         "engine: host preparation busy/idle (3 ms forward stand-in, two steps in flight) of a stagebuf "
         "setup, minus vLLM UVA's busy/idle in the same run; worst stagebuf setup x KV groups",
         None if worst is None else worst[0], "<=", 0.05, None if worst is None else worst[1], gpu,
@@ -1004,6 +1024,7 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
          "stagebuf's own API on PAGEABLE (no pinned memory) / vLLM's own layer on UVA (bare metal)"),
     )  # fmt: skip
     for name, num, den, goal, what, text in rows:
+        goal = goals.get(name, goal)
         for g in groups:
             v, extra = both(num, den, g, what)
             e = _entry(
@@ -1014,7 +1035,11 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
             e.update(extra)
             if e.get("passed") is False:
                 e["why"] = _floor_why(meds, runs, num, g)
-            out[f"engine_{name}_g{g}"] = e
+            if name == "dropin_uva_vs_vllm_uva" and e.get("passed") and eng_release in GOALS:
+                slower = _slower_parts(runs, num, den, g)
+                if slower:  # the goal adds: no part slower than vLLM's own
+                    e.update(passed=False, why=f"slower than vLLM's own in {slower}")
+            out[f"engine_{name}_g{g}{sfx}"] = e
     worst_f: tuple[float, str] | None = None
     for g in groups:
         for s in (x for x in sb if x.startswith("stagebuf_step_")):
@@ -1027,7 +1052,7 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
         "transfer plus one launch, measured in the same run); worst tier x KV groups x idle/busy",
         None if worst_f is None else worst_f[0], "<=", 4.0, None if worst_f is None else worst_f[1], gpu,
     )  # fmt: skip
-    out["engine_step_vs_floor"] = e
+    out[f"engine_step_vs_floor{sfx}"] = e
     med = (micro or {}).get("median_us", {})
     cells = {c: d for c, d in med.items() if c.startswith("writes|") and "stagebuf_uva" in d}
     rs = {c.split("|")[1]: d["stagebuf_uva"] / d["vllm_uva"] for c, d in cells.items()}
@@ -1062,7 +1087,32 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[st
                 f"slot guard's event record and query) {one['stagebuf_uva']:.1f} against "
                 f"{one['vllm_uva']:.1f}: vLLM's has no guard"
             )
+    both_uva = ("stagebuf_uva", "vllm_uva")
+    prompts = {c: d for c, d in med.items() if c.startswith("prompt|") and all(p in d for p in both_uva)}
+    pr = {c.split("|", 1)[1]: d["stagebuf_uva"] / d["vllm_uva"] for c, d in prompts.items() if d["vllm_uva"]}
+    wp = max(pr.items(), key=lambda kv: kv[1]) if pr else None
+    e = out[f"vllm_stage_prompt{release_suffix(release)}"] = _entry(
+        f"StagedWriteTensor.stage_write of one prompt + apply_write (as vLLM {peer} passes it, an ndarray or "
+        f"a list; 16 to 131 072 tokens): stagebuf UVA / vLLM {peer}'s on UVA, worst cell",
+        None if wp is None else wp[1], "<=", 1.0, None if wp is None else wp[0], "needs a GPU",
+    )  # fmt: skip
+    if wp is not None and e["passed"] is False:
+        d = prompts[f"prompt|{wp[0]}"]
+        e["why"] = f"{wp[0]}: stagebuf {d['stagebuf_uva']:.1f} µs against vLLM {peer}'s {d['vllm_uva']:.1f}"
     return out
+
+
+def _slower_parts(runs: dict[str, Any], num: str, den: str, g: int) -> str:
+    """The parts of the engine step where ``num`` spends more than ``den`` (busy GPU, mean µs a step over
+    the runs), as text; empty where none is slower by more than 5%."""
+
+    def part_means(setup: str) -> dict[str, float]:
+        rs = runs.get(f"{setup}|g{g}|busy") or runs.get(f"{setup}|g{g}|idle") or []
+        return {k: float(np.mean([r["sections_us"].get(k, 0) for r in rs])) if rs else 0.0 for k in SECTIONS}
+
+    a, b = part_means(num), part_means(den)
+    slow = [f"{k} {a[k]:.1f} µs against {b[k]:.1f}" for k in SECTIONS if b[k] and a[k] > 1.05 * b[k]]
+    return "; ".join(slow)
 
 
 def sync_check(
@@ -1105,10 +1155,9 @@ def sync_check(
     return None
 
 
-def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """The engine and vs-vLLM results as (title, header, rows) tables, for the console and Markdown."""
+def _engine_tables(eng: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """One release's engine run as tables (none where it was not run)."""
     out: list[tuple[str, list[str], list[list[str]]]] = []
-    eng = report.get("engine") or {}
     meds = eng.get("medians", {})
     if meds:
         groups = sorted({int(k.split("|")[1][1:]) for k in meds})
@@ -1168,6 +1217,15 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                     frow,
                 )
             )
+    return out
+
+
+def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The engine (each release run) and vs-vLLM results as (title, header, rows) tables, for the console
+    and Markdown."""
+    out: list[tuple[str, list[str], list[list[str]]]] = []
+    for eng in [report.get("engine") or {}, *(report.get("engine_also") or {}).values()]:
+        out += _engine_tables(eng)
     micro = report.get("vs_vllm") or {}
     med = micro.get("median_us", {})
     if med:

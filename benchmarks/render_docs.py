@@ -143,7 +143,13 @@ def _writes(report: dict[str, Any]) -> list[str]:
 
 
 def _engine(report: dict[str, Any]) -> list[str]:
-    eng = report.get("engine") or {}
+    out: list[str] = []
+    for eng in [report.get("engine") or {}, *(report.get("engine_also") or {}).values()]:
+        out += _engine_run(eng)
+    return out
+
+
+def _engine_run(eng: dict[str, Any]) -> list[str]:
     meds = eng.get("medians", {})
     if not meds:
         return [f"Engine workload: not run ({eng['skipped']}).", ""] if eng.get("skipped") else []

@@ -29,6 +29,7 @@ import functools
 import json
 import os
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,32 @@ def _writes_case(
     return fstep
 
 
+PROMPT_KINDS = ("tokens", "ndarray", "list")
+PROMPT_LENGTHS = (16, 1024, 16384, 131072)
+
+
+def _prompt_case(bu: Any, device: torch.device, kind: str, n: int, release: str) -> Callable[[int], None]:
+    """One prompt of ``n`` tokens staged (``stage_write``) and applied, as the model runner adds a request:
+    ``tokens`` as the release passes prompts (its ``TokenBuffer``, else an ``array('i')``), an int32
+    ndarray, or a list. The prompt is made before the timing, four of them in turn."""
+    rng = np.random.default_rng(n)
+    ids = [rng.integers(0, 152_000, n, dtype=np.int32) for _ in range(4)]
+    tb = vllm_mrv2.token_buffer(release) or (lambda a: array("i", a.tobytes()))
+    if kind == "tokens":
+        src: list[Any] = [tb(a) for a in ids]
+    elif kind == "list":
+        src = [a.tolist() for a in ids]
+    else:
+        src = ids
+    t = bu.StagedWriteTensor((4, n), torch.int32, device)
+
+    def step(i: int) -> None:
+        t.stage_write(i & 3, 0, src[i & 3])
+        t.apply_write()
+
+    return step
+
+
 def _pool_case(bu: Any, device: torch.device, k: int) -> Callable[[int], None]:
     pools = [bu.UvaBufferPool(N, torch.int32) for _ in range(k)]
     srcs = [np.arange(N, dtype=np.int32) + j for j in range(k)]
@@ -171,6 +198,10 @@ def run(
                         functools.partial(_writes_case, device=device, e=e, ln=ln, fused=True),
                     )
                 )
+    for kind in PROMPT_KINDS:
+        for n in PROMPT_LENGTHS:
+            make = functools.partial(_prompt_case, device=device, kind=kind, n=n, release=release)
+            cases.append((f"prompt|{kind}|{n}", make))
     raw: dict[str, dict[str, list[float]]] = {}
     for rep in range(repeats):
         for cname, make in cases:
@@ -178,7 +209,7 @@ def run(
                 forced = pname.endswith("_triton")
                 if forced and not cname.startswith(("fused", "writes")):
                     continue
-                if cname.startswith("stage") and pname not in ("vllm_uva", "stagebuf_uva"):
+                if cname.startswith(("stage", "prompt")) and pname not in ("vllm_uva", "stagebuf_uva"):
                     continue
                 with stagebuf_tier(tier), _kernel("triton" if forced else None):
                     step = make(bu)

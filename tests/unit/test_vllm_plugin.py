@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from benchmarks import vllm_mrv2
@@ -276,3 +277,42 @@ def test_doctor_with_vllm(vllm, vllm_release, tmp_path, monkeypatch, as_json) ->
         )
     else:
         assert "STAGEBUF_VLLM=maybe cannot work" in res.stdout and "allowed" in res.stdout
+
+
+@pytest.mark.gpu
+def test_pinned_slots_register_with_vllms_in_place_upload_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Confidential computing (the probe's coherence result forced to fail: tier PINNED): inside a release
+    with ``register_inplace_h2d_target``, the plugin registers each PINNED buffer's device tensor there, as
+    vLLM's NonUvaBuffer registers its own; unregister stops it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (pinned memory)")
+    release = next((r for r in reversed(vllm_mrv2.RELEASES) if vllm_mrv2.spec(r).confidential_compute), None)
+    if release is None:
+        pytest.skip("no release in the matrix has register_inplace_h2d_target")
+    from stagebuf._tiers import probe as _probe
+
+    def incoherent(device: torch.device) -> None:
+        raise stagebuf.UvaError("coherence probe failed: the device view did not see a host write (forced)")
+
+    monkeypatch.setattr(_probe, "_uva_probe", incoherent)
+    monkeypatch.setenv("STAGEBUF_VLLM", "1")
+    stagebuf.reset_capabilities()
+    cuda = torch.device("cuda")
+    try:
+        with _installed(cuda, monkeypatch, tmp_path, release):
+            _load_plugins()
+            assert stagebuf.capabilities(cuda).tier is stagebuf.Tier.PINNED
+            seen = len(vllm_mrv2.INPLACE_H2D_TARGETS)
+            pool = stagebuf.UvaBufferPool(64, torch.int32, max_concurrency=2, device=cuda)
+            got = pool.copy_to_uva(np.arange(64, dtype=np.int32))
+            new = [r() for r in list(vllm_mrv2.INPLACE_H2D_TARGETS)[seen:]]
+            assert any(t is not None and t.data_ptr() == got.data_ptr() for t in new)
+            assert got.cpu().tolist() == list(range(64))
+            _vllm.unregister()
+            seen = len(vllm_mrv2.INPLACE_H2D_TARGETS)
+            stagebuf.UvaBufferPool(64, torch.int32, device=cuda).copy_to_uva(np.zeros(4, np.int32))
+            assert len(vllm_mrv2.INPLACE_H2D_TARGETS) == seen
+    finally:
+        stagebuf.reset_capabilities()

@@ -315,13 +315,7 @@ def render(report: dict[str, Any], k: int = 6) -> str:
 @click.option("--warmup", default=20, show_default=True, help="Steps before timing and profiling.")
 @click.option("--top", "k", default=12, show_default=True, help="Functions kept per part.")
 @click.option("--timers", is_flag=True, help="Also time TIMED's functions per part, one more run a setup.")
-@click.option(
-    "--release",
-    type=click.Choice(list(vllm_mrv2.RELEASES)),
-    default=vllm_mrv2.NEWEST,
-    show_default=True,
-    help="The vLLM release whose MRV2 modules run.",
-)
+@vllm_mrv2.release_option("The vLLM release whose MRV2 modules run.")
 def main(
     json_path: str,
     md_path: str | None,

@@ -135,6 +135,14 @@ INPLACE_H2D_TARGETS: collections.deque[weakref.ref[torch.Tensor]] = collections.
 """The tensors vLLM's code passed to the stand-in ``register_inplace_h2d_target`` (weakly, latest last)."""
 
 
+def release_option(help: str) -> Callable[[Any], Any]:
+    """The bench commands' ``--release`` option: one of :data:`RELEASES`, :data:`NEWEST` by default."""
+    import click
+
+    choice = click.Choice(list(RELEASES))
+    return click.option("--release", type=choice, default=NEWEST, show_default=True, help=help)
+
+
 class Unavailable(RuntimeError):
     """A vLLM release's files could not be had here (the reason says why)."""
 

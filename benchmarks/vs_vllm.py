@@ -231,13 +231,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--steps", default=60, show_default=True, help="Timed steps a cell and repeat.")
 @click.option("--edits", default="1,16,256,4096", show_default=True, help="E of the writes cells.")
 @click.option("--lengths", default="1,8,64", show_default=True, help="L of the writes cells.")
-@click.option(
-    "--release",
-    type=click.Choice(list(vllm_mrv2.RELEASES)),
-    default=vllm_mrv2.NEWEST,
-    show_default=True,
-    help="The vLLM release whose classes are the peer.",
-)
+@vllm_mrv2.release_option("The vLLM release whose classes are the peer.")
 def main(json_path: str, repeats: int, steps: int, edits: str, lengths: str, release: str) -> None:
     """Time the vs-vLLM cells alone; the report's commit is ``STAGEBUF_BENCH_COMMIT`` (or unknown)."""
     vllm_mrv2.fetch(release)

@@ -25,6 +25,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line for every skip, by reason (``-rs`` lists each one)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped or "s" in (config.option.reportchars or "").replace("a", "s"):
+        return
+    counts: dict[str, int] = {}
+    for rep in skipped:
+        longrepr = rep.longrepr
+        reason = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)
+        reason = reason.removeprefix("Skipped: ").split(" (")[0].split(":")[0].strip()
+        counts[reason] = counts.get(reason, 0) + 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1])
+    parts = [f"{n} {why}" for why, n in top[:3]]
+    rest = sum(n for _, n in top[3:])
+    if rest:
+        parts.append(f"{rest} for {len(top) - 3} other reasons")
+    terminalreporter.write_line(f"skipped {len(skipped)}: {'; '.join(parts)} (-rs lists each)")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_probe(monkeypatch):
     """Each test starts with no cached probe, no given warnings and no forced tier."""

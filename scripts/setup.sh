@@ -40,8 +40,11 @@ else
         "CUDA build)"
       if [ "$(uname -s)" = Darwin ]; then  # macOS wheels on the package index are CPU builds
         "$PY" -m pip install -q torch==2.13.0
-      else  # +cpu: only PyTorch's CPU index has it; then torch's dependencies, from the usual index
-        "$PY" -m pip install -q --no-deps torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu
+      else  # +cpu: only PyTorch's CPU index has it; then torch's dependencies, from the usual index.
+        # One try, no retries: where that index cannot be reached, pip goes on to its other sources at
+        # once instead of printing five retry warnings
+        "$PY" -m pip install -q --no-deps --retries 0 --timeout 10 torch==2.13.0+cpu \
+          --extra-index-url https://download.pytorch.org/whl/cpu
         "$PY" -m pip install -q torch==2.13.0+cpu
       fi ;;
     cuda)

@@ -37,10 +37,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         reason = reason.removeprefix("Skipped: ").split(" (")[0].split(":")[0].strip()
         counts[reason] = counts.get(reason, 0) + 1
     top = sorted(counts.items(), key=lambda kv: -kv[1])
-    parts = [f"{n} {why}" for why, n in top[:3]]
-    rest = sum(n for _, n in top[3:])
-    if rest:
-        parts.append(f"{rest} for {len(top) - 3} other reasons")
+    shown = top if len(top) <= 4 else top[:3]
+    parts = [f"{n} {why}" for why, n in shown]
+    if len(top) > len(shown):
+        parts.append(f"{sum(n for _, n in top[3:])} for {len(top) - 3} other reasons")
     terminalreporter.write_line(f"skipped {len(skipped)}: {'; '.join(parts)} (-rs lists each)")
 
 

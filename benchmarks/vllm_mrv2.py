@@ -403,13 +403,6 @@ def _assigned(path: Path, name: str, env: dict[str, Any]) -> Any:
     raise Unavailable(f"{path} defines no {name}")
 
 
-def _constant(path: Path, name: str) -> Any:
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise Unavailable(f"{path} defines no {name}")
-
-
 class _Logger:
     """vLLM's ``init_logger``: its own MRV2 code logs through it, each line marked as vLLM's (and which
     release's).
@@ -608,7 +601,7 @@ def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None, relea
         "vllm.utils": types.SimpleNamespace(random_uuid=lambda: f"{uuid.uuid4().int & (2**64 - 1):016x}"),
         "vllm.platforms": types.SimpleNamespace(current_platform=platform),
         "vllm.v1.attention.backends.utils": types.SimpleNamespace(
-            PAD_SLOT_ID=_constant(f / "v1/attention/backends/utils.py", "PAD_SLOT_ID")
+            PAD_SLOT_ID=_assigned(f / "v1/attention/backends/utils.py", "PAD_SLOT_ID", {})
         ),
         "vllm.sampling_params": types.SimpleNamespace(SamplingParams=object),
         "vllm.v1.sample.ops.topk_topp_sampler": types.SimpleNamespace(apply_top_k_top_p=_stub("top-k/top-p")),

@@ -141,6 +141,17 @@ class _HfConfig(types.SimpleNamespace):
     """What ``AutoConfig.from_pretrained`` gives: the model folder's config.json as attributes."""
 
 
+class AutoConfig:
+    """transformers' ``AutoConfig`` as nano-vllm uses it: the folder's config.json, as written, as attributes.
+
+    The stand-in where transformers is missing, and the end-to-end bench's config everywhere: transformers
+    5 turns ``rope_scaling`` into a dict that nano-vllm 20260210's ``get_rope`` cannot take."""
+
+    @staticmethod
+    def from_pretrained(path: str, **_: Any) -> _HfConfig:
+        return _HfConfig(**json.loads((Path(path) / "config.json").read_text()))
+
+
 def _stand_ins() -> dict[str, types.ModuleType]:
     def module(name: str, **attrs: Any) -> types.ModuleType:
         m = types.ModuleType(name)
@@ -156,11 +167,6 @@ def _stand_ins() -> dict[str, types.ModuleType]:
             )
 
         return f
-
-    class AutoConfig:
-        @staticmethod
-        def from_pretrained(path: str, **_: Any) -> _HfConfig:
-            return _HfConfig(**json.loads((Path(path) / "config.json").read_text()))
 
     class Unused:
         from_pretrained = staticmethod(unused("transformers.AutoTokenizer"))

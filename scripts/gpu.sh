@@ -24,6 +24,8 @@
 #   compare   python -m benchmarks.vs_vllm $COMPARE_ARGS, RUNS (default 2) runs a side in turns, the old
 #             side with the stagebuf package of $COMPARE_BEFORE (a directory holding it, or a git
 #             revision), then python -m benchmarks.compare over them: vs_*.json, compare.log
+#   e2e       python -m benchmarks.e2e $E2E_ARGS: nano-vllm's real engine generating tokens, own vs attached
+#             (a random Qwen3 of 0.6B's shape, written under $STAGEBUF_CACHE_DIR): e2e.json, e2e.md, e2e.png
 #   profile   python -m benchmarks.engine_profile $PROFILE_ARGS: the engine workload's parts, timed (with
 #             the floor) and profiled with call counts: profile.json, profile.md (needs vLLM's files, above)
 # Each stage writes its log under $OUT and a line to $OUT/summary.txt.
@@ -79,7 +81,13 @@ for stage in "$@"; do
       timeout "${PROFILE_TIMEOUT:-240}" python3 -m benchmarks.engine_profile --json "$OUT/profile.json" \
         --markdown "$OUT/profile.md" ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
       rc=$?; line="$(grep -c "^#### " "$OUT/profile.md" 2>/dev/null) runs profiled" ;;
-    *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench ab compare profile" >&2; exit 2 ;;
+    e2e)
+      # shellcheck disable=SC2086
+      timeout "${E2E_TIMEOUT:-420}" python3 -m benchmarks.e2e --json "$OUT/e2e.json" --markdown "$OUT/e2e.md" \
+        --plot "$OUT/e2e.png" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
+      rc=$?; line=$(tail -n 1 "$OUT/e2e.log") ;;
+    *) echo "unknown stage $stage; allowed: tests fuzz sanitize multigpu bench ab compare e2e profile" >&2
+       exit 2 ;;
   esac
   echo "$stage: exit $rc in $((SECONDS - t0)) s: $line" | tee -a "$OUT/summary.txt"
 done

@@ -1,0 +1,684 @@
+"""End to end: nano-vllm's real ``LLM`` generating tokens, on its own input preparation and on stagebuf's.
+
+    python -m benchmarks.e2e [--shape qwen3-0.6b] [--rounds 3] [--json out.json] [--plot out.png]
+
+nano-vllm-fork 20260210 (:mod:`benchmarks.nanovllm_pkg`) runs as released: ``LLM(...)`` builds its
+``ModelRunner`` (model, warm-up, KV cache, CUDA graphs), its ``Scheduler`` and ``BlockManager`` schedule,
+its ``Sampler`` samples. The model is a Qwen3 of the chosen shape with random weights
+(:mod:`benchmarks.e2e_model`); attention is flash-attn where it imports, else the bench's Triton stand-in
+(:mod:`benchmarks.e2e_attention`). Prompts are token ids drawn from a fixed seed; sampling is near-greedy
+(temperature 0.01) with ``ignore_eos`` and a fixed torch seed per run, so a setup that hands the model the
+same inputs generates the same token ids. nano-vllm's ``Config`` reads ``config.json`` as written
+(:class:`benchmarks.nanovllm_pkg.AutoConfig`): transformers 5's ``rope_scaling`` is a dict that nano-vllm
+20260210 cannot take.
+
+Workloads (:data:`WORKLOADS`): ``decode`` (many sequences, short prompts, long outputs), ``prefill`` (long
+prompts, four new tokens) and ``mixed`` (arrivals every step, prompts of varied length of which half
+begin with one of four shared prefixes, hits of nano-vllm's prefix cache).
+
+Setups (:data:`SETUPS`), on one engine, attached and detached in rotated order each round: ``own``
+(nano-vllm's own preparation, pinned memory), ``stagebuf_uva``, ``stagebuf_pinned`` and
+``stagebuf_pageable`` (``stagebuf.nanovllm.attach`` on a forced tier). Then a machine without pinned
+memory (:func:`refuse_pinning`: every pinned allocation raises, as torch does there): nano-vllm's own
+engine is started and fails; a second engine is started attached as the README says (``attach`` on the
+``ModelRunner`` class before ``LLM(...)``) and runs the workloads as ``stagebuf_nopin``.
+
+Per setup and workload: tokens/s (prefill and decode steps separately, nano-vllm's own count: a prefill
+step's tokens are its sequences' lengths, a decode step's its sequences), the step split into host input
+preparation (``prepare_*``), forward and sampling (device time between CUDA events) and the rest
+(scheduling, post-processing, the host waiting), and whether every generated token id equals the own
+engine's first round. :func:`summarize` turns the rounds into medians and the targets of :data:`GOALS`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import torch
+
+from . import nanovllm_pkg as P
+from .engine import stagebuf_tier
+from .verdicts import misses, verdict
+
+SETUPS = ("own", "stagebuf_uva", "stagebuf_pinned", "stagebuf_pageable")
+"""The setups run on one engine, in rotated order each round."""
+NOPIN = "stagebuf_nopin"
+"""The setup on a machine without pinned memory (a second engine, started attached)."""
+TEMPERATURE = 0.01
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    prompt: tuple[int, int]
+    """Prompt length range (inclusive), tokens."""
+    output: tuple[int, int]
+    """New tokens range (inclusive)."""
+    arrivals_per_step: int = 0
+    """Requests added before each engine step (0: all at the start)."""
+    shared_prefix: float = 0.0
+    """The share of prompts that begin with one of four shared prefixes of ``prefix_len`` tokens."""
+    prefix_len: int = 512
+
+
+WORKLOADS: dict[str, Workload] = {
+    "decode": Workload(256, (128, 128), (256, 256)),
+    "prefill": Workload(512, (1024, 1024), (4, 4)),
+    "mixed": Workload(384, (64, 768), (16, 256), arrivals_per_step=8, shared_prefix=0.5),
+}
+SMALL: dict[str, Workload] = {
+    "decode": Workload(32, (16, 16), (24, 24)),
+    "prefill": Workload(32, (300, 300), (2, 2)),
+    "mixed": Workload(48, (8, 200), (4, 24), arrivals_per_step=4, shared_prefix=0.5, prefix_len=256),
+}
+"""Sizes for the tiny model (tests; ``--small``)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 16384
+    gpu_memory_utilization: float = 0.4
+    """Two engines live in turn: each takes well under half of the GPU's memory."""
+    enforce_eager: bool = False
+
+
+def prompts(w: Workload, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """The workload's prompts (token ids) and output lengths, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    prefixes = rng.integers(1, vocab, size=(4, w.prefix_len)).tolist()
+    out, lens = [], []
+    for _ in range(w.requests):
+        n = int(rng.integers(w.prompt[0], w.prompt[1] + 1))
+        body = rng.integers(1, vocab, size=n).tolist()
+        if w.shared_prefix and rng.random() < w.shared_prefix:
+            body = prefixes[int(rng.integers(0, 4))] + body
+        out.append(body)
+        lens.append(int(rng.integers(w.output[0], w.output[1] + 1)))
+    return out, lens
+
+
+# --- a machine without pinned memory ---------------------------------------------------------------
+
+NO_PIN = "CUDA error: out of memory (simulated: no pinned memory on this machine)"
+
+
+@contextlib.contextmanager
+def refuse_pinning() -> Iterator[None]:
+    """What torch does on a machine without pinned memory, for the block: ``pin_memory=True`` (in
+    ``torch.tensor``, ``torch.zeros``, ``torch.empty``) and ``Tensor.pin_memory()`` raise RuntimeError."""
+    real = {n: getattr(torch, n) for n in ("tensor", "zeros", "empty")}
+    real_pin = torch.Tensor.pin_memory
+
+    def refusing(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def g(*a: Any, pin_memory: bool = False, **k: Any) -> torch.Tensor:
+            if pin_memory:
+                raise RuntimeError(NO_PIN)
+            return f(*a, **k)
+
+        return g
+
+    def pin(self: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+        raise RuntimeError(NO_PIN)
+
+    for n, f in real.items():
+        setattr(torch, n, refusing(f))
+    torch.Tensor.pin_memory = pin  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for n, f in real.items():
+            setattr(torch, n, f)
+        torch.Tensor.pin_memory = real_pin  # type: ignore[method-assign]
+
+
+# --- timing an engine's steps ----------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    prefill: bool
+    tokens: int
+    wall_s: float
+    prep_s: float
+    events: tuple[Any, Any, Any] | None
+
+
+class Recorder:
+    """Times one engine's steps: wraps its runner's ``prepare_*`` (host time), ``run_model`` and
+    ``sampler`` (CUDA events before the forward, after it and after sampling)."""
+
+    PREP = ("prepare_prefill", "prepare_decode", "prepare_sample")
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self.steps: list[Step] = []
+        self.prep_s = 0.0
+        self.events: list[Any] = []
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> Recorder:
+        r = self.runner
+        for name in (*self.PREP, "run_model"):
+            self._saved[name] = r.__dict__.get(name)
+            r.__dict__[name] = self._wrap(name, getattr(r, name))
+        self._saved["sampler"] = r.sampler
+        r.sampler = _TimedSampler(r.sampler, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        r = self.runner
+        r.sampler = self._saved.pop("sampler")
+        for name, f in self._saved.items():
+            if f is None:
+                r.__dict__.pop(name, None)
+            else:
+                r.__dict__[name] = f
+        self._saved.clear()
+
+    def _event(self) -> None:
+        if torch.cuda.is_available():
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append(e)
+
+    def _wrap(self, name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        if name == "run_model":
+
+            def forward(*a: Any, **k: Any) -> Any:
+                self._event()
+                out = f(*a, **k)
+                self._event()
+                return out
+
+            return forward
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self.prep_s += time.perf_counter() - t
+
+        return timed
+
+    def step(self, engine: Any) -> tuple[list[tuple[int, list[int]]], int]:
+        self.prep_s, self.events = 0.0, []
+        t = time.perf_counter()
+        out, num = engine.step()
+        wall = time.perf_counter() - t
+        ev = tuple(self.events) if len(self.events) == 3 else None
+        self.steps.append(Step(num > 0, abs(num), wall, self.prep_s, ev))  # type: ignore[arg-type]
+        return out, num
+
+
+class _TimedSampler:
+    def __init__(self, sampler: Any, rec: Recorder):
+        self.sampler, self.rec = sampler, rec
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        out = self.sampler(*a, **k)
+        self.rec._event()
+        return out
+
+
+def parts(steps: list[Step]) -> dict[str, float]:
+    """Tokens/s and the mean step split (ms) of some steps; device times read from their events."""
+    if not steps:
+        return {}
+    wall = sum(s.wall_s for s in steps)
+    prep = sum(s.prep_s for s in steps)
+    fwd = smp = 0.0
+    for s in steps:
+        if s.events is not None:
+            e0, e1, e2 = s.events
+            fwd += e0.elapsed_time(e1) / 1e3
+            smp += e1.elapsed_time(e2) / 1e3
+    n = len(steps)
+    return {
+        "steps": n,
+        "tokens": sum(s.tokens for s in steps),
+        "tokens_per_s": sum(s.tokens for s in steps) / wall if wall else 0.0,
+        "step_ms": 1e3 * wall / n,
+        "prep_ms": 1e3 * prep / n,
+        "forward_ms": 1e3 * fwd / n,
+        "sample_ms": 1e3 * smp / n,
+        "rest_ms": 1e3 * (wall - prep - fwd - smp) / n,
+        "prep_share": prep / wall if wall else 0.0,
+    }
+
+
+# --- running an engine -----------------------------------------------------------------------------
+
+
+def generate(engine: Any, w: Workload, seed: int, vocab: int, rec: Recorder | None) -> tuple[list, float]:
+    """The workload on ``engine`` through its own ``add_request`` and ``step``; (token ids per request in
+    request order, wall seconds). Requests arrive ``arrivals_per_step`` before each step (all at once: 0)."""
+    nano = P.load()
+    ps, lens = prompts(w, vocab, seed)
+    torch.manual_seed(seed)
+    pending = list(range(len(ps)))
+    index: dict[int, int] = {}
+    outputs: dict[int, list[int]] = {}
+    t = time.perf_counter()
+    while pending or not engine.is_finished():
+        for _ in range(w.arrivals_per_step or len(pending)):
+            if not pending:
+                break
+            i = pending.pop(0)
+            sp = nano.sampling_params.SamplingParams(
+                temperature=TEMPERATURE, max_tokens=lens[i], ignore_eos=True
+            )
+            engine.add_request(ps[i], sp)
+            index[engine.scheduler.waiting[-1].seq_id] = i
+        out, _ = rec.step(engine) if rec is not None else engine.step()
+        for sid, toks in out:
+            outputs[index[sid]] = list(toks)
+    wall = time.perf_counter() - t
+    return [outputs[i] for i in range(len(ps))], wall
+
+
+def engine_kwargs(cfg: EngineConfig, tokenizer: Any) -> dict[str, Any]:
+    return {**asdict(cfg), "tokenizer": tokenizer}
+
+
+def start(model_dir: Path, cfg: EngineConfig, tokenizer: Any) -> Any:
+    """nano-vllm's ``LLM`` on ``model_dir`` (its exit is ours to call: :func:`stop`)."""
+    llm = P.load().nanovllm.LLM(str(model_dir), **engine_kwargs(cfg, tokenizer))
+    atexit.unregister(llm.exit)
+    return llm
+
+
+def stop(llm: Any) -> None:
+    llm.exit()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _drop_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def as_setup(llm: Any, setup: str) -> Iterator[None]:
+    """``llm`` prepared as ``setup`` for the block: own (detached) or attached on the setup's tier."""
+    import stagebuf.nanovllm as sn
+
+    if setup == "own":
+        sn.detach(llm)
+        yield
+        return
+    with stagebuf_tier(setup.split("_", 1)[1]):
+        sn.attach(llm)
+        try:
+            yield
+        finally:
+            sn.detach(llm)
+
+
+@dataclass
+class Run:
+    setup: str
+    workload: str
+    round: int
+    wall_s: float
+    generated: int
+    decode: dict[str, float]
+    prefill: dict[str, float]
+    identical: bool | None = None
+    tier: str | None = None
+    tokens: list[list[int]] = field(default_factory=list, repr=False)
+
+
+def run_one(llm: Any, setup: str, name: str, w: Workload, seed: int, vocab: int, rnd: int) -> Run:
+    import stagebuf.nanovllm as sn
+
+    warm = Workload(min(8, w.requests), w.prompt, (2, 2), w.arrivals_per_step, w.shared_prefix, w.prefix_len)
+    generate(llm, warm, seed + 1, vocab, None)  # the setup's first steps (allocations) out of the timing
+    torch.cuda.synchronize()
+    with Recorder(llm.model_runner) as rec:
+        toks, wall = generate(llm, w, seed, vocab, rec)
+        torch.cuda.synchronize()
+    st = sn.stats(llm) if sn.is_attached(llm) else {}
+    return Run(
+        setup, name, rnd, wall, sum(map(len, toks)),
+        parts([s for s in rec.steps if not s.prefill]), parts([s for s in rec.steps if s.prefill]),
+        tier=st.get("tier"), tokens=toks,
+    )  # fmt: skip
+
+
+def measure(
+    model_dir: Path,
+    workloads: dict[str, Workload],
+    rounds: int,
+    seed: int = 0,
+    cfg: EngineConfig = EngineConfig(),  # noqa: B008
+    nopin: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Every setup's runs (:class:`Run` as dicts, tokens dropped after the check) and the no-pin start."""
+    import stagebuf
+    import stagebuf.nanovllm as sn
+
+    from . import e2e_attention as A
+    from . import e2e_model as M
+
+    nano = P.load()
+    attention = A.install(sys.modules["nanovllm.layers.attention"])
+    nano.config.AutoConfig = P.AutoConfig  # config.json as written (see P.AutoConfig)
+    tok = M.load_tokenizer(model_dir)
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    runs: list[Run] = []
+    ref: dict[str, list[list[int]]] = {}
+
+    def keep(r: Run) -> None:
+        if r.workload not in ref:
+            ref[r.workload] = r.tokens
+        r.identical = r.tokens == ref[r.workload]
+        dec, pre = r.decode.get("tokens_per_s", 0), r.prefill.get("tokens_per_s", 0)
+        log(f"  {r.setup:18} {r.workload:8} round {r.round}: decode {dec:9.0f} tok/s, prefill {pre:9.0f}"
+            f" tok/s, identical={r.identical}")  # fmt: skip
+        r.tokens = []
+        runs.append(r)
+
+    t0 = time.perf_counter()
+    llm = start(model_dir, cfg, tok)
+    started = {"own": round(time.perf_counter() - t0, 1)}
+    try:
+        for rnd in range(rounds):
+            # rotated; round 0 starts with own, whose first run is every setup's reference
+            order = SETUPS[rnd % len(SETUPS) :] + SETUPS[: rnd % len(SETUPS)]
+            for setup in order:
+                for name, w in workloads.items():
+                    with as_setup(llm, setup):
+                        keep(run_one(llm, setup, name, w, seed, vocab, rnd))
+    finally:
+        stop(llm)
+    no_pin: dict[str, Any] = {}
+    if nopin:
+        with refuse_pinning():
+            stagebuf.reset_capabilities()
+            try:
+                bare = start(model_dir, cfg, tok)
+            except Exception as e:  # the expected outcome: its own buffers are pinned
+                no_pin["own_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                _drop_process_group()
+                gc.collect()
+                torch.cuda.empty_cache()
+            else:
+                no_pin["own_error"] = None
+                stop(bare)
+            sn.attach(nano.model_runner.ModelRunner)
+            try:
+                t0 = time.perf_counter()
+                llm = start(model_dir, cfg, tok)
+                started[NOPIN] = round(time.perf_counter() - t0, 1)
+                try:
+                    for rnd in range(rounds):
+                        for name, w in workloads.items():
+                            keep(run_one(llm, NOPIN, name, w, seed, vocab, rnd))
+                finally:
+                    stop(llm)
+            finally:
+                sn.detach(nano.model_runner.ModelRunner)
+                stagebuf.reset_capabilities()
+    return {
+        "attention": attention,
+        "engine": asdict(cfg),
+        "workloads": {k: asdict(v) for k, v in workloads.items()},
+        "rounds": rounds,
+        "seed": seed,
+        "started_s": started,
+        "no_pin": no_pin,
+        "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs],
+    }
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+GOALS: dict[str, tuple[str, str, float, str]] = {
+    "e2e_nanovllm_decode_uva_vs_own": (">=", "decode tok/s, attached UVA / own", 1.7, "decode"),
+    "e2e_nanovllm_decode_pageable_vs_own": (
+        ">=", "decode tok/s, attached PAGEABLE / own with pinned memory", 1.6, "decode"),
+    "e2e_nanovllm_decode_nopin_vs_own": (
+        ">=", "decode tok/s, attached on a machine without pinned memory / own with pinned memory", 1.5,
+        "decode"),
+    "e2e_nanovllm_prefill_uva_vs_own": (">=", "prefill tok/s, attached UVA / own", 1.05, "prefill"),
+    "e2e_nanovllm_prep_share_uva": (
+        "<=", "attached UVA: input preparation (prepare_decode + prepare_sample) / the whole decode step",
+        0.1, "decode"),
+    "e2e_nanovllm_tokens_identical": (
+        ">=", "runs whose generated token ids equal the own engine's first round, every setup (share)", 1.0,
+        "all"),
+}  # fmt: skip
+"""name: (op, what it compares, goal, workload)."""
+
+WHY = {
+    "e2e_nanovllm_decode_uva_vs_own": "attaching stagebuf gains less decode throughput than claimed: "
+    "the own engine's host preparation is a smaller share of its step on this machine",
+    "e2e_nanovllm_decode_pageable_vs_own": "without pinned memory the attached engine decodes slower, "
+    "relative to the own engine with pinned memory, than claimed",
+    "e2e_nanovllm_decode_nopin_vs_own": "on a machine without pinned memory the attached engine decodes "
+    "slower than claimed, relative to the own engine where pinning works",
+    "e2e_nanovllm_prefill_uva_vs_own": "prefill gains less than claimed from attaching stagebuf",
+    "e2e_nanovllm_prep_share_uva": "input preparation is a larger share of the attached decode step "
+    "than claimed",
+    "e2e_nanovllm_tokens_identical": "a setup generated other token ids than nano-vllm's own engine: "
+    "its inputs differ",
+}
+
+
+def _median(runs: list[dict[str, Any]], setup: str, workload: str, kind: str, key: str) -> float | None:
+    vals = [r[kind][key] for r in runs if r["setup"] == setup and r["workload"] == workload and r[kind]]
+    return float(statistics.median(vals)) if vals else None
+
+
+def summarize(measured: dict[str, Any]) -> dict[str, Any]:
+    """Medians per setup and workload, and the targets of :data:`GOALS` (``ratios``, the bench's form)."""
+    runs = measured["runs"]
+    setups = [s for s in (*SETUPS, NOPIN) if any(r["setup"] == s for r in runs)]
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for w in measured["workloads"]:
+        table[w] = {}
+        for s in setups:
+            mine = [r for r in runs if r["setup"] == s and r["workload"] == w]
+            if not mine:
+                continue
+            row: dict[str, Any] = {
+                "rounds": len(mine),
+                "identical": all(r["identical"] for r in mine),
+                "tier": next((r["tier"] for r in mine if r["tier"]), None),
+                "generated_tokens_per_s": statistics.median(r["generated"] / r["wall_s"] for r in mine),
+            }
+            for kind in ("decode", "prefill"):
+                for key in ("tokens_per_s", "step_ms", "prep_ms", "forward_ms", "sample_ms", "rest_ms",
+                            "prep_share"):  # fmt: skip
+                    v = _median(runs, s, w, kind, key)
+                    if v is not None:
+                        row[f"{kind}_{key}"] = v
+            table[w][s] = row
+
+    def ratio(w: str, kind: str, num: str, den: str) -> float | None:
+        a, b = table.get(w, {}).get(num, {}), table.get(w, {}).get(den, {})
+        x, y = a.get(f"{kind}_tokens_per_s"), b.get(f"{kind}_tokens_per_s")
+        return x / y if x and y else None
+
+    uva = table.get("decode", {}).get("stagebuf_uva", {})
+    same = sum(bool(r["identical"]) for r in runs)
+    values: dict[str, float | None] = {
+        "e2e_nanovllm_decode_uva_vs_own": ratio("decode", "decode", "stagebuf_uva", "own"),
+        "e2e_nanovllm_decode_pageable_vs_own": ratio("decode", "decode", "stagebuf_pageable", "own"),
+        "e2e_nanovllm_decode_nopin_vs_own": ratio("decode", "decode", NOPIN, "own"),
+        "e2e_nanovllm_prefill_uva_vs_own": ratio("prefill", "prefill", "stagebuf_uva", "own"),
+        "e2e_nanovllm_prep_share_uva": uva.get("decode_prep_share"),
+        "e2e_nanovllm_tokens_identical": same / len(runs) if runs else None,
+    }
+    ratios: dict[str, dict[str, Any]] = {}
+    for name, (op, what, goal, w) in GOALS.items():
+        v = values[name]
+        ok = None if v is None else (v >= goal if op == ">=" else v <= goal)
+        r: dict[str, Any] = {"description": what, "workload": f"e2e {w}", "op": op, "target": goal,
+                             "measured": None if v is None else round(v, 4),
+                             "status": "skipped" if ok is None else "pass" if ok else "fail"}  # fmt: skip
+        if ok is False:
+            r["why"] = WHY[name]
+        ratios[name] = r
+    own = table.get("decode", {}).get("own", {})
+    return {
+        "table": table,
+        "ratios": ratios,
+        "own_decode_prep_share": own.get("decode_prep_share"),
+        "own_fails_without_pinning": measured.get("no_pin", {}).get("own_error"),
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report's tables in Markdown: one caption naming machine, command and commit."""
+    s = report["summary"]
+    lines = [
+        f"nano-vllm-fork {P.VERSION} end to end on {report.get('device_name', '?')}: "
+        f"`{report.get('command', '?')}`, commit `{(report.get('commit') or '?')[:10]}`; "
+        f"model {report['shape']} (random weights), attention: {report['measured']['attention']}; "
+        f"medians of {report['measured']['rounds']} rounds.",
+        "",
+        "| workload | setup | tier | decode tok/s | prefill tok/s | decode step ms (prep / forward / "
+        "sample / rest) | tokens identical |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
+    for w, rows in s["table"].items():
+        for setup, row in rows.items():
+            split = " / ".join(
+                f"{row.get(f'decode_{k}_ms', 0):.2f}" for k in ("prep", "forward", "sample", "rest")
+            )
+            lines.append(
+                f"| {w} | {setup} | {row.get('tier') or '-'} | {row.get('decode_tokens_per_s', 0):,.0f} | "
+                f"{row.get('prefill_tokens_per_s', 0):,.0f} | {row.get('decode_step_ms', 0):.2f} ({split}) | "
+                f"{'yes' if row['identical'] else 'NO'} |"
+            )
+    lines += ["", "| target | what it compares | goal | measured | status |", "|---|---|---|---:|---|"]
+    for name, r in s["ratios"].items():
+        m = "-" if r["measured"] is None else f"{r['measured']:.3f}"
+        lines.append(f"| `{name}` | {r['description']} | {r['op']} {r['target']} | {m} | {r['status']} |")
+    share = s.get("own_decode_prep_share")
+    if share is not None:
+        lines += ["", f"The own engine's decode step is {share:.0%} host input preparation in this run."]
+    err = s.get("own_fails_without_pinning")
+    if err:
+        lines += [f"Without pinned memory nano-vllm's own engine does not start: `{err}`."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Tokens/s of each setup against the own engine's, decode and prefill, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = report["summary"]["table"]
+    panels = [("decode", "decode", "decode tokens/s"), ("prefill", "prefill", "prefill tokens/s")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(8, 3.2), dpi=120)
+    for ax, (w, kind, title) in zip(axes, panels):
+        rows = table.get(w, {})
+        names = [s for s in (*SETUPS, NOPIN) if s in rows]
+        vals = [rows[s].get(f"{kind}_tokens_per_s", 0.0) for s in names]
+        base = rows.get("own", {}).get(f"{kind}_tokens_per_s")
+        bars = ax.bar(range(len(names)), vals, color=["#888888" if n == "own" else "#2a7ab9" for n in names])
+        ax.set_xticks(range(len(names)), [n.replace("stagebuf_", "") for n in names], fontsize=8)
+        ax.set_title(f"{w}: {title}", fontsize=9)
+        ax.tick_params(axis="y", labelsize=8)
+        for b, v in zip(bars, vals):
+            if base:
+                ax.annotate(f"{v / base:.2f}×", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
+                            fontsize=8)  # fmt: skip
+    fig.suptitle(f"nano-vllm {P.VERSION}, {report['shape']}: own vs stagebuf attached (tier)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@click.command("e2e")
+@click.option(
+    "--shape", default="qwen3-0.6b", show_default=True, help="The model's shape (e2e_model.SHAPES)."
+)
+@click.option("--small", is_flag=True, help="The small workloads (for the tiny shape).")
+@click.option("--workload", "names", multiple=True, help="Only these workloads (decode, prefill, mixed).")
+@click.option("--rounds", type=click.IntRange(1, 50), default=3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--no-nopin", is_flag=True, help="Leave out the machine without pinned memory.")
+@click.option("--model-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the model folder is written (default: a cache folder).")  # fmt: skip
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
+@click.option("--markdown", "md_path", type=click.Path(path_type=Path), default=None)
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None)
+@click.option("--from-json", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Render (--markdown, --plot) a report made before, measuring nothing.")  # fmt: skip
+def main(
+    shape: str, small: bool, names: tuple[str, ...], rounds: int, seed: int, no_nopin: bool,
+    model_dir: Path | None, json_path: Path | None, md_path: Path | None, plot_path: Path | None,
+    from_json: Path | None,
+) -> None:  # fmt: skip
+    """nano-vllm's real engine generating tokens, on its own input preparation and on stagebuf's."""
+    from . import e2e_model as M
+    from .bench import _git, command_line
+    from .vllm_mrv2 import cache_root
+
+    if from_json is not None:
+        report = json.loads(from_json.read_text())
+    else:
+        if not torch.cuda.is_available():
+            raise click.UsageError("the end-to-end workload runs nano-vllm's engine: it needs a CUDA device")
+        why = P.available()
+        if why:
+            raise click.UsageError(f"nano-vllm-fork {P.VERSION} is not available here: {why}")
+        pool = SMALL if small else WORKLOADS
+        unknown = sorted(set(names) - set(pool))
+        if unknown:
+            raise click.BadParameter(f"{unknown}; allowed: {', '.join(pool)}", param_hint="--workload")
+        workloads = {k: v for k, v in pool.items() if not names or k in names}
+        folder = model_dir or cache_root() / f"model-{shape}-{seed}"
+        M.write_model(folder, shape, seed)
+        t = time.perf_counter()
+        measured = measure(folder, workloads, rounds, seed, nopin=not no_nopin)
+        report = {
+            "command": command_line().replace("-m benchmarks ", "-m benchmarks.e2e ", 1),
+            "commit": os.environ.get("STAGEBUF_BENCH_COMMIT") or _git("rev-parse", "HEAD"),
+            "device_name": torch.cuda.get_device_name(),
+            "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
+            "shape": shape,
+            "measured": measured,
+            "elapsed_s": round(time.perf_counter() - t, 1),
+        }
+        report["summary"] = summarize(measured)
+    text = markdown(report)
+    print(text)
+    for line in misses(report["summary"]):
+        print("missed:", line)
+    print(verdict(report["summary"], strict=False))
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=1) + "\n")
+    if md_path:
+        md_path.write_text(text)
+    if plot_path:
+        plot(report, plot_path)
+
+
+if __name__ == "__main__":
+    main(prog_name="python -m benchmarks.e2e")

@@ -1,0 +1,338 @@
+"""A Qwen3 model folder for nano-vllm's end-to-end run, written at run time with random weights.
+
+``write_model(folder, shape, seed)`` writes what nano-vllm's ``LLM(folder, tokenizer=...)``
+reads: ``config.json`` (Qwen3-0.6B's published fields, or the same architecture tiny for
+CPU tests), ``model.safetensors`` (Hugging Face Qwen3 parameter names, bfloat16, tied
+embeddings: no ``lm_head``) and a tokenizer built offline (``tokenizer.json``, a WordLevel
+vocabulary ``t0 t1 ...`` with Qwen's two special tokens at their ids, and
+``tokenizer_config.json`` for transformers' ``AutoTokenizer``). ``load_tokenizer`` gives
+the small adapter nano-vllm's engine takes as ``tokenizer=``.
+
+The weights are random because the GPU box has no network: nothing is downloaded, and a
+benchmark of the engine's host path needs the model's shapes, dtype and cost, not its
+answers. They are drawn from ``seed`` (one ``torch.Generator`` per tensor, seeded from
+the seed and the tensor's name): the same torch build writes the same bytes. Linear and
+embedding weights are normal with std ``INIT_STD`` (0.02, Qwen3's ``initializer_range``,
+what transformers' own initialisation draws); every RMSNorm weight is 1. For 0.6B that
+gives attention scores of std about 1 (``q_norm``/``k_norm`` hold q and k at RMS 1), layer
+outputs of RMS 0.2-0.6, a residual stream of RMS about 3 after 28 layers, and tied-head
+logits of std about ``0.02 * sqrt(hidden_size)`` = 0.64: finite in bfloat16, varying
+with token and position, near-uniform after softmax (top-1 about 1e-4, EOS about 6e-6 a
+step), so sequences end by ``max_tokens``, not EOS.
+
+A folder is written into a temporary sibling and renamed into place; a folder whose
+``stagebuf-model.json`` manifest matches (writer version, shape, seed, config and the
+files' sizes) is reused as it is. The safetensors file is streamed a slice of rows at a
+time, so the 1.2 GB of the 0.6B shape never sits in memory whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import torch
+
+if TYPE_CHECKING:
+    import tokenizers
+
+WRITER_VERSION = 1
+"""Bumped whenever the files written for a (shape, seed) change: an older folder is rewritten."""
+INIT_STD = 0.02
+"""The std of every linear and embedding weight (Qwen3's ``initializer_range``); norms are 1."""
+MANIFEST = "stagebuf-model.json"
+WEIGHTS = "model.safetensors"
+BOS_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+
+_QWEN3_0_6B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": _QWEN3_0_6B,
+    "tiny": {
+        **_QWEN3_0_6B,
+        "bos_token_id": 998,
+        "eos_token_id": 999,
+        "head_dim": 16,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "max_window_layers": 2,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+    },
+}
+"""``config.json`` of each shape: Qwen3-0.6B's published one, and the same architecture tiny."""
+
+NANOVLLM_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "attention_bias",
+    "hidden_act", "tie_word_embeddings", "torch_dtype",
+)  # fmt: skip
+"""The config.json fields nano-vllm 20260210 reads (``Config``, ``Qwen3ForCausalLM``, ``ModelRunner``);
+it also reads ``rope_scaling``, which must be absent or null."""
+
+
+def parameter_shapes(shape: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor of ``model.safetensors`` for ``shape``, by its Hugging Face name, in file order."""
+    c = SHAPES[shape]
+    if c.get("attention_bias"):
+        raise ValueError(f"shape {shape!r}: attention_bias is not written (Qwen3 has none)")
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    head = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q, hidden),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q),
+            p + "self_attn.q_norm.weight": (head,),
+            p + "self_attn.k_norm.weight": (head,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+    out["model.norm.weight"] = (hidden,)
+    if not c["tie_word_embeddings"]:
+        out["lm_head.weight"] = (vocab, hidden)
+    return out
+
+
+def parameter_count(shape: str) -> int:
+    return sum(math.prod(s) for s in parameter_shapes(shape).values())
+
+
+# --- the weights ----------------------------------------------------------------------------------
+
+_CHUNK_ELEMS = 1 << 22
+"""Elements drawn (and held, as float32) at a time: 16 MiB."""
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"stagebuf-e2e-model/{seed}/{name}".encode()).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def tensor_chunks(name: str, shape: tuple[int, ...], seed: int) -> Iterator[torch.Tensor]:
+    """The bfloat16 values of one tensor, as consecutive slices of whole rows (concatenated: the tensor)."""
+    rows = shape[0]
+    row = math.prod(shape[1:])
+    step = max(1, _CHUNK_ELEMS // max(row, 1))
+    g = None if _is_norm(name) else _generator(seed, name)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        if g is None:
+            yield torch.ones((n, *shape[1:]), dtype=torch.bfloat16)
+        else:
+            part = torch.randn((n, *shape[1:]), generator=g, dtype=torch.float32)
+            yield part.mul_(INIT_STD).to(torch.bfloat16)
+
+
+def draw_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """One tensor as ``write_model`` writes it (whole, in memory)."""
+    return torch.cat(list(tensor_chunks(name, shape, seed)))
+
+
+def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> None:
+    """The safetensors layout (u64 header length, JSON header, little-endian data), a slice at a time."""
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors data is little-endian; this writer copies host memory as it is")
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name, shape in shapes.items():
+            for part in tensor_chunks(name, shape, seed):
+                _write_tensor(f, part)
+
+
+def _write_tensor(f: BinaryIO, t: torch.Tensor) -> None:
+    f.write(t.contiguous().view(torch.int16).numpy().tobytes())
+
+
+# --- the tokenizer --------------------------------------------------------------------------------
+
+
+def _token_names(c: dict[str, Any]) -> list[str]:
+    names = [f"t{i}" for i in range(c["vocab_size"])]
+    names[c["bos_token_id"]] = BOS_TOKEN
+    names[c["eos_token_id"]] = EOS_TOKEN
+    return names
+
+
+def _write_tokenizer(folder: Path, c: dict[str, Any]) -> None:
+    from tokenizers import AddedToken, models, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+
+    vocab = {t: i for i, t in enumerate(_token_names(c))}
+    tok = RustTokenizer(models.WordLevel(vocab, unk_token=BOS_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(BOS_TOKEN, special=True), AddedToken(EOS_TOKEN, special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": BOS_TOKEN,
+        "unk_token": BOS_TOKEN,
+        "model_max_length": c["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+
+
+class Tokenizer:
+    """What nano-vllm's ``LLMEngine`` uses of a tokenizer (``LLM(model, tokenizer=...)``): ``eos_token_id``,
+    ``encode`` (no special tokens added) and ``decode`` (special tokens kept, as transformers' default)."""
+
+    def __init__(self, inner: tokenizers.Tokenizer, eos_token: str = EOS_TOKEN):
+        eos = inner.token_to_id(eos_token)
+        if eos is None:
+            raise ValueError(f"the tokenizer has no {eos_token!r}")
+        self.inner = inner
+        self.eos_token = eos_token
+        self.eos_token_id: int = eos
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.inner.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.inner.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.inner.decode(list(ids), skip_special_tokens=False))
+
+
+def load_tokenizer(folder: str | os.PathLike[str]) -> Tokenizer:
+    """The folder's ``tokenizer.json`` (its eos token from ``tokenizer_config.json``)."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    folder = Path(folder)
+    eos = EOS_TOKEN
+    cfg = folder / "tokenizer_config.json"
+    if cfg.is_file():
+        eos = json.loads(cfg.read_text()).get("eos_token") or EOS_TOKEN
+    return Tokenizer(RustTokenizer.from_file(str(folder / "tokenizer.json")), eos)
+
+
+# --- the folder -----------------------------------------------------------------------------------
+
+
+def _manifest(shape: str, seed: int) -> dict[str, Any]:
+    return {"writer": WRITER_VERSION, "shape": shape, "seed": seed, "config": SHAPES[shape]}
+
+
+def _matches(folder: Path, want: dict[str, Any]) -> bool:
+    try:
+        have = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(have, dict) or {k: have.get(k) for k in want} != want:
+        return False
+    files = have.get("files")
+    if not isinstance(files, dict) or WEIGHTS not in files:
+        return False
+    try:
+        return all((folder / name).stat().st_size == size for name, size in files.items())
+    except OSError:
+        return False
+
+
+def write_model(folder: str | os.PathLike[str], shape: str = "qwen3-0.6b", seed: int = 0) -> Path:
+    """The model folder for ``shape`` with weights from ``seed``: reused where its manifest matches,
+    otherwise written whole (into a temporary sibling, then renamed into place). Returns ``folder``.
+
+    An existing folder is replaced only when it is empty or holds a manifest (a folder this wrote);
+    anything else raises ``FileExistsError``.
+    """
+    if shape not in SHAPES:
+        raise KeyError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
+    folder = Path(folder)
+    want = _manifest(shape, seed)
+    if _matches(folder, want):
+        return folder
+    if folder.exists() and any(folder.iterdir()) and not (folder / MANIFEST).exists():
+        raise FileExistsError(f"{folder} exists and is not a model folder written here (no {MANIFEST})")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        c = SHAPES[shape]
+        (tmp / "config.json").write_text(json.dumps(c, indent=2) + "\n")
+        _write_tokenizer(tmp, c)
+        _write_safetensors(tmp / WEIGHTS, parameter_shapes(shape), seed)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps({**want, "files": files}, indent=2) + "\n")
+        old = None
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(folder, old)
+            except FileNotFoundError:  # another writer moved it first
+                old = None
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not _matches(folder, want):  # not another writer's finished folder
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

@@ -3,8 +3,10 @@
     python -m benchmarks.render_docs [REPORT] [--doc PATH] [--check]
 
 REPORT defaults to ``benchmarks/results/h200.json``. The tables replace whatever lies between
-``<!-- tables:begin -->`` and ``<!-- tables:end -->`` in the doc (default ``docs/BENCHMARKS.md``);
-``--check`` changes nothing and exits 1 when the doc's tables are not the report's.
+``<!-- tables:begin -->`` and ``<!-- tables:end -->`` in the doc (default ``docs/BENCHMARKS.md``), and
+the end-to-end report's (``--e2e``, default ``benchmarks/results/h200-e2e.json``, where it exists) what
+lies between ``<!-- e2e:begin -->`` and ``<!-- e2e:end -->``; ``--check`` changes nothing and exits 1
+when the doc's tables are not the reports'.
 
 The doc shows a compact selection of the report (every current target, and per workload the
 columns a reader compares); ``python -m benchmarks --from-json REPORT --markdown out.md`` prints
@@ -28,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "benchmarks" / "results" / "h200.json"
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+E2E_REPORT = ROOT / "benchmarks" / "results" / "h200-e2e.json"
+E2E_BEGIN, E2E_END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
 WRITES_LENGTH = 8
 """The staged-write table shows edits of this many elements (the middle length of the sweep)."""
 NA = {"cuda": "n/a (GPU only)", "cpu": "n/a (CPU only)"}
@@ -232,13 +236,23 @@ def tables(report: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def render(doc: str, report: dict[str, Any]) -> str:
-    """``doc`` with the text between its markers replaced by :func:`tables`; ValueError without them."""
-    if doc.count(BEGIN) != 1 or doc.count(END) != 1 or doc.index(BEGIN) > doc.index(END):
-        raise ValueError(f"the doc needs one {BEGIN} line, then one {END} line")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{tables(report)}{END}{tail}"
+def _between(doc: str, begin: str, end: str, text: str) -> str:
+    if doc.count(begin) != 1 or doc.count(end) != 1 or doc.index(begin) > doc.index(end):
+        raise ValueError(f"the doc needs one {begin} line, then one {end} line")
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{text}{end}{tail}"
+
+
+def render(doc: str, report: dict[str, Any], e2e: dict[str, Any] | None = None) -> str:
+    """``doc`` with the text between its markers replaced by :func:`tables` (and, given an end-to-end
+    report, :func:`benchmarks.e2e.markdown` between the e2e markers); ValueError without them."""
+    doc = _between(doc, BEGIN, END, tables(report))
+    if e2e is not None:
+        from . import e2e as E2E
+
+        doc = _between(doc, E2E_BEGIN, E2E_END, E2E.markdown(e2e))
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,12 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         "report", nargs="?", default=str(REPORT), help="a bench report (--json); default: %(default)s"
     )
     p.add_argument("--doc", default=str(DOC), help="the Markdown file to rewrite; default: %(default)s")
+    p.add_argument("--e2e", default=str(E2E_REPORT), help="an end-to-end report; default: %(default)s")
     p.add_argument("--check", action="store_true", help="exit 1 if the doc's tables are stale; write nothing")
     a = p.parse_args(argv)
     report = json.loads(Path(a.report).read_text())
+    e2e = json.loads(Path(a.e2e).read_text()) if Path(a.e2e).is_file() else None
     doc = Path(a.doc)
     old = doc.read_text()
-    new = render(old, report)
+    new = render(old, report, e2e)
     if a.check:
         if new != old:
             print(

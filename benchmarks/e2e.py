@@ -92,8 +92,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int = 2048
     max_num_batched_tokens: int = 16384
-    gpu_memory_utilization: float = 0.4
-    """Two engines live in turn: each takes well under half of the GPU's memory."""
+    gpu_memory_utilization: float = 0.8
+    """Enough KV cache that no workload preempts (nano-vllm 20260210's preemption can fail its scheduler);
+    the engines live one after the other."""
     enforce_eager: bool = False
 
 
@@ -394,13 +395,17 @@ def measure(
         r.identical = r.tokens == ref[r.workload]
         dec, pre = r.decode.get("tokens_per_s", 0), r.prefill.get("tokens_per_s", 0)
         log(f"  {r.setup:18} {r.workload:8} round {r.round}: decode {dec:9.0f} tok/s, prefill {pre:9.0f}"
-            f" tok/s, identical={r.identical}")  # fmt: skip
+            f" tok/s, identical={r.identical}, decode step ms {r.decode.get('step_ms', 0):.2f} (prep"
+            f" {r.decode.get('prep_ms', 0):.2f}, forward {r.decode.get('forward_ms', 0):.2f}, sample"
+            f" {r.decode.get('sample_ms', 0):.2f})")  # fmt: skip
         r.tokens = []
         runs.append(r)
 
     t0 = time.perf_counter()
     llm = start(model_dir, cfg, tok)
     started = {"own": round(time.perf_counter() - t0, 1)}
+    blocks = {"own": llm.model_runner.config.num_kvcache_blocks}
+    log(f"engine started in {started['own']} s, {blocks['own']} KV-cache blocks; attention: {attention}")
     try:
         for rnd in range(rounds):
             # rotated; round 0 starts with own, whose first run is every setup's reference
@@ -430,6 +435,7 @@ def measure(
                 t0 = time.perf_counter()
                 llm = start(model_dir, cfg, tok)
                 started[NOPIN] = round(time.perf_counter() - t0, 1)
+                blocks[NOPIN] = llm.model_runner.config.num_kvcache_blocks
                 try:
                     for rnd in range(rounds):
                         for name, w in workloads.items():
@@ -446,6 +452,7 @@ def measure(
         "rounds": rounds,
         "seed": seed,
         "started_s": started,
+        "kv_cache_blocks": blocks,
         "no_pin": no_pin,
         "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs],
     }

@@ -9,8 +9,8 @@ attention context (``nanovllm.utils.context``):
 
 * the arrays of a ``prepare_prefill`` or ``prepare_decode`` call, and the sampling
   arrays of the ``prepare_sample`` that nano-vllm's ``run`` calls next for the same
-  batch, go in one :class:`~stagebuf.StepStager` step: one transfer per engine step on
-  PINNED and PAGEABLE, none on UVA and HOST; built in bulk with numpy;
+  batch, go in one :class:`~stagebuf.StepStager` step: one transfer per engine step (none
+  on HOST; on UVA too, as the forward reads them in every layer); built in bulk with numpy;
 * a ``prepare_sample`` called otherwise (another batch, another ``is_cfg_batch``, after
   a graph-replayed decode) stages its arrays in one step of a second stager;
 * a decode that ``run_model`` would replay as a captured CUDA graph is written from a
@@ -155,8 +155,9 @@ def _prep(runner: Any) -> Prep:
     if p is None:
         p = runner.__dict__[_STATE] = Prep(runner)
         logger.info(
-            "stagebuf.nanovllm: %s prepares its inputs on tier %s", type(runner).__name__, p.stager.tier
-        )
+            "stagebuf.nanovllm: %s prepares its inputs on tier %s (steps: %s)",
+            type(runner).__name__, p.sampler.tier, p.stager.tier,
+        )  # fmt: skip
     return p
 
 
@@ -290,7 +291,9 @@ def is_attached(target: Any) -> bool:
 
 
 def stats(target: Any) -> dict[str, Any]:
-    """What an attached runner did: its tier, its two stagers' counters, graph-input copies.
+    """What an attached runner did: its tier (the machine's: graph inputs and sampling), the tier of its
+    prefill and decode steps (``step_tier``: PINNED on a UVA machine, a copy per step, as the forward reads
+    those inputs in every layer), its two stagers' counters, graph-input copies.
 
     Raises
     ------
@@ -307,7 +310,8 @@ def stats(target: Any) -> dict[str, Any]:
     return {
         "attached": is_attached(runner),
         "prepared": True,
-        "tier": prep.stager.tier.name,
+        "tier": prep.sampler.tier.name,
+        "step_tier": prep.stager.tier.name,
         "stager": prep.stager.stats(),
         "sampler": prep.sampler.stats(),
         "graph_input_copies": 0 if g is None else g.copies,

@@ -15,6 +15,8 @@ import torch
 from benchmarks import e2e as E
 from benchmarks import nanovllm_pkg as P
 
+import stagebuf
+
 pytestmark = pytest.mark.gpu
 
 TINY = E.EngineConfig(
@@ -46,6 +48,8 @@ def test_every_setup_generates_the_own_engines_tokens_and_starts_without_pinned_
     tiers = {r["setup"]: r["tier"] for r in runs}
     assert tiers["own"] is None and tiers[E.NOPIN] == "PAGEABLE"
     assert tiers["stagebuf_pinned"] == "PINNED" and tiers["stagebuf_pageable"] == "PAGEABLE"
+    if stagebuf.capabilities().uva:
+        assert tiers["stagebuf_uva"] == "UVA"
     assert m["no_pin"]["own_error"] and "pinned memory" in m["no_pin"]["own_error"]
     mixed = [r for r in runs if r["workload"] == "mixed"]
     assert all(r["decode"]["tokens"] > 0 and r["prefill"]["tokens"] > 0 for r in mixed)

@@ -288,3 +288,22 @@ def test_empty_arrays_publish_nothing(cpu_tier):
         b = st.stage(np.zeros(0, np.bool_))
     assert a.numel() == b.numel() == 0
     assert stager.stats()["transfers"] == 0 and stager.stats()["bytes"] == 0
+
+
+@pytest.mark.parametrize("tier", ["pageable", Tier.PAGEABLE, "host", None])
+def test_a_tier_cap_gives_slots_of_that_tier_and_the_same_values(tier: Tier | str | None) -> None:
+    s = StepStager("cpu", capacity=64, tier=tier)
+    want = {None: Tier.HOST}.get(tier, Tier.PAGEABLE if str(tier).lower().endswith("pageable") else Tier.HOST)
+    assert s.tier is want
+    with s.step() as st:
+        a = st.stage(np.array([3, 1, 2], np.int32))
+        b = st.stage([0.5, 1.5])
+    np.testing.assert_array_equal(a.numpy(), [3, 1, 2])
+    np.testing.assert_array_equal(b.numpy(), [0.5, 1.5])
+
+
+@pytest.mark.parametrize("tier", ["uva", "pinned", "bogus", 3])
+def test_a_tier_that_cannot_work_or_names_none_is_refused_naming_the_allowed(tier: object) -> None:
+    with pytest.raises(stagebuf.StagebufError, match="pageable|PAGEABLE") as e:
+        StepStager("cpu", capacity=64, tier=tier)  # type: ignore[arg-type]
+    assert "tier" in str(e.value).lower()

@@ -296,12 +296,18 @@ class StepStager(Sealed):
     in_place : bool, default False
         Write each step straight into its slot on UVA and HOST too (no copy at publish); only if no reader of
         a step's tensors is enqueued before its flush (it would see the writes land). Off in check mode.
+    tier : Tier, str or None, optional
+        The slots' tier, as for :func:`make_buffer`: None, the device's; or a worse copy tier, e.g.
+        ``"pinned"`` where the kernels read each staged array many times (an eager forward reads its inputs
+        in every layer: one copy into device memory beats reading host memory through UVA each time).
 
     Raises
     ------
     InvalidArgumentError, ArgumentTypeError
-        InvalidArgumentError if ``capacity``, ``max_concurrency`` or ``guard`` is not as allowed above;
-        ArgumentTypeError if ``static`` or ``in_place`` is not a bool.
+        InvalidArgumentError if ``capacity``, ``max_concurrency``, ``guard`` or ``tier`` is not as allowed
+        above; ArgumentTypeError if ``static`` or ``in_place`` is not a bool.
+    TierUnavailableError
+        If ``tier`` cannot work on the device (the message lists the allowed tiers).
     DeviceAllocationError
         If the device runs out of memory for the slots (or the static arena).
     SetupError, TierUnavailableError, ArgumentTypeError
@@ -316,6 +322,7 @@ class StepStager(Sealed):
         guard: GuardMode = "auto",
         static: bool = False,
         in_place: bool = False,
+        tier: Tier | str | None = None,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < ALIGN:
             raise InvalidArgumentError(f"capacity={capacity!r} must be an int >= {ALIGN} (bytes per slot)")
@@ -324,10 +331,12 @@ class StepStager(Sealed):
                 raise ArgumentTypeError(f"{name}={flag!r}; allowed: True or False")
         self.max_concurrency = n = slot_count(max_concurrency)
         self.static = static
+
         # check mode quarantines released slots, except in a static stager (one device arena for all)
-        self._ring = ring = Ring(
-            n, lambda: make_buffer(capacity, torch.uint8, device), guard, "step slot", quarantined=not static
-        )
+        def make() -> StagingBuffer:
+            return make_buffer(capacity, torch.uint8, device, tier)
+
+        self._ring = ring = Ring(n, make, guard, "step slot", quarantined=not static)
         self.device = ring.device
         arena = alloc_device((capacity,), torch.uint8, self.device) if static else None
         self._check = check_mode()

@@ -32,18 +32,26 @@ def _rows(md: str, first_cell: str) -> list[list[str]]:
     return out
 
 
-def test_committed_tables_are_the_committed_report() -> None:
+def test_committed_tables_are_the_committed_reports() -> None:
     doc = R.DOC.read_text()
-    assert R.render(doc, json.loads(R.REPORT.read_text())) == doc, (
-        "docs/BENCHMARKS.md's tables differ from benchmarks/results/h200.json: run "
+    e2e = json.loads(R.E2E_REPORT.read_text())
+    assert R.render(doc, json.loads(R.REPORT.read_text()), e2e) == doc, (
+        "docs/BENCHMARKS.md's tables differ from benchmarks/results/h200.json or h200-e2e.json: run "
         "`.venv/bin/python -m benchmarks.render_docs` and commit the doc"
     )
+    section = doc.split(R.E2E_BEGIN, 1)[1].split(R.E2E_END, 1)[0]
+    for name, r in e2e["summary"]["ratios"].items():
+        (row,) = _rows(section, f"`{name}`")
+        assert row[3] == f"{r['measured']:.3f}" and row[4] == r["status"]
+    assert e2e["commit"][:7] in section and e2e["device_name"] in section
 
 
 def test_results_live_outside_docs() -> None:
     assert R.REPORT.is_file() and R.REPORT.with_suffix(".png").is_file()
     assert not sorted((ROOT / "docs").rglob("*.json")), "run data belongs in benchmarks/results/"
     assert "](../benchmarks/results/h200.png)" in R.DOC.read_text()
+    assert R.E2E_REPORT.with_suffix(".png").is_file()
+    assert "](../benchmarks/results/h200-e2e.png)" in R.DOC.read_text()
 
 
 def test_target_rows_come_from_the_report(report: dict[str, Any]) -> None:
@@ -83,13 +91,14 @@ def test_a_changed_report_makes_the_doc_stale(report: dict[str, Any], tmp_path: 
     doc.write_text(R.render("# title\n\n<!-- tables:begin -->\nold\n<!-- tables:end -->\ntail\n", report))
     src = tmp_path / "h200.json"
     src.write_text(json.dumps(changed))
-    assert R.main([str(src), "--doc", str(doc), "--check"]) == 1
-    assert R.main([str(src), "--doc", str(doc)]) == 0
+    none = ["--e2e", str(tmp_path / "no-e2e-report.json")]
+    assert R.main([str(src), "--doc", str(doc), "--check", *none]) == 1
+    assert R.main([str(src), "--doc", str(doc), *none]) == 0
     text = doc.read_text()
     assert text.startswith("# title\n\n<!-- tables:begin -->\n") and text.endswith(
         "<!-- tables:end -->\ntail\n"
     )
-    assert R.main([str(src), "--doc", str(doc), "--check"]) == 0
+    assert R.main([str(src), "--doc", str(doc), "--check", *none]) == 0
     assert f"{changed['ratios'][name]['measured']:.3f}" in text
 
 
@@ -100,3 +109,20 @@ def test_a_changed_report_makes_the_doc_stale(report: dict[str, Any], tmp_path: 
 def test_markers_are_required(doc: str, report: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="tables:begin"):
         R.render(doc, report)
+
+
+def test_the_readmes_end_to_end_rows_are_the_committed_e2e_report() -> None:
+    e2e = json.loads(R.E2E_REPORT.read_text())
+    table = e2e["summary"]["table"]
+    readme = (ROOT / "README.md").read_text()
+    assert "](benchmarks/results/h200-e2e.png)" in readme and f"commit `{e2e['commit'][:7]}`" in readme
+    for workload, kind in (("decode", "decode"), ("prefill", "prefill")):
+        (row,) = [ln for ln in readme.splitlines() if ln.startswith(f"{kind} tokens/s (")]
+        cells = row.split(" | ")[1:]
+        rows = table[workload]
+        own = rows["own"][f"{kind}_tokens_per_s"]
+        for cell, setup in zip(cells, ("own", "stagebuf_uva", "stagebuf_pageable", "stagebuf_nopin")):
+            v = rows[setup][f"{kind}_tokens_per_s"]
+            assert cell.startswith(f"{round(v):,}".replace(",", " ")), (setup, cell)
+            if setup != "own":
+                assert f"({v / own:.2f}×)" in cell, (setup, cell)

@@ -183,3 +183,52 @@ def test_markdown_names_machine_command_and_commit_once_and_the_chart_is_drawn(t
     (tmp_path / "r.json").write_text(json.dumps(report))
     E.plot(json.loads((tmp_path / "r.json").read_text()), tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- the workloads on nano-vllm's own scheduler (no model) -------------------------------------------
+
+
+class _Runner:
+    """A model runner that samples token 1 for every sequence and counts the prefix-cache hits."""
+
+    def __init__(self) -> None:
+        self.hit_tokens = 0
+        self.prefill_steps = 0
+
+    def call(self, name: str, seqs: list[Any], is_prefill: bool) -> list[int]:
+        assert name == "run"
+        if is_prefill:
+            self.prefill_steps += 1
+            self.hit_tokens += sum(s.num_cached_tokens for s in seqs)
+        return [1] * len(seqs)
+
+
+@pytest.mark.parametrize("name", list(E.WORKLOADS))
+def test_each_workload_runs_on_nanovllms_scheduler_without_preemption_and_mixed_hits_the_prefix_cache(
+    nano: P.Nano, tmp_path: Path, name: str
+) -> None:
+    """nano-vllm's own LLMEngine.step, Scheduler and BlockManager, with the engine settings and the
+    KV-cache blocks of the committed H200 run: every request finishes with its token count, no sequence
+    is preempted (nano-vllm 20260210's preemption can break its scheduler), and the mixed workload hits
+    the prefix cache."""
+    committed = json.loads((Path(__file__).parents[2] / "benchmarks/results/h200-e2e.json").read_text())
+    e = E.EngineConfig()
+    cfg = P.config(
+        tmp_path / "m", max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+        max_model_len=e.max_model_len, num_kvcache_blocks=committed["measured"]["kv_cache_blocks"]["own"],
+    )  # fmt: skip
+    engine = nano.llm_engine.LLMEngine.__new__(nano.llm_engine.LLMEngine)
+    engine.scheduler = nano.scheduler.Scheduler(cfg)
+    engine.model_runner = runner = _Runner()
+    preempted: list[Any] = []
+    real = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda s: (preempted.append(s), real(s))  # type: ignore[method-assign]
+    w = E.WORKLOADS[name]
+    toks, _ = E.generate(engine, w, seed=0, vocab=151936, rec=None)
+    _, lens = E.prompts(w, 151936, seed=0)
+    assert [len(t) for t in toks] == lens
+    assert preempted == []
+    if name == "mixed":
+        assert runner.hit_tokens >= 256 * 20, runner.hit_tokens  # at least 20 shared blocks reused
+    else:
+        assert runner.hit_tokens == 0

@@ -190,3 +190,18 @@ def reset_warnings() -> None:
 
     with log._lock:
         log._seen.clear()
+
+
+def nano_or_skip(cuda: bool = False) -> Any:
+    """nano-vllm's modules (``benchmarks.nanovllm_pkg.load``), or a skip saying why (``cuda``: and CUDA)."""
+    from benchmarks import nanovllm_pkg as P
+
+    if cuda and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    why = P.available()
+    if why:
+        pytest.skip(
+            f"needs {P.DIST} {P.VERSION}'s wheel (pip download --no-deps; without network, carry "
+            f".cache/nanovllm-{P.VERSION}): {why}"
+        )
+    return P.load()

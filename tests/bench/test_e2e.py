@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stagebuf
+from helpers import nano_or_skip
 
 
 def test_prompts_are_seeded_in_range_and_share_prefixes() -> None:
@@ -50,10 +51,7 @@ def test_refuse_pinning_raises_like_a_machine_without_it_and_restores_torch() ->
 
 @pytest.fixture(scope="module")
 def nano() -> P.Nano:
-    why = P.available()
-    if why:
-        pytest.skip(f"needs {P.DIST} {P.VERSION}'s wheel: {why}")
-    return P.load()
+    return nano_or_skip()
 
 
 @pytest.mark.parametrize("attached", [False, True], ids=["own", "stagebuf"])

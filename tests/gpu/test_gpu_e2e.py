@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from benchmarks import e2e as E
-from benchmarks import nanovllm_pkg as P
 
 import stagebuf
+from helpers import nano_or_skip
 
 pytestmark = pytest.mark.gpu
 
@@ -26,11 +25,7 @@ TINY = E.EngineConfig(
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    why = P.available()
-    if why:
-        pytest.skip(f"needs {P.DIST} {P.VERSION}'s wheel (or carry .cache/nanovllm-{P.VERSION}): {why}")
+    nano_or_skip(cuda=True)
     for mod in ("safetensors", "tokenizers", "transformers", "xxhash"):
         pytest.importorskip(mod, reason=f"nano-vllm's engine needs {mod}")
     from benchmarks import e2e_model as M

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from benchmarks import nanovllm_engine as NE
 from benchmarks import nanovllm_pkg as P
+from benchmarks.e2e import refuse_pinning
 from benchmarks.engine import sleep_cycles_for, stagebuf_tier
 
 import stagebuf.nanovllm as sn
+from helpers import nano_or_skip
 
 pytestmark = pytest.mark.gpu
 
@@ -32,14 +33,7 @@ TRACES = {
 
 @pytest.fixture(scope="module")
 def nano() -> P.Nano:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    why = P.available()
-    if why:
-        pytest.skip(
-            f"needs {P.DIST} {P.VERSION}'s wheel (fetch it, or carry .cache/nanovllm-{P.VERSION}): {why}"
-        )
-    return P.load()
+    return nano_or_skip(cuda=True)
 
 
 @pytest.mark.parametrize("setup", TIERS)
@@ -92,59 +86,31 @@ def test_no_sync_on_the_hot_path(nano: P.Nano, tmp_path: Path, setup: str, graph
     torch.cuda.synchronize()
 
 
-def _refuse_pinning() -> Any:
-    """What torch does on a machine without pinned memory: ``pin_memory=True`` raises RuntimeError."""
-    real_tensor, real_zeros, real_empty = torch.tensor, torch.zeros, torch.empty
-    msg = "CUDA error: out of memory (simulated: no pinned memory on this machine)"
-
-    def wrap(f: Any) -> Any:
-        def g(*a: Any, pin_memory: bool = False, **k: Any) -> torch.Tensor:
-            if pin_memory:
-                raise RuntimeError(msg)
-            return f(*a, **k)
-
-        return g
-
-    def pin(self: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
-        raise RuntimeError(msg)
-
-    return (wrap(real_tensor), wrap(real_zeros), wrap(real_empty), pin)
-
-
 def test_own_path_fails_without_pinned_memory_and_stagebuf_pageable_gives_its_inputs(
-    nano: P.Nano, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nano: P.Nano, tmp_path: Path
 ) -> None:
     mr = nano.model_runner.ModelRunner
     trace = NE.Trace(dataclasses.replace(SMALL, steps=60), tmp_path)
     ref = P.runner(trace.config)
     P.own_buffers(ref)  # pinned: nano-vllm's own path where pinning works
-    t, z, e, pin = _refuse_pinning()
     sn.attach(mr)
     try:
-        with monkeypatch.context() as m:
-            m.setattr(torch, "tensor", t)
-            m.setattr(torch, "zeros", z)
-            m.setattr(torch, "empty", e)
-            m.setattr(torch.Tensor, "pin_memory", pin)
-            bare = P.runner(trace.config)
-            with pytest.raises(RuntimeError, match="pinned"):
-                mr.__dict__["_stagebuf_own"]["_allocate_sample_buffers"](bare)
-            r = P.runner(trace.config)
-            with stagebuf_tier("pageable"):
+        with stagebuf_tier("pageable"):
+            with refuse_pinning():
+                bare = P.runner(trace.config)
+                with pytest.raises(RuntimeError, match="pinned"):
+                    mr.__dict__["_stagebuf_own"]["_allocate_sample_buffers"](bare)
+                r = P.runner(trace.config)
                 r._allocate_sample_buffers()  # logged, not raised
-                for i in range(60):
-                    step = trace.next()
-                    assert step is not None
-                    seqs, pre = step
-                    m.undo()
-                    a = NE.snapshot(nano, NE.prepare(ref, seqs, pre))
-                    m.setattr(torch, "tensor", t)
-                    m.setattr(torch, "zeros", z)
-                    m.setattr(torch, "empty", e)
-                    m.setattr(torch.Tensor, "pin_memory", pin)
+            for i in range(60):
+                step = trace.next()
+                assert step is not None
+                seqs, pre = step
+                a = NE.snapshot(nano, NE.prepare(ref, seqs, pre))
+                with refuse_pinning():
                     b = NE.snapshot(nano, NE.prepare(r, seqs, pre))
-                    assert NE.differences(a, b) == [], f"step {i}"
-                    trace.post(seqs)
+                assert NE.differences(a, b) == [], f"step {i}"
+                trace.post(seqs)
             assert sn.stats(r)["tier"] == "PAGEABLE"
     finally:
         sn.detach(mr)

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 import stagebuf
 import stagebuf.nanovllm as sn
+from helpers import nano_or_skip
 
 # HOST needs a CPU device; on a GPU machine PAGEABLE targets the GPU (tests/gpu has the GPU tiers)
 TIERS = ["stagebuf_pageable"] if torch.cuda.is_available() else ["stagebuf_host", "stagebuf_pageable"]
@@ -34,10 +35,7 @@ TIERS = ["stagebuf_pageable"] if torch.cuda.is_available() else ["stagebuf_host"
 
 @pytest.fixture(scope="module")
 def nano() -> P.Nano:
-    why = P.available()
-    if why:
-        pytest.skip(f"needs {P.DIST} {P.VERSION} from the package registry (pip download --no-deps): {why}")
-    return P.load()
+    return nano_or_skip()
 
 
 @pytest.fixture

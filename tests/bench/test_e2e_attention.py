@@ -97,6 +97,24 @@ def _cu(lens: list[int], device: str) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
+def _sequences(
+    seed: int,
+    seqlens_q: list[int],
+    seqlens_k: list[int],
+    h_kv: int,
+    group: int,
+    d: int,
+    dtype: torch.dtype,
+    device: str,
+) -> tuple[torch.Generator, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Each sequence's random queries [n_q, H, D], keys and values [n_k, H_kv, D], from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    queries = [_rand(gen, (n, h_kv * group, d), dtype, device) for n in seqlens_q]
+    keys = [_rand(gen, (n, h_kv, d), dtype, device) for n in seqlens_k]
+    values = [_rand(gen, (n, h_kv, d), dtype, device) for n in seqlens_k]
+    return gen, queries, keys, values
+
+
 def varlen_case(
     seqlens_q: list[int],
     seqlens_k: list[int],
@@ -111,11 +129,7 @@ def varlen_case(
 ) -> Case:
     """A ``flash_attn_varlen_func`` call: packed keys (three NaN rows past the last), or with ``page``
     the paged caches and a block table."""
-    gen = torch.Generator().manual_seed(seed)
-    h = h_kv * group
-    queries = [_rand(gen, (n, h, d), dtype, device) for n in seqlens_q]
-    keys = [_rand(gen, (n, h_kv, d), dtype, device) for n in seqlens_k]
-    values = [_rand(gen, (n, h_kv, d), dtype, device) for n in seqlens_k]
+    gen, queries, keys, values = _sequences(seed, seqlens_q, seqlens_k, h_kv, group, d, dtype, device)
     kwargs: dict[str, Any] = {
         "q": torch.cat(queries),
         "max_seqlen_q": max(seqlens_q),
@@ -147,11 +161,9 @@ def kvcache_case(
 ) -> Case:
     """A ``flash_attn_with_kvcache`` call of ``s`` queries a sequence: paged caches and a block table
     (rows of sequences without keys all -1), or without ``page`` a [B, longest + 2] NaN-padded cache."""
-    gen = torch.Generator().manual_seed(seed)
-    h = h_kv * group
-    queries = [_rand(gen, (s, h, d), dtype, device) for _ in seqlens_k]
-    keys = [_rand(gen, (n, h_kv, d), dtype, device) for n in seqlens_k]
-    values = [_rand(gen, (n, h_kv, d), dtype, device) for n in seqlens_k]
+    gen, queries, keys, values = _sequences(
+        seed, [s] * len(seqlens_k), seqlens_k, h_kv, group, d, dtype, device
+    )
     kwargs: dict[str, Any] = {
         "q": torch.stack(queries),
         "cache_seqlens": torch.tensor(seqlens_k, dtype=torch.int32, device=device),

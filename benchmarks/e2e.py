@@ -16,7 +16,8 @@ Workloads (:data:`WORKLOADS`): ``decode`` (many sequences, short prompts, long o
 prompts, four new tokens) and ``mixed`` (arrivals every step, prompts of varied length of which half
 begin with one of four shared prefixes, hits of nano-vllm's prefix cache).
 
-Setups (:data:`SETUPS`), on one engine, attached and detached in rotated order each round: ``own``
+Setups (:data:`SETUPS`), on one engine, attached and detached; each round runs a workload's setups back
+to back, in an order rotated by round: ``own``
 (nano-vllm's own preparation, pinned memory), ``stagebuf_uva``, ``stagebuf_pinned`` and
 ``stagebuf_pageable`` (``stagebuf.nanovllm.attach`` on a forced tier). Then a machine without pinned
 memory (:func:`refuse_pinning`: every pinned allocation raises, as torch does there): nano-vllm's own
@@ -54,7 +55,7 @@ from .engine import stagebuf_tier
 from .verdicts import misses, verdict
 
 SETUPS = ("own", "stagebuf_uva", "stagebuf_pinned", "stagebuf_pageable")
-"""The setups run on one engine, in rotated order each round."""
+"""The setups run on one engine, back to back per workload, in an order rotated by round."""
 NOPIN = "stagebuf_nopin"
 """The setup on a machine without pinned memory (a second engine, started attached)."""
 TEMPERATURE = 0.01
@@ -408,10 +409,11 @@ def measure(
     log(f"engine started in {started['own']} s, {blocks['own']} KV-cache blocks; attention: {attention}")
     try:
         for rnd in range(rounds):
-            # rotated; round 0 starts with own, whose first run is every setup's reference
+            # a workload's setups back to back (the GPU's speed drifts over tens of seconds), rotated by
+            # round; round 0 starts with own, whose first run is every setup's reference
             order = SETUPS[rnd % len(SETUPS) :] + SETUPS[: rnd % len(SETUPS)]
-            for setup in order:
-                for name, w in workloads.items():
+            for name, w in workloads.items():
+                for setup in order:
                     with as_setup(llm, setup):
                         keep(run_one(llm, setup, name, w, seed, vocab, rnd))
     finally:

@@ -71,6 +71,9 @@ def test_the_wheel_the_readme_names_is_what_python_m_build_makes(tmp_path: Path)
     for extra in ("cuda", "cli"):
         assert f"Provides-Extra: {extra}" in meta
     assert "Requires-Dist: torch>=2.1" in meta
+    assert "Author: The stagebuf developers" in meta and "Classifier: Typing :: Typed" in meta
+    for py in ("3.10", "3.11", "3.12"):  # requires-python's range, as the code is tested on it
+        assert f"Classifier: Programming Language :: Python :: {py}" in meta
     assert "stagebuf = stagebuf._tiers.cli:main" in entry and "stagebuf._engines.vllm:register" in entry
     site = tmp_path / "site"
     p = subprocess.run(

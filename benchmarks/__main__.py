@@ -1,4 +1,4 @@
-"""``python -m benchmarks``: the bench's one entry point (needs the ``bench`` extra)."""
+"""``python -m benchmarks``: the bench's one entry point (needs ``requirements/bench.txt``)."""
 
 import sys
 
@@ -7,7 +7,7 @@ try:
     import rich  # noqa: F401
 except ImportError as e:
     print(
-        f"python -m benchmarks needs the bench extra ({e.name} is missing): "
+        f"python -m benchmarks needs requirements/bench.txt ({e.name} is missing): "
         "run `bash scripts/setup.sh bench`, then `.venv/bin/python -m benchmarks`",
         file=sys.stderr,
     )

@@ -2,8 +2,9 @@
 # One-step set-up in a virtual environment: never writes into the system Python.
 #
 #   bash scripts/setup.sh          -> .venv with stagebuf (editable) and its runtime dependencies
-#   bash scripts/setup.sh test     -> the same, with the test and lint tools (the `test` extra)
-#   bash scripts/setup.sh cuda,cli -> any extras, comma-separated
+#   bash scripts/setup.sh test     -> the same, with the test and lint tools (requirements/test.txt)
+#   bash scripts/setup.sh cuda,cli -> any of the package's extras and of requirements/NAME.txt (bench,
+#                                     test, docs, dev: what a checkout needs), comma-separated
 #
 # The environment is ./.venv (STAGEBUF_VENV=dir picks another); an existing one is reused. It is made
 # with --system-site-packages, so a torch already installed on the machine (GPU images ship one) is
@@ -56,7 +57,22 @@ else
       exit 2 ;;
   esac
 fi
-extras=${1:-}
-if [ -n "$extras" ]; then spec=".[${extras}]"; else spec="."; fi
-"$PY" -m pip install -q -e "$spec"
+# the package's extras, as pyproject.toml lists them
+known=$(sed -n '/^\[project.optional-dependencies\]/,/^\[/p' pyproject.toml | sed -n 's/^\([a-z0-9_-]*\) = .*/\1/p')
+extras=() reqs=() names=()
+IFS=, read -r -a names <<< "${1:-}"
+for name in ${names[@]+"${names[@]}"}; do
+  if [ -f "requirements/$name.txt" ]; then
+    reqs+=(-r "requirements/$name.txt")
+  elif printf '%s\n' $known | grep -qx -- "$name"; then
+    extras+=("$name")
+  else
+    allowed="$(printf '%s ' $known)$(cd requirements && ls -- *.txt | sed 's/\.txt$//' | tr '\n' ' ')"
+    echo "setup: '$name' is neither an extra nor a requirements file; allowed: ${allowed% }" >&2
+    exit 2
+  fi
+done
+spec=.
+if [ ${#extras[@]} -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
+"$PY" -m pip install -q -e "$spec" ${reqs[@]+"${reqs[@]}"}
 echo "setup: done; run things with $PY (or: source $VENV/bin/activate)"

@@ -12,6 +12,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import stagebuf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,8 +70,10 @@ def test_the_wheel_the_readme_names_is_what_python_m_build_makes(tmp_path: Path)
         entry = z.read(f"{dist}/entry_points.txt").decode()
     assert {"stagebuf/__init__.py", "stagebuf/py.typed", "stagebuf/_tiers/doctor.py"} <= files
     assert not any(f.startswith(("benchmarks/", "tests/", "examples/")) for f in files)
-    for extra in ("cuda", "cli"):
+    for extra in ("cuda", "cli", "nanovllm"):
         assert f"Provides-Extra: {extra}" in meta
+    for checkout_only in ("bench", "test", "docs", "dev"):  # requirements/*.txt: their code is not in it
+        assert f"Provides-Extra: {checkout_only}" not in meta
     assert "Requires-Dist: torch>=2.1" in meta
     assert "Author: The stagebuf developers" in meta and "Classifier: Typing :: Typed" in meta
     for py in ("3.10", "3.11", "3.12"):  # requires-python's range, as the code is tested on it
@@ -90,3 +94,20 @@ def test_the_wheel_the_readme_names_is_what_python_m_build_makes(tmp_path: Path)
     assert p.returncode == 0, p.stderr[-2000:]
     where, version = p.stdout.strip().splitlines()
     assert where.startswith(str(site)) and version == f"stagebuf {stagebuf.__version__}"
+
+
+def test_setup_takes_extras_and_requirement_files_and_refuses_any_other_name() -> None:
+    """``setup.sh NAME``: a package extra or a requirements file; another name exits 2 naming them all,
+    before pip runs (this environment is the one it reuses: ``STAGEBUF_VENV``)."""
+    if sys.prefix == sys.base_prefix or not (Path(sys.prefix) / "bin" / "python").is_file():
+        pytest.skip("runs setup.sh against this virtual environment: needs to run in one")
+    p = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh"), "test,bogus"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "STAGEBUF_VENV": sys.prefix},
+    )  # fmt: skip
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "'bogus' is neither an extra nor a requirements file" in p.stderr
+    allowed = p.stderr.rsplit("allowed: ", 1)[1].split()
+    assert sorted(allowed) == sorted(["cuda", "cli", "nanovllm", "bench", "test", "docs", "dev"])
+    for name in ("bench", "test", "docs", "dev"):
+        assert (ROOT / "requirements" / f"{name}.txt").is_file()

@@ -199,3 +199,26 @@ def test_claims_are_checked() -> None:
     assert c == {1: [1, 2, 4], 2: [1, 2, Ellipsis]}
     assert not matches(c[1], [1, 2, 3]) and matches(c[2], [1, 2, 3])
     assert not matches(True, 1) and matches(0.5, 0.5) and not matches([1], [1, 2])
+
+
+def test_the_contracts_timeline_is_drawn_by_its_script(tmp_path: Path) -> None:
+    """README's timeline picture is docs/timeline.png, which scripts/timeline.py draws; its schedule
+    keeps the contract: a step begins in a slot only after the device read the step two before."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("timeline", README.parent / "scripts" / "timeline.py")
+    assert spec is not None and spec.loader is not None
+    tl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tl)
+    assert "](docs/timeline.png)" in README.read_text() and tl.DEFAULT.is_file()
+    sched = tl.schedule(6)
+    for i, st in enumerate(sched):
+        assert st["published"] == st["begin"] + tl.STAGE and st["read"] >= st["published"]
+        if i >= 2:
+            assert st["begin"] >= sched[i - 2]["read_end"]  # the guard
+        if i >= 1:
+            assert st["read"] >= sched[i - 1]["read_end"]  # one stream
+    assert any(st["begin"] > st["ready"] for st in sched)  # the picture shows the guard waiting
+    tl.draw(tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

@@ -1341,7 +1341,7 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-PLOT_HINT = "--plot needs matplotlib: pip install 'stagebuf[bench]'"
+PLOT_HINT = "--plot needs matplotlib: bash scripts/setup.sh bench (or pip install -r requirements/bench.txt)"
 
 
 def _import_matplotlib() -> tuple[Any, Any]:

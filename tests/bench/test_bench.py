@@ -916,7 +916,7 @@ def test_plot_without_matplotlib_writes_the_rest_then_says_what_to_install(
         ],
     )
     assert res.exit_code == 1, res.output
-    assert "pip install 'stagebuf[bench]'" in res.output
+    assert "bash scripts/setup.sh bench" in res.output and "requirements/bench.txt" in res.output
     assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
     assert json.loads(js.read_text())["results"]["micro"]["stager_host"]
     assert "#### targets" in md.read_text()

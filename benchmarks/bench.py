@@ -1352,59 +1352,67 @@ def _import_matplotlib() -> tuple[Any, Any]:
     return Figure, FigureCanvasAgg
 
 
-def plot(report: dict[str, Any], path: str) -> None:
-    """µs per step against size, one line per strategy, log axes (micro; writes: a panel per L, against E);
-    decode as bars. Raises ImportError without matplotlib."""
+def plot_paths(path: str, report: dict[str, Any]) -> list[Path]:
+    """The files :func:`plot` writes for ``path`` (``bench.png``): one per workload the report has,
+    ``bench-micro.png``, ``bench-decode.png``, ``bench-writes.png``."""
+    p = Path(path)
+    res = report.get("results", {})
+    return [p.with_name(f"{p.stem}-{w}{p.suffix or '.png'}") for w in WORKLOADS if res.get(w)]
+
+
+def plot(report: dict[str, Any], path: str) -> list[Path]:
+    """One figure per question (workload), each legible at a page's width (:func:`plot_paths` names
+    them): micro and writes as µs against size, one line per strategy, log axes (writes: a panel per
+    L, against E, stacked); decode as bars. Returns the files. Raises ImportError without matplotlib."""
     Figure, FigureCanvasAgg = _import_matplotlib()
     res = report["results"]
-    panels: list[tuple[str, int | None]] = []
-    for w in WORKLOADS:
-        if not res.get(w):
-            continue
-        if w == "writes":
-            lens = sorted({W.WriteCell.parse(s).length for e in res[w].values() for s in e["sizes"]})
-            panels += [(w, ln) for ln in lens]
-        else:
-            panels.append((w, None))
-    fig = Figure(figsize=(6.5 * max(len(panels), 1), 5.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    for i, (wl, ln) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), i + 1)
-        data = res[wl]
-        if wl == "decode":
-            names = list(data)
-            vals = [next(iter(data[n]["sizes"].values()))["e2e_us"] for n in names]
-            colors = {"baseline": "0.6", "floor": "0.85", "stagebuf": "C0"}
-            ax.barh(names, vals, color=[colors.get(data[n]["kind"], "C0") for n in names])
-            for y, v in enumerate(vals):
-                ax.annotate(
-                    _fmt(v), (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
-                )
-            ax.set_xscale("log")
-            ax.set_xlabel(f"{UNITS[wl]} (device-synchronised, batch {report['config']['batch']})")
-            ax.invert_yaxis()
-            ax.set_title(wl)
-            continue
-        for name, e in data.items():
-            if ln is None:
-                pts = sorted((int(s), r["e2e_us"]) for s, r in e["sizes"].items())
-            else:
-                cells = ((W.WriteCell.parse(s), r) for s, r in e["sizes"].items())
-                pts = sorted((c.edits, r["e2e_us"]) for c, r in cells if c.length == ln)
-            if not pts:
-                continue
-            style = "--" if e["kind"] == "baseline" else ":" if e["kind"] == "floor" else "-"
-            ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N (int32 per array)" if wl == "micro" else "E (edits per apply)")
-        ax.set_ylabel(f"{UNITS[wl]} (device-synchronised)")
-        ax.legend(fontsize=7)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.set_title(wl if ln is None else f"writes, L={ln} elements per edit")
     commit = (report.get("commit") or "?")[:10]
-    fig.suptitle(f"stagebuf's bench on {report['device_name']} ({report['device']}), commit {commit}")
-    fig.savefig(path, dpi=120)
+    where = f"{report['device_name']} ({report['device']}), commit {commit}"
+    out = plot_paths(path, report)
+    for wl, file in zip([w for w in WORKLOADS if res.get(w)], out):
+        data = res[wl]
+        lens = [None] if wl != "writes" else sorted(
+            {W.WriteCell.parse(s).length for e in data.values() for s in e["sizes"]})  # fmt: skip
+        fig = Figure(figsize=(8, 3.6 * len(lens) if wl != "decode" else 0.35 * len(data) + 1.4),
+                     layout="constrained")  # fmt: skip
+        FigureCanvasAgg(fig)
+        for i, ln in enumerate(lens):
+            ax = fig.add_subplot(len(lens), 1, i + 1)
+            if wl == "decode":
+                names = list(data)
+                vals = [next(iter(data[n]["sizes"].values()))["e2e_us"] for n in names]
+                colors = {"baseline": "0.6", "floor": "0.85", "stagebuf": "C0"}
+                ax.barh(names, vals, color=[colors.get(data[n]["kind"], "C0") for n in names])
+                for y, v in enumerate(vals):
+                    ax.annotate(
+                        _fmt(v), (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
+                    )
+                ax.set_xscale("log")
+                ax.set_xlabel(f"{UNITS[wl]} (device-synchronised, batch {report['config']['batch']})")
+                ax.tick_params(axis="y", labelsize=7)
+                ax.invert_yaxis()
+                continue
+            for name, e in data.items():
+                if ln is None:
+                    pts = sorted((int(s), r["e2e_us"]) for s, r in e["sizes"].items())
+                else:
+                    cells = ((W.WriteCell.parse(s), r) for s, r in e["sizes"].items())
+                    pts = sorted((c.edits, r["e2e_us"]) for c, r in cells if c.length == ln)
+                if not pts:
+                    continue
+                style = "--" if e["kind"] == "baseline" else ":" if e["kind"] == "floor" else "-"
+                ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", markersize=3, label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("N (int32 per array)" if wl == "micro" else "E (edits per apply)", fontsize=8)
+            ax.set_ylabel(f"{UNITS[wl]} (synchronised)", fontsize=8)
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+            ax.grid(True, which="both", alpha=0.3)
+            if ln is not None:
+                ax.set_title(f"L = {ln} elements per edit", fontsize=8)
+        fig.suptitle(f"{wl}: {UNITS[wl]} on {where}", fontsize=9)
+        fig.savefig(file, dpi=110)
+    return out
 
 
 # --- the command --------------------------------------------------------------------------------
@@ -1536,7 +1544,7 @@ def _ints(value: str | None, name: str) -> tuple[int, ...] | None:
     "plot_path",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Write a PNG: µs per step against size, one line per strategy, log axes.",
+    help="Write PNGs, one per workload: PATH's stem + -micro, -decode, -writes (µs against size, log axes).",
 )
 @click.option(
     "--markdown",
@@ -1679,10 +1687,10 @@ def bench(
     if plot_path:  # last: without matplotlib, everything else is written before the error
         Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
         try:
-            plot(report, plot_path)
+            files = plot(report, plot_path)
         except ImportError as e:
             raise click.ClickException(f"{PLOT_HINT} ({type(e).__name__}: {e})") from None
-        console.print(f"wrote {plot_path}", highlight=False)
+        console.print(f"wrote {', '.join(map(str, files))}", highlight=False)
     console.print(escape(VD.verdict(report, strict)), highlight=False)
     code = VD.exit_status(report, strict)
     if code:

@@ -17,7 +17,7 @@
 #   fuzz      the CUDA-tier state machines with FUZZ_EXAMPLES examples (scripts/gpu_reliability.sh fuzz)
 #   sanitize  compute-sanitizer memcheck and racecheck over the GPU tests (scripts/gpu_reliability.sh)
 #   multigpu  torchrun decode across GPUs (scripts/gpu_reliability.sh mp)
-#   bench     the full bench, python -m benchmarks (scripts/gpu_bench.sh): bench.json, bench.md, bench.png;
+#   bench     the full bench, python -m benchmarks (scripts/gpu_bench.sh): bench.json, bench.md, bench-*.png;
 #             its engine workload needs the newest release's files (.cache/vllm-<release>, see above)
 #   ab        python -m benchmarks.ab --before $AB_BEFORE (a git revision, or a directory holding the old
 #             stagebuf package), then the same against the checkout itself (the method's own rate): ab*.json

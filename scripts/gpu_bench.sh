@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The full bench (python -m benchmarks) on a GPU machine, the bench stage of scripts/gpu.sh. The committed
-# run is benchmarks/results/h200.json (+ h200.png); docs/BENCHMARKS.md's tables are made from it with
+# run is benchmarks/results/h200.json (+ h200-*.png); docs/BENCHMARKS.md's tables are made from it with
 # python -m benchmarks.render_docs.
 #
 #   OUT=/path/to/dir bash scripts/gpu_bench.sh [more bench options]
 #
 # Writes under $OUT (default ./out):
 #   bench.json   the report: medians, samples, ratios with pass/fail, versions, commit, command
-#   bench.png    µs per step against size, one line per strategy, log axes
+#   bench-*.png  one figure per workload: µs per step against size, one line per strategy, log axes
 #   bench.md     every table of the run as Markdown
 #   bench.txt    the printed tables
 #   env.txt      nvidia-smi, torch/CUDA/Triton/cuda-bindings versions

@@ -166,7 +166,9 @@ def test_markdown_and_plot_from_an_earlier_json(quick: dict[str, Any], tmp_path:
         quick["report"]["command"],
     ):
         assert part in text, part
-    assert png.stat().st_size > 0
+    files = sorted(tmp_path.glob("b-*.png"))
+    assert [f.name for f in files] == ["b-decode.png", "b-micro.png", "b-writes.png"]
+    assert all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in files) and not png.exists()
 
 
 def test_quick_staging_is_strategy_minus_floor(quick: dict[str, Any]) -> None:
@@ -243,8 +245,13 @@ def test_quick_metadata_guard_cost_and_plot(quick: dict[str, Any]) -> None:
     for by_size in rep["guard_cost"].values():
         for g in by_size.values():
             assert g["delta_e2e_us"] == pytest.approx(g["wait_e2e_us"] - g["off_e2e_us"], abs=0.011)
-    png: Path = quick["png"]
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png: Path = quick["png"]  # one figure per workload, named from --plot's path
+    files = B.plot_paths(str(png), rep)
+    assert [f.name for f in files] == [f"bench-{w}.png" for w in ("micro", "decode", "writes")]
+    for f in files:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    said = quick["output"].replace("\n", "")
+    assert all(f.name in said for f in files)
 
 
 # --- pieces ---------------------------------------------------------------------------------------
@@ -920,7 +927,7 @@ def test_plot_without_matplotlib_writes_the_rest_then_says_what_to_install(
     assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
     assert json.loads(js.read_text())["results"]["micro"]["stager_host"]
     assert "#### targets" in md.read_text()
-    assert not png.exists()
+    assert not png.exists() and not list(tmp_path.glob("r-*.png"))
 
 
 def test_the_bench_without_its_extra_names_the_set_up_command() -> None:

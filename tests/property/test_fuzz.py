@@ -157,12 +157,20 @@ def assert_same(t: torch.Tensor, want: np.ndarray, what: str) -> None:
     assert same(got, want), f"{what}: device holds\n{got!r}\nmodel says\n{want!r}"
 
 
+def _float_holds(v: int, target: np.dtype) -> bool:
+    """Whether the float ``target`` holds the integer ``v`` exactly: its significant bits fit."""
+    bits = int(np.finfo(target).nmant) + 1
+    drop = max(abs(v).bit_length() - bits, 0)
+    return abs(v) >> drop << drop == abs(v)
+
+
 def _fits(a: np.ndarray, target: np.dtype) -> np.ndarray | None:
     """``a`` converted to ``target`` where the documented rule accepts it, else None.
 
     The rule, in exact Python arithmetic: bools and numbers never mix; into an integer dtype
     every value must be finite, whole and inside the range; into a float dtype every finite
-    value must be inside the range (rounding is allowed, NaN and inf pass).
+    value must be inside the range (rounding a float is allowed, NaN and inf pass), and every
+    integer must be one the float dtype holds exactly (at most ``nmant + 1`` significant bits).
     """
     if a.dtype == target:
         return a.copy()
@@ -179,7 +187,7 @@ def _fits(a: np.ndarray, target: np.dtype) -> np.ndarray | None:
     else:
         fmax = float(np.finfo(target).max)
         for v in values:
-            if isinstance(v, int) and abs(v) > fmax:
+            if isinstance(v, int) and (abs(v) > fmax or not _float_holds(v, target)):
                 return None
             if isinstance(v, float) and v == v and abs(v) != float("inf") and abs(v) > fmax:
                 return None

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._common.convert import cast_checked, host_array
+from .._common.convert import cast_checked, exact_int_bound, host_array
 from .._common.errors import InvalidArgumentError
 from .._tiers.settings import check_mode
 
@@ -65,8 +65,8 @@ def _fit(dst: np.ndarray, value: Any, where: str) -> Any:
                 f"{where} holds values in [{value}, {value}], outside {target}'s range "
                 f"[{info.min}, {info.max}]"
             )
-        if abs(value) < 2**53:
-            value = float(value)
+        if target.kind == "f" and abs(value) <= exact_int_bound(target):
+            return value  # every integer this small is exact in the float dtype
     arr = np.asarray(value.view(np.ndarray) if isinstance(value, CheckedArray) else value)
     if arr.dtype == object:  # an int past 64 bits, or not a number at all
         arr = host_array(

@@ -149,10 +149,13 @@ def _from_sequence(x: Sequence[Any], dtype: DTypeLike | None, name: str) -> np.n
         arr = np.asarray(x)
     except (ValueError, TypeError) as e:  # ragged nesting
         raise InvalidArgumentError(f"{name} is not a rectangular list of numbers: {e}") from None
+    if (arr.dtype == np.uint64 and dtype is None) or (arr.dtype.kind == "f" and _all_ints(x)):
+        arr = arr.astype(object)  # numpy's reading of ints past int64 (uint64, or rounded to float64)
     if arr.dtype.kind == "O" and _all_ints(x):  # an int past 64 bits: numpy gives up on the list
-        if dtype is not None and numpy_dtype(dtype).kind == "f":
-            return np.asarray(x, dtype=np.float64)  # a float target holds it (or says it is beyond)
         items = [int(v) for v in _flat_items(x)]
+        if dtype is not None and numpy_dtype(dtype).kind == "f":
+            _big_ints_fit(items, numpy_dtype(dtype), name)
+            return np.asarray(x, dtype=np.float64)  # exact: checked above
         info = np.iinfo(numpy_dtype(dtype) if dtype is not None else np.int64)
         raise InvalidArgumentError(
             f"{name} holds values in [{min(items)}, {max(items)}], outside {info.dtype}'s range "
@@ -168,6 +171,24 @@ def _from_sequence(x: Sequence[Any], dtype: DTypeLike | None, name: str) -> np.n
             f"{name} mixes bools with numbers; allowed: all bool, or all int/float elements"
         )
     return arr
+
+
+def _big_ints_fit(items: list[int], target: np.dtype, name: str) -> None:
+    """Raise unless every Python int of ``items`` (some past 64 bits) is exactly a ``target`` float."""
+    for v in items:
+        try:
+            f = float(v)
+        except OverflowError:
+            f = float("inf")
+        y = float(np.float64(f).astype(target))
+        if y in (float("inf"), float("-inf")):
+            raise InvalidArgumentError(
+                f"{name} holds finite values beyond {target}'s range (±{np.finfo(target).max})"
+            )
+        if int(y) != v:
+            raise InvalidArgumentError(
+                f"{name} holds integers {target} cannot hold exactly ({v} would become {int(y)})"
+            )
 
 
 def _flat_items(x: Sequence[Any]) -> list[Any]:
@@ -198,10 +219,16 @@ def _has_bool(x: Sequence[Any]) -> bool:
 def why_unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:
     """The one rule for numbers (kinds ``iuf``) into ``target``: None when every value of ``a`` fits exactly,
     else a mask of those that do not and the first reason: ``"NaN or inf"``, ``"fractional"`` or ``"range"``
-    (into an integer dtype), ``"beyond"`` (past a float dtype's largest finite value)."""
-    if not a.size or a.dtype == target or np.can_cast(a.dtype, target, "safe"):
+    (into an integer dtype), ``"beyond"`` (past a float dtype's largest finite value), ``"inexact"`` (an
+    integer the float dtype would round: 16777217 into float32). A float rounded to a narrower float is a
+    float's rounding, not refused."""
+    if not a.size or a.dtype == target:
         return None
+    if np.can_cast(a.dtype, target, "safe") and not (a.dtype.kind in "iu" and target.kind == "f"):
+        return None  # (numpy calls int64 into float64 safe: it rounds past 2**53)
     if target.kind == "f":
+        if a.dtype.kind in "iu":
+            return _ints_unfit(a, target)
         a64 = a.astype(np.float64, copy=False)  # an integer minimum's abs overflows in its own dtype
         bad = np.isfinite(a64) & (np.abs(a64) > np.finfo(target).max)
         return (bad, "beyond") if bad.any() else None
@@ -220,6 +247,36 @@ def why_unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:
         return None
     bad = (a > info.max) if a.dtype.kind == "u" else (a < info.min) | (a > info.max)
     return bad, "range"
+
+
+def exact_int_bound(target: np.dtype) -> int:
+    """The largest ``n`` such that every integer in [-n, n] is exactly a ``target`` float (2**24 for
+    float32, 2**11 for float16, 2**53 for float64); past it, only some are."""
+    return 2 ** (int(np.finfo(target).nmant) + 1)
+
+
+def _ints_unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:
+    """``why_unfit`` for integers into a float ``target``: those it would round (``"inexact"``: 16777217
+    into float32) or overflow to inf (``"beyond"``)."""
+    bound = exact_int_bound(target)
+    if -bound <= int(a.min()) and int(a.max()) <= bound:
+        return None  # every integer of the range is exact (the common case: two reductions)
+    big = a > bound if a.dtype.kind == "u" else (a > bound) | (a < -bound)
+    sub = a[big]
+    with np.errstate(over="ignore"):
+        y = sub.astype(target).astype(np.float64)  # exact: a float32/16 is a float64
+    if not np.isfinite(y).all():
+        bad = np.zeros(a.shape, bool)
+        bad[big] = ~np.isfinite(y)
+        return bad, "beyond"
+    top = 2.0**64 if a.dtype.kind == "u" else 2.0**63  # a value rounded up past the source's range
+    fits = y < top
+    fits[fits] = y[fits].astype(a.dtype) == sub[fits]  # (y is whole past the bound: the cast is exact)
+    if fits.all():
+        return None
+    bad = np.zeros(a.shape, bool)
+    bad[big] = ~fits
+    return bad, "inexact"
 
 
 def exact_ints(vals: Sequence[Any], target: np.dtype) -> np.ndarray | None:
@@ -259,6 +316,13 @@ def cast_checked(arr: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
             raise InvalidArgumentError(f"{name} holds NaN or inf; target dtype {target} is an integer")
         if why == "fractional":
             raise InvalidArgumentError(f"{name} holds fractional values; target dtype {target} is an integer")
+        if why == "inexact":
+            v = int(arr[problem[0]][0])
+            raise InvalidArgumentError(
+                f"{name} holds integers {target} cannot hold exactly ({v} would become "
+                f"{int(np.asarray(v).astype(target).astype(np.float64))}); allowed: integers within "
+                f"±{exact_int_bound(target)} (2**{int(np.finfo(target).nmant) + 1}), or an integer dtype"
+            )
         if why == "beyond":
             raise InvalidArgumentError(
                 f"{name} holds finite values beyond {target}'s range (±{np.finfo(target).max})"

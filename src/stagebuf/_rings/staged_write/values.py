@@ -9,7 +9,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..._common.convert import NUMPY_TO_TORCH, cast_checked, exact_ints, host_array, why_unfit
+from ..._common.convert import (
+    NUMPY_TO_TORCH,
+    cast_checked,
+    exact_int_bound,
+    exact_ints,
+    host_array,
+    why_unfit,
+)
 
 Bad = list[tuple[int, int, str]]
 """Bad list edits found by ``list_values``: (edit number, its flat offset, why)."""
@@ -55,8 +62,8 @@ def list_values(
     if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and a.size:
         # one range check; Python's min/max beat numpy's on short lists
         lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
-        r = _INT_RANGES.get(target)
-        fits = r[0] <= lo and hi <= r[1] if r is not None else target.kind == "f"
+        r = _INT_RANGES.get(target) or _EXACT_INTS[target]
+        fits = r[0] <= lo and hi <= r[1]
         bools = fits and lo <= 1 and hi >= 0
     elif a is not None and a.ndim == 1 and a.dtype.kind == "f":
         fits = not _inexact(a, target) and why_unfit(a, target) is None
@@ -103,7 +110,12 @@ _INT_RANGES: dict[np.dtype, tuple[int, int]] = {
     np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max))
     for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
 }
-"""Every integer target's range (a float target has none)."""
+"""Every integer target's range."""
+_EXACT_INTS: dict[np.dtype, tuple[int, int]] = {
+    np.dtype(t): (-exact_int_bound(np.dtype(t)), exact_int_bound(np.dtype(t)))
+    for t in (np.float16, np.float32, np.float64)
+}
+"""Per float target: the integers it holds exactly, all of them (past these, ``why_unfit`` decides)."""
 
 
 def _inexact(a: np.ndarray, target: np.dtype) -> bool:

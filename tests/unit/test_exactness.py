@@ -151,6 +151,6 @@ def test_check_mode_np_refuses_the_rounding_integer(monkeypatch: pytest.MonkeyPa
 def test_an_int_outside_int64_says_so(v: int, cpu_tier: Any) -> None:
     with pytest.raises(stagebuf.InvalidArgumentError, match="outside int64's range"):
         _stage(torch.int64, v)
+    step = StepStager().step()
     with pytest.raises(stagebuf.InvalidArgumentError, match="outside int64's range"):
-        with StepStager().step() as step:
-            step.stage([v, -1])  # the list's own dtype: numpy reads it as uint64 or float64
+        step.stage([v, -1])  # the list's own dtype: numpy reads it as uint64 or float64

@@ -252,7 +252,7 @@ def why_unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:
 def exact_int_bound(target: np.dtype) -> int:
     """The largest ``n`` such that every integer in [-n, n] is exactly a ``target`` float (2**24 for
     float32, 2**11 for float16, 2**53 for float64); past it, only some are."""
-    return 2 ** (int(np.finfo(target).nmant) + 1)
+    return int(2 ** (int(np.finfo(target).nmant) + 1))
 
 
 def _ints_unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | None:

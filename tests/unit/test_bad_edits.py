@@ -95,6 +95,45 @@ def test_fused_apply_writes_nothing_on_any_tensor_until_the_bad_edits_go(any_tie
         np.testing.assert_array_equal(read_back(t.gpu), model)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    bad=st.lists(st.lists(st.booleans(), min_size=1, max_size=6), min_size=2, max_size=4),
+    value=st.sampled_from(BAD_VALUES[:-1]),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_apply_reports_every_tensors_bad_edits(cpu_tier, bad, value, seed):
+    """Bad edits in several tensors: ``by_tensor`` lists each such tensor with exactly its bad positions,
+    the message names each, nothing is written; discarding them all, the apply writes the model."""
+    rng = np.random.default_rng(seed)
+    tensors = [StagedWriteTensor((ROWS, COLS), torch.int32) for _ in bad]
+    edits = []
+    for t, flags in zip(tensors, bad):
+        e = [_good(rng) for _ in flags]
+        e = [(r, s, [value] if f else v) for (r, s, v), f in zip(e, flags)]
+        _stage(t, e)
+        edits.append(e)
+    want = [(t, tuple(i for i, f in enumerate(flags) if f)) for t, flags in zip(tensors, bad) if any(flags)]
+    w = FusedStagedWriter()
+    if not want:
+        w.apply(tensors)
+    else:
+        with pytest.raises(StagedWriteError) as ei:
+            w.apply(tensors)
+        got = ei.value.by_tensor
+        assert [(id(t), e) for t, e in got] == [(id(t), e) for t, e in want]
+        for t, _ in want:
+            assert f"tensors[{tensors.index(t)}] ({len(dict(want)[t])} bad edit(s))" in str(ei.value)
+        for t in tensors:
+            assert not read_back(t.gpu).any()
+        for t, e in got:
+            t.discard_staged(e)
+        w.apply(tensors)
+    for t, e, flags in zip(tensors, edits, bad):
+        model = np.zeros((ROWS, COLS), np.int32)
+        _apply_model(model, e, [not f for f in flags])
+        np.testing.assert_array_equal(read_back(t.gpu), model)
+
+
 @pytest.mark.parametrize(
     ("positions", "match"),
     [

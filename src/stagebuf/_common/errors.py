@@ -121,7 +121,13 @@ class StagedWriteError(InvalidArgumentError):
         The tensor whose edits they are.
     position : int
         The first bad edit's position (``edits[0]``); ``index`` and ``start`` are its row and start column.
+    by_tensor : tuple of (StagedWriteTensor, tuple of int)
+        Every tensor with bad edits and their positions: one pair from ``apply_write``, one per such tensor
+        from ``FusedStagedWriter.apply`` (``for t, edits in err.by_tensor: t.discard_staged(edits)``).
     """
+
+    _what = ""
+    """The first bad edit and why, without what to do (a fused apply's error quotes it per tensor)."""
 
     def __init__(
         self,
@@ -131,6 +137,7 @@ class StagedWriteError(InvalidArgumentError):
         start: int,
         edits: tuple[int, ...] | None = None,
         tensor: Any = None,
+        by_tensor: tuple[tuple[Any, tuple[int, ...]], ...] | None = None,
     ):
         super().__init__(message)
         self.position = position
@@ -138,6 +145,7 @@ class StagedWriteError(InvalidArgumentError):
         self.start = start
         self.edits = (position,) if edits is None else edits
         self.tensor = tensor
+        self.by_tensor = ((tensor, self.edits),) if by_tensor is None else by_tensor
 
 
 class ReadOnlyAttributeError(StagebufError, AttributeError):

@@ -145,6 +145,10 @@ class StepBackedTensor(UvaBackedTensor):
     def tier(self) -> Tier:
         return self._step_batch.tier if self._fixed is not None else super().tier
 
+    def release_thread(self) -> None:
+        if self._fixed is None:  # (a fixed tensor has no pool: the step's batch is the engine thread's)
+            super().release_thread()
+
     def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
         fixed = self._fixed
         if fixed is None:

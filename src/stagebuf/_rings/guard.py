@@ -14,6 +14,7 @@ import torch
 
 from .._bytes.uva import load_cudart
 from .._common.errors import CudaError, InvalidArgumentError
+from .._common.log import warn_once
 from .._common.types import DeviceLike
 from .._tiers.probe import capabilities
 from .._tiers.settings import DEFAULT_MAX_CONCURRENCY
@@ -54,6 +55,12 @@ def slot_count(n: int | None) -> int:
         return _DEFAULT_MAX_CONCURRENCY
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SLOTS:
         raise InvalidArgumentError(f"max_concurrency={n!r} must be None or an int in [1, {MAX_SLOTS}]")
+    if n == 1:
+        warn_once(
+            "max-concurrency-1",
+            "max_concurrency=1 is raised to 2: one slot the device reads while the host fills the other "
+            "(with one, every call would wait for the device)",
+        )
     return max(2, n)
 
 

@@ -172,7 +172,11 @@ class DeviceParamTable(Sealed):
         self._shadow = alloc_host((self.nbytes,), torch.uint8, pinned=False, tier=caps.tier).numpy()
         self._dev = alloc_device((self.nbytes,), torch.uint8, self.device, caps.tier)
         self._ring = Ring(
-            n, lambda: make_buffer(self.nbytes, torch.uint8, self.device), "auto", "param table slot"
+            n,
+            lambda: make_buffer(self.nbytes, torch.uint8, self.device),
+            "auto",
+            "param table slot",
+            owner="DeviceParamTable",
         )
         self._syncs = {"skipped": 0, "syncs": 0}
         h, d = self._host, self._dev
@@ -242,6 +246,12 @@ class DeviceParamTable(Sealed):
         # the slot's one reader, the copy, is enqueued
         ring.publish(cur, None if slot.tier is Tier.HOST else self.nbytes, marked=True)
         return True
+
+    def release_thread(self) -> None:
+        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
+        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
+        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        self._ring.release_thread()
 
     def stats(self) -> dict[str, int]:
         """The table's counters: ``transfers`` and ``bytes`` (uploads and their size; none on tier HOST),

@@ -72,6 +72,7 @@ class UvaBufferPool(Sealed):
             guard,
             "pool slot",
             quarantined=True,
+            owner="UvaBufferPool",
         )
         self.device = self._ring.device
         self._published: Cell[tuple[int, Any]] = Cell((-1, None))
@@ -202,6 +203,12 @@ class UvaBufferPool(Sealed):
                 f"expected shape {want}, dtype {self.dtype}, device {self.device}"
             )
 
+    def release_thread(self) -> None:
+        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
+        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
+        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        self._ring.release_thread()
+
     def stats(self) -> dict[str, int]:
         """The pool's counters: ``transfers`` (host-to-device copies: ``copy_to_uva`` on PINNED and PAGEABLE,
         ``copy_to_gpu`` on every tier but HOST), ``bytes`` (their size), ``growths`` (slots replaced by larger
@@ -241,6 +248,7 @@ class UvaBackedTensor(Sealed):
         self.np = host_view(self.cpu, "UvaBackedTensor.np")
         self.device = self.pool.device
         self._gpu: Cell[torch.Tensor] = Cell(self.pool.copy_to_uva(self.np))
+        self.pool.release_thread()  # (its first use is the caller's, not this constructor's)
         self._freeze()
 
     _COPY_IN = ("np", "cpu")
@@ -265,6 +273,12 @@ class UvaBackedTensor(Sealed):
         src = self.np if n is None else self.np[: check_rows(n, self.np.shape[0])]
         gpu = self._gpu.value = self.pool.copy_to_uva(src)
         return gpu
+
+    def release_thread(self) -> None:
+        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
+        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
+        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        self.pool.release_thread()
 
     def stats(self) -> dict[str, int]:
         """The pool's counters, as :meth:`UvaBufferPool.stats`: transfers, bytes, growths, guard_waits."""

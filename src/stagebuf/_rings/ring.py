@@ -12,6 +12,7 @@ import torch
 from .._bytes.buffers import StagingBuffer
 from .._common.convert import NUMPY_TO_TORCH
 from .._common.errors import InvalidArgumentError, SlotInFlightError, StepRuleError
+from .._common.owner import Owner
 from .._common.tier import Tier
 from .._tiers.settings import POISON, check_mode, quarantine
 from .guard import GUARD_MODES, GuardMode, step_clock
@@ -31,13 +32,22 @@ class Ring:
     __slots__ = (
         "mode", "active", "waits", "n", "size", "released", "cur", "seq", "clock", "bufs", "counts",
         "poisons", "_what", "_tick", "_serial", "_owner", "_last_tick", "_last_marked", "_exact",
-        "_typed", "_views", "_retired",
+        "_typed", "_views", "_retired", "thread",
     )  # fmt: skip
 
     def __init__(
-        self, n: int, make: Callable[[], StagingBuffer], mode: GuardMode, what: str, quarantined: bool = False
+        self,
+        n: int,
+        make: Callable[[], StagingBuffer],
+        mode: GuardMode,
+        what: str,
+        quarantined: bool = False,
+        owner: str = "",
     ):
-        extra = quarantine() if quarantined and check_mode() else 0
+        check = check_mode()
+        self.thread = Owner(owner) if check and owner else None
+        """Check mode: the thread the ring's user (``owner``, its name; none: its user checks) belongs to."""
+        extra = quarantine() if quarantined and check else 0
         bufs = [make() for _ in range(n + extra)]
         tier = max(b.tier for b in bufs)
         if not isinstance(mode, str) or mode not in GUARD_MODES:
@@ -62,10 +72,10 @@ class Ring:
         self._last_tick = -1  # the step of the current use
         self._last_marked = False
         # check mode: an event of its own per use too, to catch the clock releasing a slot still read
-        self._exact: list[int] | None = [-1] * size if self.active and check_mode() else None
+        self._exact: list[int] | None = [-1] * size if self.active and check else None
         self.bufs = bufs
         self.counts = {"transfers": 0, "bytes": 0, "growths": 0}
-        self.poisons = quarantined and check_mode()
+        self.poisons = quarantined and check
         self._typed: list[dict[Any, torch.Tensor]] = [{} for _ in bufs]
         """Per slot: its device arena viewed as each dtype asked for (``typed()``)."""
         self._views: list[dict[Any, Any]] = [{} for _ in bufs]
@@ -96,6 +106,8 @@ class Ring:
         that fails in between leaves the ring as it was). Frees what the slot's growths retired, and sets
         ``released`` (the slot of the use ``n`` back; with a quarantine it waits ``quarantine`` uses and,
         in check mode, reads poison from now on)."""
+        if self.thread is not None:
+            self.thread.check()
         size = self.size
         slot = (self.cur + 1) % size
         g = slot if size == self.n else (slot - self.n) % size  # the slot of the use n back
@@ -149,9 +161,16 @@ class Ring:
             "stagebuf.begin_step() at the start of every step."
         )
 
+    def release_thread(self) -> None:
+        """Check mode: the next thread to use the ring takes it (``Owner.release``)."""
+        if self.thread is not None:
+            self.thread.release()
+
     def touch(self) -> None:
         """The current use goes on (its slot is read again in this step, not rewritten): the step rule as
         in ``acquire()``, then the slot counts as used in this step."""
+        if self.thread is not None:
+            self.thread.check()
         cur = self.cur
         if not self.active or cur < 0:
             return

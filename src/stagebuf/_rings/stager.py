@@ -7,6 +7,7 @@ and returns the device tensor at that offset; the flush publishes the used prefi
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from .._bytes.make import make_buffer
 from .._bytes.memory import alloc_device
 from .._common.convert import NUMPY_TO_TORCH, TORCH_TO_NUMPY, host_array
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from .._common.owner import thread_name
 from .._common.sealed import Cell, Sealed
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
@@ -145,9 +147,11 @@ class Step(Sealed):
     _slot: _Slot
     _seq: int
     _s: _StepState
+    _thread: int
+    """The thread that began the step."""
 
     def __init__(self, slot: _Slot, seq: int):
-        self._init(_slot=slot, _seq=seq, _s=_StepState(slot.layout))
+        self._init(_slot=slot, _seq=seq, _s=_StepState(slot.layout), _thread=threading.get_ident())
 
     @property
     def seq(self) -> int:
@@ -205,6 +209,8 @@ class Step(Sealed):
         s = self._s
         if s.done:
             raise UsageError(f"step {self._seq} was already flushed; begin a new step()")
+        if self._slot.ring.thread is not None:
+            self._slot.ring.thread.check()
         want = TORCH_TO_NUMPY.get(dtype) if isinstance(dtype, torch.dtype) else None
         arr = x if type(x) is np.ndarray else None
         fits = arr is not None and arr.ndim in (1, 2) and arr.dtype in NUMPY_TO_TORCH
@@ -266,6 +272,8 @@ class Step(Sealed):
         if s.done:
             return
         slot = self._slot
+        if slot.ring.thread is not None:
+            slot.ring.thread.check()
         for buf, host, used in s.retired:  # a growth mid-step: earlier tensors stay valid
             if used:
                 slot.publish(buf, host, used)
@@ -336,7 +344,7 @@ class StepStager(Sealed):
         def make() -> StagingBuffer:
             return make_buffer(capacity, torch.uint8, device, tier)
 
-        self._ring = ring = Ring(n, make, guard, "step slot", quarantined=not static)
+        self._ring = ring = Ring(n, make, guard, "step slot", quarantined=not static, owner="StepStager")
         self.device = ring.device
         arena = alloc_device((capacity,), torch.uint8, self.device) if static else None
         self._check = check_mode()
@@ -367,7 +375,7 @@ class StepStager(Sealed):
         """
         last = self._open.value
         if last is not None and not last.done:
-            raise UsageError(f"step {last.seq} is still open; flush it before step()")
+            raise UsageError(_still_open(last, "step()"))
         ring = self._ring
         cur, _ = ring.acquire()  # (check mode: the tensors of the step max_concurrency back read poison now)
         slot = self._slots[cur]
@@ -376,12 +384,18 @@ class StepStager(Sealed):
         st = self._open.value = Step(slot, ring.publish(cur))
         return st
 
+    def release_thread(self) -> None:
+        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
+        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
+        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        self._ring.release_thread()
+
     def mark_consumed(self) -> None:
         """Say that the last step's consumers are enqueued: the clock's next event protects its slot. Raises
         UsageError if a step is still open."""
         last = self._open.value
         if last is not None and not last.done:
-            raise UsageError(f"step {last.seq} is still open; flush it first")
+            raise UsageError(_still_open(last, "mark_consumed()"))
         self._ring.mark()
 
     def stats(self) -> dict[str, int]:
@@ -389,3 +403,14 @@ class StepStager(Sealed):
         and PAGEABLE, and on UVA with ``static=True``), ``bytes`` (their size), ``growths`` (slots replaced by
         larger ones), ``guard_waits`` (times the guard waited for the device) and ``steps`` (steps begun)."""
         return self._ring.stats(steps=True)
+
+
+def _still_open(last: Step, call: str) -> str:
+    """Why ``call`` is refused while ``last`` is open: the step to flush, or the other thread holding it."""
+    if last._thread == threading.get_ident():
+        return f"step {last.seq} is still open; flush it before {call}"
+    return (
+        f"step {last.seq} is still open on thread {thread_name(last._thread)}, and {call} was called from "
+        f"thread {thread_name()}: a StepStager belongs to one thread at a time (it takes no locks); "
+        "give each thread its own stager, or hand it over with release_thread() between steps"
+    )

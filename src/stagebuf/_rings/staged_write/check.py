@@ -115,9 +115,12 @@ def _raise(log: EditLog, tensor: Any, bad: Bad) -> None:
     row, start = divmod(flat, log.row_stride)
     more = f"; {len(bad) - 1} more bad edit(s), at positions {[b[0] for b in bad[1:9]]}" if bad[1:] else ""
     n = log.lens_at(pos)
-    raise StagedWriteError(
+    what = (
         f"staged edit {pos} (stage_write(index={row}, start={start}, {n} values)) cannot be applied "
-        f"to {log.dtype}: {why}{more}. Nothing was written and every staged edit is still staged: "
+        f"to {log.dtype}: {why}{more}"
+    )
+    err = StagedWriteError(
+        f"{what}. Nothing was written and every staged edit is still staged: "
         "discard_staged(err.edits) drops the bad ones, clear_staged_writes() all",
         pos,
         row,
@@ -125,6 +128,8 @@ def _raise(log: EditLog, tensor: Any, bad: Bad) -> None:
         edits=tuple(b[0] for b in bad),
         tensor=tensor,
     )
+    err._what = what  # (what a fused apply's error quotes, per tensor)
+    raise err
 
 
 def _with_overlaps(

@@ -90,7 +90,7 @@ class _Launcher:
                 warn_once(
                     ("staged-write-no-triton", str(self.device)),
                     f"staged writes on {self.device} use the scatter kernel: Triton cannot run "
-                    f"here ({_triton_error[0] if _triton_error else 'not on this device'})",
+                    f"here ({_why_no_triton(self.device)})",
                 )
             kernel = "scatter"
         if kernel == "triton":
@@ -207,3 +207,15 @@ def _edit_meta(parts: Sequence[CheckedEdits]) -> tuple[np.ndarray, np.ndarray, i
     if len(parts) == 1:
         return metas[0], vals[0], longest
     return np.concatenate(metas), np.concatenate(vals), longest
+
+
+def _why_no_triton(device: torch.device) -> str:
+    """Why ``triton_usable(device)`` said no, and what would make it run."""
+    if _triton_error:
+        return _triton_error[0]
+    if device.type == "cpu":
+        return (
+            "on the CPU only Triton's interpreter runs it: set TRITON_INTERPRET=1 before Python starts "
+            "(slow: meant for tests), or unset STAGEBUF_WRITE_KERNEL"
+        )
+    return f"Triton has no backend for {device.type}; unset STAGEBUF_WRITE_KERNEL"

@@ -21,6 +21,7 @@ from ..._common.errors import (
     UvaError,
 )
 from ..._common.log import warn_once
+from ..._common.owner import Owner
 from ..._common.sealed import Cell, Sealed, read_only
 from ..._common.tier import Tier
 from ..._common.types import DeviceLike, DTypeLike, HostData
@@ -93,6 +94,8 @@ class StagedWriteTensor(Sealed):
     _sink: Callable[[list[CheckedEdits]], Kernel]
     """Writes an apply's checked edits: the launcher's ``apply`` (vLLM's step mode defers them)."""
     _kernel: Cell[Kernel]
+    _thread: Owner | None
+    """Check mode: the thread this tensor belongs to."""
 
     def __init__(
         self,
@@ -129,6 +132,7 @@ class StagedWriteTensor(Sealed):
             _launcher=(launcher := _Launcher(self.device, self.max_concurrency, _CAPACITY)),
             _sink=launcher.apply,
             _kernel=Cell("host" if self.tier is Tier.HOST else "scatter"),
+            _thread=Owner("StagedWriteTensor") if check_mode() else None,
         )
 
     @property
@@ -229,6 +233,8 @@ class StagedWriteTensor(Sealed):
             ArgumentTypeError if an argument is of an unsupported type or dtype (``rows``, ``starts`` and
             ``lengths`` must hold integers).
         """
+        if self._thread is not None:
+            self._thread.check()
         self._log.stage_writes(rows, starts, values, lengths)
 
     # --- inspecting, applying ---
@@ -259,11 +265,20 @@ class StagedWriteTensor(Sealed):
         CudaError
             If recording or querying the guard's CUDA event fails.
         """
+        if self._thread is not None:
+            self._thread.check()
         g = check(self._log, self._target, self)
         if g is None:
             return
         self._kernel.value = self._sink([g])
         self._log.clear()
+
+    def release_thread(self) -> None:
+        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
+        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
+        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        if self._thread is not None:
+            self._thread.release()
 
     def clear_staged_writes(self) -> None:
         """Drop every staged edit without applying it."""
@@ -317,6 +332,7 @@ class FusedStagedWriter(Sealed):
         self._verified: set[tuple[Any, ...]] = set()
         """(name, data_ptr, version, expected) of device output_ptrs/strides already read and matched."""
         self._check = check_mode()
+        self._thread = Owner("FusedStagedWriter") if self._check else None
         self._freeze()
 
     @property
@@ -384,6 +400,11 @@ class FusedStagedWriter(Sealed):
                 )
             if t not in targets:  # (identity: a tensor defines no ==)
                 targets.append(t)
+        if self._thread is not None:
+            self._thread.check()
+            for t in targets:
+                if t._thread is not None:
+                    t._thread.check()
         if output_ptrs is not None:
             ptrs = [t.gpu.data_ptr() for t in tensors]
             check_outputs(self.device, self._verified, self._check, output_ptrs, "output_ptrs", ptrs)
@@ -391,21 +412,17 @@ class FusedStagedWriter(Sealed):
             strides = [t.row_stride for t in tensors]
             check_outputs(self.device, self._verified, self._check, output_strides, "output_strides", strides)
         parts = []
+        errors: list[tuple[int, StagedWriteError]] = []
         for t in targets:  # every tensor is checked before anything is written
             try:
                 g = check(t._log, t._target, t)
             except StagedWriteError as err:
-                i = next(k for k, u in enumerate(tensors) if u is t)
-                raise StagedWriteError(
-                    f"tensors[{i}]: {err}; nothing was written to any tensor",
-                    err.position,
-                    err.index,
-                    err.start,
-                    err.edits,
-                    err.tensor,
-                ) from None
+                errors.append((next(k for k, u in enumerate(tensors) if u is t), err))
+                continue
             if g is not None:
                 parts.append(g)
+        if errors:
+            raise _fused_error(errors) from None
         if not parts:
             return
         n = sum(p.dst.shape[0] for p in parts)
@@ -415,6 +432,13 @@ class FusedStagedWriter(Sealed):
         self._kernel.value = self._sink(parts)
         for t in targets:
             t._log.clear()
+
+    def release_thread(self) -> None:
+        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
+        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
+        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        if self._thread is not None:
+            self._thread.release()
 
     def stats(self) -> dict[str, int]:
         """The writer's counters: those of :meth:`StagedWriteTensor.stats`, for its applies, and
@@ -470,3 +494,19 @@ def check_outputs(
         if len(verified) >= 64:
             verified.clear()
         verified.add(key)
+
+
+def _fused_error(errors: list[tuple[int, StagedWriteError]]) -> StagedWriteError:
+    """One error for every tensor of a fused apply with bad edits (``errors``: its place in ``tensors``)."""
+    lines = [f"tensors[{i}] ({len(e.edits)} bad edit(s)): {e._what or e}" for i, e in errors]
+    first = errors[0][1]
+    return StagedWriteError(
+        "\n".join(lines) + "\nNothing was written to any tensor, and every staged edit is still staged: "
+        "for t, edits in err.by_tensor: t.discard_staged(edits) drops the bad ones",
+        first.position,
+        first.index,
+        first.start,
+        first.edits,
+        first.tensor,
+        by_tensor=tuple((e.tensor, e.edits) for _, e in errors),
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import io
 import json
 import os
 import re
@@ -517,3 +518,255 @@ def _xla_works() -> bool:
     except Exception:
         return False
     return True
+
+
+# --- a mistyped setting is named as such; the machine is blamed only for what it lacks -----------------
+
+
+@pytest.mark.parametrize(
+    "setting, value, allowed",
+    [
+        ("STAGEBUF_TIER", "uvaa", TIERS),
+        ("STAGEBUF_TIER", "UVA!", TIERS),
+        ("STAGEBUF_CHECK", "yes", "0, 1"),
+        ("STAGEBUF_VLLM", "maybe", "0, 1, step"),
+        ("STAGEBUF_WRITE_KERNEL", "cuda", "auto, scatter, triton"),
+        ("STAGEBUF_CHECK_QUARANTINE", "many", "an int in [0, 1024]"),
+        ("--device", "banana", "(omit --device), cpu"),
+    ],
+)
+def test_a_mistyped_setting_is_an_invalid_value_not_the_machines_fault(setting, value, allowed):
+    args, env = (["--device", value], {}) if setting == "--device" else ([], {setting: value})
+    r = doctor(*args, env=env)
+    assert_explained(r, f"allowed      {allowed}")
+    asked = f"{setting} {value}" if setting == "--device" else f"{setting}={value}"
+    headline = r.stdout.splitlines()[0]
+    assert headline == (
+        f"stagebuf doctor: {asked} cannot work anywhere: {value!r} is not a valid value of {setting}; "
+        f"allowed: {allowed}"
+    ), headline
+    assert "this machine" not in r.stdout
+    j = doctor_json(*args, env=env)
+    assert j["kind"] == "invalid_value" and j["setting"] == setting and j["value"] == value
+
+
+@pytest.mark.parametrize(("cuda", "cause", "fix"), BUILDS)
+def test_a_valid_setting_this_machine_cannot_serve_blames_the_machine(monkeypatch, cuda, cause, fix):
+    no_accelerator(monkeypatch, cuda)
+    r = doctor(env={"STAGEBUF_TIER": "uva"})
+    assert_explained(r, cause)
+    assert r.stdout.splitlines()[0] == "stagebuf doctor: STAGEBUF_TIER=uva cannot work on this machine"
+    assert "not a valid value" not in r.stdout
+    assert doctor_json(env={"STAGEBUF_TIER": "uva"})["kind"] == "unavailable"
+
+
+# --- nano-vllm: installed is not enough, it must import ----------------------------------------------
+
+NANO_FAILS = {
+    "flash_attn": (
+        "raise ModuleNotFoundError(\"No module named 'flash_attn'\", name='flash_attn')\n",
+        "ModuleNotFoundError: No module named 'flash_attn'",
+        "pip install flash-attn",
+    ),
+    "runtime": (
+        "raise RuntimeError('CUDA driver version is insufficient for CUDA runtime version')\n",
+        "RuntimeError: CUDA driver version is insufficient for CUDA runtime version",
+        "python -c 'import nanovllm'",
+    ),
+    "syntax": ("def broken(:\n", "SyntaxError: ", "python -c 'import nanovllm'"),
+}
+
+
+@pytest.fixture
+def fake_nanovllm(tmp_path, monkeypatch):
+    """A function that 'installs' nano-vllm-fork 20260210 in ``tmp_path`` (its metadata, and a package
+    ``nanovllm`` whose ``__init__`` is the source given); any ``nanovllm`` imported before is hidden and
+    put back afterwards."""
+    hidden = {m: sys.modules.pop(m) for m in list(sys.modules) if m.split(".")[0] == "nanovllm"}
+
+    def install(init: str) -> Path:
+        d = tmp_path / "nano_vllm_fork-20260210.dist-info"
+        d.mkdir()
+        (d / "METADATA").write_text("Metadata-Version: 2.1\nName: nano-vllm-fork\nVersion: 20260210\n")
+        (d / "top_level.txt").write_text("nanovllm\n")
+        (tmp_path / "nanovllm").mkdir()
+        (tmp_path / "nanovllm" / "__init__.py").write_text(init)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        return tmp_path
+
+    yield install
+    for m in [m for m in sys.modules if m.split(".")[0] == "nanovllm"]:
+        del sys.modules[m]
+    sys.modules.update(hidden)
+
+
+@pytest.mark.parametrize("case", list(NANO_FAILS))
+def test_doctor_says_why_an_installed_nanovllm_cannot_be_imported(fake_nanovllm, case):
+    init, error, fix = NANO_FAILS[case]
+    fake_nanovllm(init)
+    r = doctor(plain=True)
+    assert r.exit_code == 0 and r.exception is None, r.output
+    rows = {ln.strip().split("  ")[0]: ln for ln in r.stdout.splitlines() if ln.startswith("  nano-vllm")}
+    assert "nano-vllm" in rows and "nano-vllm fix" in rows, r.stdout
+    assert "nano-vllm-fork 20260210" in rows["nano-vllm"] and "cannot be imported" in rows["nano-vllm"]
+    assert error in rows["nano-vllm"] and fix in rows["nano-vllm fix"], rows
+    assert "puts its input preparation on stagebuf" not in r.stdout
+    flat = " ".join(doctor().stdout.translate(str.maketrans("", "", "│┃")).split())  # rich wraps cells
+    assert "cannot be imported" in flat and error.split(": ")[0] in flat
+    j = json.loads(doctor("--json").stdout)["nanovllm"]
+    assert j["installed"] is True and j["importable"] is False and j["import_error"].startswith(error)
+    assert fix in j["fix"] and "cannot be imported" in j["note"]
+
+
+def test_doctor_says_an_installed_nanovllm_that_imports_is_tested(fake_nanovllm):
+    fake_nanovllm("LLM = object\n")
+    r = doctor(plain=True)
+    assert r.exit_code == 0, r.output
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("  nano-vllm")]
+    assert "nano-vllm-fork 20260210, tested: stagebuf.nanovllm.attach(llm)" in line, line
+    assert "cannot be imported" not in r.stdout
+    j = json.loads(doctor("--json").stdout)["nanovllm"]
+    assert j["installed"] is True and j["tested"] is True and "import_error" not in j
+
+
+def test_a_real_process_names_nanovllms_missing_module(fake_nanovllm):
+    root = fake_nanovllm(NANO_FAILS["flash_attn"][0])
+    env = {"PYTHONPATH": os.pathsep.join([str(root), SRC, os.environ.get("PYTHONPATH", "")])}
+    for args in (["-m", "stagebuf", "doctor"], ["-m", "stagebuf", "doctor", "--json"]):
+        p = _run(args, env)
+        assert p.returncode == 0 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+        flat = " ".join(p.stdout.translate(str.maketrans("", "", "│┃")).split())
+        assert "No module named 'flash_attn'" in flat and "pip install flash-attn" in flat, flat
+
+
+# --- every binding the vLLM plugin replaces, readable at 100 columns --------------------------------
+
+
+@pytest.fixture
+def vllm_files(monkeypatch):
+    """vLLM's newest tested release importable as ``vllm`` (``benchmarks.vllm_mrv2.as_installed``, CPU): only
+    its ``buffer_utils`` imported, as in a doctor process; the modules that bind its names are not."""
+    from benchmarks import vllm_mrv2
+
+    why = vllm_mrv2.available()
+    if why:
+        pytest.skip(f"needs vLLM {vllm_mrv2.NEWEST}'s files: {why}")
+    if "vllm" in sys.modules:
+        pytest.skip("a real vLLM is imported in this process")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    with vllm_mrv2.as_installed(torch.device("cpu")) as inst:
+        yield inst
+
+
+def _rich_report(width: int = 100) -> str:
+    from rich.console import Console
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None, force_terminal=False)
+    doctor_mod.render(capabilities(), console)
+    return out.getvalue()
+
+
+def _listed(text: str) -> dict[str, list[str]]:
+    """The bindings doctor lists below its table: ``module: name, name, ...`` lines, a long one continued
+    on deeper-indented lines."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("vLLM plugin bindings"))
+    groups: dict[str, list[str]] = {}
+    module = None
+    for ln in lines[start + 1 :]:
+        if ln.startswith("    ") and module is not None:
+            groups[module] += [n for n in ln.strip().split(", ") if n]
+        elif ln.startswith("  ") and ": " in ln:
+            module, _, names = ln.strip().partition(": ")
+            groups[module] = [n for n in names.split(", ") if n]
+        else:
+            module = None
+            if not ln.startswith("  "):
+                break
+    return {m: [n.rstrip(",") for n in ns] for m, ns in groups.items()}
+
+
+@pytest.mark.parametrize("mode", ["1", "step"])
+def test_doctor_lists_every_binding_the_vllm_plugin_replaces(vllm_files, monkeypatch, mode):
+    """Doctor's list, made before vLLM imported the modules that bind buffer_utils' names, holds every
+    binding of the plugin's own plan once they are imported, grouped by module, each name whole on a line
+    of at most 100 columns."""
+    from stagebuf._engines import vllm as _vllm
+
+    monkeypatch.setenv("STAGEBUF_VLLM", mode)
+    report = _rich_report()
+    wide = [ln for ln in report.splitlines() if len(ln) > 100]
+    assert not wide, wide
+    listed = _listed(report)
+    plain = _listed(doctor_mod.render_text(capabilities()))
+    assert plain == listed
+    for name in ("block_table", "states", "sample.states"):
+        vllm_files.load(name)
+    plan = _vllm.plan()
+    assert plan.action == "patch" and plan.mode == mode
+    want: dict[str, set[str]] = {}
+    for obj, attr, _old, _new in plan.replacements:
+        mod, attr = (
+            (obj.__module__, f"{obj.__qualname__}.{attr}") if isinstance(obj, type) else (obj.__name__, attr)
+        )
+        want.setdefault(mod, set()).add(attr)
+    assert len(want) >= 4 and sum(map(len, want.values())) >= 13 + 2 * (mode == "step"), want
+    for mod, attrs in want.items():
+        assert mod in listed and attrs <= set(listed[mod]), (mod, attrs, listed)
+    assert all(re.search(rf"^  {re.escape(mod)}: ", report, re.M) for mod in listed)
+    flat = " ".join(report.translate(str.maketrans("", "", "│┃")).split())
+    count = sum(map(len, listed.values()))
+    assert f"vLLM plugin patches {count} bindings in {len(listed)} modules" in flat, flat
+    j = json.loads(doctor("--json", env={"STAGEBUF_VLLM": mode}).stdout)["vllm"]
+    assert all(attrs <= set(j["bindings"].get(mod, ())) for mod, attrs in want.items()), j["bindings"]
+
+
+@pytest.mark.parametrize("mode", ["1", "step"])
+def test_without_vllm_doctor_lists_what_the_plugin_knows_and_says_what_it_cannot(monkeypatch, mode):
+    from stagebuf._engines import vllm as _vllm
+    from stagebuf._engines.vllm_check import REPLACED
+
+    if _vllm.vllm_version() is not None or "vllm" in sys.modules:
+        pytest.skip("vLLM is installed here")
+    monkeypatch.setenv("STAGEBUF_VLLM", mode)
+    report = _rich_report()
+    assert not [ln for ln in report.splitlines() if len(ln) > 100]
+    assert _listed(report) == {_vllm.TARGET: list(REPLACED)}
+    flat = " ".join(report.translate(str.maketrans("", "", "│┃")).split())
+    assert "known only with vLLM installed" in flat, flat
+    assert (f"{_vllm.STEP_TARGET}" in flat) == (mode == "step")
+    j = json.loads(doctor("--json", env={"STAGEBUF_VLLM": mode}).stdout)["vllm"]
+    assert j["bindings"] == {_vllm.TARGET: list(REPLACED)}
+    assert any("known only with vLLM installed" in n for n in j["bindings_notes"])
+
+
+def test_doctor_reads_the_bindings_vllms_source_makes(tmp_path):
+    """Only module-level ``from <buffer_utils> import`` of the plugin's names count: not one inside a
+    function, under TYPE_CHECKING, or of another name; ``as`` names the binding."""
+    pkg = tmp_path / "vllm"
+    (pkg / "v1" / "worker" / "gpu").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    files = {
+        "v1/worker/gpu/a.py": (
+            "from vllm.v1.worker.gpu.buffer_utils import UvaBuffer, StagedWriteTensor as SWT\n"
+        ),
+        "v1/worker/gpu/b.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from vllm.v1.worker.gpu.buffer_utils import UvaBuffer\n"
+            "def f():\n    from vllm.v1.worker.gpu.buffer_utils import UvaBufferPool\n"
+            "from vllm.v1.worker.gpu.buffer_utils import async_copy_to_gpu\n"
+        ),
+        "v1/worker/gpu/c.py": (
+            "try:\n    from .buffer_utils import UvaBackedTensor\nexcept ImportError:\n    pass\n"
+        ),
+        "v1/worker/gpu/d.py": "def broken(:\n",
+    }
+    for rel, src in files.items():
+        (pkg / rel).write_text(src)
+    got = doctor_mod.source_bindings(pkg)
+    assert got == {
+        "vllm.v1.worker.gpu.a": ["UvaBuffer", "SWT"],
+        "vllm.v1.worker.gpu.c": ["UvaBackedTensor"],
+    }

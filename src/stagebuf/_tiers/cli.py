@@ -23,8 +23,10 @@ def _parser() -> argparse.ArgumentParser:
         "doctor",
         help="What this machine can do, the tier chosen, and why.",
         description="Report pinned memory, UVA and the chosen tier, with a reason and a fix for each "
-        "'no', every setting, and the vLLM plugin. A setting that cannot work here (any STAGEBUF_* "
-        "setting, --device) is explained, with the allowed values and the fix, and the exit status is 2.",
+        "'no', every setting, the vLLM plugin (every binding it replaces) and nano-vllm (whether it "
+        "imports). A setting that cannot work (any STAGEBUF_* setting, --device) is explained, with the "
+        "allowed values and the fix, and the exit status is 2: a value that is not valid is named as one, "
+        "and a valid one this machine cannot serve as that.",
     )
     d.add_argument("--device", default=None, help="Device to probe (default: current accelerator, else cpu).")
     d.add_argument("--json", dest="as_json", action="store_true", help="Print the report as JSON.")

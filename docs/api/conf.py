@@ -31,7 +31,9 @@ napoleon_use_ivar = True
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 # signatures name the type aliases (documented on the reference page) instead of expanding them
-autodoc_type_aliases = {name: f"~stagebuf._common.types.{name}" for name in ("DeviceLike", "DTypeLike", "HostData")}
+autodoc_type_aliases = {
+    name: f"~stagebuf._common.types.{name}" for name in ("DeviceLike", "DTypeLike", "HostData")
+}
 
 exclude_patterns: list[str] = []
 html_theme = "alabaster"

@@ -14,7 +14,8 @@ call stages, and the row's ``apply`` call raises ``StagedWriteError`` naming the
 edit; the test then checks that nothing was written and every edit (the earlier
 one and the bad one) is still staged, and drops the bad one.
 
-docs/RELIABILITY.md holds this matrix as a table; regenerate it, from the checkout's root, with
+The API reference's page docs/api/bad_inputs.rst holds this matrix as a table; regenerate it, from
+the checkout's root, with
 
     PYTHONPATH=src:tests .venv/bin/python tests/unit/test_bad_inputs.py --write
 
@@ -56,8 +57,9 @@ from stagebuf import (
 )
 from stagebuf._rings.param_table import DeviceParamTable
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "RELIABILITY.md"
-BEGIN, END = "<!-- bad-input-matrix:begin -->", "<!-- bad-input-matrix:end -->"
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "api" / "bad_inputs.rst"
+BEGIN, END = ".. bad-input-matrix:begin", ".. bad-input-matrix:end"
 
 
 class Ctx:
@@ -1297,29 +1299,46 @@ def test_rows_are_unique_and_cover_every_bad_input_kind() -> None:
 # --------------------------------------------------------------------------- the table in the doc
 
 
+def _text(s: str) -> str:
+    """``s`` as reStructuredText inline text: markup characters escaped."""
+    s = s.replace("\\", "\\\\")
+    for ch in "*`|_":
+        s = s.replace(ch, "\\" + ch)
+    return s
+
+
 def _outcome(c: Case) -> str:
     if c.raises is None:
-        return c.text
+        return _text(c.text)
     when = " at apply (staged, nothing written, every edit kept)" if c.apply is not None else ""
-    return f"`{c.raises.__name__}`{when}: “{c.text}”".replace("|", "\\|")
+    return f"``{c.raises.__name__}``{when}: “``{c.text}``”"
 
 
-def markdown() -> str:
+def table() -> str:
+    """The matrix as a reStructuredText list table, the entry point named on the first row of its group."""
     lines = [
-        "| entry point | bad input | outcome (exception: text the message contains) |",
-        "| --- | --- | --- |",
+        ".. list-table::",
+        "   :header-rows: 1",
+        "   :widths: 30 30 40",
+        "",
+        "   * - entry point",
+        "     - bad input",
+        "     - outcome (exception: text the message contains)",
     ]
+    entry = None
     for c in CASES:
-        lines.append(f"| `{c.entry}` | {c.bad} | {_outcome(c)} |")
+        lines.append(f"   * - ``{c.entry}``" if c.entry != entry else "   * -")
+        lines += [f"     - {_text(c.bad)}", f"     - {_outcome(c)}"]
+        entry = c.entry
     return "\n".join(lines)
 
 
 REGENERATE = "PYTHONPATH=src:tests .venv/bin/python tests/unit/test_bad_inputs.py --write"
-"""How docs/RELIABILITY.md says to regenerate its matrix (from the checkout's root)."""
+"""How docs/api/bad_inputs.rst says to regenerate its matrix (from the checkout's root)."""
 
 
 def test_the_documented_command_runs() -> None:
-    """The command docs/RELIABILITY.md gives, as written (the venv's Python: this one), printing the table."""
+    """The command docs/api/bad_inputs.rst gives, as written (the venv's Python: this one), printing it."""
     import shlex
     import subprocess
 
@@ -1327,22 +1346,21 @@ def test_the_documented_command_runs() -> None:
     assert f"`{REGENERATE}`" in text, f"{DOC.name} does not give the command {REGENERATE!r}"
     env_part, *cmd = shlex.split(REGENERATE)
     assert env_part.startswith("PYTHONPATH=") and cmd[0] == ".venv/bin/python" and cmd[-1] == "--write"
-    root = DOC.parents[1]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = env_part.split("=", 1)[1]
     p = subprocess.run(
-        [sys.executable, *cmd[1:-1]], cwd=root, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, *cmd[1:-1]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.strip() == markdown()
+    assert p.stdout.strip() == table()
 
 
 def test_doc_matrix_is_in_sync() -> None:
     text = DOC.read_text()
     assert BEGIN in text and END in text, f"{DOC} lacks the {BEGIN} ... {END} markers"
     in_doc = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert in_doc == markdown(), (
-        f"docs/RELIABILITY.md's bad-input matrix is out of date: regenerate it with `{REGENERATE}`"
+    assert in_doc == table(), (
+        f"docs/api/bad_inputs.rst's bad-input matrix is out of date: regenerate it with `{REGENERATE}`"
     )
 
 
@@ -1350,7 +1368,7 @@ def _write_doc() -> None:
     text = DOC.read_text()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    DOC.write_text(f"{head}{BEGIN}\n{markdown()}\n{END}{tail}")
+    DOC.write_text(f"{head}{BEGIN}\n\n{table()}\n\n{END}{tail}")
 
 
 if __name__ == "__main__":
@@ -1358,4 +1376,4 @@ if __name__ == "__main__":
         _write_doc()
         print(f"wrote {len(CASES)} rows into {os.path.relpath(DOC)}")
     else:
-        print(markdown())
+        print(table())

@@ -15,7 +15,7 @@ import torch
 from .._bytes.buffers import copy_rows
 from .._bytes.checked import host_view
 from .._bytes.make import make_buffer
-from .._bytes.memory import alloc_device, alloc_host
+from .._bytes.memory import alloc_device, alloc_host, ensure_buffers_room
 from .._common.convert import fill_host, torch_dtype
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, UnknownFieldError
 from .._common.sealed import COPY_HINT, Sealed, read_only
@@ -166,6 +166,16 @@ class DeviceParamTable(Sealed):
         caps = capabilities(device)
         self.device = caps.device
         self.max_concurrency = n = slot_count(max_concurrency)
+        # the host memory of the host arena, its shadow, the slots (and a CPU device arena), checked first
+        ensure_buffers_room(
+            f"DeviceParamTable({self.num_rows} rows, {self.nbytes} bytes): its arenas and {n} slots",
+            n,
+            (self.nbytes,),
+            torch.uint8,
+            caps.tier,
+            self.device.type,
+            extra=(3 if self.device.type == "cpu" else 2) * self.nbytes,
+        )
         self._host = alloc_host((self.nbytes,), torch.uint8, pinned=False, tier=caps.tier)
         self._host_np = self._host.numpy()
         # the device arena starts zero-filled too

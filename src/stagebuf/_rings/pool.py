@@ -12,12 +12,13 @@ import torch
 from .._bytes.buffers import StagingBuffer, copy_rows
 from .._bytes.checked import host_view
 from .._bytes.make import make_buffer
-from .._bytes.memory import alloc_host
+from .._bytes.memory import alloc_host, ensure_buffers_room
 from .._common.convert import check_rows, fill_host, host_array, numpy_dtype, shape_of, torch_dtype
 from .._common.errors import ArgumentTypeError, InvalidArgumentError
 from .._common.sealed import Cell, Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
+from .._tiers.probe import capabilities
 from .guard import GuardMode, slot_count
 from .ring import Ring
 
@@ -66,6 +67,9 @@ class UvaBufferPool(Sealed):
         self._np_dtype = numpy_dtype(self.dtype)
         self._row_bytes = self._np_dtype.itemsize * math.prod(self._trailing)
         self.max_concurrency = slot_count(max_concurrency)
+        caps = capabilities(device)  # the host memory of every slot, checked before the first is made
+        what = f"UvaBufferPool(size={self.shape}, dtype={self.dtype}): {self.max_concurrency} slots"
+        ensure_buffers_room(what, self.max_concurrency, self.shape, self.dtype, caps.tier, caps.device.type)
         self._ring = Ring(
             self.max_concurrency,
             lambda: make_buffer(self.shape, self.dtype, device),
@@ -102,6 +106,16 @@ class UvaBufferPool(Sealed):
         cur, buf = ring.acquire()
         if n > buf.shape[0]:
             cap = 1 << (n - 1).bit_length()
+            ensure_buffers_room(
+                f"UvaBufferPool: growing a slot to {cap} rows (for {n})",
+                1,
+                (cap, *trailing),
+                self.dtype,
+                buf.tier,
+                self.device.type,
+                fix="Nothing was staged by this call and the pool's earlier tensors stay valid. Stage fewer "
+                "rows at once, or free host memory",
+            )
             buf = ring.grow(cur, lambda tier: make_buffer((cap, *trailing), self.dtype, self.device, tier))
         buf.np[:n] = arr
         copies = buf.tier is not Tier.HOST if gpu else buf.tier.copies

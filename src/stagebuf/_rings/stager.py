@@ -15,13 +15,14 @@ import torch
 
 from .._bytes.buffers import StagingBuffer
 from .._bytes.make import make_buffer
-from .._bytes.memory import alloc_device
+from .._bytes.memory import alloc_device, ensure_buffers_room
 from .._common.convert import NUMPY_TO_TORCH, TORCH_TO_NUMPY, host_array
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from .._common.owner import thread_name
 from .._common.sealed import Cell, Sealed
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
+from .._tiers.probe import capabilities
 from .._tiers.settings import ALIGN, POISON, check_mode
 from .guard import GuardMode, slot_count
 from .ring import Ring, arena_as, poison
@@ -91,6 +92,17 @@ class _Slot:
             )
         need = (used + ALIGN) + nbytes
         new_cap = max(2 * cap, 1 << max(need - 1, 1).bit_length())
+        ensure_buffers_room(  # the new arena, and the scratch arena _host_of makes on UVA and HOST
+            f"StepStager: step {seq} growing a slot to {new_cap} bytes",
+            1,
+            (new_cap,),
+            torch.uint8,
+            buf.tier,
+            buf.device.type,
+            extra=0 if buf.tier.copies or self.in_place else new_cap,
+            fix="Nothing was staged by this call, and what the step staged before stays staged. Stage less "
+            "in one step, or free host memory",
+        )
         new = self.ring.grow(self.i, lambda tier: make_buffer(new_cap, torch.uint8, buf.device, tier))
         self.buf, self.dev_arena, self.cap = new, new.dev, new_cap
         self.host = self._host_of(new)
@@ -339,6 +351,14 @@ class StepStager(Sealed):
                 raise ArgumentTypeError(f"{name}={flag!r}; allowed: True or False")
         self.max_concurrency = n = slot_count(max_concurrency)
         self.static = static
+        # the slots' host memory (and _host_of's scratch arenas; a static arena on the CPU), checked first
+        caps = capabilities(device)
+        t = caps.tier if tier is None else Tier.parse(tier)
+        scratch = 0 if t.copies or (in_place and not check_mode()) else n * capacity
+        dev_type = caps.device.type
+        what = f"StepStager(capacity={capacity}): {n} slots"
+        fixed = capacity if static and dev_type == "cpu" else 0
+        ensure_buffers_room(what, n, (capacity,), torch.uint8, t, dev_type, extra=scratch + fixed)
 
         # check mode quarantines released slots, except in a static stager (one device arena for all)
         def make() -> StagingBuffer:

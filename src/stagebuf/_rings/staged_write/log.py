@@ -4,28 +4,51 @@ unchecked (checked in bulk at apply), array edits checked when staged, with nump
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..._bytes.memory import ensure_host_room
 from ..._common.convert import host_array, numpy_dtype, why_unfit
 from ..._common.errors import ArgumentTypeError, InvalidArgumentError
 from .values import checked_values
 
 FULL_LENS: dict[tuple[int, int], np.ndarray] = {}
+_SMALL = 1 << 12
+"""Up to this many edits, ``full_lens`` is an array of its own (what the per-step paths read fastest)."""
 
 
 def full_lens(e: int, width: int) -> np.ndarray:
-    """``np.full(e, width)`` (int64, read-only), cached in ``FULL_LENS`` by ``(e, width)``."""
+    """``np.full(e, width)`` (int64, read-only), cached in ``FULL_LENS`` by ``(e, width)``: past ``_SMALL``
+    edits a broadcast view, with no memory per edit (so a large batch of one length keeps none, and the cache
+    holds at most 256 * 32 KiB)."""
     a = FULL_LENS.get((e, width))
     if a is None:
         if len(FULL_LENS) >= 256:
             FULL_LENS.clear()
-        a = FULL_LENS[e, width] = np.full(e, width, np.int64)
-        a.flags.writeable = False
+        if e <= _SMALL:
+            a = np.full(e, width, np.int64)
+            a.flags.writeable = False
+        else:
+            a = np.broadcast_to(np.int64(width), (e,))  # (read-only)
+        FULL_LENS[e, width] = a
     return a
+
+
+_CHUNK = 1 << 16
+"""Elements per piece where ``stage_writes`` converts values or finds a bad edit piece by piece: no
+temporary of a batch is larger than this."""
+
+
+def _first(e: int, bad: Callable[[slice], np.ndarray]) -> int:
+    """The first ``i`` in [0, e) where ``bad(piece)`` (a mask of that piece) is True, or -1."""
+    for a in range(0, e, _CHUNK):
+        m = bad(slice(a, a + _CHUNK))
+        if m.any():
+            return a + int(m.argmax())
+    return -1
 
 
 NP_INTS = frozenset(np.dtype(c).type for c in "bBhHiIlLqQ")
@@ -47,7 +70,8 @@ def int_in(x: Any, name: str, lo: int, hi: int | None, what: str) -> int:
 
 
 def _ints(x: Any, name: str) -> np.ndarray:
-    """A 1-D int64 array of the integers in ``x`` (bools and fractions are refused)."""
+    """A 1-D array of the integers in ``x`` (bools and fractions are refused): an integer array as it is (no
+    copy: uint64 viewed as int64, its values checked to fit), integral floats as int64."""
     a = x if isinstance(x, np.ndarray) else host_array(x, None, name, ndims=(1,))
     if a.ndim != 1:
         raise InvalidArgumentError(
@@ -58,9 +82,12 @@ def _ints(x: Any, name: str) -> np.ndarray:
             pass  # integral floats are accepted, as elsewhere in stagebuf
         elif a.size:
             raise ArgumentTypeError(f"{name} has dtype {a.dtype}; allowed: an integer array")
-    if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
-        raise InvalidArgumentError(f"{name} holds values beyond int64")
-    return a.astype(np.int64, copy=False)
+        return a.astype(np.int64)
+    if a.dtype == np.uint64:
+        if a.size and int(a.max()) > np.iinfo(np.int64).max:
+            raise InvalidArgumentError(f"{name} holds values beyond int64")
+        return a.view(np.int64)  # (exact: every value fits)
+    return a
 
 
 class StagedBatch:
@@ -144,7 +171,11 @@ class EditLog:
         self.stage_checked(index, 0, value)
 
     def stage_writes(self, rows: Any, starts: Any, values: Any, lengths: Any) -> None:
-        """``StagedWriteTensor.stage_writes``: every edit of the batch checked now, with numpy."""
+        """``StagedWriteTensor.stage_writes``: every edit of the batch checked now, with numpy.
+
+        What it keeps is a copy of the values, the destinations (int64) and, for edits of several lengths, the
+        lengths (int64); it checks the host can give those bytes before allocating them, and makes no other
+        temporary larger than ``_CHUNK`` elements (the peak stays within 1.5 times the input arrays)."""
         if (
             lengths is None
             and type(rows) is np.ndarray
@@ -152,6 +183,7 @@ class EditLog:
             and type(values) is np.ndarray
             and values.dtype == self.np_dtype
             and rows.ndim == 1
+            and starts.ndim == 1
             and rows.dtype.kind in "iu"
             and starts.dtype.kind in "iu"
             and values.ndim in (1, 2)
@@ -161,13 +193,32 @@ class EditLog:
             e = rows.shape[0]
             width = 1 if values.ndim == 1 else values.shape[1]
             r0, r1, s0 = rows.min(), rows.max(), starts.min()
-            if width and r0 >= 0 and r1 < self.rows and s0 >= 0 and starts.max() + width <= self.cols:
-                dst = rows.astype(np.int64)
-                dst *= self.row_stride
-                dst += starts
-                self.stage_batch(dst, full_lens(e, width), values.reshape(-1).copy())
+            # (Python ints: a start near int64's maximum plus the width must not wrap)
+            if width and r0 >= 0 and r1 < self.rows and s0 >= 0 and int(starts.max()) + width <= self.cols:
+                self._room(e, values.size, False)
+                self.stage_batch(self._dst(rows, starts), full_lens(e, width), values.flatten())
                 return
         self._stage_writes_checked(rows, starts, values, lengths)
+
+    def _room(self, e: int, nvals: int, lens: bool) -> None:
+        """Raise HostAllocationError, before anything is allocated or staged, unless the host can give what a
+        batch of ``e`` edits and ``nvals`` values keeps (with a length per edit if ``lens``)."""
+        nbytes = e * (16 if lens else 8) + nvals * self.np_dtype.itemsize
+        ensure_host_room(
+            nbytes,
+            f"stage_writes of {e} edits ({nvals} values of {self.np_dtype}: a copy of them and an int64 "
+            f"destination{' and length' if lens else ''} per edit)",
+            fix="Nothing was staged by this call, and the edits staged before stay staged. Stage fewer edits "
+            "per call (apply_write() between calls frees what is staged), or free host memory",
+        )
+
+    def _dst(self, r: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """``r * row_stride + s`` as a new int64 array, computed in place (no temporary); the caller has
+        checked both (the result fits)."""
+        dst = r.astype(np.int64)  # (a copy, even of int64: the log keeps its own)
+        dst *= self.row_stride
+        dst += s.view(np.int64) if s.dtype == np.uint64 else s  # (checked: at most cols)
+        return dst
 
     def _stage_writes_checked(self, rows: Any, starts: Any, values: Any, lengths: Any) -> None:
         r = _ints(rows, "rows")
@@ -182,53 +233,91 @@ class EditLog:
             v = host_array(values, None, "values", ndims=ndims)
         except TypeError:  # e.g. uint64: converted to the target dtype with checks, or refused
             v = host_array(values, self.dtype, "values", ndims=ndims)
+        # the lengths given, where they differ; else None, and every edit is ``width`` values long
+        ln: np.ndarray | None = None
         if lengths is None:
             if v.shape[0] != e:
                 raise InvalidArgumentError(
                     f"values has {v.shape[0]} rows but rows has {e}; allowed: one per edit"
                 )
-            lens = np.full(e, 1 if v.ndim == 1 else v.shape[1], np.int64)
+            width = 1 if v.ndim == 1 else v.shape[1]
         else:
-            lens = _ints(lengths, "lengths")
-            if lens.shape[0] != e:
+            ln = _ints(lengths, "lengths")
+            if ln.shape[0] != e:
                 raise InvalidArgumentError(
-                    f"lengths has {lens.shape[0]} entries but rows has {e}; allowed: one per edit"
+                    f"lengths has {ln.shape[0]} entries but rows has {e}; allowed: one per edit"
                 )
-            if e and (lens < 0).any():
-                i = int(np.flatnonzero(lens < 0)[0])
-                raise InvalidArgumentError(f"lengths[{i}]={lens[i]} is negative; allowed: an int >= 0")
-            total = int(lens.sum()) if e else 0
+            if e and ln.min() < 0:
+                lk = ln
+                i = _first(e, lambda k: lk[k] < 0)
+                raise InvalidArgumentError(f"lengths[{i}]={ln[i]} is negative; allowed: an int >= 0")
+            total = int(ln.sum(dtype=np.int64)) if e else 0
             if v.shape[0] != total:
                 raise InvalidArgumentError(f"values has {v.shape[0]} elements but lengths add up to {total}")
-        flat = v.reshape(-1)
-        try:
-            flat = checked_values(flat, self.np_dtype, "values")
-        except ValueError as err:  # name the first edit whose values do not fit
-            problem = why_unfit(flat, self.np_dtype) if flat.dtype.kind in "iuf" else None
-            if problem is None:
-                raise
-            i = int(np.searchsorted(np.cumsum(lens), int(np.flatnonzero(problem[0])[0]), side="right"))
-            raise InvalidArgumentError(f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}): {err}") from None
+            width = int(ln[0]) if e and ln.min() == ln.max() else 0
+            if width or not total:
+                ln = None  # one length: stored as a broadcast (an empty batch keeps nothing)
+        self._room(e, v.size, ln is not None)
+        vals = self._values(v, r, s, ln, width)
         if e:
-            bad = (r < 0) | (r >= self.rows)
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
+            if r.min() < 0 or r.max() >= self.rows:
+                i = _first(e, lambda k: (r[k] < 0) | (r[k] >= self.rows))
                 raise InvalidArgumentError(f"rows[{i}]={r[i]} is out of range; allowed: [0, {self.rows - 1}]")
-            bad = s < 0
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
+            if s.min() < 0:
+                i = _first(e, lambda k: s[k] < 0)
                 raise InvalidArgumentError(f"starts[{i}]={s[i]} is negative; allowed: an int >= 0")
-            bad = s + lens > self.cols
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
+            # the ends, as s > cols - length (s + length may wrap past int64)
+            if ln is None:
+                i = -1 if int(s.max()) <= self.cols - width else _first(e, lambda k: s[k] > self.cols - width)
+            else:
+                lk = ln
+                i = _first(e, lambda k: s[k] > self.cols - lk[k])
+            if i >= 0:
+                n = width if ln is None else int(ln[i])
                 raise InvalidArgumentError(
-                    f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}, {lens[i]} values) ends at "
-                    f"column {s[i] + lens[i]}, past the end of the row ({self.cols} columns)"
+                    f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}, {n} values) ends at "
+                    f"column {int(s[i]) + n}, past the end of the row ({self.cols} columns)"
                 )
+        if not vals.size:
+            return  # every edit is empty: nothing to stage
+        dst = self._dst(r, s)
+        if ln is None:
+            self.stage_batch(dst, full_lens(e, width), vals)
+            return
+        lens = np.array(ln, np.int64)  # (a copy: the log keeps its own)
+        if not lens.min():  # empty edits are not kept
             keep = lens > 0
-            if not keep.all():
-                r, s, lens = r[keep], s[keep], lens[keep]
-        self.stage_batch(r * self.row_stride + s, lens.copy(), np.array(flat, copy=True))
+            dst, lens = dst[keep], lens[keep]
+        self.stage_batch(dst, lens, vals)
+
+    def _values(
+        self, v: np.ndarray, r: np.ndarray, s: np.ndarray, ln: np.ndarray | None, width: int
+    ) -> np.ndarray:
+        """The values of ``v`` as a new flat array of the target dtype, checked (``checked_values``) and
+        converted piece by piece into it; a value that does not fit raises naming its edit."""
+        out = np.empty(v.size, self.np_dtype)
+        if not v.size:  # (still checked: its dtype may be refused)
+            checked_values(v.reshape(-1), self.np_dtype, "values")
+            return out
+        per = 1 if v.ndim == 1 else v.shape[1]  # values per row of v
+        step = max(1, _CHUNK // per)
+        for a in range(0, v.shape[0], step):
+            part = v[a : a + step].reshape(-1)  # (a piece: a copy, if any, is a piece's)
+            try:
+                out[a * per : a * per + part.shape[0]] = checked_values(part, self.np_dtype, "values")
+            except ValueError as err:  # name the first edit whose values do not fit
+                problem = why_unfit(part, self.np_dtype) if part.dtype.kind in "iuf" else None
+                if problem is None:
+                    raise
+                j = a * per + int(np.flatnonzero(problem[0])[0])  # its flat position
+                if ln is None:
+                    i = j // width
+                else:
+                    i = int(np.searchsorted(np.cumsum(ln, dtype=np.int64), j, side="right"))
+                raise InvalidArgumentError(
+                    f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}): {err}"
+                ) from None
+        return out
 
     def stage_batch(self, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray) -> None:
         """Stage checked array edits (flat offsets, lengths, flat values: the caller's copies)."""

@@ -13,14 +13,6 @@ import pytest
 import torch
 
 import stagebuf
-from stagebuf import (
-    DeviceParamTable,
-    FusedStagedWriter,
-    StagedWriteTensor,
-    StepStager,
-    UvaBackedTensor,
-    UvaBufferPool,
-)
 
 
 def in_thread(fn: Callable[[], Any], name: str = "other") -> Any:
@@ -39,34 +31,37 @@ def in_thread(fn: Callable[[], Any], name: str = "other") -> Any:
     return out[0]
 
 
-def _stage(st: StepStager) -> Any:
+def _stage(st: stagebuf.StepStager) -> Any:
     with st.step() as s:
         return s.stage([1, 2])
 
 
-def _write(w: StagedWriteTensor) -> None:
+def _write(w: stagebuf.StagedWriteTensor) -> None:
     w.stage_write(0, 0, [5])
     w.apply_write()
 
 
-def _fused(pair: tuple[FusedStagedWriter, StagedWriteTensor]) -> None:
+def _fused(pair: tuple[stagebuf.FusedStagedWriter, stagebuf.StagedWriteTensor]) -> None:
     f, w = pair
     w.stage_write(0, 0, [6])
     f.apply([w])
 
 
-def _table(t: DeviceParamTable) -> None:
+def _table(t: stagebuf.DeviceParamTable) -> None:
     t["x"].np[0] += 1
     t.sync()
 
 
 OBJECTS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
-    "UvaBufferPool": (lambda: UvaBufferPool(4, torch.int32), lambda p: p.copy_to_uva([1, 2])),
-    "UvaBackedTensor": (lambda: UvaBackedTensor(4, torch.int32), lambda b: b.copy_to_uva()),
-    "StepStager": (StepStager, _stage),
-    "DeviceParamTable": (lambda: DeviceParamTable(2, {"x": torch.int32}), _table),
-    "StagedWriteTensor": (lambda: StagedWriteTensor((2, 2), torch.int32), _write),
-    "FusedStagedWriter": (lambda: (FusedStagedWriter(), StagedWriteTensor((2, 2), torch.int32)), _fused),
+    "UvaBufferPool": (lambda: stagebuf.UvaBufferPool(4, torch.int32), lambda p: p.copy_to_uva([1, 2])),
+    "UvaBackedTensor": (lambda: stagebuf.UvaBackedTensor(4, torch.int32), lambda b: b.copy_to_uva()),
+    "StepStager": (stagebuf.StepStager, _stage),
+    "DeviceParamTable": (lambda: stagebuf.DeviceParamTable(2, {"x": torch.int32}), _table),
+    "StagedWriteTensor": (lambda: stagebuf.StagedWriteTensor((2, 2), torch.int32), _write),
+    "FusedStagedWriter": (
+        lambda: (stagebuf.FusedStagedWriter(), stagebuf.StagedWriteTensor((2, 2), torch.int32)),
+        _fused,
+    ),
 }
 
 
@@ -113,7 +108,7 @@ def test_plain_mode_binds_nothing(cls: str, cpu_tier: Any, monkeypatch: pytest.M
 
 def test_a_step_open_on_another_thread_is_named(cpu_tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STAGEBUF_CHECK", raising=False)
-    st = StepStager()
+    st = stagebuf.StepStager()
     step = st.step()
     err = in_thread(st.step, "intruder")
     assert isinstance(err, stagebuf.UsageError)

@@ -49,3 +49,10 @@ def test_max_concurrency_1_is_raised_to_2_and_says_so(
     with caplog.at_level(logging.INFO, logger="stagebuf"):
         assert stagebuf.UvaBufferPool(4, torch.int32, max_concurrency=3).max_concurrency == 3
     assert not [r for r in caplog.records if "max_concurrency" in r.getMessage()]
+
+
+def test_a_staged_write_tensor_too_large_for_a_cpu_tier_says_host_memory(cpu_tier: Any) -> None:
+    """On HOST (and a CPU stand-in) the target tensor is host memory: the error says so, not "device"."""
+    with pytest.raises(stagebuf.HostAllocationError, match="out of host memory") as ei:
+        StagedWriteTensor((2**40, 8), dtype=torch.int32)
+    assert "device memory" not in str(ei.value)

@@ -190,16 +190,15 @@ def alloc_device(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tier: Tier | None = None
 ) -> torch.Tensor:
     """A zero-filled tensor on ``device``; raises InvalidArgumentError past 2**63 - 1 bytes and
-    DeviceAllocationError out of memory (a CPU stand-in's allocator failing too), naming ``tier`` if given."""
+    DeviceAllocationError out of memory, naming ``tier`` if given; on a CPU device (tier HOST, or a CPU
+    stand-in) the memory is host memory: HostAllocationError, as ``alloc_host``."""
+    if device.type == "cpu":
+        return alloc_host(shape, dtype, pinned=False, tier=tier)
     n = _nbytes(shape, dtype)
     try:
         return torch.zeros(shape, dtype=dtype, device=device)
     except (torch.OutOfMemoryError, MemoryError) as e:
         oom: BaseException = e
-    except RuntimeError as e:
-        if device.type != "cpu":
-            raise
-        oom = e  # torch's CPU allocator raises RuntimeError
     raise DeviceAllocationError(
         f"out of device memory: allocating {n} bytes ({_human(n)}, {shape} {dtype}) on {device}"
         f"{_for(tier)} failed; free device memory or ask for a smaller size"

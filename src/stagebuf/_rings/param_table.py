@@ -258,9 +258,7 @@ class DeviceParamTable(Sealed):
         return True
 
     def release_thread(self) -> None:
-        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
-        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
-        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        """Hand this object to another thread, as :meth:`UvaBufferPool.release_thread`."""
         self._ring.release_thread()
 
     def stats(self) -> dict[str, int]:

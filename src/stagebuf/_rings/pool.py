@@ -46,8 +46,10 @@ class UvaBufferPool(Sealed):
 
     Raises
     ------
-    InvalidArgumentError, ArgumentTypeError, DeviceAllocationError, SetupError, TierUnavailableError
-        As :class:`StagingBuffer` raises them for ``size``, ``dtype``, ``device`` and the slots' memory;
+    InvalidArgumentError, ArgumentTypeError, DeviceAllocationError, HostAllocationError, SetupError,
+    TierUnavailableError
+        As :class:`StagingBuffer` raises them for ``size``, ``dtype``, ``device`` and the slots' memory
+        (HostAllocationError where the host cannot hold every slot, checked before the first is made);
         InvalidArgumentError also if ``max_concurrency`` or ``guard`` is not as allowed above.
     """
 
@@ -143,8 +145,9 @@ class UvaBufferPool(Sealed):
         StepRuleError
             In check mode, if the step clock would have released a slot the device may still read (call
             :func:`begin_step` at the start of every step).
-        DeviceAllocationError
-            If growing the slot for a longer ``x`` runs out of device memory.
+        DeviceAllocationError, HostAllocationError
+            If growing the slot for a longer ``x`` runs out of device memory, or of host memory (checked
+            before allocating; earlier tensors stay valid).
         CudaError
             If recording or querying the guard's CUDA event fails.
         """
@@ -165,7 +168,7 @@ class UvaBufferPool(Sealed):
         ArgumentTypeError, InvalidArgumentError
             As :meth:`copy_to_uva` for a chunk (named by its position); ArgumentTypeError if ``chunks`` is
             not a sequence; InvalidArgumentError if ``n`` is not the chunks' total row count.
-        SlotInFlightError, StepRuleError, DeviceAllocationError, CudaError
+        SlotInFlightError, StepRuleError, DeviceAllocationError, HostAllocationError, CudaError
             As :meth:`copy_to_uva`.
         """
         if not isinstance(chunks, (list, tuple)):
@@ -195,8 +198,8 @@ class UvaBufferPool(Sealed):
         ArgumentTypeError, InvalidArgumentError, SlotInFlightError, StepRuleError, CudaError
             As :meth:`copy_to_uva`; also if ``out`` is not None or a tensor (ArgumentTypeError) or has another
             shape, dtype or device (InvalidArgumentError).
-        DeviceAllocationError
-            If growing the slot, or allocating the result, runs out of device memory.
+        DeviceAllocationError, HostAllocationError
+            If growing the slot, or allocating the result, runs out of device (or host) memory.
         """
         arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=self.shape[1:])
         if out is not None:
@@ -289,9 +292,7 @@ class UvaBackedTensor(Sealed):
         return gpu
 
     def release_thread(self) -> None:
-        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
-        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
-        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        """Hand this object to another thread, as :meth:`UvaBufferPool.release_thread`."""
         self.pool.release_thread()
 
     def stats(self) -> dict[str, int]:

@@ -202,8 +202,9 @@ class Step(Sealed):
         ArgumentTypeError, InvalidArgumentError
             ArgumentTypeError if ``x`` or its dtype (or ``dtype``) is not supported; InvalidArgumentError if
             ``x`` is not 1-D or 2-D, is on another device or holds a value ``dtype`` cannot hold exactly.
-        DeviceAllocationError
-            If growing the slot runs out of device memory.
+        DeviceAllocationError, HostAllocationError
+            If growing the slot runs out of device memory, or of host memory (checked before allocating);
+            the step and what it staged are as they were.
         """
         s = self._s
         layout = s.layout
@@ -244,8 +245,9 @@ class Step(Sealed):
         used = s.used
         off = (used + ALIGN - 1) & -ALIGN
         if off + nbytes > slot.cap:
-            s.retired.append((slot.buf, slot.host, used))
-            slot.grow(nbytes, used, self._seq)
+            old = (slot.buf, slot.host, used)
+            slot.grow(nbytes, used, self._seq)  # (raising, it leaves the slot and the step as they were)
+            s.retired.append(old)
             s.layout = None  # offsets restart in the new arena: record it next step
             off = 0
         s.used = off + nbytes
@@ -328,8 +330,9 @@ class StepStager(Sealed):
         above; ArgumentTypeError if ``static`` or ``in_place`` is not a bool.
     TierUnavailableError
         If ``tier`` cannot work on the device (the message lists the allowed tiers).
-    DeviceAllocationError
-        If the device runs out of memory for the slots (or the static arena).
+    DeviceAllocationError, HostAllocationError
+        If the device (or the host, checked before allocating) runs out of memory for the slots (or the
+        static arena).
     SetupError, TierUnavailableError, ArgumentTypeError
         As :func:`capabilities` raises them for ``device`` and the settings.
     """
@@ -405,9 +408,7 @@ class StepStager(Sealed):
         return st
 
     def release_thread(self) -> None:
-        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
-        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
-        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        """Hand this object to another thread, as :meth:`UvaBufferPool.release_thread`."""
         self._ring.release_thread()
 
     def mark_consumed(self) -> None:

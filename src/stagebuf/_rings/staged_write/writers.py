@@ -81,8 +81,10 @@ class StagedWriteTensor(Sealed):
 
     Raises
     ------
-    InvalidArgumentError, ArgumentTypeError, DeviceAllocationError, SetupError, TierUnavailableError
-        As :class:`UvaBufferPool` raises them for ``max_concurrency``, ``device`` and memory;
+    InvalidArgumentError, ArgumentTypeError, DeviceAllocationError, HostAllocationError, SetupError,
+    TierUnavailableError
+        As :class:`UvaBufferPool` raises them for ``max_concurrency``, ``device`` and memory (on a CPU
+        device the target is host memory: HostAllocationError);
         InvalidArgumentError also for a ``size`` or ``dtype`` not allowed above, ArgumentTypeError for a
         non-bool ``uva_instead_of_gpu``.
     """
@@ -232,6 +234,9 @@ class StagedWriteTensor(Sealed):
             InvalidArgumentError as :meth:`stage_write` for each edit, or if the arrays' lengths disagree;
             ArgumentTypeError if an argument is of an unsupported type or dtype (``rows``, ``starts`` and
             ``lengths`` must hold integers).
+        HostAllocationError
+            If the host cannot hold the batch's copy (checked before allocating; the call peaks at about
+            its inputs' size). Nothing is staged by the call; earlier edits stay staged.
         """
         if self._thread is not None:
             self._thread.check()
@@ -260,8 +265,8 @@ class StagedWriteTensor(Sealed):
             ``err.edits`` names every bad edit (``discard_staged(err.edits)``, then apply again).
         UsageError
             If a staging slot must grow while a CUDA graph is being captured.
-        DeviceAllocationError
-            If the device runs out of memory for the staging slots.
+        DeviceAllocationError, HostAllocationError
+            If the device (or the host) runs out of memory for the staging slots; every edit stays staged.
         CudaError
             If recording or querying the guard's CUDA event fails.
         """
@@ -274,9 +279,7 @@ class StagedWriteTensor(Sealed):
         self._log.clear()
 
     def release_thread(self) -> None:
-        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
-        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
-        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        """Hand this object to another thread, as :meth:`UvaBufferPool.release_thread`."""
         if self._thread is not None:
             self._thread.release()
 
@@ -434,9 +437,7 @@ class FusedStagedWriter(Sealed):
             t._log.clear()
 
     def release_thread(self) -> None:
-        """Hand this object to another thread: in check mode (``STAGEBUF_CHECK=1``) an object belongs to the
-        first thread that uses it, and another thread's call raises UsageError; call this on the owning thread
-        (or before any use), and the next thread to use it takes it. Without check mode it does nothing."""
+        """Hand this object to another thread, as :meth:`UvaBufferPool.release_thread`."""
         if self._thread is not None:
             self._thread.release()
 

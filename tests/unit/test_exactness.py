@@ -154,3 +154,17 @@ def test_an_int_outside_int64_says_so(v: int, cpu_tier: Any) -> None:
     step = StepStager().step()
     with pytest.raises(stagebuf.InvalidArgumentError, match="outside int64's range"):
         step.stage([v, -1])  # the list's own dtype: numpy reads it as uint64 or float64
+
+
+@pytest.mark.filterwarnings("error")  # numpy warns where a rounded value is cast back past the range
+@pytest.mark.parametrize("src", [np.int16, np.int32, np.int64, np.uint32, np.uint64])
+@pytest.mark.parametrize("dt", list(FLOATS))
+def test_a_sources_extremes_are_judged_exactly(src: Any, dt: torch.dtype, cpu_tier: Any) -> None:
+    info = np.iinfo(src)
+    for v in (int(info.max), int(info.min), int(info.max) - 1):
+        x = np.array([v], src)
+        if exact(v, FLOATS[dt]):
+            assert stagebuf.async_copy_to_gpu(x, dtype=dt)[0].item() == v
+        else:
+            with pytest.raises(stagebuf.InvalidArgumentError, match="cannot hold exactly|beyond"):
+                stagebuf.async_copy_to_gpu(x, dtype=dt)

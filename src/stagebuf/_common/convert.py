@@ -269,8 +269,8 @@ def _ints_unfit(a: np.ndarray, target: np.dtype) -> tuple[np.ndarray, str] | Non
         bad = np.zeros(a.shape, bool)
         bad[big] = ~np.isfinite(y)
         return bad, "beyond"
-    top = 2.0**64 if a.dtype.kind == "u" else 2.0**63  # a value rounded up past the source's range
-    fits = y < top
+    info = np.iinfo(a.dtype)  # a value rounded past the source's range is not exact (nor castable back)
+    fits = (y < float(info.max) + 1.0) & (y >= float(info.min))
     fits[fits] = y[fits].astype(a.dtype) == sub[fits]  # (y is whole past the bound: the cast is exact)
     if fits.all():
         return None

@@ -28,6 +28,25 @@ else
   echo "setup: reusing the virtual environment $VENV"
 fi
 PY="$VENV/bin/python"
+LOG="$VENV/setup-pip.log"
+# pip, quietly: its output goes to $LOG. A failure prints it; a success prints nothing of pip's but one
+# line where pip reported conflicts among packages the system already had (--system-site-packages
+# shows them to pip; they are not stagebuf's), and its warnings (an unreachable index or find-links
+# folder of the machine's own pip configuration) stay in the log.
+pip_install() {
+  local out rc=0
+  out=$("$PY" -m pip install "$@" 2>&1) || rc=$?
+  printf '%s\n' "$out" >> "$LOG"
+  if [ "$rc" -ne 0 ]; then
+    printf '%s\n' "$out" >&2
+    echo "setup: pip install $* failed (exit $rc); its output is above and in $LOG" >&2
+    exit "$rc"
+  fi
+  if grep -q "dependency conflicts" <<< "$out"; then
+    echo "setup: note: pip reports version conflicts among packages this machine already had, outside" \
+      "$VENV (pip's text: $LOG)"
+  fi
+}
 if "$PY" -c "import torch" 2>/dev/null; then
   echo "setup: reusing torch $("$PY" -c 'import torch; print(torch.__version__)')"
 else
@@ -40,18 +59,18 @@ else
       echo "setup: no torch found; installing torch==2.13.0, the CPU build (STAGEBUF_TORCH=cuda for a" \
         "CUDA build)"
       if [ "$(uname -s)" = Darwin ]; then  # macOS wheels on the package index are CPU builds
-        "$PY" -m pip install -q torch==2.13.0
+        pip_install -q torch==2.13.0
       else  # +cpu: only PyTorch's CPU index has it; then torch's dependencies, from the usual index.
         # One try, no retries: where that index cannot be reached, pip goes on to its other sources at
         # once instead of printing five retry warnings
-        "$PY" -m pip install -q --no-deps --retries 0 --timeout 10 torch==2.13.0+cpu \
+        pip_install -q --no-deps --retries 0 --timeout 10 torch==2.13.0+cpu \
           --extra-index-url https://download.pytorch.org/whl/cpu
-        "$PY" -m pip install -q torch==2.13.0+cpu
+        pip_install -q torch==2.13.0+cpu
       fi ;;
     cuda)
       echo "setup: no torch found; installing torch==2.13.0 from the package index (on Linux a CUDA" \
         "build; STAGEBUF_TORCH=cpu for the CPU build)"
-      "$PY" -m pip install -q torch==2.13.0 ;;
+      pip_install -q torch==2.13.0 ;;
     *)
       echo "setup: STAGEBUF_TORCH=$build is not a torch build; allowed: auto, cpu, cuda" >&2
       exit 2 ;;
@@ -74,5 +93,5 @@ for name in ${names[@]+"${names[@]}"}; do
 done
 spec=.
 if [ ${#extras[@]} -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
-"$PY" -m pip install -q -e "$spec" ${reqs[@]+"${reqs[@]}"}
+pip_install -q -e "$spec" ${reqs[@]+"${reqs[@]}"}
 echo "setup: done; run things with $PY (or: source $VENV/bin/activate)"

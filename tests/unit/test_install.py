@@ -111,3 +111,47 @@ def test_setup_takes_extras_and_requirement_files_and_refuses_any_other_name() -
     assert sorted(allowed) == sorted(["cuda", "cli", "nanovllm", "bench", "test", "docs", "dev"])
     for name in ("bench", "test", "docs", "dev"):
         assert (ROOT / "requirements" / f"{name}.txt").is_file()
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# a stand-in interpreter for setup.sh: torch imports; pip prints what $FAKE_PIP says, exiting $FAKE_RC
+if [ "$1" = -c ]; then case "$2" in *__version__*) echo 2.13.0+cpu ;; esac; exit 0; fi
+if [ "$1 $2" = "-m pip" ]; then printf '%b' "$FAKE_PIP"; exit "${FAKE_RC:-0}"; fi
+exit 3
+"""
+FOREIGN = (
+    "WARNING: Location 'file:///opt/pypi-more/simple/rich/' is ignored: "
+    "it is neither a file nor a directory.\\n"
+    "ERROR: pip's dependency resolver does not currently take into account all the packages that are "
+    "installed. This behaviour is the source of the following dependency conflicts.\\n"
+    "awscli 1.45.11 requires docutils<=0.19,>=0.18.1, but you have docutils 0.22.4 which is incompatible.\\n"
+)
+
+
+@pytest.mark.parametrize("rc", [0, 1])
+def test_setup_keeps_pips_foreign_noise_out_and_shows_its_failures(tmp_path: Path, rc: int) -> None:
+    """pip's warnings about the machine's own configuration and its conflicts among the system's packages
+    are not printed (one note line for the conflicts; pip's text in the log); a failing pip is shown whole."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    py = venv / "bin" / "python"
+    py.write_text(FAKE_PYTHON)
+    py.chmod(0o755)
+    p = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh"), "test"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "STAGEBUF_VENV": str(venv), "FAKE_PIP": FOREIGN, "FAKE_RC": str(rc)},
+    )  # fmt: skip
+    out = p.stdout + p.stderr
+    log = (venv / "setup-pip.log").read_text()
+    assert "is ignored: it is neither a file" in log and "awscli" in log
+    if rc == 0:
+        assert p.returncode == 0, out
+        assert "WARNING:" not in out and "ERROR:" not in out and "awscli" not in out
+        assert [line for line in out.splitlines() if "conflicts" in line] == [
+            f"setup: note: pip reports version conflicts among packages this machine already had, "
+            f"outside {venv} (pip's text: {venv}/setup-pip.log)"
+        ]
+    else:
+        assert p.returncode == 1
+        assert "awscli 1.45.11 requires" in p.stderr and "failed (exit 1)" in p.stderr

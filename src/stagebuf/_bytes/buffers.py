@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from .._common.cache import BoundedCache
 from .._common.convert import check_rows, fill_host, shape_of, torch_dtype
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from .._common.sealed import COPY_HINT, Sealed, read_only
@@ -93,7 +94,7 @@ class StagingBuffer(Sealed):
             )
         self.shape = shape_of(size)
         self.dtype = torch_dtype(dtype)
-        self._rows: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rows: BoundedCache[int | None, tuple[torch.Tensor, torch.Tensor]] = BoundedCache(256)
 
     _COPY_IN = ("np", "cpu")
 
@@ -109,9 +110,7 @@ class StagingBuffer(Sealed):
             pair = None
         if pair is None:
             k = check_rows(n, self.shape[0])
-            if len(self._rows) >= 256:
-                self._rows.clear()
-            pair = self._rows[n] = (self.dev[:k], self.cpu[:k])
+            pair = self._rows.put(n, (self.dev[:k], self.cpu[:k]))
         return pair
 
     def uva(self, n: int | None = None) -> torch.Tensor:

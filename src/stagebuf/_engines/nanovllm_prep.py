@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .._bytes.make import make_buffer
+from .._common.cache import BoundedCache
 from .._common.tier import Tier
 from .._rings.guard import slot_count
 from .._rings.ring import Ring
@@ -202,7 +203,9 @@ class Prep:
         """(seqs, is_cfg_batch, the arrays) staged with the last prefill or decode, for its prepare_sample."""
         self._layouts: dict[tuple[Any, ...], tuple[Segments, list[int], int]] = {}
         """A step's key -> its fixed part's segments, their offsets and the end (see _arrays)."""
-        self._views: dict[Any, tuple[list[np.ndarray], list[torch.Tensor], Typed]] = {}
+        self._views: BoundedCache[Any, tuple[list[np.ndarray], list[torch.Tensor], Typed]] = BoundedCache(
+            _MAX_CACHED
+        )
         """(arena address, offset, layout) -> the fixed part's host and device views, and the arena as
         each dtype (see _arrays)."""
         self._ar = np.arange(max(max_tokens, int(cfg.max_model_len)), dtype=np.int64)
@@ -245,15 +248,13 @@ class Prep:
         vkey = (arena.data_ptr(), off, key)
         hit = self._views.get(vkey)
         if hit is None or (hit[0] and hit[0][0].base is not hb.base):  # (a grown slot: new memory)
-            if len(self._views) >= _MAX_CACHED:
-                self._views.clear()
             typed = {dt: st.typed(dt) for dt in (_I64, _I32, _F32)}
             hs, ts = _views(hb, typed.__getitem__, off, segs, offs)
             offsets: Typed = {dt: (t, int(t.storage_offset())) for dt, t in typed.items()}
             # the four float32 sampling arrays (every layout ends with them) as one (4, m) host view
             o, m = offs[-4], segs[-1][1][0]
             hs[-4:] = [hb[o : o + 16 * m].view(np.float32).reshape(4, m)]
-            hit = self._views[vkey] = (hs, ts, offsets)
+            hit = self._views.put(vkey, (hs, ts, offsets))
         return hit[0], hit[1], (hb, start, hit[2], off)
 
     def _keep(

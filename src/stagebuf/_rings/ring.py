@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .._bytes.buffers import StagingBuffer
+from .._common.cache import BoundedCache
 from .._common.convert import NUMPY_TO_TORCH
 from .._common.errors import InvalidArgumentError, SlotInFlightError, StepRuleError
 from .._common.owner import Owner
@@ -18,7 +19,7 @@ from .._tiers.settings import POISON, check_mode, quarantine
 from .guard import GUARD_MODES, GuardMode, step_clock
 
 MAX_VIEWS = 1024
-"""Layouts a slot's view cache holds before its user empties it."""
+"""Layouts a slot's view cache holds (``views_cap`` by default) before it empties itself."""
 
 
 class Ring:
@@ -43,6 +44,7 @@ class Ring:
         what: str,
         quarantined: bool = False,
         owner: str = "",
+        views_cap: int = MAX_VIEWS,
     ):
         check = check_mode()
         self.thread = Owner(owner) if check and owner else None
@@ -76,9 +78,9 @@ class Ring:
         self.bufs = bufs
         self.counts = {"transfers": 0, "bytes": 0, "growths": 0}
         self.poisons = quarantined and check
-        self._typed: list[dict[Any, torch.Tensor]] = [{} for _ in bufs]
+        self._typed: list[BoundedCache[Any, torch.Tensor]] = [BoundedCache(64) for _ in bufs]
         """Per slot: its device arena viewed as each dtype asked for (``typed()``)."""
-        self._views: list[dict[Any, Any]] = [{} for _ in bufs]
+        self._views: list[BoundedCache[Any, Any]] = [BoundedCache(views_cap) for _ in bufs]
         """Per slot: the user's views of its buffer by layout (``views()``)."""
         self._retired: list[list[StagingBuffer]] = [[] for _ in bufs]
         """Per slot: the buffers its growths replaced, alive while its last use may still read them."""
@@ -230,9 +232,8 @@ class Ring:
         """``slot``'s whole device arena viewed as ``dtype`` (made once per buffer, see ``arena_as``)."""
         return arena_as(self._typed[slot], self.bufs[slot].dev, dtype)
 
-    def views(self, slot: int) -> dict[Any, Any]:
-        """The user's cache of views of ``slot``'s buffer by layout (emptied at growth, and by the user at
-        ``MAX_VIEWS``)."""
+    def views(self, slot: int) -> BoundedCache[Any, Any]:
+        """The user's cache of views of ``slot``'s buffer by layout (emptied at growth, and when full)."""
         return self._views[slot]
 
     def count(self, nbytes: int) -> None:
@@ -257,12 +258,12 @@ def poison(buf: StagingBuffer) -> None:
         buf.np.view(np.uint8).fill(POISON)
 
 
-def arena_as(cache: dict[Any, Any], arena: torch.Tensor, dtype: np.dtype) -> torch.Tensor:
+def arena_as(cache: BoundedCache[Any, Any], arena: torch.Tensor, dtype: np.dtype) -> torch.Tensor:
     """The whole byte ``arena`` viewed as ``dtype`` (any trailing partial element left out), made once per
     (arena address, dtype) in ``cache``: a slice of it is then a new typed view's one torch call."""
     key = (arena.data_ptr(), dtype)
-    base = cache.get(key)
+    base: torch.Tensor | None = cache.get(key)
     if base is None:
         whole = arena[: arena.shape[0] // dtype.itemsize * dtype.itemsize]
-        base = cache[key] = whole.view(NUMPY_TO_TORCH[dtype])
+        base = cache.put(key, whole.view(NUMPY_TO_TORCH[dtype]))
     return base

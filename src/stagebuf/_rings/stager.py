@@ -16,6 +16,7 @@ import torch
 from .._bytes.buffers import StagingBuffer
 from .._bytes.make import make_buffer
 from .._bytes.memory import alloc_device, ensure_buffers_room
+from .._common.cache import BoundedCache
 from .._common.convert import NUMPY_TO_TORCH, TORCH_TO_NUMPY, host_array
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from .._common.owner import thread_name
@@ -50,7 +51,7 @@ class _Slot:
         self.host: np.ndarray = self._host_of(buf)
         self.layout: list[_LayoutEntry] = []  # the last step's stage() calls: a repeat skips every check
         # the ring's cache: (offset, dtype, shape) -> (host, device view); (address, dtype) -> typed arena
-        self.views: dict[tuple[Any, ...], Any] = ring.views(i)
+        self.views: BoundedCache[tuple[Any, ...], Any] = ring.views(i)
 
     def _host_of(self, buf: StagingBuffer) -> np.ndarray:
         """What stage() writes for ``buf``: a scratch arena on UVA and HOST unless in place."""
@@ -120,10 +121,8 @@ class _Slot:
 
     def view(self, off: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, torch.Tensor]:
         key = (off, dtype, shape)
-        v = self.views.get(key)
+        v: tuple[np.ndarray, torch.Tensor] | None = self.views.get(key)
         if v is None:
-            if len(self.views) >= _MAX_VIEWS:
-                self.views.clear()
             n = math.prod(shape)
             host = self.host[off : off + n * dtype.itemsize].view(dtype).reshape(shape)
             base = arena_as(self.views, self.dev_arena, dtype)
@@ -131,7 +130,7 @@ class _Slot:
             dev = base[first : first + n]
             if len(shape) != 1:
                 dev = dev.view(shape)
-            v = self.views[key] = (host, dev)
+            v = self.views.put(key, (host, dev))
         return v
 
 
@@ -367,7 +366,9 @@ class StepStager(Sealed):
         def make() -> StagingBuffer:
             return make_buffer(capacity, torch.uint8, device, tier)
 
-        self._ring = ring = Ring(n, make, guard, "step slot", quarantined=not static, owner="StepStager")
+        self._ring = ring = Ring(
+            n, make, guard, "step slot", quarantined=not static, owner="StepStager", views_cap=_MAX_VIEWS
+        )
         self.device = ring.device
         arena = alloc_device((capacity,), torch.uint8, self.device) if static else None
         self._check = check_mode()

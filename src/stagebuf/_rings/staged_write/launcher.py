@@ -13,12 +13,13 @@ import torch
 
 from ..._bytes.buffers import StagingBuffer
 from ..._bytes.make import make_buffer
+from ..._common.cache import BoundedCache
 from ..._common.convert import NUMPY_TO_TORCH
 from ..._common.errors import UsageError
 from ..._common.log import warn_once
 from ..._common.tier import Tier
 from ..._tiers.settings import ALIGN, Kernel, write_kernel
-from ..ring import MAX_VIEWS, Ring
+from ..ring import Ring
 from .check import CheckedEdits
 from .kernel import _block_for, _triton_error, launch_at, triton_usable
 
@@ -58,7 +59,7 @@ class _Launcher:
         self.n = max_concurrency
         self.capacity = max(capacity, ALIGN)
         self.ring: Ring | None = None  # made at the first apply: a tensor never applied allocates no slots
-        self.views: list[dict[Any, Any]] = []  # the ring's per-slot view caches (growth empties in place)
+        self.views: list[BoundedCache[Any, Any]] = []  # the ring's per-slot view caches (emptied at growth)
         self.forced = "scatter" if (k := write_kernel()) == "auto" and device.type != "cuda" else k
         self.triton: bool | None = None  # whether Triton runs here, asked at the first apply that wants it
 
@@ -163,20 +164,20 @@ class _Launcher:
         return ring.grow(cur, lambda tier: make_buffer(cap, torch.uint8, self.device, tier))
 
 
-def _views_for(ring: Ring, cur: int, views: dict[Any, Any], key: Any, off: int, used: int) -> Any:
+def _views_for(ring: Ring, cur: int, views: BoundedCache[Any, Any], key: Any, off: int, used: int) -> Any:
     """Host and device views of slot ``cur`` for a scatter of ``key``'s layout, cached in ``views`` (the
     slot's cache, which the ring empties when the slot grows)."""
-    if len(views) >= MAX_VIEWS:
-        views.clear()
     (e, dtype, n), host = key, ring.buf(cur).np
     first = off // dtype.itemsize
-    views[key] = v = (
-        host[: 8 * e].view(np.int64),
-        host[off:used].view(dtype),
-        ring.typed(cur, _INT64)[:e],
-        ring.typed(cur, dtype)[first : first + n],
+    return views.put(
+        key,
+        (
+            host[: 8 * e].view(np.int64),
+            host[off:used].view(dtype),
+            ring.typed(cur, _INT64)[:e],
+            ring.typed(cur, dtype)[first : first + n],
+        ),
     )
-    return v
 
 
 def _edit_meta(parts: Sequence[CheckedEdits]) -> tuple[np.ndarray, np.ndarray, int]:

@@ -11,11 +11,12 @@ import numpy as np
 import torch
 
 from ..._bytes.memory import ensure_host_room
+from ..._common.cache import BoundedCache
 from ..._common.convert import host_array, numpy_dtype, why_unfit
 from ..._common.errors import ArgumentTypeError, InvalidArgumentError
 from .values import checked_values
 
-FULL_LENS: dict[tuple[int, int], np.ndarray] = {}
+FULL_LENS: BoundedCache[tuple[int, int], np.ndarray] = BoundedCache(256)
 _SMALL = 1 << 12
 """Up to this many edits, ``full_lens`` is an array of its own (what the per-step paths read fastest)."""
 
@@ -26,14 +27,12 @@ def full_lens(e: int, width: int) -> np.ndarray:
     holds at most 256 * 32 KiB)."""
     a = FULL_LENS.get((e, width))
     if a is None:
-        if len(FULL_LENS) >= 256:
-            FULL_LENS.clear()
         if e <= _SMALL:
             a = np.full(e, width, np.int64)
             a.flags.writeable = False
         else:
             a = np.broadcast_to(np.int64(width), (e,))  # (read-only)
-        FULL_LENS[e, width] = a
+        FULL_LENS.put((e, width), a)
     return a
 
 

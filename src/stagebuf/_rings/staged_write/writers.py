@@ -11,6 +11,7 @@ import torch
 
 from ..._bytes.buffers import UvaBuffer
 from ..._bytes.memory import alloc_device
+from ..._common.cache import BoundedCache
 from ..._common.convert import shape_of, torch_dtype
 from ..._common.errors import (
     ArgumentTypeError,
@@ -332,7 +333,7 @@ class FusedStagedWriter(Sealed):
         self._sink: Callable[[list[CheckedEdits]], Kernel] = self._launcher.apply  # as StagedWriteTensor's
         self._edit_growths = 0
         self._kernel: Cell[Kernel] = Cell("scatter")
-        self._verified: set[tuple[Any, ...]] = set()
+        self._verified: BoundedCache[tuple[Any, ...], bool] = BoundedCache(64)
         """(name, data_ptr, version, expected) of device output_ptrs/strides already read and matched."""
         self._check = check_mode()
         self._thread = Owner("FusedStagedWriter") if self._check else None
@@ -452,7 +453,7 @@ class FusedStagedWriter(Sealed):
 
 def check_outputs(
     device: torch.device,
-    verified: set[tuple[Any, ...]],
+    verified: BoundedCache[tuple[Any, ...], bool],
     every: bool,
     given: Any,
     name: str,
@@ -492,9 +493,7 @@ def check_outputs(
             f"allowed: None, or exactly those values in the same order"
         )
     if key is not None:
-        if len(verified) >= 64:
-            verified.clear()
-        verified.add(key)
+        verified.put(key, True)
 
 
 def _fused_error(errors: list[tuple[int, StagedWriteError]]) -> StagedWriteError:

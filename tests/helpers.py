@@ -18,7 +18,7 @@ import torch
 
 import stagebuf
 from stagebuf._bytes import buffers as buffers_mod
-from stagebuf._bytes import uva as uva_mod
+from stagebuf._device import uva as uva_mod
 from stagebuf._rings import guard as guard_mod
 from stagebuf._rings.staged_write import launcher as sw_launcher
 from stagebuf._tiers import probe as caps_mod

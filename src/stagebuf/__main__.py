@@ -1,3 +1,3 @@
-from ._tiers.cli import main
+from ._tools.cli import main
 
 raise SystemExit(main())

@@ -50,8 +50,8 @@ from stagebuf import (
     UvaError,
     capabilities,
 )
-from stagebuf._bytes import memory as memory_mod
-from stagebuf._bytes import uva as uva_mod
+from stagebuf._device import memory as memory_mod
+from stagebuf._device import uva as uva_mod
 from stagebuf._rings.param_table import DeviceParamTable
 from stagebuf._tiers import probe as caps_mod
 

@@ -32,7 +32,7 @@ from stagebuf import (
     UvaBufferPool,
     capabilities,
 )
-from stagebuf._bytes import uva as uva_mod
+from stagebuf._device import uva as uva_mod
 from stagebuf._rings.param_table import DeviceParamTable
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import torch
 
 import stagebuf
 from stagebuf import Tier, UvaBufferPool, capabilities, make_buffer
-from stagebuf._bytes import uva as uva_mod
+from stagebuf._device import uva as uva_mod
 from stagebuf._tiers import probe as caps_mod
 
 pytestmark = pytest.mark.gpu

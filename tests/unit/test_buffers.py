@@ -22,7 +22,7 @@ from stagebuf import (
     make_buffer,
 )
 from stagebuf._bytes import buffers as buffers_mod
-from stagebuf._bytes import uva as uva_mod
+from stagebuf._device import uva as uva_mod
 
 
 @pytest.mark.parametrize("size", [7, (5, 3)])

@@ -17,8 +17,8 @@ import torch
 import stagebuf
 from helpers import invoke, no_accelerator
 from stagebuf import Tier, capabilities
-from stagebuf._tiers import doctor as doctor_mod
-from stagebuf._tiers.cli import main
+from stagebuf._tools import doctor as doctor_mod
+from stagebuf._tools.cli import main
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 HAS_CUDA = torch.cuda.is_available()
@@ -268,7 +268,7 @@ def _run_both(args: list[str], env_extra: dict[str, str]) -> list[tuple[int, str
 
 
 def test_subprocess_without_rich():
-    code = "import sys; sys.modules['rich'] = None\nfrom stagebuf._tiers.cli import main\nmain(['doctor'])"
+    code = "import sys; sys.modules['rich'] = None\nfrom stagebuf._tools.cli import main\nmain(['doctor'])"
     p = _run([], {}, code)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert "torch build" in p.stdout and "chosen tier" in p.stdout and not set(p.stdout) & set("┏┃━│")
@@ -317,7 +317,7 @@ def test_real_process_with_torch_and_numpy_only():
     """Neither click nor rich nor matplotlib: the command line still explains (plain text)."""
     code = (
         "import sys\nfor m in ('click', 'rich', 'matplotlib'): sys.modules[m] = None\n"
-        "from stagebuf._tiers.cli import main\nraise SystemExit(main(['doctor', '--device', 'banana']))"
+        "from stagebuf._tools.cli import main\nraise SystemExit(main(['doctor', '--device', 'banana']))"
     )
     p = _run([], {}, code)
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr

@@ -68,7 +68,7 @@ def test_the_wheel_the_readme_names_is_what_python_m_build_makes(tmp_path: Path)
         dist = f"stagebuf-{stagebuf.__version__}.dist-info"
         meta = z.read(f"{dist}/METADATA").decode()
         entry = z.read(f"{dist}/entry_points.txt").decode()
-    assert {"stagebuf/__init__.py", "stagebuf/py.typed", "stagebuf/_tiers/doctor.py"} <= files
+    assert {"stagebuf/__init__.py", "stagebuf/py.typed", "stagebuf/_tools/doctor.py"} <= files
     assert not any(f.startswith(("benchmarks/", "tests/", "examples/")) for f in files)
     for extra in ("cuda", "cli", "nanovllm"):
         assert f"Provides-Extra: {extra}" in meta
@@ -78,7 +78,7 @@ def test_the_wheel_the_readme_names_is_what_python_m_build_makes(tmp_path: Path)
     assert "Author: The stagebuf developers" in meta and "Classifier: Typing :: Typed" in meta
     for py in ("3.10", "3.11", "3.12"):  # requires-python's range, as the code is tested on it
         assert f"Classifier: Programming Language :: Python :: {py}" in meta
-    assert "stagebuf = stagebuf._tiers.cli:main" in entry and "stagebuf._engines.vllm:register" in entry
+    assert "stagebuf = stagebuf._tools.cli:main" in entry and "stagebuf._engines.vllm:register" in entry
     site = tmp_path / "site"
     p = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
@@ -89,7 +89,7 @@ def test_the_wheel_the_readme_names_is_what_python_m_build_makes(tmp_path: Path)
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
     env = {**os.environ, "PYTHONPATH": str(site)}
-    code = "import stagebuf, stagebuf._tiers.cli as cli; print(stagebuf.__file__); cli.main(['--version'])"
+    code = "import stagebuf, stagebuf._tools.cli as cli; print(stagebuf.__file__); cli.main(['--version'])"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     where, version = p.stdout.strip().splitlines()

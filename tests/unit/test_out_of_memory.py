@@ -30,7 +30,7 @@ import torch
 import stagebuf
 from helpers import force_tier, read_back
 from stagebuf import HostAllocationError, StagebufError
-from stagebuf._bytes import memory
+from stagebuf._device import memory
 
 HUGE = 10**15
 """Elements: 8 * 10**15 bytes of int64, past every address space."""

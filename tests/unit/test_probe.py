@@ -13,7 +13,7 @@ import torch
 import stagebuf
 from helpers import fake_accelerator, no_accelerator, reset_warnings
 from stagebuf import Tier, TierUnavailableError, capabilities
-from stagebuf._bytes import uva as uva_mod
+from stagebuf._device import uva as uva_mod
 from stagebuf._tiers import capabilities as capabilities_mod
 from stagebuf._tiers import probe as caps_mod
 

@@ -28,7 +28,7 @@ from helpers import force_tier, invoke
 from stagebuf._engines import vllm as _vllm
 from stagebuf._engines import vllm_check
 from stagebuf._rings import guard as _guard
-from stagebuf._tiers.cli import main
+from stagebuf._tools.cli import main
 
 CPU = torch.device("cpu")
 NAMES = vllm_check.REPLACED

@@ -1,1 +1,1 @@
-"""Moving bytes: host and device memory, the UVA view, one buffer class per tier, one-shot copies."""
+"""Moving bytes: one buffer class per tier, the tier ladder, one-shot copies."""

@@ -17,15 +17,22 @@ import torch
 
 from .._common.cache import BoundedCache
 from .._common.convert import check_rows, fill_host, shape_of, torch_dtype
-from .._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from .._common.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    PinnedAllocationError,
+    UsageError,
+    UvaError,
+)
 from .._common.sealed import COPY_HINT, Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike
+from .._device import uva as _uva
+from .._device.memory import alloc_device, alloc_host, ensure_host_room, nbytes_of
 from .._tiers.capabilities import Capabilities, device_type, unavailable_error, usable_tiers
 from .._tiers.probe import capabilities
-from . import uva as _uva
+from .._tiers.settings import POISON
 from .checked import host_view
-from .memory import alloc_device, alloc_host
 
 
 @read_only(
@@ -65,6 +72,10 @@ class StagingBuffer(Sealed):
         HOST, a separate device tensor on the copy tiers.
     tier : Tier
         The class's tier; ``device``, ``shape`` and ``dtype`` are the arguments, resolved.
+    copies, async_host_reads : bool
+        The tier's behaviour, as :class:`Tier` documents it: whether ``uva()`` issues a transfer into separate
+        device memory, and whether the device reads the host memory after the host call returned (so that a
+        ring must wait for the device before rewriting a slot).
 
     Raises
     ------
@@ -80,10 +91,19 @@ class StagingBuffer(Sealed):
     """
 
     tier: ClassVar[Tier]
+    copies: ClassVar[bool]
+    async_host_reads: ClassVar[bool]
     cpu: torch.Tensor
     np: np.ndarray
     device: torch.device
     dev: torch.Tensor
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "tier" in vars(cls):  # a tier's class: its flags are the tier's, unless it states its own
+            for flag in ("copies", "async_host_reads"):
+                if flag not in vars(cls):
+                    setattr(cls, flag, getattr(cls.tier, flag))
 
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         if type(self) is StagingBuffer:
@@ -140,6 +160,19 @@ class StagingBuffer(Sealed):
             )
         return copy_rows(self, out, n)
 
+    def poison(self) -> None:
+        """Fill what the device reads of this buffer (``dev``, or the host memory it views) with ``0xFF``
+        bytes (int -1, float NaN), stream-ordered: check mode's poison for slots nothing may read."""
+        self.dev.view(torch.uint8).fill_(POISON)
+
+    @classmethod
+    def fallback(cls, error: BaseException) -> Tier | None:
+        """The tier :func:`make_buffer` falls back to when making a buffer of this class failed with ``error``
+        at run time; None: none, the error stands. ArgumentTypeError if ``error`` is not an exception."""
+        if not isinstance(error, BaseException):
+            raise ArgumentTypeError(f"error must be an exception; got {type(error).__name__}")
+        return None
+
     @property
     def nbytes(self) -> int:
         """The size of the host storage in bytes."""
@@ -156,7 +189,7 @@ def copy_rows(buf: StagingBuffer, out: torch.Tensor, n: int) -> torch.Tensor:
     return dst
 
 
-def _checked_caps(want: Tier, device: DeviceLike, who: str) -> Capabilities:
+def checked_caps(want: Tier, device: DeviceLike, who: str) -> Capabilities:
     """The capabilities of ``device``, if tier ``want`` may be asked for there; else raise."""
     caps = capabilities(device)
     if want not in usable_tiers(caps):
@@ -171,6 +204,9 @@ class HostBuffer(StagingBuffer):
     """
 
     tier = Tier.HOST
+
+    def poison(self) -> None:
+        self.np.view(np.uint8).fill(POISON)
 
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         super().__init__(size, dtype)
@@ -224,9 +260,14 @@ class PinnedBuffer(NonUvaBuffer):
 
     tier = Tier.PINNED
 
+    @classmethod
+    def fallback(cls, error: BaseException) -> Tier | None:
+        super().fallback(error)
+        return Tier.PAGEABLE if isinstance(error, PinnedAllocationError) else None
+
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         StagingBuffer.__init__(self, size, dtype)
-        self.device = _checked_caps(Tier.PINNED, device, "PinnedBuffer").device
+        self.device = checked_caps(Tier.PINNED, device, "PinnedBuffer").device
         self.cpu = alloc_host(self.shape, self.dtype, pinned=True, tier=self.tier)
         self.np = host_view(self.cpu, f"{type(self).__name__}.np")
         self.dev = alloc_device(self.shape, self.dtype, self.device, self.tier)
@@ -260,10 +301,61 @@ class UvaBuffer(StagingBuffer):
 
     tier = Tier.UVA
 
+    def poison(self) -> None:
+        self.np.view(np.uint8).fill(POISON)
+
+    @classmethod
+    def fallback(cls, error: BaseException) -> Tier | None:
+        super().fallback(error)
+        # no pinned memory: PINNED would fail the same way, so PAGEABLE; a refused view: PINNED
+        if isinstance(error, PinnedAllocationError):
+            return Tier.PAGEABLE
+        return Tier.PINNED if isinstance(error, UvaError) else None
+
     def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
         super().__init__(size, dtype)
-        self.device = _checked_caps(Tier.UVA, device, "UvaBuffer").device
+        self.device = checked_caps(Tier.UVA, device, "UvaBuffer").device
         self.cpu = alloc_host(self.shape, self.dtype, pinned=True, tier=self.tier)
         self.np = host_view(self.cpu, f"{type(self).__name__}.np")
         self.dev = _uva.device_view(self.cpu, self.device)
         self._freeze()
+
+
+TIER_CLASSES: dict[Tier, type[StagingBuffer]] = {}
+"""The ladder: each tier's buffer class, best tier first (``make_buffer`` and the rings read it; a run-time
+failure moves down it by the class's :meth:`~StagingBuffer.fallback`)."""
+
+
+def register_tier_class(cls: type[StagingBuffer]) -> type[StagingBuffer]:
+    """Make ``cls`` the buffer class of its ``tier`` (the one extension point of the ladder: the four tiers'
+    classes are registered by it); the class it replaces is returned by ``TIER_CLASSES`` no more."""
+    TIER_CLASSES[cls.tier] = cls
+    return cls
+
+
+def tier_class(tier: Tier) -> type[StagingBuffer]:
+    """The buffer class of ``tier``."""
+    return TIER_CLASSES[tier]
+
+
+for _cls in (UvaBuffer, PinnedBuffer, NonUvaBuffer, HostBuffer):
+    register_tier_class(_cls)
+del _cls
+
+
+def ensure_buffers_room(
+    what: str,
+    count: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    tier: Tier,
+    device_type: str,
+    extra: int = 0,
+    fix: str | None = None,
+) -> None:
+    """``ensure_host_room`` for ``count`` buffers of ``shape`` and ``dtype`` on ``tier`` (each its host side,
+    and where the tier copies on a CPU device its device side too) and ``extra`` bytes more; first
+    InvalidArgumentError for a buffer past 2**63 - 1 bytes, as allocating it would raise."""
+    n = nbytes_of(shape, dtype)
+    per = 2 * n if tier_class(tier).copies and device_type == "cpu" else n
+    ensure_host_room(count * per + extra, what, tier, fix)

@@ -9,14 +9,7 @@ from .._common.log import warn_once
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike
 from .._tiers.probe import capabilities
-from .buffers import HostBuffer, NonUvaBuffer, PinnedBuffer, StagingBuffer, UvaBuffer, _checked_caps
-
-BUFFER_CLASSES: dict[Tier, type[StagingBuffer]] = {
-    Tier.UVA: UvaBuffer,
-    Tier.PINNED: PinnedBuffer,
-    Tier.PAGEABLE: NonUvaBuffer,
-    Tier.HOST: HostBuffer,
-}
+from .buffers import StagingBuffer, checked_caps, tier_class
 
 
 def make_buffer(
@@ -51,16 +44,15 @@ def make_buffer(
         want = caps.tier
     else:
         want = Tier.parse(tier)
-        caps = _checked_caps(want, device, f"make_buffer(tier={want.name.lower()!r})")
-    last = want if caps.device_type == "cpu" else Tier.PAGEABLE  # CPU tiers never fail to pin
+        caps = checked_caps(want, device, f"make_buffer(tier={want.name.lower()!r})")
     t = want
     while True:
+        cls = tier_class(t)
         try:
-            return BUFFER_CLASSES[t](size, dtype, caps.device)
+            return cls(size, dtype, caps.device)
         except (PinnedAllocationError, UvaError) as e:
-            # no pinned memory: PINNED would fail the same way, so go straight to PAGEABLE
-            nxt = Tier.PAGEABLE if isinstance(e, PinnedAllocationError) else Tier(t + 1)
-            if t >= last:
+            nxt = cls.fallback(e)
+            if nxt is None:
                 raise
             warn_once(
                 ("runtime-fallback", str(caps.device), nxt),

@@ -18,11 +18,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import stagebuf
-
-from .._bytes.buffers import UPLOAD_TARGET_HOOKS
+from .._bytes.buffers import UPLOAD_TARGET_HOOKS, NonUvaBuffer, UvaBuffer
 from .._common.errors import SettingValueError
 from .._common.log import logger
+from .._rings.guard import set_default_max_concurrency
+from .._rings.pool import UvaBackedTensor, UvaBufferPool
+from .._rings.staged_write import FusedStagedWriter, StagedWriteTensor
 from .._tiers import probe as _probe
 from .._tiers.settings import ENV_VLLM
 from . import vllm_step as _vllm_step
@@ -110,6 +111,17 @@ Step mode relies on the release's order in ``execute_model``: every call before 
 (read from the release's own source by :func:`~vllm_check.window_differences`), so no kernel
 reads a deferred target before the window closes.
 """
+
+OURS: dict[str, Any] = {
+    "UvaBuffer": UvaBuffer,
+    "NonUvaBuffer": NonUvaBuffer,
+    "UvaBufferPool": UvaBufferPool,
+    "UvaBackedTensor": UvaBackedTensor,
+    "StagedWriteTensor": StagedWriteTensor,
+    "FusedStagedWriter": FusedStagedWriter,
+    "set_default_max_concurrency": set_default_max_concurrency,
+}
+"""stagebuf's object for each name of :data:`API` (mode ``1``)."""
 
 STEP_CLASSES = {
     "UvaBackedTensor": _vllm_step.StepBackedTensor,
@@ -254,7 +266,7 @@ def plan(module: Any | None = None, runner: Any | None = None, version: str | No
         except Exception as e:
             why = f"{TARGET} cannot be imported ({type(e).__name__}: {e})"[:300]
             return Plan(True, "leave", why, requested=requested)
-    mine = {n: getattr(stagebuf, n) for n in REPLACED}
+    mine = {n: OURS[n] for n in REPLACED}
     diffs = api_differences(module, mine)
     if diffs:
         return Plan(

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._bytes.memory import alloc_device, alloc_host
 from .._common.convert import check_rows, numpy_dtype, shape_of, torch_dtype
 from .._common.sealed import Cell
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike
+from .._device.memory import alloc_device, alloc_host
 from .._rings.pool import UvaBackedTensor
 from .._rings.staged_write import FusedStagedWriter, StagedWriteTensor
 from .._rings.staged_write.check import CheckedEdits

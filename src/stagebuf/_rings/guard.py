@@ -12,10 +12,10 @@ from typing import Literal, Protocol
 
 import torch
 
-from .._bytes.uva import load_cudart
 from .._common.errors import CudaError, InvalidArgumentError
 from .._common.log import warn_once
 from .._common.types import DeviceLike
+from .._device.uva import load_cudart
 from .._tiers.probe import capabilities
 from .._tiers.settings import DEFAULT_MAX_CONCURRENCY
 

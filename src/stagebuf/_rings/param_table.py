@@ -12,15 +12,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._bytes.buffers import copy_rows
+from .._bytes.buffers import copy_rows, ensure_buffers_room
 from .._bytes.checked import host_view
 from .._bytes.make import make_buffer
-from .._bytes.memory import alloc_device, alloc_host, ensure_buffers_room
 from .._common.convert import fill_host, torch_dtype
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, UnknownFieldError
 from .._common.sealed import COPY_HINT, Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike
+from .._device.memory import alloc_device, alloc_host
 from .._tiers.probe import capabilities
 from .._tiers.settings import ALIGN
 from .guard import slot_count

@@ -9,15 +9,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._bytes.buffers import StagingBuffer, copy_rows
+from .._bytes.buffers import StagingBuffer, copy_rows, ensure_buffers_room
 from .._bytes.checked import host_view
 from .._bytes.make import make_buffer
-from .._bytes.memory import alloc_host, ensure_buffers_room
 from .._common.convert import check_rows, fill_host, host_array, numpy_dtype, shape_of, torch_dtype
 from .._common.errors import ArgumentTypeError, InvalidArgumentError
 from .._common.sealed import Cell, Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
+from .._device.memory import alloc_host
 from .._tiers.probe import capabilities
 from .guard import GuardMode, slot_count
 from .ring import Ring

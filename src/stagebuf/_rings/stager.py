@@ -13,9 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._bytes.buffers import StagingBuffer
+from .._bytes.buffers import StagingBuffer, ensure_buffers_room
 from .._bytes.make import make_buffer
-from .._bytes.memory import alloc_device, ensure_buffers_room
 from .._common.cache import BoundedCache
 from .._common.convert import NUMPY_TO_TORCH, TORCH_TO_NUMPY, host_array
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, UsageError
@@ -23,6 +22,7 @@ from .._common.owner import thread_name
 from .._common.sealed import Cell, Sealed
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
+from .._device.memory import alloc_device
 from .._tiers.probe import capabilities
 from .._tiers.settings import ALIGN, POISON, check_mode
 from .guard import GuardMode, slot_count

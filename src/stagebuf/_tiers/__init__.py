@@ -1,1 +1,1 @@
-"""Deciding the tier: the settings, the probe, ``capabilities()``, and doctor (with its command line)."""
+"""Deciding the tier: the settings, the probe, ``capabilities()``."""

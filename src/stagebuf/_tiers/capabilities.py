@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from .._bytes import uva as _uva
 from .._common.errors import ArgumentTypeError, InvalidArgumentError, SettingValueError, TierUnavailableError
 from .._common.sealed import Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike
+from .._device import uva as _uva
 from .settings import ENV_TIER
 
 

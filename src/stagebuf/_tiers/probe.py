@@ -10,12 +10,12 @@ from collections.abc import Callable
 
 import torch
 
-from .._bytes import uva as _uva
-from .._bytes.memory import alloc_host
 from .._common.errors import ArgumentTypeError, TierUnavailableError, UnknownDeviceError, UvaError
 from .._common.log import logger, warn_once
 from .._common.tier import Tier
 from .._common.types import DeviceLike
+from .._device import uva as _uva
+from .._device.memory import alloc_host
 from .capabilities import (
     Capabilities,
     _cuda_missing_cause,

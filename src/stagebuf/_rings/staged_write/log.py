@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..._bytes.memory import ensure_host_room
 from ..._common.cache import BoundedCache
 from ..._common.convert import host_array, numpy_dtype, why_unfit
 from ..._common.errors import ArgumentTypeError, InvalidArgumentError
+from ..._device.memory import ensure_host_room
 from .values import checked_values
 
 FULL_LENS: BoundedCache[tuple[int, int], np.ndarray] = BoundedCache(256)

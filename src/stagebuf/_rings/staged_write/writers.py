@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from ..._bytes.buffers import UvaBuffer
-from ..._bytes.memory import alloc_device
 from ..._common.cache import BoundedCache
 from ..._common.convert import shape_of, torch_dtype
 from ..._common.errors import (
@@ -26,6 +25,7 @@ from ..._common.owner import Owner
 from ..._common.sealed import Cell, Sealed, read_only
 from ..._common.tier import Tier
 from ..._common.types import DeviceLike, DTypeLike, HostData
+from ..._device.memory import alloc_device
 from ..._tiers.probe import capabilities
 from ..._tiers.settings import Kernel, check_mode
 from ..guard import slot_count

@@ -30,9 +30,9 @@ from .._common.tier import Tier
 from .._engines import vllm as _vllm
 from .._engines.vllm_check import REPLACED
 from .._rings.staged_write.kernel import triton_usable
-from .capabilities import Capabilities, torch_build
-from .probe import capabilities
-from .settings import (
+from .._tiers.capabilities import Capabilities, torch_build
+from .._tiers.probe import capabilities
+from .._tiers.settings import (
     ENV_CHECK,
     ENV_KERNEL,
     ENV_QUARANTINE,

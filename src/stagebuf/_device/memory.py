@@ -28,7 +28,7 @@ _UNLIMITED = 1 << 62
 """A cgroup limit at or past this is no limit (v1 writes 2**63 - 4096 for none)."""
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """The bytes of ``shape``, refused past int64 (where torch raises its own TypeError or RuntimeError)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > MAX_BYTES or any(n > MAX_BYTES for n in shape):
@@ -141,30 +141,12 @@ def ensure_host_room(nbytes: int, what: str, tier: Tier | None = None, fix: str 
     )
 
 
-def ensure_buffers_room(
-    what: str,
-    count: int,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    tier: Tier,
-    device_type: str,
-    extra: int = 0,
-    fix: str | None = None,
-) -> None:
-    """:func:`ensure_host_room` for ``count`` staging buffers of ``shape`` and ``dtype`` on ``tier`` (each its
-    host side, and on the copy tiers of a CPU device its device side too) and ``extra`` bytes more; first
-    InvalidArgumentError for a buffer past 2**63 - 1 bytes, as allocating it would raise."""
-    n = _nbytes(shape, dtype)
-    per = 2 * n if tier.copies and device_type == "cpu" else n
-    ensure_host_room(count * per + extra, what, tier, fix)
-
-
 def alloc_host(
     shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, tier: Tier | None = None
 ) -> torch.Tensor:
     """A zero-filled host tensor, page-locked (verified) when ``pinned``; raises InvalidArgumentError past
     2**63 - 1 bytes, HostAllocationError or PinnedAllocationError, naming ``tier`` where given."""
-    n = _nbytes(shape, dtype)
+    n = nbytes_of(shape, dtype)
     ensure_host_room(n, f"allocating {shape} {dtype}", tier)
     if not pinned:
         try:
@@ -194,7 +176,7 @@ def alloc_device(
     stand-in) the memory is host memory: HostAllocationError, as ``alloc_host``."""
     if device.type == "cpu":
         return alloc_host(shape, dtype, pinned=False, tier=tier)
-    n = _nbytes(shape, dtype)
+    n = nbytes_of(shape, dtype)
     try:
         return torch.zeros(shape, dtype=dtype, device=device)
     except (torch.OutOfMemoryError, MemoryError) as e:

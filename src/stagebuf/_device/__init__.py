@@ -1,0 +1,1 @@
+"""Device primitives: host and device memory, the UVA view."""

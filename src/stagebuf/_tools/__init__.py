@@ -1,0 +1,1 @@
+"""Tools beside the package face: doctor and the command line."""

@@ -37,6 +37,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import types
+import weakref
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -59,8 +61,10 @@ METHODS: dict[str, tuple[str, ...]] = {
 }
 """The ModelRunner methods attach replaces, with their parameters in the tested versions."""
 
-_STATE = "_stagebuf_prep"  # a runner's Prep, in its __dict__
-_OWN = "_stagebuf_own"  # on an attached class: its own methods, to restore
+_OWN = "_stagebuf_own"  # on an attached class (set with setattr): its own methods, to restore
+
+_PREPS: weakref.WeakKeyDictionary[Any, Prep] = weakref.WeakKeyDictionary()
+"""Each prepared runner's Prep, kept outside nano-vllm's object: it goes with its runner."""
 
 
 class NanoVllmVersionError(SetupError, RuntimeError):
@@ -150,10 +154,10 @@ def _check(cls: type) -> None:
 
 
 def _prep(runner: Any) -> Prep:
-    """The runner's Prep, made at its first use (the methods below read it inline first: a call less)."""
-    p: Prep | None = runner.__dict__.get(_STATE)
+    """The runner's Prep, made at its first use."""
+    p = _PREPS.get(runner)
     if p is None:
-        p = runner.__dict__[_STATE] = Prep(runner)
+        p = _PREPS[runner] = Prep(runner)
         logger.info(
             "stagebuf.nanovllm: %s prepares its inputs on tier %s (steps: %s)",
             type(runner).__name__, p.sampler.tier, p.stager.tier,
@@ -163,24 +167,24 @@ def _prep(runner: Any) -> Prep:
 
 def _own(runner: Any, name: str) -> Any:
     cls = type(runner)
-    saved = cls.__dict__.get(_OWN)
+    saved = vars(cls).get(_OWN)  # the class's own entry, not a base class's
     return saved[name] if saved else getattr(cls, name)
 
 
 def _prepare_block_tables(self: Any, seqs: list[Any]) -> Any:
-    return (self.__dict__.get(_STATE) or _prep(self)).block_tables(seqs)
+    return _prep(self).block_tables(seqs)
 
 
 def _prepare_prefill(self: Any, seqs: list[Any]) -> Any:
-    return (self.__dict__.get(_STATE) or _prep(self)).prefill(seqs)
+    return _prep(self).prefill(seqs)
 
 
 def _prepare_decode(self: Any, seqs: list[Any]) -> Any:
-    return (self.__dict__.get(_STATE) or _prep(self)).decode(self, seqs)
+    return _prep(self).decode(self, seqs)
 
 
 def _prepare_sample(self: Any, seqs: list[Any], is_cfg_batch: bool = False) -> Any:
-    return (self.__dict__.get(_STATE) or _prep(self)).sample(seqs, is_cfg_batch)
+    return _prep(self).sample(seqs, is_cfg_batch)
 
 
 def _run_model(self: Any, input_ids: Any, positions: Any, is_prefill: bool) -> Any:
@@ -206,6 +210,12 @@ _REPLACEMENTS: dict[str, Any] = {
     "prepare_sample": _prepare_sample,
     "run_model": _run_model,
 }
+
+
+def _bound(runner: Any) -> bool:
+    """Whether the runner itself (not its class) holds all the replacing methods."""
+    mine = vars(runner)
+    return all(n in mine for n in _REPLACEMENTS)
 
 
 # --- the public face ----------------------------------------------------------------------------
@@ -234,9 +244,10 @@ def attach(target: Any) -> None:
     cls, runner = _runner_class(target)
     _check(cls)
     if runner is None:
-        if _OWN in cls.__dict__:
+        mine = vars(cls)  # read only: what the class defines itself, as it is (not bound, not inherited)
+        if _OWN in mine:
             return
-        own = {n: cls.__dict__[n] for n in (*_REPLACEMENTS, "_allocate_sample_buffers") if n in cls.__dict__}
+        own = {n: mine[n] for n in (*_REPLACEMENTS, "_allocate_sample_buffers") if n in mine}
         setattr(cls, _OWN, own)
         for n, f in _REPLACEMENTS.items():
             setattr(cls, n, f)
@@ -244,12 +255,11 @@ def attach(target: Any) -> None:
             cls._allocate_sample_buffers = _allocate_sample_buffers  # type: ignore[attr-defined]
         logger.info("stagebuf.nanovllm: attached to %s.%s", cls.__module__, cls.__qualname__)
         return
-    if _STATE in runner.__dict__ and all(n in runner.__dict__ for n in _REPLACEMENTS):
+    if runner in _PREPS and _bound(runner):
         return
-    prep = _prep(runner)  # built first: a failure leaves the runner as it was
+    _prep(runner)  # built first: a failure leaves the runner as it was
     for n, f in _REPLACEMENTS.items():
-        runner.__dict__[n] = f.__get__(runner, cls)
-    runner.__dict__[_STATE] = prep
+        setattr(runner, n, types.MethodType(f, runner))
 
 
 def detach(target: Any) -> None:
@@ -268,7 +278,7 @@ def detach(target: Any) -> None:
     """
     cls, runner = _runner_class(target)
     if runner is None:
-        own = cls.__dict__.get(_OWN)
+        own = vars(cls).get(_OWN)
         if own is None:
             return
         for n in (*_REPLACEMENTS, "_allocate_sample_buffers"):
@@ -277,17 +287,18 @@ def detach(target: Any) -> None:
         delattr(cls, _OWN)
         return
     for n in _REPLACEMENTS:
-        runner.__dict__.pop(n, None)
-    if _OWN not in cls.__dict__:
-        runner.__dict__.pop(_STATE, None)
+        if n in vars(runner):
+            delattr(runner, n)
+    if _OWN not in vars(cls):
+        _PREPS.pop(runner, None)
 
 
 def is_attached(target: Any) -> bool:
     """Whether ``target`` (as for :func:`attach`) prepares its inputs on stagebuf."""
     cls, runner = _runner_class(target)
-    if _OWN in cls.__dict__:
+    if _OWN in vars(cls):
         return True
-    return runner is not None and all(n in runner.__dict__ for n in _REPLACEMENTS)
+    return runner is not None and _bound(runner)
 
 
 def stats(target: Any) -> dict[str, Any]:
@@ -303,7 +314,7 @@ def stats(target: Any) -> dict[str, Any]:
     cls, runner = _runner_class(target)
     if runner is None:
         raise ArgumentTypeError("target=the ModelRunner class; allowed: a runner, LLM or LLMEngine")
-    prep: Prep | None = runner.__dict__.get(_STATE)
+    prep = _PREPS.get(runner)
     if prep is None:
         return {"attached": is_attached(runner), "prepared": False}
     g = prep.graph

@@ -11,8 +11,11 @@ sampler, and the attention context (``benchmarks.nanovllm_engine.check``).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import gc
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -176,23 +179,91 @@ def test_attach_and_detach_are_idempotent(work: Path) -> None:
     r = P.runner(trace.config)
     own = r.prepare_decode.__func__
     assert own is mr.prepare_decode and not sn.is_attached(r)
+    runner_before, class_before = dict(vars(r)), dict(vars(mr))
     sn.attach(r)
     sn.attach(r)
     assert sn.is_attached(r) and r.prepare_decode.__func__ is not own
-    first = r.__dict__["_stagebuf_prep"]
+    # the runner holds the five replacing methods, bound to it, and nothing else of stagebuf's
+    assert set(vars(r)) - set(runner_before) == set(sn.METHODS)
+    assert all(getattr(r, m).__self__ is r for m in sn.METHODS)
+    first = sn._PREPS[r]
     sn.attach(_Engine(r))  # an LLM reaches its model_runner
-    assert r.__dict__["_stagebuf_prep"] is first
+    assert sn._PREPS[r] is first
     assert sn.stats(r)["tier"] in ("HOST", "PAGEABLE")
     sn.detach(_Engine(r))
     sn.detach(r)
     assert not sn.is_attached(r) and r.prepare_decode.__func__ is own
-    assert "_stagebuf_prep" not in r.__dict__ and sn.stats(r) == {"attached": False, "prepared": False}
+    assert r not in sn._PREPS and sn.stats(r) == {"attached": False, "prepared": False}
+    assert _same_entries(vars(r), runner_before)
     sn.attach(mr)
     sn.attach(mr)
     assert sn.is_attached(r) and mr.prepare_decode is not own
     sn.detach(mr)
     sn.detach(mr)
     assert mr.prepare_decode is own and not sn.is_attached(mr)
+    assert _same_entries(vars(mr), class_before)
+
+
+def _same_entries(now: Any, before: dict[str, Any]) -> bool:
+    """The same names, each the very object it was."""
+    return set(now) == set(before) and all(now[k] is before[k] for k in before)
+
+
+def test_a_runner_attached_through_its_class_keeps_stagebufs_state_outside_it(work: Path) -> None:
+    """With the class attached a runner prepares on stagebuf without one attribute of stagebuf's own; its
+    state is kept by stagebuf, and goes when the runner goes."""
+    mr = P.load().model_runner.ModelRunner
+    trace = NE.Trace(SMALL, work)
+    r = P.runner(trace.config)
+    before = dict(vars(r))
+    sn.attach(mr)
+    try:
+        seqs, pre = trace.next() or ([], True)
+        with stagebuf_tier(TIERS[0].split("_", 1)[1]):
+            NE.prepare(r, seqs, pre)
+        assert sn.stats(r)["prepared"] and sn.stats(r)["stager"]["steps"] == 1
+        assert _same_entries(vars(r), before)
+        sn.detach(r)  # the class stays attached: so does the runner, with its state
+        assert sn.is_attached(r) and sn.stats(r)["prepared"]
+        gone, prep = weakref.ref(r), weakref.ref(sn._PREPS[r])
+        del r
+        gc.collect()
+        assert gone() is None and prep() is None
+    finally:
+        sn.detach(mr)
+
+
+def test_nanovllm_py_writes_no_dunder_dict() -> None:
+    """Issue 43 item 5: stagebuf.nanovllm changes nano-vllm's objects through setattr and delattr only;
+    no ``__dict__`` is read or written by name, and no ``vars(...)`` mapping is changed."""
+    src = Path(sn.__file__).read_text()
+    tree = ast.parse(src)
+    mutators = {"pop", "popitem", "setdefault", "update", "clear", "__setitem__", "__delitem__"}
+
+    def namespace(node: ast.AST) -> bool:
+        """``x.__dict__`` or ``vars(x)``."""
+        return (isinstance(node, ast.Attribute) and node.attr == "__dict__") or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars"
+        )
+
+    def bad(node: ast.AST) -> bool:
+        if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+            return True
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            return namespace(node.value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            return node.func.attr in mutators and namespace(node.func.value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            return bool(node.args) and namespace(node.args[0])
+        return False
+
+    found = [f"line {n.lineno}: {ast.get_source_segment(src, n)}" for n in ast.walk(tree) if bad(n)]
+    assert found == []
+    # the check finds each way of writing one
+    for line in ("r.__dict__['x'] = 1", "vars(r)['x'] = 1", "del vars(r)['x']", "vars(r).pop('x')",
+                 "r.__dict__.update(x=1)", "vars(r).setdefault('x', 1)", "y = r.__dict__"):  # fmt: skip
+        assert any(bad(n) for n in ast.walk(ast.parse(line))), line
+    assert not any(bad(n) for n in ast.walk(ast.parse("y = vars(r).get('x'); setattr(r, 'x', 1)")))
 
 
 def test_attach_refuses_what_is_not_nanovllm() -> None:
@@ -208,6 +279,7 @@ def test_an_untested_version_is_refused_and_nothing_is_attached(
     nano = P.load()
     r = P.runner(NE.Trace(SMALL, work).config)
     assert sn._distribution(type(r)) == (P.DIST, P.VERSION)
+    before = dict(vars(r))
     monkeypatch.setattr(sn, "_distribution", lambda cls: ("nano-vllm-fork", "20990101"))
     for target in (r, nano.model_runner.ModelRunner):
         with pytest.raises(sn.NanoVllmVersionError) as e:
@@ -216,7 +288,7 @@ def test_an_untested_version_is_refused_and_nothing_is_attached(
         assert "20990101" in str(e.value) and "nano-vllm-fork 20260210" in str(e.value)
         assert e.value.allowed == ("nano-vllm-fork 20260210",)
         assert not sn.is_attached(target)
-    assert "_stagebuf_prep" not in r.__dict__
+    assert r not in sn._PREPS and _same_entries(vars(r), before)
 
 
 def test_a_changed_model_runner_is_refused(work: Path) -> None:
@@ -429,7 +501,7 @@ def test_prepare_samples_flags_follow_nanovllm_exactly(work: Path) -> None:
 
 
 def test_doctor_shows_whether_nanovllm_is_installed_and_tested() -> None:
-    from stagebuf._tiers import doctor as _doctor
+    from stagebuf._tools import doctor as _doctor
 
     rows = dict(_doctor.vllm_rows())
     assert rows["nano-vllm"] == sn.status()["note"] and "nano-vllm-fork 20260210" in rows["nano-vllm"]

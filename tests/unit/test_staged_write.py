@@ -1368,34 +1368,42 @@ def test_gpu_stage_writes_forms(gpu_tier):
         apply_both(t, m)
 
 
+def random_rounds(t: StagedWriteTensor, m: Model, seed: int, counts: list[int], edit: Any) -> None:
+    """Rounds of ``counts[k]`` random edits ``edit(rng, k, i) -> (row, start, values)``, each round
+    applied to both and checked."""
+    rng = np.random.default_rng(seed)
+    for k, count in enumerate(counts):
+        for i in range(count):
+            stage_both(t, m, *edit(rng, k, i))
+        apply_both(t, m)
+
+
+def to_the_end(rows: int, cols: int, high: int) -> Any:
+    """An edit from a random start to the end of a random row, of random values below ``high``."""
+
+    def edit(rng: np.random.Generator, k: int, i: int) -> tuple[int, int, np.ndarray]:
+        start = int(rng.integers(0, cols))
+        return int(rng.integers(0, rows)), start, rng.integers(0, high, cols - start)
+
+    return edit
+
+
 @pytest.mark.gpu
 def test_gpu_heavy_overlaps_long_row(gpu_tier):
     """Many overlapping edits on a row spanning many kernel tiles: later must win, no races."""
-    t = StagedWriteTensor((3, 10_000), torch.int32, "cuda")
-    m = Model(3, 10_000, torch.int32)
-    rng = np.random.default_rng(5)
-    for _ in range(5):
-        for k in range(200):
-            start = int(rng.integers(0, 10_000))
-            n = int(rng.integers(1, 10_000 - start + 1))
-            stage_both(t, m, int(rng.integers(0, 3)), start, np.full(n, k, np.int32))
-        t.apply_write()
-        m.apply()
-        check(t, m)
+
+    def edit(rng: np.random.Generator, k: int, i: int) -> tuple[int, int, np.ndarray]:
+        start = int(rng.integers(0, 10_000))
+        n = int(rng.integers(1, 10_000 - start + 1))
+        return int(rng.integers(0, 3)), start, np.full(n, i, np.int32)
+
+    random_rounds(*make((3, 10_000), torch.int32, gpu_tier, "cuda"), 5, [200] * 5, edit)
 
 
 @pytest.mark.gpu
 def test_gpu_one_transfer_per_apply(gpu_tier):
-    t = StagedWriteTensor((16, 4096), torch.int64, "cuda")
-    m = Model(16, 4096, torch.int64)
-    rng = np.random.default_rng(2)
-    for k in range(8):
-        for _ in range(4 * k + 1):
-            start = int(rng.integers(0, 4096))
-            stage_both(t, m, int(rng.integers(0, 16)), start, rng.integers(0, 10**12, 4096 - start))
-        t.apply_write()
-    m.apply()
-    check(t, m)
+    t, m = make((16, 4096), torch.int64, gpu_tier, "cuda")
+    random_rounds(t, m, 2, [4 * k + 1 for k in range(8)], to_the_end(16, 4096, 10**12))
     s = t.stats()
     assert s["steps"] == 8
     assert s["transfers"] == (0 if gpu_tier is stagebuf.Tier.UVA else 8)
@@ -1412,14 +1420,7 @@ def test_gpu_uva_instead_of_gpu(gpu_tier, caplog):
     else:
         assert not t.in_host_memory and len(said) == 1
     assert t.gpu.device.type == "cuda"
-    rng = np.random.default_rng(9)
-    for _ in range(3):
-        for _ in range(20):
-            start = int(rng.integers(0, 1000))
-            stage_both(t, m, int(rng.integers(0, 64)), start, rng.integers(0, 10**6, 1000 - start))
-        t.apply_write()
-        m.apply()
-        check(t, m)
+    random_rounds(t, m, 9, [20] * 3, to_the_end(64, 1000, 10**6))
     if t.in_host_memory:
         torch.cuda.synchronize()
         np.testing.assert_array_equal(t.uva_buffer.np, m.a)  # the kernel wrote host memory

@@ -222,7 +222,7 @@ def test_stagebufs_classes_take_vllms_calls() -> None:
         obj = getattr(stagebuf, name)
         for m, params in methods.items():
             fn = obj if not m else getattr(obj, m)
-            mine = vllm_check._params(fn)
+            mine = vllm_check.params_of(fn)
             assert mine[: len(params)] == params or m in ("stage_write", "stage_write_elem"), (name, m, mine)
 
 

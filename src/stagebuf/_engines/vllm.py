@@ -27,7 +27,7 @@ from .._rings.staged_write import FusedStagedWriter, StagedWriteTensor
 from .._tiers import probe as _probe
 from .._tiers.settings import ENV_VLLM
 from . import vllm_step as _vllm_step
-from .vllm_check import REPLACED, TESTED, _params, api_differences, release, window_differences
+from .vllm_check import REPLACED, TESTED, api_differences, params_of, release, window_differences
 
 TARGET = "vllm.v1.worker.gpu.buffer_utils"
 
@@ -222,7 +222,7 @@ def _step_replacements(runner: Any | None) -> tuple[list[tuple[Any, str, Any, An
         obj = getattr(runner, name, None)
         for m, params in methods.items():
             fn = getattr(obj, m, None) if m else obj
-            got = None if fn is None else _params(fn)
+            got = None if fn is None else params_of(fn)
             if got != params:
                 what = f"{name}.{m}" if m else name
                 shape = f"({', '.join(got)}) instead of ({', '.join(params)})" if got is not None else ""

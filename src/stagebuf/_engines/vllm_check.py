@@ -160,7 +160,7 @@ ACCEPTED_DTYPES = frozenset({torch.int32, torch.int64, torch.float32})
 names them in ``TORCH_DTYPE_TO_ARRAY_TYPECODE``, which the check reads."""
 
 
-def _params(obj: Any) -> tuple[str, ...]:
+def params_of(obj: Any) -> tuple[str, ...]:
     return tuple(p for p in inspect.signature(obj).parameters if p != "self")
 
 
@@ -218,7 +218,7 @@ def api_differences(module: Any, mine: dict[str, Any]) -> list[str]:
             diffs.append(f"{name} is missing")
             continue
         if not inspect.isclass(theirs):
-            got = _params(theirs)
+            got = params_of(theirs)
             if got != methods[""]:
                 diffs.append(f"{name}({', '.join(got)}) instead of ({', '.join(methods[''])})")
             continue
@@ -226,7 +226,7 @@ def api_differences(module: Any, mine: dict[str, Any]) -> list[str]:
             fn = getattr(theirs, m, None)
             if fn is None:
                 continue  # stagebuf offers more than this release
-            got = _params(fn)
+            got = params_of(fn)
             if got != params:
                 diffs.append(f"{name}.{m}({', '.join(got)}) instead of ({', '.join(params)})")
         lacking = public_names(theirs) - public_names(mine[name]) - INTERNAL.get(name, frozenset())

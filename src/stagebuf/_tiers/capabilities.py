@@ -28,7 +28,7 @@ def torch_build() -> str:
     return "CPU build"
 
 
-def _cuda_missing_cause() -> tuple[str, str]:
+def cuda_missing_cause() -> tuple[str, str]:
     """(cause, fix) for ``torch.cuda.is_available()`` being False."""
     if torch_build() == "CPU build":
         return (
@@ -48,7 +48,7 @@ def _device_missing(dev: torch.device) -> str | None:
     """Why torch cannot use accelerator ``dev`` here, or None when it can."""
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            return _cuda_missing_cause()[0]
+            return cuda_missing_cause()[0]
         n = torch.cuda.device_count()
         return None if dev.index is None or dev.index < n else f"torch sees only {n} CUDA device(s)"
     if dev.type == "meta":
@@ -144,7 +144,7 @@ class Capabilities(Sealed):
         return out | {"device": str(self.device), "tier": self.tier.name, "reasons": list(self.reasons)}
 
 
-def _versions(device: torch.device) -> dict[str, str]:
+def stack_versions(device: torch.device) -> dict[str, str]:
     v = {"torch": torch.__version__, "python": platform.python_version()}
     if torch.version.cuda:
         v["cuda_runtime"] = str(torch.version.cuda)
@@ -170,7 +170,7 @@ def _versions(device: torch.device) -> dict[str, str]:
     return v
 
 
-def _forced_tier() -> Tier | None:
+def forced_tier() -> Tier | None:
     raw = os.environ.get(ENV_TIER, "").strip()
     if not raw:
         return None

@@ -18,10 +18,10 @@ from .._device import uva as _uva
 from .._device.memory import alloc_host
 from .capabilities import (
     Capabilities,
-    _cuda_missing_cause,
     _device_missing,
-    _forced_tier,
-    _versions,
+    cuda_missing_cause,
+    forced_tier,
+    stack_versions,
     torch_build,
     usable_devices,
 )
@@ -101,7 +101,7 @@ def _resolve_device(device: DeviceLike, forced: Tier | None) -> torch.device:
     if dev.type != "cpu":
         why = _device_missing(dev)
         if why:
-            hint = _cuda_missing_cause()[1] if dev.type == "cuda" and not torch.cuda.is_available() else None
+            hint = cuda_missing_cause()[1] if dev.type == "cuda" and not torch.cuda.is_available() else None
             raise TierUnavailableError(
                 f"device={device!r} cannot be used",
                 setting="device",
@@ -123,7 +123,7 @@ def _cpu_cause(device: DeviceLike, forced: Tier | None) -> tuple[str, str | None
     if device is not None:
         return f"device={device!r} was asked for", None
     if not torch.cuda.is_available():
-        return _cuda_missing_cause()
+        return cuda_missing_cause()
     return "no accelerator is available", None
 
 
@@ -133,7 +133,7 @@ def probe(device: DeviceLike = None) -> Capabilities:
     env_flag(ENV_WSL_PIN, f"set {ENV_WSL_PIN}=1 to try pinned memory on WSL2, or unset it")
     quarantine()
     write_kernel()
-    forced = _forced_tier()
+    forced = forced_tier()
     dev = _resolve_device(device, forced)
     name = forced.name.lower() if forced is not None else None  # (not a truth test: Tier.UVA is 0)
     caps = Capabilities(dev, dev.type, False, False, Tier.HOST, [], name, _is_wsl(), _memlock_limit())
@@ -201,7 +201,7 @@ def probe(device: DeviceLike = None) -> Capabilities:
         if best is not Tier.UVA:
             why = " ".join(r for r in reasons if r.startswith("No "))
             warn_once(("fallback", str(dev), best), f"tier {best.name} on {dev} instead of UVA: {why}")
-    caps.versions = _versions(dev)
+    caps.versions = stack_versions(dev)
     caps._freeze()  # shared by every caller from here on: read-only
     return caps
 

@@ -65,7 +65,7 @@ def use_marked(ring: Ring) -> int:
 @pytest.mark.parametrize("depth", [2, 3])
 def test_eight_pools_one_event_per_step(cpu_tier, stream, depth):
     pools = [UvaBufferPool(4, torch.int32, depth, "cpu", guard="wait") for _ in range(8)]
-    assert all(p._ring.active and p._ring.clock is pools[0]._ring.clock for p in pools)
+    assert all(p._ring.active and p._ring.guard.clock is pools[0]._ring.guard.clock for p in pools)
     steps = 40
     for s in range(steps):
         live = []

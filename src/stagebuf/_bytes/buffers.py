@@ -338,6 +338,23 @@ def tier_class(tier: Tier) -> type[StagingBuffer]:
     return TIER_CLASSES[tier]
 
 
+def buffer_class(caps: Capabilities, tier: Tier | str | None = None) -> type[StagingBuffer]:
+    """The class ``make_buffer(..., caps.device, tier)`` tries first: ``caps.tier``'s for None, else that of
+    the tier ``tier`` names (InvalidArgumentError, naming the allowed names, if it names none)."""
+    return tier_class(caps.tier if tier is None else Tier.parse(tier))
+
+
+def reread_tier(caps: Capabilities) -> Tier | None:
+    """The tier for staged data the device reads many times (an eager forward reads its inputs in every
+    layer): where the device's kernels read the buffers of ``caps.tier`` from host memory itself (no copy
+    into device memory, yet the device reads after the host call returned: UVA), the best usable tier whose
+    buffers copy into device memory (one copy beats a host read per use); else None, ``caps.tier`` itself."""
+    cls = tier_class(caps.tier)
+    if cls.copies or not cls.async_host_reads:
+        return None
+    return next((t for t in usable_tiers(caps) if tier_class(t).copies), None)
+
+
 for _cls in (UvaBuffer, PinnedBuffer, NonUvaBuffer, HostBuffer):
     register_tier_class(_cls)
 del _cls

@@ -1,6 +1,8 @@
-"""The slot-reuse guard: one event per step for a whole device, checked before a slot comes round, so that
-no reader of a slot (UVA kernels, a PINNED copy) reads torn inputs (docs/DESIGN.md, "Rings and the guard").
-Events go through cuda-bindings where present (no ``torch.cuda.current_stream()`` object per step).
+"""The slot-reuse guard: one event per step for a whole device (``StepClock``), and per ring a ``SlotGuard``
+that records each slot's last use and says whether a slot may be rewritten (else it waits, raises, or in
+check mode verifies against the ring's own event), so that no reader of a slot (UVA kernels, a PINNED copy)
+reads torn inputs (docs/DESIGN.md, "Rings and the guard"). Events go through cuda-bindings where present (no
+``torch.cuda.current_stream()`` object per step).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from .._common.errors import CudaError, InvalidArgumentError
+from .._common.errors import CudaError, InvalidArgumentError, SlotInFlightError, StepRuleError
 from .._common.log import warn_once
 from .._common.types import DeviceLike
 from .._device.uva import load_cudart
@@ -225,6 +227,133 @@ class StepClock:
 
 
 _clocks: dict[str, StepClock] = {}
+
+
+def slot_guard(
+    mode: GuardMode, reads_async: bool, device: torch.device, size: int, what: str, check: bool
+) -> tuple[GuardMode, SlotGuard | None]:
+    """The guard mode in effect (``auto``: ``wait`` where ``reads_async``, the device reading a slot's host
+    memory after the host call returned; else ``off``) and the guard of a ring of ``size`` slots on ``device``
+    (None: off, or no events there). InvalidArgumentError for a mode not in GUARD_MODES."""
+    if not isinstance(mode, str) or mode not in GUARD_MODES:
+        raise InvalidArgumentError(f"guard={mode!r}; allowed: {', '.join(GUARD_MODES)}")
+    if mode == "auto":
+        mode = "wait" if reads_async else "off"
+    clock = step_clock(device)
+    if mode == "off" or not clock.active:
+        return mode, None
+    return mode, SlotGuard(clock, size, mode, what, check)
+
+
+class SlotGuard:
+    """The slot-reuse policy of one ring on its device's step clock. Per slot it records the last use: the
+    step it was taken in, the event serial it was marked before (-1: unmarked) and the use's number; in check
+    mode also the ring's own event per use. The ring asks ``admit()`` before a slot comes round and reports
+    each use (``took``, ``touch``, ``mark``); ``mode``: ``wait`` or ``raise``; ``waits`` counts the waits."""
+
+    __slots__ = (
+        "clock", "mode", "what", "waits", "_tick", "_serial", "_owner", "_last_tick", "_last_marked",
+        "_exact",
+    )  # fmt: skip
+
+    def __init__(self, clock: StepClock, size: int, mode: GuardMode, what: str, check: bool):
+        self.clock = clock
+        self.mode = mode
+        self.what = what
+        self.waits = 0
+        self._tick = [-1] * size  # per slot: the step of its last use
+        self._serial = [-1] * size  # per slot: its last use was marked before this event serial
+        self._owner = [-1] * size  # per slot: the number of its last use
+        self._last_tick = -1  # the step of the current use
+        self._last_marked = False
+        # check mode: an event of its own per use too, to catch the clock releasing a slot still read
+        self._exact: list[int] | None = [-1] * size if check else None
+
+    def admit(self, cur: int, slot: int, use: int) -> None:
+        """Before use ``use`` may rewrite ``slot``'s memory (``cur``: the slot of the current use, -1:
+        none): cover the current use with an event, then return once ``slot``'s last use is done, waiting for
+        it in mode ``wait``, raising SlotInFlightError in mode ``raise``; in check mode, StepRuleError where
+        the clock released it while the ring's own event for that use is pending."""
+        clock = self.clock
+        if cur >= 0:  # cover the current use before checking an older one
+            if self._last_marked:
+                if self._serial[cur] >= clock.serial:
+                    clock.record()
+            else:
+                if self._last_tick == clock.tick:
+                    clock.end_step()  # this ring stages again: the step it staged in is over
+                if self._exact is not None:  # its consumers are enqueued by now (the ring's contract)
+                    self._exact[cur] = clock.record()
+        owner = self._owner[slot]
+        if owner < 0:
+            return
+        k = self._serial[slot]
+        if k < 0:  # unmarked: the event that ended its step (clock.step_event, inlined)
+            t = self._tick[slot]
+            k = -1 if t >= clock.tick else clock._tick_end[t % _TICKS]
+        if k < 0 or k >= clock.serial:  # not covered yet (cannot happen in order): cover it now
+            k = clock.record()
+        if clock.done(k):
+            if self._exact is not None:
+                self._verify(slot, owner, use)
+        elif self.mode == "raise":
+            raise SlotInFlightError(
+                f"{self.what} {slot} comes round again for use {use} while use "
+                f"{owner} may still be read by the device; add slots "
+                "(max_concurrency) or wait for the consumers"
+            )
+        else:
+            clock.wait(k)
+            self.waits += 1
+
+    def _verify(self, slot: int, owner: int, use: int) -> None:
+        """Check mode: the step clock released ``slot``; its own event must agree."""
+        assert self._exact is not None
+        k = self._exact[slot]
+        clock = self.clock
+        if k < 0 or self._serial[slot] >= 0 or not clock.holds(k) or clock.done(k):
+            return  # (an event object recorded again since cannot say: no verdict)
+        raise StepRuleError(
+            f"{self.what} {slot}: the step clock released it for use {use}, but the device may "
+            f"still read use {owner}. A ring staged in a step the clock did not see begin (one that "
+            "skips steps and stages first in a later one, or stages twice in one step). Fix: call "
+            "stagebuf.begin_step() at the start of every step."
+        )
+
+    def took(self, slot: int, use: int, marked: bool) -> None:
+        """Use ``use`` took ``slot`` in the current step; ``marked``: its consumers are enqueued already."""
+        clock = self.clock
+        t = clock.tick
+        self._tick[slot] = t
+        self._serial[slot] = clock.serial if marked else -1
+        self._owner[slot] = use
+        self._last_tick = t
+        self._last_marked = marked
+        if self._exact is not None:
+            self._exact[slot] = -1
+
+    def touch(self, cur: int) -> None:
+        """The current use (in ``cur``) goes on into this step: the step rule as in ``admit()``, then it
+        counts as taken in this step."""
+        clock = self.clock
+        if self._last_marked:
+            if self._serial[cur] >= clock.serial:
+                clock.record()
+        elif self._last_tick == clock.tick:
+            clock.end_step()
+        t = clock.tick
+        self._tick[cur] = t
+        self._serial[cur] = -1
+        self._last_tick = t
+        self._last_marked = False
+        if self._exact is not None:
+            self._exact[cur] = -1
+
+    def mark(self, cur: int) -> None:
+        """The current use's (in ``cur``) consumers are enqueued: the next event recorded protects it."""
+        if not self._last_marked:
+            self._serial[cur] = self.clock.serial
+            self._last_marked = True
 
 
 def step_clock(device: torch.device) -> StepClock:

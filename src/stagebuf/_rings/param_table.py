@@ -254,7 +254,8 @@ class DeviceParamTable(Sealed):
         np.copyto(self._shadow, self._host_np)
         copy_rows(slot, self._dev, self.nbytes)  # the device arena was made to fit the slots
         # the slot's one reader, the copy, is enqueued
-        ring.publish(cur, None if slot.tier is Tier.HOST else self.nbytes, marked=True)
+        # (no transfer where the device is the host itself: the copy was a host copy)
+        ring.publish(cur, None if slot.dev is slot.cpu else self.nbytes, marked=True)
         return True
 
     def release_thread(self) -> None:

@@ -120,7 +120,8 @@ class UvaBufferPool(Sealed):
             )
             buf = ring.grow(cur, lambda tier: make_buffer((cap, *trailing), self.dtype, self.device, tier))
         buf.np[:n] = arr
-        copies = buf.tier is not Tier.HOST if gpu else buf.tier.copies
+        # a transfer: a copy into device memory (with gpu: wherever the device is not the host itself)
+        copies = buf.dev is not buf.cpu if gpu else buf.copies
         ring.publish(cur, n * self._row_bytes if copies else None)
         self._published.value = (n, buf)
         return buf, n, False

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._bytes.buffers import StagingBuffer, ensure_buffers_room
+from .._bytes.buffers import StagingBuffer, buffer_class, copy_rows, ensure_buffers_room
 from .._bytes.make import make_buffer
 from .._common.cache import BoundedCache
 from .._common.convert import NUMPY_TO_TORCH, TORCH_TO_NUMPY, host_array
@@ -26,7 +26,7 @@ from .._device.memory import alloc_device
 from .._tiers.probe import capabilities
 from .._tiers.settings import ALIGN, POISON, check_mode
 from .guard import GuardMode, slot_count
-from .ring import Ring, arena_as, poison
+from .ring import Ring, arena_as
 
 _MAX_VIEWS = 4096  # views a slot keeps (a step's arrays of many shapes: more than a launcher's layouts)
 
@@ -55,7 +55,7 @@ class _Slot:
 
     def _host_of(self, buf: StagingBuffer) -> np.ndarray:
         """What stage() writes for ``buf``: a scratch arena on UVA and HOST unless in place."""
-        return buf.np if buf.tier.copies or self.in_place else np.zeros(buf.shape[0], np.uint8)
+        return buf.np if buf.copies or self.in_place else np.zeros(buf.shape[0], np.uint8)
 
     def publish(self, buf: StagingBuffer, host: np.ndarray, used: int) -> bool:
         """Make the first ``used`` bytes staged in ``buf`` visible where its tensors point (True: copied)."""
@@ -63,17 +63,14 @@ class _Slot:
             buf.np[:used] = host[:used]  # UVA and HOST: the device reads buf's memory from now on
         dev = self.static
         if dev is None:
-            if buf.tier.copies:
+            if buf.copies:  # the buffer publishes with a transfer into its device memory
                 buf.uva(used)
                 return True
             return False
-        if buf.tier is Tier.HOST:
-            dev[:used].numpy()[...] = buf.np[:used]
-            return False
-        # the static arena: one stream-ordered copy from the slot (read through UVA, or a copy)
-        src = buf.dev if buf.tier is Tier.UVA else buf.cpu
-        dev[:used].copy_(src[:used], non_blocking=True)
-        return True
+        # the static arena: one stream-ordered copy from the slot's host memory (a host copy, no transfer,
+        # where the device is the host itself)
+        copy_rows(buf, dev, used)
+        return buf.dev is not buf.cpu
 
     def grow(self, nbytes: int, used: int, seq: int) -> None:
         """Replace the arena with one that holds ``nbytes`` more (the old one stays alive until reuse)."""
@@ -100,7 +97,7 @@ class _Slot:
             torch.uint8,
             buf.tier,
             buf.device.type,
-            extra=0 if buf.tier.copies or self.in_place else new_cap,
+            extra=0 if buf.copies or self.in_place else new_cap,
             fix="Nothing was staged by this call, and what the step staged before stays staged. Stage less "
             "in one step, or free host memory",
         )
@@ -117,7 +114,7 @@ class _Slot:
         if self.static is not None:
             self.static.fill_(POISON)
         else:
-            poison(self.buf)
+            self.buf.poison()
 
     def view(self, off: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, torch.Tensor]:
         key = (off, dtype, shape)
@@ -355,12 +352,12 @@ class StepStager(Sealed):
         self.static = static
         # the slots' host memory (and _host_of's scratch arenas; a static arena on the CPU), checked first
         caps = capabilities(device)
-        t = caps.tier if tier is None else Tier.parse(tier)
-        scratch = 0 if t.copies or (in_place and not check_mode()) else n * capacity
+        cls = buffer_class(caps, tier)  # the slots' class (a run-time fallback may give some another)
+        scratch = 0 if cls.copies or (in_place and not check_mode()) else n * capacity
         dev_type = caps.device.type
         what = f"StepStager(capacity={capacity}): {n} slots"
         fixed = capacity if static and dev_type == "cpu" else 0
-        ensure_buffers_room(what, n, (capacity,), torch.uint8, t, dev_type, extra=scratch + fixed)
+        ensure_buffers_room(what, n, (capacity,), torch.uint8, cls.tier, dev_type, extra=scratch + fixed)
 
         # check mode quarantines released slots, except in a static stager (one device arena for all)
         def make() -> StagingBuffer:

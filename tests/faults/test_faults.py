@@ -19,15 +19,19 @@ memory comes from the real caching allocator under a memory-fraction cap.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
 import os
+import re
 import resource
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +116,15 @@ class Driver:
         if self.fake:
             return torch.zeros(shape, dtype=dtype)  # CPU memory stands in for the device's
         return memory_mod.alloc_device(shape, dtype, device)
+
+    @contextlib.contextmanager
+    def oom(self, above: int) -> Iterator[None]:
+        """Device allocations of more than ``above`` bytes fail while inside."""
+        self.oom_above = above
+        try:
+            yield
+        finally:
+            self.oom_above = None
 
     def load_cudart(self) -> Any:
         if self.cudart_missing:
@@ -212,57 +225,55 @@ def _check_stager(stager: StepStager, rng: np.random.Generator, steps: int = 4) 
 # --------------------------------------------------------------------------- probe-time faults
 
 
-def test_pinned_allocation_failing_at_probe_gives_pageable(drv, warnings_seen):
-    drv.pinned_fails = True
+@dataclass(frozen=True)
+class ProbeFault:
+    """A driver answer broken before the probe, and what capabilities() and a pool then give."""
+
+    fault: str  # the Driver switch turned on
+    tier: Tier  # the tier the probe falls to
+    reason: str  # a regex one of the probe's reasons matches
+    warned: tuple[str, ...]  # what the one warning says
+    seed: int
+    pool: dict[str, Any] = field(default_factory=dict)  # UvaBufferPool's arguments but device
+
+
+PROBE_FAULTS = {
+    "pinned_allocation_gives_pageable": ProbeFault(
+        "pinned_fails", Tier.PAGEABLE, r"^No pinned memory(?s:.)*ulimit -l", ("PAGEABLE", "No pinned memory"),
+        1, {"size": 8, "dtype": torch.int32, "max_concurrency": 2},
+    ),
+    "cuda_bindings_missing_gives_pinned": ProbeFault(  # guard events without cuda-bindings
+        "cudart_missing", Tier.PINNED, "cuda-bindings is not installed", ("PINNED", "cuda-bindings"),
+        2, {"size": 8, "dtype": torch.int32, "max_concurrency": 3},
+    ),
+    "device_view_failing_gives_pinned": ProbeFault(
+        "view_fails", Tier.PINNED, "cudaHostGetDevicePointer failed", (),
+        3, {"size": (4,), "dtype": torch.int32},
+    ),
+    "coherence_probe_failing_gives_pinned": ProbeFault(
+        "stale_view", Tier.PINNED, "coherence probe failed", ("coherence probe failed",),
+        4, {"size": 8, "dtype": torch.int32},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PROBE_FAULTS))
+def test_fault_at_probe_falls_to_a_lower_tier(drv, warnings_seen, case):
+    """A driver answer broken at probe time: the next tier down, its reason, one warning, the data intact."""
+    f = PROBE_FAULTS[case]
+    setattr(drv, f.fault, True)
     caps = capabilities(DEV)
-    assert caps.tier is Tier.PAGEABLE and not caps.pin_memory and not caps.uva
-    assert any(r.startswith("No pinned memory") and "ulimit -l" in r for r in caps.reasons)
-    rng = np.random.default_rng(1)
-    pool = UvaBufferPool(8, torch.int32, max_concurrency=2, device=DEV)
-    assert pool.tier is Tier.PAGEABLE
+    assert caps.tier is f.tier and not caps.uva
+    assert caps.pin_memory == (f.tier is Tier.PINNED)
+    assert any(re.search(f.reason, r) for r in caps.reasons), caps.reasons
+    rng = np.random.default_rng(f.seed)
+    pool = UvaBufferPool(**f.pool, device=DEV)
+    assert pool.tier is f.tier
     _check_pool(pool, rng)
     _check_stager(StepStager(device=DEV, capacity=256), rng)
     assert drv.injected >= 1
     w = warnings_seen()
-    assert len(w) == 1 and "PAGEABLE" in w[0] and "No pinned memory" in w[0]
-
-
-def test_cuda_bindings_missing_gives_pinned(drv, warnings_seen):
-    drv.cudart_missing = True
-    caps = capabilities(DEV)
-    assert caps.tier is Tier.PINNED and caps.pin_memory and not caps.uva
-    assert any("cuda-bindings is not installed" in r for r in caps.reasons)
-    rng = np.random.default_rng(2)
-    pool = UvaBufferPool(8, torch.int32, max_concurrency=3, device=DEV)
-    assert pool.tier is Tier.PINNED
-    _check_pool(pool, rng)
-    _check_stager(StepStager(device=DEV, capacity=256), rng)  # guard events without cuda-bindings
-    assert drv.injected >= 1
-    w = warnings_seen()
-    assert len(w) == 1 and "PINNED" in w[0] and "cuda-bindings" in w[0]
-
-
-def test_device_view_failing_at_probe_gives_pinned(drv, warnings_seen):
-    drv.view_fails = True
-    caps = capabilities(DEV)
-    assert caps.tier is Tier.PINNED and not caps.uva
-    assert any("cudaHostGetDevicePointer failed" in r for r in caps.reasons)
-    rng = np.random.default_rng(3)
-    _check_pool(UvaBufferPool((4,), torch.int32, device=DEV), rng)
-    assert len(warnings_seen()) == 1
-
-
-def test_coherence_probe_failing_gives_pinned(drv, warnings_seen):
-    drv.stale_view = True
-    caps = capabilities(DEV)
-    assert caps.tier is Tier.PINNED and not caps.uva
-    assert any("coherence probe failed" in r for r in caps.reasons)
-    rng = np.random.default_rng(4)
-    pool = UvaBufferPool(8, torch.int32, device=DEV)
-    assert pool.tier is Tier.PINNED
-    _check_pool(pool, rng)
-    w = warnings_seen()
-    assert len(w) == 1 and "coherence probe failed" in w[0]
+    assert len(w) == 1 and all(part in w[0] for part in f.warned), w
 
 
 # --------------------------------------------------------------------------- run-time faults
@@ -273,12 +284,20 @@ def _uva_or_skip() -> None:
         pytest.skip(f"needs UVA on {DEV}; tier is {capabilities(DEV).tier.name}")
 
 
-def test_pinned_allocation_failing_at_construction_falls_back_once(drv, warnings_seen):
+def _pool_built_under(
+    drv: Driver, fault: str, tier: Tier, seed: int, dtype: torch.dtype, max_concurrency: int
+) -> tuple[UvaBufferPool, np.random.Generator]:
+    """On a UVA machine: the Driver's ``fault`` turned on, then a pool of 8 built; it is on ``tier``."""
     _uva_or_skip()
-    drv.pinned_fails = True
-    rng = np.random.default_rng(5)
-    pool = UvaBufferPool(8, torch.int32, max_concurrency=3, device=DEV)
-    assert pool.tier is Tier.PAGEABLE
+    setattr(drv, fault, True)
+    rng = np.random.default_rng(seed)
+    pool = UvaBufferPool(8, dtype, max_concurrency=max_concurrency, device=DEV)
+    assert pool.tier is tier
+    return pool, rng
+
+
+def test_pinned_allocation_failing_at_construction_falls_back_once(drv, warnings_seen):
+    pool, rng = _pool_built_under(drv, "pinned_fails", Tier.PAGEABLE, 5, torch.int32, 3)
     _check_pool(pool, rng)
     UvaBufferPool(8, torch.int32, max_concurrency=3, device=DEV)  # the same fault again: no new warning
     assert drv.injected >= 2
@@ -327,11 +346,7 @@ def test_pinned_allocation_failing_at_stager_growth(drv, warnings_seen):
 
 
 def test_device_view_failing_at_construction_falls_back_to_pinned(drv, warnings_seen):
-    _uva_or_skip()
-    drv.view_fails = True
-    rng = np.random.default_rng(8)
-    pool = UvaBufferPool(8, torch.float32, max_concurrency=2, device=DEV)
-    assert pool.tier is Tier.PINNED
+    pool, rng = _pool_built_under(drv, "view_fails", Tier.PINNED, 8, torch.float32, 2)
     a = rng.standard_normal(8).astype(np.float32)
     np.testing.assert_array_equal(read_back(pool.copy_to_uva(a)), a)
     bt = UvaBackedTensor(5, torch.int64, device=DEV)
@@ -361,20 +376,26 @@ def _sw_model(model: np.ndarray, edits: list[Edit]) -> np.ndarray:
     return model
 
 
+def _sw_stage(swt: StagedWriteTensor, edits: list[Edit]) -> list[Edit]:
+    for e in edits:
+        swt.stage_write(*e)
+    return edits
+
+
+def _sw_target(rng: np.random.Generator) -> tuple[StagedWriteTensor, np.ndarray]:
+    """A (64, 256) int32 target with 3 random edits applied, and its model."""
+    swt = StagedWriteTensor((64, 256), torch.int32, DEV)
+    first = _sw_stage(swt, _sw_edits(rng, 64, 256, 3))
+    swt.apply_write()
+    return swt, _sw_model(np.zeros((64, 256), np.int32), first)
+
+
 def test_pinned_allocation_failing_at_staged_write_growth(drv, warnings_seen):
     _uva_or_skip()
     rng = np.random.default_rng(12)
-    swt = StagedWriteTensor((64, 256), torch.int32, DEV)
-    model = np.zeros((64, 256), np.int32)
-    small = _sw_edits(rng, 64, 256, 3)
-    for e in small:
-        swt.stage_write(*e)
-    swt.apply_write()
-    _sw_model(model, small)
+    swt, model = _sw_target(rng)
     drv.pinned_fails = True
-    big = _sw_edits(rng, 64, 256, 200)  # about 100 KiB of contents: the apply's slot grows
-    for e in big:
-        swt.stage_write(*e)
+    big = _sw_stage(swt, _sw_edits(rng, 64, 256, 200))  # about 100 KiB of contents: the apply's slot grows
     swt.apply_write()
     np.testing.assert_array_equal(read_back(swt.gpu), _sw_model(model, big))
     assert swt.stats()["growths"] >= 1 and drv.injected >= 1
@@ -385,16 +406,8 @@ def test_pinned_allocation_failing_at_staged_write_growth(drv, warnings_seen):
 def test_device_oom_at_staged_write_growth_keeps_every_edit(drv, monkeypatch, warnings_seen, tier):
     force_tier(monkeypatch, tier)
     rng = np.random.default_rng(13)
-    swt = StagedWriteTensor((64, 256), torch.int32, DEV)
-    model = np.zeros((64, 256), np.int32)
-    first = _sw_edits(rng, 64, 256, 3)
-    for e in first:
-        swt.stage_write(*e)
-    swt.apply_write()
-    _sw_model(model, first)
-    big = _sw_edits(rng, 64, 256, 200)
-    for e in big:
-        swt.stage_write(*e)
+    swt, model = _sw_target(rng)
+    big = _sw_stage(swt, _sw_edits(rng, 64, 256, 200))
     staged = swt.num_staged
     drv.oom_above = 1 << 15
     with pytest.raises(DeviceAllocationError, match="out of device memory"):
@@ -415,8 +428,7 @@ def test_device_oom_at_fused_apply_keeps_every_edit(drv, monkeypatch, warnings_s
     writer = FusedStagedWriter(DEV, 4)
     edits = [_sw_edits(rng, 32, 128, 150) for _ in ts]
     for t, es in zip(ts, edits, strict=True):
-        for e in es:
-            t.stage_write(*e)
+        _sw_stage(t, es)
     drv.oom_above = 1 << 14
     with pytest.raises(DeviceAllocationError, match="out of device memory"):
         writer.apply(ts)
@@ -473,21 +485,45 @@ def test_device_oom_at_param_table_construction(drv, monkeypatch):
     np.testing.assert_array_equal(read_back(table["temperature"].gpu), np.full(8, 0.5, np.float32))
 
 
+def _pool_growth_refused(
+    pool: UvaBufferPool, big: np.ndarray, match: str, b: list[int], fault: AbstractContextManager[Any]
+) -> None:
+    """A pool slot that cannot grow for ``big`` (under ``fault``): the call raises and takes no slot."""
+    a = np.array([1, 2, 3, 4], np.int32)
+    ta = pool.copy_to_uva(a)
+    with fault:
+        with pytest.raises(DeviceAllocationError, match=match):
+            pool.copy_to_uva(big)
+        tb = pool.copy_to_uva(np.array(b, np.int32))  # the failed call took no slot: a is still in the window
+        np.testing.assert_array_equal(read_back(ta), a)
+        np.testing.assert_array_equal(read_back(tb), b)
+        assert pool.stats()["growths"] == 0
+
+
+def _stager_growth_refused(
+    stager: StepStager,
+    a: np.ndarray,
+    too_big: list[np.ndarray],
+    fault: AbstractContextManager[Any],
+    seed: int,
+) -> None:
+    """A step that cannot grow its slot for ``too_big`` (under ``fault``) raises; the step before it keeps
+    its values (the abandoned step used the other slot), and the stager goes on."""
+    with stager.step() as s:
+        ta = s.stage(a)
+    with fault, pytest.raises(DeviceAllocationError, match="out of device memory"), stager.step() as s:
+        for x in too_big:
+            s.stage(x)
+    np.testing.assert_array_equal(read_back(ta), a)
+    _check_stager(stager, np.random.default_rng(seed))
+
+
 @pytest.mark.parametrize("tier", ["pinned", "pageable"])
 def test_device_oom_at_pool_growth_raises_and_keeps_slots(drv, monkeypatch, warnings_seen, tier):
     force_tier(monkeypatch, tier)
     pool = UvaBufferPool(4, torch.int32, max_concurrency=2, device=DEV)
-    a = np.array([1, 2, 3, 4], np.int32)
-    ta = pool.copy_to_uva(a)
-    drv.oom_above = 1024
-    with pytest.raises(DeviceAllocationError, match=r"out of device memory allocating 4096 bytes"):
-        pool.copy_to_uva(np.arange(1000, dtype=np.int32))
-    b = np.array([9, 8], np.int32)
-    tb = pool.copy_to_uva(b)  # the failed call took no slot: a is still within the window
-    np.testing.assert_array_equal(read_back(ta), a)
-    np.testing.assert_array_equal(read_back(tb), b)
-    assert pool.stats()["growths"] == 0
-    drv.oom_above = None
+    big = np.arange(1000, dtype=np.int32)
+    _pool_growth_refused(pool, big, r"out of device memory allocating 4096 bytes", [9, 8], drv.oom(1024))
     _check_pool(pool, np.random.default_rng(9))  # and the pool still grows once memory is back
     assert drv.injected == 1
     assert warnings_seen() == []  # an error, not a warning
@@ -496,16 +532,8 @@ def test_device_oom_at_pool_growth_raises_and_keeps_slots(drv, monkeypatch, warn
 def test_device_oom_at_stager_growth_raises_and_keeps_steps(drv, monkeypatch, warnings_seen):
     force_tier(monkeypatch, "pinned")
     stager = StepStager(device=DEV, capacity=64, max_concurrency=2)
-    with stager.step() as s:
-        a = np.arange(10, dtype=np.int32)
-        ta = s.stage(a)
-    drv.oom_above = 100
-    with pytest.raises(DeviceAllocationError, match="out of device memory"), stager.step() as s:
-        s.stage(np.arange(3, dtype=np.int32))
-        s.stage(np.arange(1000, dtype=np.int64))
-    drv.oom_above = None
-    np.testing.assert_array_equal(read_back(ta), a)  # the abandoned step used the other slot
-    _check_stager(stager, np.random.default_rng(10))
+    too_big = [np.arange(3, dtype=np.int32), np.arange(1000, dtype=np.int64)]
+    _stager_growth_refused(stager, np.arange(10, dtype=np.int32), too_big, drv.oom(100), 10)
     assert drv.injected == 1 and warnings_seen() == []
 
 
@@ -718,25 +746,14 @@ def device_memory_cap() -> Iterator[int]:
 def test_real_device_oom_at_pool_growth(monkeypatch, device_memory_cap, tier):
     force_tier(monkeypatch, tier)
     pool = UvaBufferPool(4, torch.int32, max_concurrency=2)
-    a = np.array([1, 2, 3, 4], np.int32)
-    ta = pool.copy_to_uva(a)
     big = np.zeros(64 << 20, np.int32)  # 256 MiB of device memory asked for, 64 MiB allowed
-    with pytest.raises(DeviceAllocationError, match="out of device memory:? allocating 268435456 bytes"):
-        pool.copy_to_uva(big)
-    b = np.array([5, 6], np.int32)
-    tb = pool.copy_to_uva(b)
-    np.testing.assert_array_equal(read_back(ta), a)
-    np.testing.assert_array_equal(read_back(tb), b)
+    match = "out of device memory:? allocating 268435456 bytes"
+    _pool_growth_refused(pool, big, match, [5, 6], contextlib.nullcontext())
 
 
 @pytest.mark.gpu
 def test_real_device_oom_at_stager_growth(monkeypatch, device_memory_cap):
     force_tier(monkeypatch, "pinned")
     stager = StepStager(capacity=1 << 12, max_concurrency=2)
-    with stager.step() as s:
-        a = np.arange(100, dtype=np.int64)
-        ta = s.stage(a)
-    with pytest.raises(DeviceAllocationError, match="out of device memory"), stager.step() as s:
-        s.stage(np.zeros(64 << 20, np.int32))
-    np.testing.assert_array_equal(read_back(ta), a)
-    _check_stager(stager, np.random.default_rng(11))
+    too_big = [np.zeros(64 << 20, np.int32)]
+    _stager_growth_refused(stager, np.arange(100, dtype=np.int64), too_big, contextlib.nullcontext(), 11)

@@ -247,12 +247,32 @@ def _sw_error(position: int, index: int, start: int, n: int, dtype: str, why: st
     )
 
 
-def _apply_swt(c: Ctx) -> Any:
-    return c.swt.apply_write()
+SW_DTYPES = {"swt": "int32", "swf": "float32"}
+"""Ctx's staged-write targets and their dtypes."""
 
 
-def _apply_swf(c: Ctx) -> Any:
-    return c.swf.apply_write()
+def _at_apply(
+    entry: str,
+    bad: str,
+    target: str,
+    edit: tuple[Any, ...],
+    why: str,
+    apply: Callable[[Ctx], Any] | None = None,
+) -> Case:
+    """A value only checked when applied: ``c.<target>.stage_write(*edit)`` (``stage_write_elem`` for an edit
+    of two items) stages it, then ``apply`` (the target's ``apply_write()``) raises StagedWriteError naming
+    the edit, staged first after Ctx's: "values ``why``"."""
+    elem = len(edit) == 2
+    index, start, n = (edit[0], 0, 1) if elem else (edit[0], edit[1], len(edit[2]))
+
+    def call(c: Ctx) -> Any:
+        t = getattr(c, target)
+        return t.stage_write_elem(*edit) if elem else t.stage_write(*edit)
+
+    text = _sw_error(1, index, start, n, SW_DTYPES[target], f"values {why}")
+    return Case(
+        entry, bad, call, StagedWriteError, text, apply=apply or (lambda c: getattr(c, target).apply_write())
+    )
 
 
 def _fused_twice(c: Ctx, _: Any) -> None:
@@ -862,14 +882,7 @@ CASES: list[Case] = [
         ValueError,
         "values (edit index=0, start=0) has rank 2",
     ),
-    Case(
-        SW,
-        "NaN into int (a list: checked at apply)",
-        lambda c: c.swt.stage_write(0, 0, [np.nan]),
-        StagedWriteError,
-        _sw_error(1, 0, 0, 1, "int32", "values holds NaN or inf"),
-        apply=_apply_swt,
-    ),
+    _at_apply(SW, "NaN into int (a list: checked at apply)", "swt", (0, 0, [np.nan]), "holds NaN or inf"),
     Case(
         SW,
         "NaN into int (an array: checked now)",
@@ -884,13 +897,12 @@ CASES: list[Case] = [
         ValueError,
         "holds NaN or inf",
     ),
-    Case(
+    _at_apply(
         SW,
         "out of range (2**40 into int32)",
-        lambda c: c.swt.stage_write(0, 0, [2**40]),
-        StagedWriteError,
-        _sw_error(1, 0, 0, 1, "int32", "values holds values in [1099511627776, 1099511627776], outside"),
-        apply=_apply_swt,
+        "swt",
+        (0, 0, [2**40]),
+        "holds values in [1099511627776, 1099511627776], outside",
     ),
     Case(
         SW,
@@ -899,13 +911,8 @@ CASES: list[Case] = [
         ValueError,
         "holds fractional values",
     ),
-    Case(
-        SW,
-        "out of range float (1e39 into float32)",
-        lambda c: c.swf.stage_write(1, 0, [1e39]),
-        StagedWriteError,
-        _sw_error(1, 1, 0, 1, "float32", "values holds finite values beyond"),
-        apply=_apply_swf,
+    _at_apply(
+        SW, "out of range float (1e39 into float32)", "swf", (1, 0, [1e39]), "holds finite values beyond"
     ),
     Case(
         SW,
@@ -915,13 +922,8 @@ CASES: list[Case] = [
         "accepted: applied exactly, with no warning",
         _sw_accepted(2, 0, [1, -3]),
     ),
-    Case(
-        SW,
-        "bool values into int",
-        lambda c: c.swt.stage_write(0, 0, [True, False]),
-        StagedWriteError,
-        _sw_error(1, 0, 0, 2, "int32", "values are bools; allowed: int or float values"),
-        apply=_apply_swt,
+    _at_apply(
+        SW, "bool values into int", "swt", (0, 0, [True, False]), "are bools; allowed: int or float values"
     ),
     Case(
         SW,
@@ -968,32 +970,11 @@ CASES: list[Case] = [
         ValueError,
         "is a tensor on meta",
     ),
-    Case(
-        SW,
-        "list of mixed types",
-        lambda c: c.swt.stage_write(0, 0, [1, "a"]),
-        StagedWriteError,
-        _sw_error(1, 0, 0, 2, "int32", "values holds elements numpy reads as"),
-        apply=_apply_swt,
-    ),
-    Case(
-        SW,
-        "nested list",
-        lambda c: c.swt.stage_write(2, 3, [[1, 2]]),
-        StagedWriteError,
-        _sw_error(1, 2, 3, 1, "int32", "values has rank 2"),
-        apply=_apply_swt,
-    ),
+    _at_apply(SW, "list of mixed types", "swt", (0, 0, [1, "a"]), "holds elements numpy reads as"),
+    _at_apply(SW, "nested list", "swt", (2, 3, [[1, 2]]), "has rank 2"),
     Case(SWE, "index past the rows", lambda c: c.swt.stage_write_elem(4, 1), ValueError, "index=4"),
     Case(SWE, "index negative", lambda c: c.swt.stage_write_elem(-1, 1), ValueError, "index=-1"),
-    Case(
-        SWE,
-        "NaN into int",
-        lambda c: c.swt.stage_write_elem(0, float("nan")),
-        StagedWriteError,
-        _sw_error(1, 0, 0, 1, "int32", "values holds NaN or inf"),
-        apply=_apply_swt,
-    ),
+    _at_apply(SWE, "NaN into int", "swt", (0, float("nan")), "holds NaN or inf"),
     Case(
         SWE,
         "a numpy NaN into int (checked now)",
@@ -1029,22 +1010,14 @@ CASES: list[Case] = [
         ValueError,
         "value is a list; stage_write_elem takes one scalar",
     ),
-    Case(
+    _at_apply(
         SWE,
         "out of range (2**31 into int32)",
-        lambda c: c.swt.stage_write_elem(0, 2**31),
-        StagedWriteError,
-        _sw_error(1, 0, 0, 1, "int32", "values holds values in [2147483648, 2147483648], outside"),
-        apply=_apply_swt,
+        "swt",
+        (0, 2**31),
+        "holds values in [2147483648, 2147483648], outside",
     ),
-    Case(
-        SWE,
-        "out of range float (1e39 into float32)",
-        lambda c: c.swf.stage_write_elem(2, 1e39),
-        StagedWriteError,
-        _sw_error(1, 2, 0, 1, "float32", "values holds finite values beyond"),
-        apply=_apply_swf,
-    ),
+    _at_apply(SWE, "out of range float (1e39 into float32)", "swf", (2, 1e39), "holds finite values beyond"),
     Case(
         SWE,
         "a 0-d tensor",
@@ -1150,12 +1123,12 @@ CASES: list[Case] = [
     ),
     Case(FWA, "None", lambda c: c.writer.apply(None), TypeError, "tensors"),
     Case(FWA, "a bare StagedWriteTensor (no list)", lambda c: c.writer.apply(c.swf), TypeError, "tensors"),
-    Case(
+    _at_apply(
         FWA,
         "a bad list value in one of two tensors",
-        lambda c: c.swf.stage_write(2, 0, [1.0, "x"]),
-        StagedWriteError,
-        _sw_error(1, 2, 0, 2, "float32", "values holds elements numpy reads as"),
+        "swf",
+        (2, 0, [1.0, "x"]),
+        "holds elements numpy reads as",
         apply=lambda c: c.writer.apply([c.swf2, c.swf]),
     ),
     Case(

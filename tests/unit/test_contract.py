@@ -21,94 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
+from contract import CPU_TIERS, CUDA_TIERS, HAS_CUDA, TIERS, check_tier, read
 from helpers import force_tier
-from stagebuf import StepStager, UvaBufferPool
-
-HAS_CUDA = torch.cuda.is_available()
-CPU_TIERS = ["host", "pageable"]  # PAGEABLE here copies into a CPU tensor standing in for the device
-CUDA_TIERS = ["uva", "pinned", "pageable"]
-TIERS = CPU_TIERS + (["uva", "pinned"] if HAS_CUDA else [])
-SLOTS = 2
-STEPS = 7
-
-
-def _read(t: torch.Tensor) -> list[int]:
-    return t.detach().cpu().numpy().tolist()
-
-
-def program(
-    tier: str, monkeypatch: pytest.MonkeyPatch, device: str | None = None
-) -> list[tuple[str, int, list[int]]]:
-    force_tier(monkeypatch, tier)
-    stager = StepStager(device=device, capacity=256, max_concurrency=SLOTS)
-    out: list[tuple[str, int, list[int]]] = []
-    kept = None
-    for s in range(STEPS):
-        with stager.step() as st:
-            t = st.stage(np.arange(4, dtype=np.int32) + 100 * (s + 1))
-            st.stage(np.full(3, s, np.int64))
-            out.append(("inside", s, _read(t)))  # misuse: not published yet
-            if kept is not None:
-                out.append(("kept-inside", s, _read(kept)))  # misuse once its slot came round
-        out.append(("after", s, _read(t)))
-        if s == 0:
-            kept = t
-        out.append(("kept", s, _read(kept)))
-    if HAS_CUDA:
-        torch.cuda.synchronize()
-    return out
-
-
-def model(check: bool, k: int = 16) -> list[tuple[str, int, list[int]]]:
-    poison = [-1] * 4
-    size = SLOTS + (k if check else 0)  # physical slots: the quarantine's K more in check mode
-    published = [[0] * 4 for _ in range(size)]  # what each slot's device side shows
-    out: list[tuple[str, int, list[int]]] = []
-    for s in range(STEPS):
-        slot = s % size
-        if check:
-            published[slot] = poison
-            if s >= SLOTS:
-                published[(slot - SLOTS) % size] = poison  # released: the step SLOTS back
-        data = [100 * (s + 1) + i for i in range(4)]
-        out.append(("inside", s, list(published[slot])))
-        if s > 0:
-            out.append(("kept-inside", s, list(published[0])))
-        published[slot] = data
-        out.append(("after", s, data))
-        out.append(("kept", s, list(published[0])))
-    return out
-
-
-def pool_program(
-    tier: str, monkeypatch: pytest.MonkeyPatch, device: str | None
-) -> list[tuple[int, list[int]]]:
-    """A pool's first result, kept and read after every later call (each with new values)."""
-    force_tier(monkeypatch, tier)
-    pool = UvaBufferPool(4, torch.int32, max_concurrency=SLOTS, device=device)
-    kept = pool.copy_to_uva(np.arange(4, dtype=np.int32) + 100)
-    out = []
-    for c in range(1, STEPS):
-        pool.copy_to_uva(np.arange(4, dtype=np.int32) + 100 * (c + 1))
-        out.append((c, _read(kept)))
-    return out
-
-
-def pool_model(check: bool, k: int = 16) -> list[tuple[int, list[int]]]:
-    size = SLOTS + (k if check else 0)
-    published = [[0] * 4 for _ in range(size)]
-    published[0] = [100 + i for i in range(4)]
-    out = []
-    for c in range(1, STEPS):
-        slot = c % size
-        if check and c >= SLOTS:
-            published[(slot - SLOTS) % size] = [-1] * 4
-        published[slot] = [100 * (c + 1) + i for i in range(4)]
-        out.append((c, list(published[0])))
-    return out
-
+from stagebuf import StepStager
 
 MODES = [
     pytest.param(None, id="plain"),
@@ -129,16 +45,8 @@ MODES = [
 def test_every_tier_observes_the_same_contract(monkeypatch, tiers, device, k):
     if device == "cuda" and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
-    check = k is not None
-    if check:
-        monkeypatch.setenv("STAGEBUF_CHECK", "1")
-        if k != 16:
-            monkeypatch.setenv("STAGEBUF_CHECK_QUARANTINE", str(k))
-    want, want_pool = model(check, k or 0), pool_model(check, k or 0)
     for tier in tiers:
-        got = program(tier, monkeypatch, device)
-        assert got == want, f"tier {tier} differs from the contract"
-        assert pool_program(tier, monkeypatch, device) == want_pool, f"tier {tier}: the pool differs"
+        check_tier(tier, monkeypatch, device, k)
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -151,7 +59,7 @@ def test_static_stager_keeps_one_address_and_publishes_at_exit(monkeypatch, tier
         with stager.step() as st:
             t = st.stage(a)
         ptrs.add(t.data_ptr())
-        seen.append((_read(t), a.tolist()))
+        seen.append((read(t), a.tolist()))
     assert len(ptrs) == 1
     for got, want in seen:
         assert got == want

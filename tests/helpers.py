@@ -56,7 +56,7 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch, allocations: bool = False)
     if torch.cuda.is_available():
         pytest.skip("fakes an accelerator on a CPU-only machine")
     monkeypatch.setattr(caps_mod, "_is_wsl", lambda: False)
-    monkeypatch.setattr(caps_mod, "_device_missing", lambda dev: None)
+    monkeypatch.setattr(caps_mod, "device_missing", lambda dev: None)
     monkeypatch.setattr(caps_mod, "_memlock_limit", lambda: None)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
     monkeypatch.setattr(caps_mod, "_alloc_pinned", lambda n: torch.zeros(n, dtype=torch.uint8))

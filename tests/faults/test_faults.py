@@ -167,7 +167,7 @@ def drv(request, monkeypatch) -> Iterator[Driver]:
         pytest.skip("needs a CUDA device")
     d = Driver(fake)
     monkeypatch.setattr(caps_mod, "_is_wsl", lambda: False)
-    monkeypatch.setattr(caps_mod, "_device_missing", lambda dev: None)
+    monkeypatch.setattr(caps_mod, "device_missing", lambda dev: None)
     monkeypatch.setattr(caps_mod, "_memlock_limit", lambda: None)
     monkeypatch.setattr(caps_mod, "_alloc_pinned", d.alloc_pinned)
     monkeypatch.setattr(buffers_mod, "alloc_host", d.alloc_host)
@@ -653,7 +653,7 @@ _MEMLOCK_CHILD = textwrap.dedent(
         stagebuf.reset_capabilities()
         import importlib
         # only "is there a device" is faked: the memlock limit and the pinned allocation are real
-        importlib.import_module("stagebuf._tiers.probe")._device_missing = lambda dev: None
+        importlib.import_module("stagebuf._tiers.probe").device_missing = lambda dev: None
         out["accel_reasons"] = stagebuf.capabilities("cuda:0").reasons
     else:
         out["reasons"] = caps.reasons

@@ -44,7 +44,7 @@ def cuda_missing_cause() -> tuple[str, str]:
     )
 
 
-def _device_missing(dev: torch.device) -> str | None:
+def device_missing(dev: torch.device) -> str | None:
     """Why torch cannot use accelerator ``dev`` here, or None when it can."""
     if dev.type == "cuda":
         if not torch.cuda.is_available():

@@ -18,8 +18,8 @@ from .._device import uva as _uva
 from .._device.memory import alloc_host
 from .capabilities import (
     Capabilities,
-    _device_missing,
     cuda_missing_cause,
+    device_missing,
     forced_tier,
     stack_versions,
     torch_build,
@@ -99,7 +99,7 @@ def _resolve_device(device: DeviceLike, forced: Tier | None) -> torch.device:
             fix=_DEVICE_FIX,
         ) from None
     if dev.type != "cpu":
-        why = _device_missing(dev)
+        why = device_missing(dev)
         if why:
             hint = cuda_missing_cause()[1] if dev.type == "cuda" and not torch.cuda.is_available() else None
             raise TierUnavailableError(

@@ -99,7 +99,7 @@ def test_own_path_fails_without_pinned_memory_and_stagebuf_pageable_gives_its_in
             with refuse_pinning():
                 bare = P.runner(trace.config)
                 with pytest.raises(RuntimeError, match="pinned"):
-                    mr.__dict__["_stagebuf_own"]["_allocate_sample_buffers"](bare)
+                    vars(mr)["_stagebuf_own"]["_allocate_sample_buffers"](bare)
                 r = P.runner(trace.config)
                 r._allocate_sample_buffers()  # logged, not raised
             for i in range(60):

@@ -280,8 +280,9 @@ class SlotGuard:
                 if self._serial[cur] >= clock.serial:
                     clock.record()
             else:
-                if self._last_tick == clock.tick:
-                    clock.end_step()  # this ring stages again: the step it staged in is over
+                if self._last_tick == clock.tick:  # this ring stages again: the step it staged in is over
+                    clock._tick_end[clock.tick % _TICKS] = clock.record()  # (clock.end_step(), inlined)
+                    clock.tick += 1
                 if self._exact is not None:  # its consumers are enqueued by now (the ring's contract)
                     self._exact[cur] = clock.record()
         owner = self._owner[slot]
@@ -293,7 +294,8 @@ class SlotGuard:
             k = -1 if t >= clock.tick else clock._tick_end[t % _TICKS]
         if k < 0 or k >= clock.serial:  # not covered yet (cannot happen in order): cover it now
             k = clock.record()
-        if clock.done(k):
+        # clock.done(k), its known-complete test inlined (another ring of the device often asked already)
+        if clock._done[k % _CLOCK_EVENTS] >= k or clock.done(k):
             if self._exact is not None:
                 self._verify(slot, owner, use)
         elif self.mode == "raise":

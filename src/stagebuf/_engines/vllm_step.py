@@ -9,22 +9,23 @@ Outside that window each call adds and flushes at once: the same path, one call 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from .._common.convert import check_rows, numpy_dtype, shape_of, torch_dtype
-from .._common.sealed import Cell
+from .._common.convert import check_rows, fill_host, numpy_dtype, shape_of, torch_dtype
+from .._common.sealed import Cell, Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike
 from .._device.memory import alloc_device, alloc_host
 from .._rings.pool import UvaBackedTensor
 from .._rings.staged_write import FusedStagedWriter, StagedWriteTensor
-from .._rings.staged_write.check import CheckedEdits
+from .._rings.staged_write.launcher import Launcher, WriteBatch
 from .._tiers.probe import capabilities
+from .._tiers.settings import Kernel
 from .vllm_step_batch import BATCHES, StepBatch, WordTarget, batch
 
 _WINDOW: list[Any] = [False, None]
@@ -73,46 +74,55 @@ def reset() -> None:
 # --- the step-mode classes --------------------------------------------------------------------
 
 
+class StepLauncher(Launcher):
+    """The launch step of the step-mode writers: an apply's checked batches join the device's step batch
+    (written with the step's other writes in one launch; outside a window, at once)."""
+
+    def __init__(self, device: torch.device, max_concurrency: int, capacity: int):
+        super().__init__(device, max_concurrency, capacity)  # (its ring is never made: stats stay zero)
+        self.batch = batch(device, capabilities(device).tier)
+
+    def launch(self, batches: Sequence[WriteBatch]) -> Kernel:
+        b = self.batch
+        for g in batches:
+            b.add_batch(g)
+        _done(b)
+        return b.kernel
+
+
 class StepStagedWriteTensor(StagedWriteTensor):
     """``StagedWriteTensor`` whose applies join the step's batch (one launch for the step)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._step_batch = batch(self.device, self.tier)
-        self._sink = self._defer
-
-    def _defer(self, parts: list[CheckedEdits]) -> Any:
-        b = self._step_batch
-        for g in parts:
-            b.add_gathered(self.gpu, g)
-        _done(b)
-        return "triton" if b.triton else ("host" if b.tier is Tier.HOST else "scatter")
+    launcher_class = StepLauncher
 
 
 class StepFusedStagedWriter(FusedStagedWriter):
     """``FusedStagedWriter`` whose applies join the step's batch."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._step_batch = batch(self.device, capabilities(self.device).tier)
-        self._sink = self._defer
-
-    def _defer(self, parts: list[CheckedEdits]) -> Any:
-        b = self._step_batch
-        for g in parts:
-            b.add_gathered(g.target.flat, g)
-        _done(b)
-        return "triton" if b.triton else ("host" if b.tier is Tier.HOST else "scatter")
+    launcher_class = StepLauncher
 
 
-class StepBackedTensor(UvaBackedTensor):
-    """``UvaBackedTensor`` with a fixed device tensor: a publish is one edit of the step's batch.
+@read_only({"gpu": "copy_to_uva() sets it; write the host values through .np or .cpu"})
+class StepBackedTensor(Sealed):
+    """``UvaBackedTensor``'s surface with a fixed device tensor: a publish is one edit of the step's batch.
 
     ``.gpu`` is always a view of the same device memory (the first ``n`` rows of the
     last ``copy_to_uva(n)``); the write is stream-ordered, so kernels enqueued before
-    a publish read the values before it. Dtypes whose rows are not whole 32-bit
-    words publish through the parent's pool instead.
+    a publish read the values before it. For a dtype whose rows are not whole 32-bit
+    words the class makes a plain :class:`UvaBackedTensor` instead. ``pool`` is None:
+    no pool publishes the rows.
     """
+
+    def __new__(
+        cls,
+        size: int | tuple[int, ...],
+        dtype: DTypeLike,
+        max_concurrency: int | None = None,
+        device: DeviceLike = None,
+    ) -> Any:
+        if numpy_dtype(torch_dtype(dtype)).itemsize % 4:
+            return UvaBackedTensor(size, dtype, max_concurrency, device)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -121,19 +131,14 @@ class StepBackedTensor(UvaBackedTensor):
         max_concurrency: int | None = None,
         device: DeviceLike = None,
     ):
-        dt = torch_dtype(dtype)
-        if numpy_dtype(dt).itemsize % 4:
-            super().__init__(size, dt, max_concurrency, device)
-            self._fixed = None
-            return
         shape = shape_of(size)
         caps = capabilities(device)
-        self.dtype = dt
-        self.cpu = alloc_host(shape, dt, pinned=False)
+        self.dtype = torch_dtype(dtype)
+        self.cpu = alloc_host(shape, self.dtype, pinned=False)
         self.np = self.cpu.numpy()
-        self.pool = None  # type: ignore[assignment]
+        self.pool = None
         self.device = caps.device
-        self._fixed = alloc_device(shape, dt, caps.device)
+        self._fixed = alloc_device(shape, self.dtype, caps.device)
         self._step_batch = batch(caps.device, caps.tier)
         self._target = self._step_batch.target(self._fixed)
         self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
@@ -141,24 +146,30 @@ class StepBackedTensor(UvaBackedTensor):
         self._gpu = Cell(self._fixed)
         self._freeze()
 
+    _COPY_IN = ("np", "cpu")
+
+    def _copy_in(self, name: str, value: Any) -> None:
+        fill_host(self.np, value, self.dtype, f"UvaBackedTensor.{name}")  # copy in, checked
+
+    @property
+    def gpu(self) -> torch.Tensor:
+        """The device tensor: the rows of the last ``copy_to_uva()`` (at first, all rows, zeros)."""
+        return self._gpu.value
+
     @property
     def tier(self) -> Tier:
-        return self._step_batch.tier if self._fixed is not None else super().tier
-
-    def release_thread(self) -> None:
-        if self._fixed is None:  # (a fixed tensor has no pool: the step's batch is the engine thread's)
-            super().release_thread()
+        """The tier of the device's step batch."""
+        return self._step_batch.tier
 
     def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
-        fixed = self._fixed
-        if fixed is None:
-            return super().copy_to_uva(n)
+        """Publish the first ``n`` rows (None: all) into the fixed device tensor, in the step's batch; its
+        first ``n`` rows, also kept as ``.gpu``. Raises as :meth:`UvaBackedTensor.copy_to_uva`."""
         rows = self.np.shape[0] if n is None else n
         got = self._views.get(rows) if type(rows) is int else None  # (True == 1: no cache hit for a bool)
         if got is None:
             if type(rows) is not int or not 0 <= rows <= self.np.shape[0]:
-                rows = check_rows(n, self.np.shape[0])  # raises the parent's error, or an int-like n
-            got = self._views[rows] = (fixed[:rows], self.np[:rows].reshape(-1).view(np.int32))
+                rows = check_rows(n, self.np.shape[0])  # raises UvaBackedTensor's error, or an int-like n
+            got = self._views[rows] = (self._fixed[:rows], self.np[:rows].reshape(-1).view(np.int32))
         self._gpu.value = got[0]
         if rows:
             b = self._step_batch
@@ -166,9 +177,11 @@ class StepBackedTensor(UvaBackedTensor):
             _done(b)
         return got[0]
 
+    def release_thread(self) -> None:
+        """Nothing to hand over: no pool, and the step's batch is the engine thread's."""
+
     def stats(self) -> dict[str, int]:
-        if self._fixed is None:
-            return super().stats()
+        """As :meth:`UvaBackedTensor.stats`; all zero (the step's batch copies for it)."""
         return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0}
 
 

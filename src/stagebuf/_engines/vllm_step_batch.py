@@ -15,15 +15,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .._bytes.buffers import tier_class
 from .._common.tier import Tier
-from .._rings.staged_write.check import CheckedEdits
 from .._rings.staged_write.kernel import MAX_BLOCK, launch_at, triton_usable
+from .._rings.staged_write.launcher import WriteBatch
 from .._rings.stager import Step, StepStager
-from .._tiers.settings import write_kernel
+from .._tiers.settings import Kernel, write_kernel
 
-_BLOCK = MAX_BLOCK
-"""Columns per Triton program: one value for every flush, so the kernel is compiled once (a new
-specialisation mid-run would load a module in the middle of a step)."""
+_LONGEST = MAX_BLOCK
+"""The longest edit every launch announces: one ``BLOCK`` for every flush, so the kernel is compiled once
+(a new specialisation mid-run would load a module in the middle of a step)."""
 
 
 class WordTarget:
@@ -50,11 +51,16 @@ class StepBatch:
     def __init__(self, device: torch.device, tier: Tier):
         self.device = device
         self.tier = tier
+        self.host = device.type == "cpu" and not tier_class(tier).copies
+        """Whether numpy writes the targets: CPU tensors whose staging needs no copy (their memory is the
+        device's)."""
         # in place: vLLM's step enqueues no reader of the step's tensors before the flush
         self.stager = StepStager(device, capacity=1 << 16, in_place=True)
         # Triton on CUDA; on the CPU its interpreter only where STAGEBUF_WRITE_KERNEL=triton asks for it
         runs = device.type == "cuda" or write_kernel() == "triton"
-        self.triton = tier is not Tier.HOST and runs and triton_usable(device)
+        self.triton = not self.host and runs and triton_usable(device)
+        self.kernel: Kernel = "triton" if self.triton else "host" if self.host else "scatter"
+        """The kernel a flush runs."""
         self.step: Step | None = None
         self.targets: dict[int, WordTarget] = {}
         self.rows: list[int] = []
@@ -127,12 +133,11 @@ class StepBatch:
         self.words.append(words)
         self.nwords += words.shape[0]
 
-    def add_gathered(self, tensor: torch.Tensor, g: CheckedEdits) -> None:
-        if g.dup:  # overlapping edits: one element per edit, each destination's last value
-            dest, vals = g.dest()
-            self.add(self.target(tensor), dest, np.ones(dest.shape[0], np.int64), vals)
-        else:
-            self.add(self.target(tensor), g.dst, g.lens, g.vals)
+    def add_batch(self, b: WriteBatch) -> None:
+        """Defer writing a staged-write apply's checked batch (its edits write distinct elements)."""
+        stride = b.target.stride
+        first = b.indices if stride == 1 else b.indices * stride + b.starts  # (1 column: start 0)
+        self.add(self.target(b.target.flat), first, b.lens, b.values)
 
     def flush(self) -> None:
         """Publish the step's staging and write every deferred edit (see the module docstring)."""
@@ -147,7 +152,7 @@ class StepBatch:
         words = self.words
         nwords = self.nwords
         self.rows, self.blocks, self.words, self.nwords, self.waves, self.in_wave = [], [], [], 0, [], set()
-        if self.tier is Tier.HOST or not self.triton:
+        if not self.triton:
             self._flush_plain(waves, words[0] if len(words) == 1 else np.concatenate(words))
             return
         # the rows (int64) and the words in one reserved run of the step's arena: one transfer
@@ -180,7 +185,7 @@ class StepBatch:
                 addr + head,
                 torch.int32,
                 k,
-                _BLOCK,
+                _LONGEST,
                 self._tensors(arena, off, row, k, head, nwords),
             )
             self.launches += 1
@@ -204,7 +209,7 @@ class StepBatch:
         for rows, blocks in waves:
             parts = [np.array(rows, np.int64).reshape(-1, 4)] if rows else []
             metas.append(parts[0] if not blocks else np.concatenate([*parts, *blocks]))
-        if self.tier is Tier.HOST:  # numpy writes; the step's staged arrays (if any) published
+        if self.host:  # numpy writes; the step's staged arrays (if any) published
             st_host, self.step = self.step, None
             if st_host is not None:
                 st_host.flush()

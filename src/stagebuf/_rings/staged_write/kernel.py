@@ -88,6 +88,18 @@ def _triton_kernel(interpret: bool) -> Any:
     return triton_function(_staged_write_kernel, interpret)
 
 
+def why_no_triton(device: torch.device) -> str:
+    """Why ``triton_usable(device)`` said no, and what would make it run."""
+    if _triton_error:
+        return _triton_error[0]
+    if device.type == "cpu":
+        return (
+            "on the CPU only Triton's interpreter runs it: set TRITON_INTERPRET=1 before Python starts "
+            "(slow: meant for tests), or unset STAGEBUF_WRITE_KERNEL"
+        )
+    return f"Triton has no backend for {device.type}; unset STAGEBUF_WRITE_KERNEL"
+
+
 def _block_for(longest: int) -> int:
     b = MIN_BLOCK
     while b < longest and b < MAX_BLOCK:
@@ -107,16 +119,19 @@ def launch_at(
     content_addr: int,
     dtype: torch.dtype,
     n_edits: int,
-    block: int,
+    longest: int,
     tensors: Callable[[], tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
-    """Launch the kernel over metadata and content at these device addresses (CPU: the interpreter).
+    """Launch the kernel over metadata and content at these device addresses (CPU: the interpreter), in
+    programs of the power of two ``BLOCK`` columns that covers ``longest`` (the longest edit) within
+    [``MIN_BLOCK``, ``MAX_BLOCK``].
 
     The first launch of each specialisation (``key``: what Triton specialises these arguments on) goes
     through Triton's dispatcher, with the tensors ``tensors()`` makes; later ones call the compiled
     kernel's launcher directly (docs/DESIGN.md, "Staged writes"). A launch hook (a profiler) or a
     launcher that refuses the call sends every launch through the dispatcher.
     """
+    block = _block_for(longest)
     if device.type != "cuda":
         meta, content = tensors()
         _triton_kernel(interpret=True)[(n_edits,)](meta, content, BLOCK=block)

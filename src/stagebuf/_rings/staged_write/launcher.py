@@ -1,12 +1,20 @@
-"""The launcher of a writer's applies: one packed transfer and one launch per apply (``_Launcher``):
-``scatter`` (ATen ``index_copy_`` on the target's flat view), ``triton`` (``kernel.py``) or, on HOST,
-one numpy assignment.
+"""A staged-write apply in three steps, named as vLLM's ``StagedWriteTensor`` reads them:
+
+- **log** (:class:`EditLog`): what was staged on one target, in staging order (``staging.py`` checks a
+  staging call's arguments before they enter it);
+- **check** (:func:`check`): the log as one :class:`WriteBatch` (``indices``, ``starts``, ``cu_lens`` and
+  the values, as vLLM's kernel reads them), or a ``StagedWriteError`` naming every bad edit;
+- **launch** (:meth:`Launcher.launch`): the batches packed into the next slot of the writer's guarded ring,
+  published (one copy, none on UVA), and one kernel: ``scatter`` (ATen ``index_copy_``), ``triton``
+  (``kernel.py``) or, where the target is host memory the device reads as it is, one numpy assignment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal
+import operator
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -14,45 +22,360 @@ import torch
 from ..._bytes.buffers import StagingBuffer
 from ..._bytes.make import make_buffer
 from ..._common.cache import BoundedCache
-from ..._common.convert import NUMPY_TO_TORCH
-from ..._common.errors import UsageError
+from ..._common.convert import NUMPY_TO_TORCH, numpy_dtype
+from ..._common.errors import ArgumentTypeError, InvalidArgumentError, StagedWriteError, UsageError
 from ..._common.log import warn_once
-from ..._common.tier import Tier
 from ..._tiers.settings import ALIGN, Kernel, write_kernel
 from ..ring import Ring
-from .check import CheckedEdits
-from .kernel import _block_for, _triton_error, launch_at, triton_usable
+from .kernel import launch_at, triton_usable, why_no_triton
+from .values import INT_RANGES, Bad, list_values
+
+# --- log ---------------------------------------------------------------------------------------
+
+
+class StagedBatch:
+    """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked): each
+    edit's flat offset in the target (``dst``: ``row * row_stride + start``, 8 bytes an edit) and length;
+    the values, flat."""
+
+    __slots__ = ("dst", "lens", "vals", "checked")
+
+    def __init__(self, dst: Any, lens: Any, vals: Any, checked: bool):
+        self.dst, self.lens, self.vals, self.checked = dst, lens, vals, checked
+
+
+class EditLog:
+    """The edits staged on one target of ``rows`` x ``cols`` values of ``dtype``, in staging order: list
+    edits in ``indices``, ``starts``, ``lens`` and ``vals`` (a ``stage_write`` appends to them; values
+    unchecked), arrays in ``batches`` (``staging.py`` checks what enters either)."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype):
+        self.rows, self.cols, self.row_stride = rows, cols, cols
+        self.dtype = dtype
+        self.np_dtype = numpy_dtype(dtype)
+        self.indices: list[int] = []
+        self.starts: list[int] = []
+        self.lens: list[int] = []
+        self.vals: list[Any] = []
+        self.batches: list[StagedBatch] = []
+        self.mark: np.ndarray | None = None
+        """A per-row marker array the check's overlap test reuses (made at its first use)."""
+
+    @property
+    def count(self) -> int:
+        """Edits staged and not yet applied (empty ones are not kept)."""
+        return len(self.indices) + sum(len(b.dst) for b in self.batches)
+
+    def stage_batch(self, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray) -> None:
+        """Stage checked array edits (int64 flat offsets and lengths, flat values: the caller's copies)."""
+        if dst.shape[0]:
+            self.seal()
+            self.batches.append(StagedBatch(dst, lens, vals, True))
+
+    def seal(self) -> None:
+        """Move the list-staged edits into a batch, so later batches keep staging order."""
+        if self.indices:
+            self.batches.append(self.listed())
+            self.indices.clear()
+            self.starts.clear()
+            self.lens.clear()
+            self.vals.clear()
+
+    def listed(self) -> StagedBatch:
+        """The list-staged edits as a batch (copies of the lists)."""
+        stride = self.row_stride
+        dst = [i * stride + s for i, s in zip(self.indices, self.starts)]
+        return StagedBatch(dst, self.lens[:], self.vals[:], False)
+
+    def clear(self) -> None:
+        self.indices.clear()
+        self.starts.clear()
+        self.lens.clear()
+        self.vals.clear()
+        self.batches.clear()
+
+    def all_batches(self) -> list[StagedBatch]:
+        return [*self.batches, self.listed()]
+
+    def pending(self) -> list[tuple[int, int, list[Any]]]:
+        """The staged edits, in staging order: ``(index, start, values)``."""
+        out: list[tuple[int, int, list[Any]]] = []
+        for b in self.all_batches():
+            vals = b.vals.tolist() if isinstance(b.vals, np.ndarray) else b.vals
+            a = 0
+            for d, n in zip(b.dst, b.lens):
+                out.append((*divmod(int(d), self.row_stride), list(vals[a : a + int(n)])))
+                a += int(n)
+        return out
+
+    def discard(self, positions: Iterable[Any]) -> None:
+        """Drop the staged edits at ``positions`` (staging order, as ``pending()`` lists them)."""
+        n = self.count
+        try:
+            drop = {operator.index(p) for p in positions}
+        except TypeError:
+            raise ArgumentTypeError(
+                f"positions must be an iterable of ints (staged edits' positions); got {positions!r}"
+            ) from None
+        wrong = sorted(p for p in drop if not 0 <= p < n)
+        if wrong:
+            allowed = f"ints in [0, {n - 1}]" if n else "none: nothing is staged"
+            raise InvalidArgumentError(f"positions holds {wrong[0]}; allowed: {allowed} (the staged edits)")
+        if not drop:
+            return
+        self.seal()
+        kept: list[StagedBatch] = []
+        pos = 0
+        for b in self.batches:
+            e = len(b.dst)
+            keep = [i for i in range(e) if pos + i not in drop]
+            pos += e
+            if len(keep) == e:
+                kept.append(b)
+            elif keep and b.checked:
+                mask = np.zeros(e, bool)
+                mask[keep] = True
+                kept.append(StagedBatch(b.dst[mask], b.lens[mask], b.vals[np.repeat(mask, b.lens)], True))
+            elif keep:
+                first = np.cumsum([0, *b.lens]).tolist()
+                vals = [v for i in keep for v in b.vals[first[i] : first[i + 1]]]
+                kept.append(StagedBatch([b.dst[i] for i in keep], [b.lens[i] for i in keep], vals, False))
+        self.batches[:] = kept
+
+    def lens_at(self, pos: int) -> int:
+        """The length of the staged edit at ``pos``."""
+        for b in self.all_batches():
+            if pos < len(b.lens):
+                return int(b.lens[pos])
+            pos -= len(b.lens)
+        return 0
+
+
+UNIFORM: BoundedCache[tuple[int, int], tuple[np.ndarray, np.ndarray]] = BoundedCache(256)
+"""(edits, width) -> ``uniform_lens``: what the check of edits all of one length reads, made once."""
+SMALL = 1 << 12
+"""Up to this many edits ``uniform_lens`` keeps arrays of their own (what the per-step paths read fastest)."""
+
+
+def uniform_lens(e: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths and ``cu_lens`` of ``e`` edits of ``width`` values (int64, read-only), cached in ``UNIFORM``
+    up to ``SMALL`` edits; past that the lengths are a broadcast view (no memory per edit) and ``cu_lens`` is
+    made per call."""
+    got = UNIFORM.get((e, width))
+    if got is not None:
+        return got
+    cu = np.arange(width, (e + 1) * width, width, dtype=np.int64) if width else np.zeros(e, np.int64)
+    cu.flags.writeable = False
+    if e > SMALL:
+        return np.broadcast_to(np.int64(width), (e,)), cu  # (read-only)
+    lens = np.full(e, width, np.int64)
+    lens.flags.writeable = False
+    return UNIFORM.put((e, width), (lens, cu))
+
+
+# --- check -------------------------------------------------------------------------------------
+
+
+class WriteTarget:
+    """What an apply writes: a target's flat device view, row stride and address, and its numpy view where
+    numpy writes it (a CPU target whose staging buffers need no copy: the host memory is the device's)."""
+
+    __slots__ = ("flat", "np", "ptr", "stride")
+
+    def __init__(self, tensor: torch.Tensor, device: torch.device, stride: int, copies: bool):
+        self.flat = tensor.view(-1)
+        self.np = self.flat.numpy() if device.type == "cpu" and not copies else None
+        self.ptr = tensor.data_ptr()
+        self.stride = stride
+
+
+class WriteBatch(NamedTuple):
+    """One target's staged edits, checked: what vLLM's kernel reads, and what stagebuf adds.
+
+    Edit ``k`` writes ``values[cu_lens[k] - lens[k] : cu_lens[k]]`` into row ``indices[k]`` from column
+    ``starts[k]`` (all int64; ``cu_lens`` as vLLM's, the running total of the lengths). Where two edits
+    shared a row the check has resolved them (``overlaps``) into one-element edits, each element's last
+    staged value: the edits of a batch write distinct elements.
+    """
+
+    target: WriteTarget
+    indices: np.ndarray
+    starts: np.ndarray
+    cu_lens: np.ndarray
+    values: np.ndarray
+    lens: np.ndarray
+    """Each edit's length (``cu_lens`` differenced)."""
+    width: int
+    """The length of every edit where they are all one length (0: unknown or mixed)."""
+    overlaps: bool
+    """Two staged edits shared a row (resolved as above; the launch then runs the scatter)."""
+
+
+def check(log: EditLog, target: WriteTarget, tensor: Any) -> WriteBatch | None:
+    """Every edit of ``log`` as one checked batch for ``target`` (None: nothing staged); raises
+    StagedWriteError naming every bad edit (and ``tensor``, the log's), changing nothing."""
+    bad: Bad = []
+    dt = log.np_dtype
+    if not log.batches:  # the common case: list edits only
+        li = log.indices
+        if not li:
+            return None
+        ll, vals = log.lens, log.vals
+        e = len(li)
+        w = ll[0] if ll.count(ll[0]) == e else 0  # (one C-level pass; an array of lengths costs more)
+        if w:
+            got = UNIFORM.get((e, w))
+            n, cu = got if got is not None else uniform_lens(e, w)
+        else:
+            n = np.array(ll, np.int64)
+            cu = np.cumsum(n)
+        v = None
+        if dt.kind in "iu":  # ints read exactly in one pass (floats, strings, past 64 bits: refused)
+            try:
+                a = np.frombuffer(array("q", vals), np.int64)
+            except (TypeError, OverflowError):
+                a = None
+            if a is not None:  # every value fits, and no edit can be all bools: done
+                lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
+                r = INT_RANGES[dt]
+                maybe_bools = lo <= 1 and hi >= 0 and (len(vals) > 256 or bool(BOOLS & set(map(type, vals))))
+                if r[0] <= lo and hi <= r[1] and not maybe_bools:
+                    v = a.astype(dt, copy=False)
+        if v is None:  # the general reading, edit by edit where it must
+            v = list_values(vals, li, log.starts, n, dt, bad, width=w, read=a if dt.kind in "iu" else None)
+            if bad:
+                raise_bad(log, tensor, bad)
+        if e <= 32:  # a few edits: the overlap test is cheaper in Python
+            batch = WriteBatch(
+                target, np.array(li, np.int64), np.array(log.starts, np.int64), cu, v, n, w,
+                e > 1 and len(set(li)) != e,
+            )  # fmt: skip
+            return last_wins(batch) if batch.overlaps else batch
+        return with_overlaps(log, target, np.array(li, np.int64), np.array(log.starts, np.int64), n, v, w, cu)
+    batches = log.all_batches() if log.indices else [*log.batches]
+    dsts, lens, vals_ = [], [], []
+    pos = 0
+    for b in batches:
+        if b.checked:
+            dsts.append(b.dst)
+            lens.append(b.lens)
+            vals_.append(b.vals)
+        else:
+            d = np.array(b.dst, np.int64)
+            lens_b = np.array(b.lens, np.int64)
+            i, s = np.divmod(d, log.row_stride)
+            vals_.append(list_values(b.vals, i, s, lens_b, dt, bad, pos))
+            dsts.append(d)
+            lens.append(lens_b)
+        pos += len(b.dst)
+    if bad:
+        raise_bad(log, tensor, bad)
+    parts = (dsts, lens, vals_)
+    d, n, v = (x[0] for x in parts) if len(batches) == 1 else (np.concatenate(x) for x in parts)
+    i, s = np.divmod(d, log.row_stride)
+    return with_overlaps(log, target, i, s, n, v)
+
+
+BOOLS = frozenset({bool, np.bool_})
+"""The types of values that make a list edit all bools (refused), though numpy reads them as ints."""
+
+
+def raise_bad(log: EditLog, tensor: Any, bad: Bad) -> None:
+    """Raise the StagedWriteError of ``bad`` (a check's bad edits, at least one) on ``tensor``."""
+    pos, row, start, why = bad[0]
+    more = f"; {len(bad) - 1} more bad edit(s), at positions {[b[0] for b in bad[1:9]]}" if bad[1:] else ""
+    n = log.lens_at(pos)
+    what = (
+        f"staged edit {pos} (stage_write(index={row}, start={start}, {n} values)) cannot be applied "
+        f"to {log.dtype}: {why}{more}"
+    )
+    err = StagedWriteError(
+        f"{what}. Nothing was written and every staged edit is still staged: "
+        "discard_staged(err.edits) drops the bad ones, clear_staged_writes() all",
+        pos,
+        row,
+        start,
+        edits=tuple(b[0] for b in bad),
+        tensor=tensor,
+    )
+    err._what = what  # (what a fused apply's error quotes, per tensor)
+    raise err
+
+
+def with_overlaps(
+    log: EditLog,
+    target: WriteTarget,
+    i: np.ndarray,
+    s: np.ndarray,
+    n: np.ndarray,
+    v: np.ndarray,
+    width: int = 0,
+    cu: np.ndarray | None = None,
+) -> WriteBatch:
+    """The gathered edits (rows ``i``, starts ``s``, lengths ``n``, values ``v``; ``cu``: their ``cu_lens``
+    if known) as a batch, its overlaps resolved (``last_wins``) where two share a row; ``width`` as for
+    ``WriteBatch``."""
+    e = i.shape[0]
+    dup = False
+    if e > 1:  # two edits on one row may overlap: then each element's last staged value wins
+        mark = log.mark
+        if mark is None:
+            mark = log.mark = np.empty(log.rows, np.int64)
+        ar = np.arange(e, dtype=np.int64)
+        mark[i] = ar
+        dup = bool((mark[i] != ar).any())  # exact whichever duplicate numpy wrote last
+    batch = WriteBatch(target, i, s, np.cumsum(n) if cu is None else cu, v, n, width, dup)
+    return last_wins(batch) if dup else batch
+
+
+def last_wins(b: WriteBatch) -> WriteBatch:
+    """``b`` as one-element edits of distinct elements, each its last staged value (staging order)."""
+    stride = b.target.stride
+    total = b.values.shape[0]
+    first = b.indices * stride + b.starts
+    dest = np.repeat(first - (b.cu_lens - b.lens), b.lens) + np.arange(total, dtype=np.int64)
+    _, last = np.unique(dest[::-1], return_index=True)  # each element's last staged value
+    keep = (total - 1) - last
+    dest = dest[keep]
+    ones, cu = uniform_lens(dest.shape[0], 1)
+    return WriteBatch(b.target, dest // stride, dest % stride, cu, b.values[keep], ones, 1, True)
+
+
+# --- launch ------------------------------------------------------------------------------------
 
 TRITON_MIN_ELEMS = 1 << 13
 """``auto`` writes one target with Triton from this many elements (two or more an edit on average) on."""
-_INT64 = np.dtype(np.int64)
-_PY_ROWS = 16
+PY_ROWS = 16
 """Up to this many edits, an apply's Triton rows are built in Python (numpy's per-call cost is more)."""
-_ROWS_A_LAUNCH = 256
-"""Triton rows of lone-element edits that cost the host about a launch: past ``_PY_ROWS``, fewer win."""
-_CAPACITY = 1 << 14
+ROWS_A_LAUNCH = 256
+"""Triton rows of lone-element edits that cost the host about a launch: past ``PY_ROWS``, fewer win."""
+CAPACITY = 1 << 14
+"""A ``StagedWriteTensor``'s first slot size in bytes."""
+_INT64 = np.dtype(np.int64)
 
 
-def auto_kernel(parts: Sequence[CheckedEdits]) -> Literal["scatter", "triton"]:
-    """The kernel ``auto`` runs for ``parts`` (no overlaps) on CUDA (docs/DESIGN.md, "Staged writes")."""
-    if len(parts) == 1:
-        n = parts[0].vals.shape[0]
-        return "triton" if n >= TRITON_MIN_ELEMS and n >= 2 * parts[0].dst.shape[0] else "scatter"
+def auto_kernel(batches: Sequence[WriteBatch]) -> Literal["scatter", "triton"]:
+    """The kernel ``auto`` runs for ``batches`` on CUDA (docs/DESIGN.md, "Staged writes")."""
+    if len(batches) == 1:
+        n = batches[0].values.shape[0]
+        return "triton" if n >= TRITON_MIN_ELEMS and n >= 2 * batches[0].indices.shape[0] else "scatter"
     edits = elems = 0
-    for p in parts:
-        edits += p.dst.shape[0]
-        elems += p.vals.shape[0]
-    few = edits <= _PY_ROWS or edits + _ROWS_A_LAUNCH <= _ROWS_A_LAUNCH * (len(parts) - 1)
+    for b in batches:
+        edits += b.indices.shape[0]
+        elems += b.values.shape[0]
+    few = edits <= PY_ROWS or edits + ROWS_A_LAUNCH <= ROWS_A_LAUNCH * (len(batches) - 1)
     return "triton" if elems >= 2 * edits or few else "scatter"
 
 
-# --- the launcher: one packed transfer, one launch --------------------------------------
+class Launcher:
+    """The launch step of a writer: a guarded ring of ``max_concurrency`` byte arenas of the device's tier.
 
-
-class _Launcher:
-    """A writer's guarded ring of ``max_concurrency`` byte arenas of its tier. An apply writes its
-    destinations (or the Triton kernel's per-edit rows) at offset 0 and the values after them straight
-    into the slot's host memory (private: no scratch copy), publishes the used prefix and launches."""
+    :meth:`launch` writes the flat destinations (or the Triton kernel's per-edit rows) at offset 0 of the
+    next slot and the values after them, straight into its host memory (private: no scratch copy), publishes
+    the used prefix and runs the kernel. A writer makes its launcher from its class's ``launcher_class``:
+    a subclass that overrides :meth:`launch` (and :meth:`stats`) takes every apply's checked batches instead
+    (vLLM's step mode defers them into its step).
+    """
 
     def __init__(self, device: torch.device, max_concurrency: int, capacity: int):
         self.device = device
@@ -69,21 +392,18 @@ class _Launcher:
             return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0, "steps": 0}
         return ring.stats(steps=True)
 
-    def apply(self, parts: Sequence[CheckedEdits]) -> Kernel:
-        """Write the checked edits of ``parts`` (one packed slot, one launch); the kernel's name."""
-        p0 = parts[0]
-        one = len(parts) == 1
-        if p0.target.tier is Tier.HOST:  # numpy writes straight into the targets
-            for p in parts:
-                dest, vals = p.dest()
-                assert p.target.flat_np is not None  # set on every HOST-tier target
-                p.target.flat_np[dest] = vals
-            return "host"
-        kernel = self.forced
-        if p0.dup if one else any(p.dup for p in parts):
-            kernel = "scatter"  # overlaps: de-duplicated on the host, then one scatter
+    def launch(self, batches: Sequence[WriteBatch]) -> Kernel:
+        """Write ``batches`` (one packed slot, one launch; their targets' numpy views where they have them);
+        the kernel's name."""
+        b0 = batches[0]
+        one = len(batches) == 1
+        kernel = "host" if b0.target.np is not None else self.forced
+        if kernel == "host":
+            pass
+        elif b0.overlaps if one else any(b.overlaps for b in batches):
+            kernel = "scatter"  # overlaps, resolved by the check: one scatter, as before they were
         elif kernel == "auto":  # on CUDA (elsewhere the scatter: Triton's interpreter is never cheaper)
-            kernel = auto_kernel(parts)
+            kernel = auto_kernel(batches)
         if kernel == "triton" and self.triton is None:
             self.triton = triton_usable(self.device)
         if kernel == "triton" and not self.triton:
@@ -91,17 +411,32 @@ class _Launcher:
                 warn_once(
                     ("staged-write-no-triton", str(self.device)),
                     f"staged writes on {self.device} use the scatter kernel: Triton cannot run "
-                    f"here ({_why_no_triton(self.device)})",
+                    f"here ({why_no_triton(self.device)})",
                 )
             kernel = "scatter"
         if kernel == "triton":
-            head, vals, longest = _edit_meta(parts)
-        elif one:
-            head, vals = p0.dest()
-        else:
-            pairs = [p.dest() for p in parts]
-            dests = [d for d, _ in pairs]
-            head, vals = np.concatenate(dests), np.concatenate([x for _, x in pairs])
+            head, vals, longest = edit_meta(batches)
+        else:  # each element's flat destination: row * stride + start, then the columns of its edit
+            dests = []
+            for b in batches:
+                stride = b.target.stride
+                first = b.indices if stride == 1 else b.indices * stride + b.starts  # (1 column: start 0)
+                total = b.values.shape[0]
+                if total == first.shape[0]:  # one element per edit
+                    dests.append(first)
+                elif b.width:  # every edit of one length: one broadcast add
+                    dests.append((first[:, None] + np.arange(b.width, dtype=np.int64)).reshape(-1))
+                else:  # each edit's first offset, less the elements before it, repeated; plus the index
+                    lens = b.lens
+                    dests.append(
+                        np.repeat(first - (b.cu_lens - lens), lens) + np.arange(total, dtype=np.int64)
+                    )
+            if kernel == "host":  # numpy writes straight into the targets' host memory
+                for b, d in zip(batches, dests):
+                    b.target.np[d] = b.values  # type: ignore[index]
+                return "host"
+            head = dests[0] if one else np.concatenate(dests)
+            vals = b0.values if one else np.concatenate([b.values for b in batches])
         # pack: the head (int64) at offset 0, the values after it, in the next slot's host memory
         off = (head.nbytes + ALIGN - 1) & -ALIGN
         used = off + vals.nbytes
@@ -122,7 +457,7 @@ class _Launcher:
             h_dest, h_vals, d_dest, d_vals = v
             h_dest[...] = head
             h_vals[...] = vals
-        copies = buf.tier.copies
+        copies = buf.copies
         if copies:
             buf.uva(used)
         # its one reader, the launch below, is enqueued before any event can be recorded: marked
@@ -135,15 +470,15 @@ class _Launcher:
             def tensors() -> tuple[torch.Tensor, torch.Tensor]:
                 return dev[: head.nbytes].view(torch.int64), dev[off:used].view(dtype)
 
-            launch_at(self.device, base, base + off, dtype, n, _block_for(longest), tensors)
+            launch_at(self.device, base, base + off, dtype, n, longest, tensors)
         elif one:
-            p0.target.flat.index_copy_(0, d_dest, d_vals)
+            b0.target.flat.index_copy_(0, d_dest, d_vals)
         else:
             a = 0
-            for p, d in zip(parts, dests):
-                b = a + d.shape[0]
-                p.target.flat.index_copy_(0, d_dest[a:b], d_vals[a:b])
-                a = b
+            for b, d in zip(batches, dests):
+                e = a + d.shape[0]
+                b.target.flat.index_copy_(0, d_dest[a:e], d_vals[a:e])
+                a = e
         return kernel
 
     def _make_ring(self) -> Ring:
@@ -180,43 +515,33 @@ def _views_for(ring: Ring, cur: int, views: BoundedCache[Any, Any], key: Any, of
     )
 
 
-def _edit_meta(parts: Sequence[CheckedEdits]) -> tuple[np.ndarray, np.ndarray, int]:
-    """The Triton kernel's per-edit rows (target address, offset, length, source), values, longest edit."""
-    if sum(p.dst.shape[0] for p in parts) <= _PY_ROWS:  # a few edits: rows in Python, one conversion
+def edit_meta(batches: Sequence[WriteBatch]) -> tuple[np.ndarray, np.ndarray, int]:
+    """The Triton kernel's per-edit rows (target address, flat offset of the first element, length, source
+    offset), the values, and the longest edit."""
+    if sum(b.indices.shape[0] for b in batches) <= PY_ROWS:  # a few edits: rows in Python, one conversion
         rows: list[int] = []
         src = 0
-        for p in parts:
-            ptr = p.target.ptr
-            for d, n in zip(p.dst.tolist(), p.lens.tolist()):
-                rows += (ptr, d, n, src)
-                src += n
-        vals_ = parts[0].vals if len(parts) == 1 else np.concatenate([p.vals for p in parts])
-        return np.array(rows, np.int64).reshape(-1, 4), vals_, max(rows[2::4])
-    metas, vals, src, longest = [], [], 0, 1
-    for p in parts:
-        e = p.dst.shape[0]
+        for b in batches:
+            ptr, stride = b.target.ptr, b.target.stride
+            for i, s, n, c in zip(b.indices.tolist(), b.starts.tolist(), b.lens.tolist(), b.cu_lens.tolist()):
+                rows += (ptr, i * stride + s, n, src + c - n)
+            src += b.values.shape[0]
+        vals = batches[0].values if len(batches) == 1 else np.concatenate([b.values for b in batches])
+        return np.array(rows, np.int64).reshape(-1, 4), vals, max(rows[2::4])
+    metas, values, src, longest = [], [], 0, 1
+    for b in batches:
+        e = b.indices.shape[0]
         m = np.empty((e, 4), np.int64)
-        m[:, 0] = p.target.ptr
-        m[:, 1] = p.dst
-        m[:, 2] = p.lens
-        np.cumsum(p.lens, out=m[:, 3])
-        m[:, 3] += src - p.lens
-        src += p.vals.shape[0]
-        longest = max(longest, int(p.lens.max()))
+        m[:, 0] = b.target.ptr
+        np.multiply(b.indices, b.target.stride, out=m[:, 1])
+        m[:, 1] += b.starts
+        m[:, 2] = b.lens
+        np.subtract(b.cu_lens, b.lens, out=m[:, 3])
+        m[:, 3] += src
+        src += b.values.shape[0]
+        longest = max(longest, int(b.lens.max()))
         metas.append(m)
-        vals.append(p.vals)
-    if len(parts) == 1:
-        return metas[0], vals[0], longest
-    return np.concatenate(metas), np.concatenate(vals), longest
-
-
-def _why_no_triton(device: torch.device) -> str:
-    """Why ``triton_usable(device)`` said no, and what would make it run."""
-    if _triton_error:
-        return _triton_error[0]
-    if device.type == "cpu":
-        return (
-            "on the CPU only Triton's interpreter runs it: set TRITON_INTERPRET=1 before Python starts "
-            "(slow: meant for tests), or unset STAGEBUF_WRITE_KERNEL"
-        )
-    return f"Triton has no backend for {device.type}; unset STAGEBUF_WRITE_KERNEL"
+        values.append(b.values)
+    if len(batches) == 1:
+        return metas[0], values[0], longest
+    return np.concatenate(metas), np.concatenate(values), longest

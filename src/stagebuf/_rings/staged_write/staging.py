@@ -1,40 +1,19 @@
-"""The log: the edits staged on one ``StagedWriteTensor``, in staging order, until an apply: list edits
-unchecked (checked in bulk at apply), array edits checked when staged, with numpy."""
+"""Staging calls checked: what a ``stage_write`` the writer's fast path does not take, and every
+``stage_writes`` batch, is checked here, with numpy, before it enters the target's ``EditLog``."""
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..._common.cache import BoundedCache
-from ..._common.convert import host_array, numpy_dtype, why_unfit
+from ..._common.convert import host_array, why_unfit
 from ..._common.errors import ArgumentTypeError, InvalidArgumentError
 from ..._device.memory import ensure_host_room
+from .launcher import EditLog, uniform_lens
 from .values import checked_values
-
-FULL_LENS: BoundedCache[tuple[int, int], np.ndarray] = BoundedCache(256)
-_SMALL = 1 << 12
-"""Up to this many edits, ``full_lens`` is an array of its own (what the per-step paths read fastest)."""
-
-
-def full_lens(e: int, width: int) -> np.ndarray:
-    """``np.full(e, width)`` (int64, read-only), cached in ``FULL_LENS`` by ``(e, width)``: past ``_SMALL``
-    edits a broadcast view, with no memory per edit (so a large batch of one length keeps none, and the cache
-    holds at most 256 * 32 KiB)."""
-    a = FULL_LENS.get((e, width))
-    if a is None:
-        if e <= _SMALL:
-            a = np.full(e, width, np.int64)
-            a.flags.writeable = False
-        else:
-            a = np.broadcast_to(np.int64(width), (e,))  # (read-only)
-        FULL_LENS.put((e, width), a)
-    return a
-
 
 _CHUNK = 1 << 16
 """Elements per piece where ``stage_writes`` converts values or finds a bad edit piece by piece: no
@@ -89,309 +68,198 @@ def _ints(x: Any, name: str) -> np.ndarray:
     return a
 
 
-class StagedBatch:
-    """Edits staged by one ``stage_writes`` call (checked), or sealed list edits (values unchecked);
-    ``dst`` is each edit's flat offset in the target (``row * row_stride + start``)."""
-
-    __slots__ = ("dst", "lens", "vals", "checked")
-
-    def __init__(self, dst: Any, lens: Any, vals: Any, checked: bool):
-        self.dst, self.lens, self.vals, self.checked = dst, lens, vals, checked
-
-
-class EditLog:
-    """The edits staged on one target of ``rows`` x ``cols`` values of ``dtype``, in staging order: list
-    edits in ``dst``, ``lens`` and ``vals`` (a ``stage_write`` appends to them), arrays in ``batches``."""
-
-    def __init__(self, rows: int, cols: int, dtype: torch.dtype):
-        self.rows, self.cols, self.row_stride = rows, cols, cols
-        self.dtype = dtype
-        self.np_dtype = numpy_dtype(dtype)
-        self.dst: list[int] = []
-        self.lens: list[int] = []
-        self.vals: list[Any] = []
-        self.batches: list[StagedBatch] = []
-        self.mark: np.ndarray | None = None
-        """A per-row marker array the check's overlap test reuses (made at its first use)."""
-
-    @property
-    def count(self) -> int:
-        """Edits staged and not yet applied (empty ones are not kept)."""
-        return len(self.dst) + sum(len(b.dst) for b in self.batches)
-
-    # --- staging ---
-
-    def stage_checked(self, index: Any, start: Any, values: Any) -> None:
-        """``stage_write`` for what its fast path does not take: row and range checked now."""
-        row = int_in(index, "index", 0, self.rows, f"the target has {self.rows} rows")
-        col = int_in(start, "start", 0, None, "")
-        arr = (
-            None
-            if type(values) is list
-            else checked_values(values, self.np_dtype, f"values (edit index={row}, start={col})")
+def stage_checked(log: EditLog, index: Any, start: Any, values: Any) -> None:
+    """``stage_write`` for what its fast path does not take: row and range checked now."""
+    row = int_in(index, "index", 0, log.rows, f"the target has {log.rows} rows")
+    col = int_in(start, "start", 0, None, "")
+    arr = (
+        None
+        if type(values) is list
+        else checked_values(values, log.np_dtype, f"values (edit index={row}, start={col})")
+    )
+    n = len(values) if arr is None else arr.shape[0]
+    if col + n > log.cols:
+        raise InvalidArgumentError(
+            f"edit (index={row}, start={col}, {n} values) ends at column {col + n}, "
+            f"past the end of the row ({log.cols} columns)"
         )
-        n = len(values) if arr is None else arr.shape[0]
-        if col + n > self.cols:
+    if not n:
+        return
+    if arr is None:
+        log.indices.append(row)
+        log.starts.append(col)
+        log.lens.append(n)
+        log.vals.extend(values)
+        return
+    log.stage_batch(np.array([row * log.row_stride + col], np.int64), np.array([n], np.int64), arr.copy())
+
+
+def stage_elem_checked(log: EditLog, index: Any, value: Any) -> None:
+    """``stage_write_elem`` for what its fast path does not take: checked now."""
+    if isinstance(value, (list, tuple)):
+        raise InvalidArgumentError(f"value is a {type(value).__name__}; stage_write_elem takes one scalar")
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        if value.ndim != 0:
             raise InvalidArgumentError(
-                f"edit (index={row}, start={col}, {n} values) ends at column {col + n}, "
-                f"past the end of the row ({self.cols} columns)"
+                f"value has shape {tuple(value.shape)}; stage_write_elem takes one scalar"
             )
-        if not n:
+        value = value.reshape(1)
+    else:
+        if isinstance(value, (bool, np.bool_)):
+            raise ArgumentTypeError(f"value={value!r} is a bool; allowed: an int or float")
+        if not isinstance(value, (int, float, np.number)):
+            raise ArgumentTypeError(f"value={value!r} is a {type(value).__name__}; allowed: an int or float")
+        value = np.array([value])
+    stage_checked(log, index, 0, value)
+
+
+def stage_writes(log: EditLog, rows: Any, starts: Any, values: Any, lengths: Any) -> None:
+    """``StagedWriteTensor.stage_writes``: every edit of the batch checked now, with numpy.
+
+    What it keeps is a copy of the values, the destinations (int64) and, for edits of several lengths, the
+    lengths (int64); it checks the host can give those bytes before allocating them, and makes no other
+    temporary larger than ``_CHUNK`` elements (the peak stays within 1.5 times the input arrays)."""
+    if (
+        lengths is None
+        and type(rows) is np.ndarray
+        and type(starts) is np.ndarray
+        and type(values) is np.ndarray
+        and values.dtype == log.np_dtype
+        and rows.ndim == 1
+        and starts.ndim == 1
+        and rows.dtype.kind in "iu"
+        and starts.dtype.kind in "iu"
+        and values.ndim in (1, 2)
+        and rows.shape[0] == starts.shape[0] == values.shape[0] > 0
+    ):
+        # the common case, checked with four reductions: typed arrays, every edit of one length
+        e = rows.shape[0]
+        width = 1 if values.ndim == 1 else values.shape[1]
+        r0, r1, s0 = rows.min(), rows.max(), starts.min()
+        # (Python ints: a start near int64's maximum plus the width must not wrap)
+        if width and r0 >= 0 and r1 < log.rows and s0 >= 0 and int(starts.max()) + width <= log.cols:
+            _room(log, e, values.size, False)
+            log.stage_batch(_dst(log, rows, starts), uniform_lens(e, width)[0], values.flatten())
             return
-        if arr is None:
-            self.dst.append(row * self.row_stride + col)
-            self.lens.append(n)
-            self.vals.extend(values)
-            return
-        self._seal()
-        dst = np.array([row * self.row_stride + col], np.int64)
-        self.batches.append(StagedBatch(dst, np.array([n], np.int64), arr.copy(), True))
+    _stage_writes_checked(log, rows, starts, values, lengths)
 
-    def stage_elem_checked(self, index: Any, value: Any) -> None:
-        """``stage_write_elem`` for what its fast path does not take: checked now."""
-        if isinstance(value, (list, tuple)):
-            raise InvalidArgumentError(
-                f"value is a {type(value).__name__}; stage_write_elem takes one scalar"
-            )
-        if isinstance(value, (np.ndarray, torch.Tensor)):
-            if value.ndim != 0:
-                raise InvalidArgumentError(
-                    f"value has shape {tuple(value.shape)}; stage_write_elem takes one scalar"
-                )
-            value = value.reshape(1)
-        else:
-            if isinstance(value, (bool, np.bool_)):
-                raise ArgumentTypeError(f"value={value!r} is a bool; allowed: an int or float")
-            if not isinstance(value, (int, float, np.number)):
-                raise ArgumentTypeError(
-                    f"value={value!r} is a {type(value).__name__}; allowed: an int or float"
-                )
-            value = np.array([value])
-        self.stage_checked(index, 0, value)
 
-    def stage_writes(self, rows: Any, starts: Any, values: Any, lengths: Any) -> None:
-        """``StagedWriteTensor.stage_writes``: every edit of the batch checked now, with numpy.
+def _room(log: EditLog, e: int, nvals: int, lens: bool) -> None:
+    """Raise HostAllocationError, before anything is allocated or staged, unless the host can give what a
+    batch of ``e`` edits and ``nvals`` values keeps (with a length per edit if ``lens``)."""
+    nbytes = e * (16 if lens else 8) + nvals * log.np_dtype.itemsize
+    ensure_host_room(
+        nbytes,
+        f"stage_writes of {e} edits ({nvals} values of {log.np_dtype}: a copy of them and an int64 "
+        f"destination{' and length' if lens else ''} per edit)",
+        fix="Nothing was staged by this call, and the edits staged before stay staged. Stage fewer edits "
+        "per call (apply_write() between calls frees what is staged), or free host memory",
+    )
 
-        What it keeps is a copy of the values, the destinations (int64) and, for edits of several lengths, the
-        lengths (int64); it checks the host can give those bytes before allocating them, and makes no other
-        temporary larger than ``_CHUNK`` elements (the peak stays within 1.5 times the input arrays)."""
-        if (
-            lengths is None
-            and type(rows) is np.ndarray
-            and type(starts) is np.ndarray
-            and type(values) is np.ndarray
-            and values.dtype == self.np_dtype
-            and rows.ndim == 1
-            and starts.ndim == 1
-            and rows.dtype.kind in "iu"
-            and starts.dtype.kind in "iu"
-            and values.ndim in (1, 2)
-            and rows.shape[0] == starts.shape[0] == values.shape[0] > 0
-        ):
-            # the common case, checked with four reductions: typed arrays, every edit of one length
-            e = rows.shape[0]
-            width = 1 if values.ndim == 1 else values.shape[1]
-            r0, r1, s0 = rows.min(), rows.max(), starts.min()
-            # (Python ints: a start near int64's maximum plus the width must not wrap)
-            if width and r0 >= 0 and r1 < self.rows and s0 >= 0 and int(starts.max()) + width <= self.cols:
-                self._room(e, values.size, False)
-                self.stage_batch(self._dst(rows, starts), full_lens(e, width), values.flatten())
-                return
-        self._stage_writes_checked(rows, starts, values, lengths)
 
-    def _room(self, e: int, nvals: int, lens: bool) -> None:
-        """Raise HostAllocationError, before anything is allocated or staged, unless the host can give what a
-        batch of ``e`` edits and ``nvals`` values keeps (with a length per edit if ``lens``)."""
-        nbytes = e * (16 if lens else 8) + nvals * self.np_dtype.itemsize
-        ensure_host_room(
-            nbytes,
-            f"stage_writes of {e} edits ({nvals} values of {self.np_dtype}: a copy of them and an int64 "
-            f"destination{' and length' if lens else ''} per edit)",
-            fix="Nothing was staged by this call, and the edits staged before stay staged. Stage fewer edits "
-            "per call (apply_write() between calls frees what is staged), or free host memory",
+def _dst(log: EditLog, r: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """``r * row_stride + s`` as a new int64 array, computed in place (no temporary); the caller has
+    checked both (the result fits)."""
+    dst = r.astype(np.int64)  # (a copy, even of int64: the log keeps its own)
+    dst *= log.row_stride
+    dst += s.view(np.int64) if s.dtype == np.uint64 else s  # (checked: at most cols)
+    return dst
+
+
+def _stage_writes_checked(log: EditLog, rows: Any, starts: Any, values: Any, lengths: Any) -> None:
+    r = _ints(rows, "rows")
+    s = _ints(starts, "starts")
+    e = r.shape[0]
+    if s.shape[0] != e:
+        raise InvalidArgumentError(
+            f"starts has {s.shape[0]} entries but rows has {e}; allowed: one start per row"
         )
-
-    def _dst(self, r: np.ndarray, s: np.ndarray) -> np.ndarray:
-        """``r * row_stride + s`` as a new int64 array, computed in place (no temporary); the caller has
-        checked both (the result fits)."""
-        dst = r.astype(np.int64)  # (a copy, even of int64: the log keeps its own)
-        dst *= self.row_stride
-        dst += s.view(np.int64) if s.dtype == np.uint64 else s  # (checked: at most cols)
-        return dst
-
-    def _stage_writes_checked(self, rows: Any, starts: Any, values: Any, lengths: Any) -> None:
-        r = _ints(rows, "rows")
-        s = _ints(starts, "starts")
-        e = r.shape[0]
-        if s.shape[0] != e:
+    ndims = (1, 2) if lengths is None else (1,)
+    try:
+        v = host_array(values, None, "values", ndims=ndims)
+    except TypeError:  # e.g. uint64: converted to the target dtype with checks, or refused
+        v = host_array(values, log.dtype, "values", ndims=ndims)
+    # the lengths given, where they differ; else None, and every edit is ``width`` values long
+    ln: np.ndarray | None = None
+    if lengths is None:
+        if v.shape[0] != e:
             raise InvalidArgumentError(
-                f"starts has {s.shape[0]} entries but rows has {e}; allowed: one start per row"
+                f"values has {v.shape[0]} rows but rows has {e}; allowed: one per edit"
             )
-        ndims = (1, 2) if lengths is None else (1,)
-        try:
-            v = host_array(values, None, "values", ndims=ndims)
-        except TypeError:  # e.g. uint64: converted to the target dtype with checks, or refused
-            v = host_array(values, self.dtype, "values", ndims=ndims)
-        # the lengths given, where they differ; else None, and every edit is ``width`` values long
-        ln: np.ndarray | None = None
-        if lengths is None:
-            if v.shape[0] != e:
-                raise InvalidArgumentError(
-                    f"values has {v.shape[0]} rows but rows has {e}; allowed: one per edit"
-                )
-            width = 1 if v.ndim == 1 else v.shape[1]
-        else:
-            ln = _ints(lengths, "lengths")
-            if ln.shape[0] != e:
-                raise InvalidArgumentError(
-                    f"lengths has {ln.shape[0]} entries but rows has {e}; allowed: one per edit"
-                )
-            if e and ln.min() < 0:
-                lk = ln
-                i = _first(e, lambda k: lk[k] < 0)
-                raise InvalidArgumentError(f"lengths[{i}]={ln[i]} is negative; allowed: an int >= 0")
-            total = int(ln.sum(dtype=np.int64)) if e else 0
-            if v.shape[0] != total:
-                raise InvalidArgumentError(f"values has {v.shape[0]} elements but lengths add up to {total}")
-            width = int(ln[0]) if e and ln.min() == ln.max() else 0
-            if width or not total:
-                ln = None  # one length: stored as a broadcast (an empty batch keeps nothing)
-        self._room(e, v.size, ln is not None)
-        vals = self._values(v, r, s, ln, width)
-        if e:
-            if r.min() < 0 or r.max() >= self.rows:
-                i = _first(e, lambda k: (r[k] < 0) | (r[k] >= self.rows))
-                raise InvalidArgumentError(f"rows[{i}]={r[i]} is out of range; allowed: [0, {self.rows - 1}]")
-            if s.min() < 0:
-                i = _first(e, lambda k: s[k] < 0)
-                raise InvalidArgumentError(f"starts[{i}]={s[i]} is negative; allowed: an int >= 0")
-            # the ends, as s > cols - length (s + length may wrap past int64)
-            if ln is None:
-                i = -1 if int(s.max()) <= self.cols - width else _first(e, lambda k: s[k] > self.cols - width)
-            else:
-                lk = ln
-                i = _first(e, lambda k: s[k] > self.cols - lk[k])
-            if i >= 0:
-                n = width if ln is None else int(ln[i])
-                raise InvalidArgumentError(
-                    f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}, {n} values) ends at "
-                    f"column {int(s[i]) + n}, past the end of the row ({self.cols} columns)"
-                )
-        if not vals.size:
-            return  # every edit is empty: nothing to stage
-        dst = self._dst(r, s)
+        width = 1 if v.ndim == 1 else v.shape[1]
+    else:
+        ln = _ints(lengths, "lengths")
+        if ln.shape[0] != e:
+            raise InvalidArgumentError(
+                f"lengths has {ln.shape[0]} entries but rows has {e}; allowed: one per edit"
+            )
+        if e and ln.min() < 0:
+            lk = ln
+            i = _first(e, lambda k: lk[k] < 0)
+            raise InvalidArgumentError(f"lengths[{i}]={ln[i]} is negative; allowed: an int >= 0")
+        total = int(ln.sum(dtype=np.int64)) if e else 0
+        if v.shape[0] != total:
+            raise InvalidArgumentError(f"values has {v.shape[0]} elements but lengths add up to {total}")
+        width = int(ln[0]) if e and ln.min() == ln.max() else 0
+        if width or not total:
+            ln = None  # one length: stored as a broadcast (an empty batch keeps nothing)
+    _room(log, e, v.size, ln is not None)
+    vals = _values(log, v, r, s, ln, width)
+    if e:
+        if r.min() < 0 or r.max() >= log.rows:
+            i = _first(e, lambda k: (r[k] < 0) | (r[k] >= log.rows))
+            raise InvalidArgumentError(f"rows[{i}]={r[i]} is out of range; allowed: [0, {log.rows - 1}]")
+        if s.min() < 0:
+            i = _first(e, lambda k: s[k] < 0)
+            raise InvalidArgumentError(f"starts[{i}]={s[i]} is negative; allowed: an int >= 0")
+        # the ends, as s > cols - length (s + length may wrap past int64)
         if ln is None:
-            self.stage_batch(dst, full_lens(e, width), vals)
-            return
-        lens = np.array(ln, np.int64)  # (a copy: the log keeps its own)
-        if not lens.min():  # empty edits are not kept
-            keep = lens > 0
-            dst, lens = dst[keep], lens[keep]
-        self.stage_batch(dst, lens, vals)
+            i = -1 if int(s.max()) <= log.cols - width else _first(e, lambda k: s[k] > log.cols - width)
+        else:
+            lk = ln
+            i = _first(e, lambda k: s[k] > log.cols - lk[k])
+        if i >= 0:
+            n = width if ln is None else int(ln[i])
+            raise InvalidArgumentError(
+                f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}, {n} values) ends at "
+                f"column {int(s[i]) + n}, past the end of the row ({log.cols} columns)"
+            )
+    if not vals.size:
+        return  # every edit is empty: nothing to stage
+    dst = _dst(log, r, s)
+    if ln is None:
+        log.stage_batch(dst, uniform_lens(e, width)[0], vals)
+        return
+    lens = np.array(ln, np.int64)  # (a copy: the log keeps its own)
+    if not lens.min():  # empty edits are not kept
+        keep = lens > 0
+        dst, lens = dst[keep], lens[keep]
+    log.stage_batch(dst, lens, vals)
 
-    def _values(
-        self, v: np.ndarray, r: np.ndarray, s: np.ndarray, ln: np.ndarray | None, width: int
-    ) -> np.ndarray:
-        """The values of ``v`` as a new flat array of the target dtype, checked (``checked_values``) and
-        converted piece by piece into it; a value that does not fit raises naming its edit."""
-        out = np.empty(v.size, self.np_dtype)
-        if not v.size:  # (still checked: its dtype may be refused)
-            checked_values(v.reshape(-1), self.np_dtype, "values")
-            return out
-        per = 1 if v.ndim == 1 else v.shape[1]  # values per row of v
-        step = max(1, _CHUNK // per)
-        for a in range(0, v.shape[0], step):
-            part = v[a : a + step].reshape(-1)  # (a piece: a copy, if any, is a piece's)
-            try:
-                out[a * per : a * per + part.shape[0]] = checked_values(part, self.np_dtype, "values")
-            except ValueError as err:  # name the first edit whose values do not fit
-                problem = why_unfit(part, self.np_dtype) if part.dtype.kind in "iuf" else None
-                if problem is None:
-                    raise
-                j = a * per + int(np.flatnonzero(problem[0])[0])  # its flat position
-                if ln is None:
-                    i = j // width
-                else:
-                    i = int(np.searchsorted(np.cumsum(ln, dtype=np.int64), j, side="right"))
-                raise InvalidArgumentError(
-                    f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}): {err}"
-                ) from None
+
+def _values(
+    log: EditLog, v: np.ndarray, r: np.ndarray, s: np.ndarray, ln: np.ndarray | None, width: int
+) -> np.ndarray:
+    """The values of ``v`` as a new flat array of the target dtype, checked (``checked_values``) and
+    converted piece by piece into it; a value that does not fit raises naming its edit."""
+    out = np.empty(v.size, log.np_dtype)
+    if not v.size:  # (still checked: its dtype may be refused)
+        checked_values(v.reshape(-1), log.np_dtype, "values")
         return out
-
-    def stage_batch(self, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray) -> None:
-        """Stage checked array edits (flat offsets, lengths, flat values: the caller's copies)."""
-        if dst.shape[0]:
-            self._seal()
-            self.batches.append(StagedBatch(dst, lens, vals, True))
-
-    def _seal(self) -> None:
-        """Move the list-staged edits into a batch, so later batches keep staging order."""
-        if self.dst:
-            self.batches.append(StagedBatch(self.dst[:], self.lens[:], self.vals[:], False))
-            self.dst.clear()
-            self.lens.clear()
-            self.vals.clear()
-
-    def clear(self) -> None:
-        self.dst.clear()
-        self.lens.clear()
-        self.vals.clear()
-        self.batches.clear()
-
-    # --- inspecting, dropping ---
-
-    def all_batches(self) -> list[StagedBatch]:
-        return [*self.batches, StagedBatch(self.dst, self.lens, self.vals, False)]
-
-    def pending(self) -> list[tuple[int, int, list[Any]]]:
-        """The staged edits, in staging order: ``(index, start, values)``."""
-        out: list[tuple[int, int, list[Any]]] = []
-        for b in self.all_batches():
-            vals = b.vals.tolist() if isinstance(b.vals, np.ndarray) else b.vals
-            a = 0
-            for d, n in zip(b.dst, b.lens):
-                out.append((*divmod(int(d), self.row_stride), list(vals[a : a + int(n)])))
-                a += int(n)
-        return out
-
-    def discard(self, positions: Iterable[Any]) -> None:
-        """Drop the staged edits at ``positions`` (staging order, as ``pending()`` lists them)."""
-        n = self.count
+    per = 1 if v.ndim == 1 else v.shape[1]  # values per row of v
+    step = max(1, _CHUNK // per)
+    for a in range(0, v.shape[0], step):
+        part = v[a : a + step].reshape(-1)  # (a piece: a copy, if any, is a piece's)
         try:
-            drop = {operator.index(p) for p in positions}
-        except TypeError:
-            raise ArgumentTypeError(
-                f"positions must be an iterable of ints (staged edits' positions); got {positions!r}"
-            ) from None
-        wrong = sorted(p for p in drop if not 0 <= p < n)
-        if wrong:
-            allowed = f"ints in [0, {n - 1}]" if n else "none: nothing is staged"
-            raise InvalidArgumentError(f"positions holds {wrong[0]}; allowed: {allowed} (the staged edits)")
-        if not drop:
-            return
-        self._seal()
-        kept: list[StagedBatch] = []
-        pos = 0
-        for b in self.batches:
-            e = len(b.dst)
-            keep = [i for i in range(e) if pos + i not in drop]
-            pos += e
-            if len(keep) == e:
-                kept.append(b)
-            elif keep and b.checked:
-                mask = np.zeros(e, bool)
-                mask[keep] = True
-                kept.append(StagedBatch(b.dst[mask], b.lens[mask], b.vals[np.repeat(mask, b.lens)], True))
-            elif keep:
-                first = np.cumsum([0, *b.lens]).tolist()
-                vals = [v for i in keep for v in b.vals[first[i] : first[i + 1]]]
-                kept.append(StagedBatch([b.dst[i] for i in keep], [b.lens[i] for i in keep], vals, False))
-        self.batches[:] = kept
-
-    def lens_at(self, pos: int) -> int:
-        """The length of the staged edit at ``pos``."""
-        for b in self.all_batches():
-            if pos < len(b.lens):
-                return int(b.lens[pos])
-            pos -= len(b.lens)
-        return 0
+            out[a * per : a * per + part.shape[0]] = checked_values(part, log.np_dtype, "values")
+        except ValueError as err:  # name the first edit whose values do not fit
+            problem = why_unfit(part, log.np_dtype) if part.dtype.kind in "iuf" else None
+            if problem is None:
+                raise
+            j = a * per + int(np.flatnonzero(problem[0])[0])  # its flat position
+            if ln is None:
+                i = j // width
+            else:
+                i = int(np.searchsorted(np.cumsum(ln, dtype=np.int64), j, side="right"))
+            raise InvalidArgumentError(f"edit {i} (rows[{i}]={r[i]}, starts[{i}]={s[i]}): {err}") from None
+    return out

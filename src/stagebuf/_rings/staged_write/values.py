@@ -1,4 +1,5 @@
-"""Staged values into the target dtype by ``_convert``'s one rule: arrays when staged, lists at apply."""
+"""Staged values into the target dtype by ``convert``'s one rule: arrays when staged (``checked_values``),
+lists at apply where the check's one-pass reading does not settle them (``list_values``)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from ..._common.convert import (
     why_unfit,
 )
 
-Bad = list[tuple[int, int, str]]
-"""Bad list edits found by ``list_values``: (edit number, its flat offset, why)."""
+Bad = list[tuple[int, int, int, str]]
+"""Bad list edits found by ``list_values``: (edit number, its row, its start, why)."""
 
 
 def checked_values(values: Any, target: np.dtype, name: str) -> np.ndarray:
@@ -38,17 +39,26 @@ def checked_values(values: Any, target: np.dtype, name: str) -> np.ndarray:
 
 
 def list_values(
-    vals: list[Any], dst: Any, lens: np.ndarray, target: np.dtype, bad: Bad, pos: int = 0, width: int = 0
+    vals: list[Any],
+    indices: Any,
+    starts: Any,
+    lens: np.ndarray,
+    target: np.dtype,
+    bad: Bad,
+    pos: int = 0,
+    width: int = 0,
+    read: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The values of list-staged edits (``lens[k]`` values each) as ``target``, checked in bulk.
+    """The values of list-staged edits (``lens[k]`` values each, edit ``k`` at row ``indices[k]`` from column
+    ``starts[k]``) as ``target``, checked in bulk.
 
     Where the one array of the batch cannot be trusted per edit (not numeric, a value does not fit, an
     edit may be all bools, or int64 values may have gone through float64), each edit is read on its own
-    and each bad one added to ``bad`` as ``(pos + k, flat offset, why)`` (its values zeros in the unused
-    result). ``width`` as for ``CheckedEdits``.
+    and each bad one added to ``bad`` as ``(pos + k, row, start, why)`` (its values zeros in the unused
+    result). ``width`` as for ``WriteBatch``; ``read``: ``vals`` already read as int64, if the caller did.
     """
-    a = None
-    if target.kind in "iu":  # ints read exactly, or refused (floats, strings, past 64 bits)
+    a = read
+    if a is None and target.kind in "iu":  # ints read exactly, or refused (floats, strings, past 64 bits)
         try:
             a = np.frombuffer(array("q", vals), np.int64)
         except (TypeError, OverflowError):
@@ -62,7 +72,7 @@ def list_values(
     if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and a.size:
         # one range check; Python's min/max beat numpy's on short lists
         lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
-        r = _INT_RANGES.get(target) or _EXACT_INTS[target]
+        r = INT_RANGES.get(target) or _EXACT_INTS[target]
         fits = r[0] <= lo and hi <= r[1]
         bools = fits and lo <= 1 and hi >= 0
     elif a is not None and a.ndim == 1 and a.dtype.kind == "f":
@@ -87,8 +97,8 @@ def list_values(
             elif not short:  # the types of the candidate edits' values (a few: those alone)
                 scan = vals
                 if 4 * cand.size < lens.shape[0]:
-                    starts = (cand if width == 1 else first[cand]).tolist()
-                    scan = [v for f, n in zip(starts, lens[cand].tolist()) for v in vals[f : f + n]]
+                    at = (cand if width == 1 else first[cand]).tolist()
+                    scan = [v for f, n in zip(at, lens[cand].tolist()) for v in vals[f : f + n]]
                 types = set(map(type, scan))
                 bools = bool in types or np.bool_ in types
     if fits and not bools:
@@ -99,14 +109,14 @@ def list_values(
     for k, n in enumerate(lens.tolist()):
         got, why = _edit_values(vals[a0 : a0 + n], target)
         if got is None:
-            bad.append((pos + k, int(dst[k]), why))
+            bad.append((pos + k, int(indices[k]), int(starts[k]), why))
             got = np.zeros(n, target)
         out.append(got)
         a0 += n
     return np.concatenate(out) if out else np.zeros(0, target)
 
 
-_INT_RANGES: dict[np.dtype, tuple[int, int]] = {
+INT_RANGES: dict[np.dtype, tuple[int, int]] = {
     np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max))
     for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
 }

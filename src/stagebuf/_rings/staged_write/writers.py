@@ -1,15 +1,16 @@
-"""``StagedWriteTensor`` and ``FusedStagedWriter``: the public staged-write classes (the data flow is in
-the package docstring); a ``StagedWriteTensor`` apply is the one-target case of a fused one."""
+"""``StagedWriteTensor`` and ``FusedStagedWriter``: the public staged-write classes. An apply is
+``launcher.py``'s three steps: the log, ``check`` (one batch per target), the launch by the writer's
+``launcher_class``; a ``StagedWriteTensor`` apply is the one-target case of a fused one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from ..._bytes.buffers import UvaBuffer
+from ..._bytes.buffers import UvaBuffer, tier_class
 from ..._common.cache import BoundedCache
 from ..._common.convert import shape_of, torch_dtype
 from ..._common.errors import (
@@ -23,15 +24,13 @@ from ..._common.errors import (
 from ..._common.log import warn_once
 from ..._common.owner import Owner
 from ..._common.sealed import Cell, Sealed, read_only
-from ..._common.tier import Tier
 from ..._common.types import DeviceLike, DTypeLike, HostData
 from ..._device.memory import alloc_device
 from ..._tiers.probe import capabilities
 from ..._tiers.settings import Kernel, check_mode
 from ..guard import slot_count
-from .check import CheckedEdits, WriteTarget, check
-from .launcher import _CAPACITY, _Launcher
-from .log import NP_INTS, EditLog, int_in
+from .launcher import CAPACITY, EditLog, Launcher, WriteTarget, check
+from .staging import NP_INTS, int_in, stage_checked, stage_elem_checked, stage_writes
 
 ALLOWED_DTYPES = (torch.int32, torch.int64, torch.float32)
 
@@ -90,12 +89,15 @@ class StagedWriteTensor(Sealed):
         non-bool ``uva_instead_of_gpu``.
     """
 
+    launcher_class: ClassVar[type[Launcher]] = Launcher
+    """The launch step of this class's applies: made once per tensor as ``launcher_class(device,
+    max_concurrency, capacity)``, then its ``launch(batches)`` writes each apply's checked batch and names
+    the kernel it ran. A subclass names a ``Launcher`` subclass here to launch another way (vLLM's step
+    mode defers the batches into its step)."""
     _target: WriteTarget
     _log: EditLog
-    _fast: tuple[int, int, Any, Any, Any]
-    _launcher: _Launcher
-    _sink: Callable[[list[CheckedEdits]], Kernel]
-    """Writes an apply's checked edits: the launcher's ``apply`` (vLLM's step mode defers them)."""
+    _fast: tuple[int, int, Any, Any, Any, Any, Any]
+    _launcher: Launcher
     _kernel: Cell[Kernel]
     _thread: Owner | None
     """Check mode: the thread this tensor belongs to."""
@@ -127,14 +129,22 @@ class StagedWriteTensor(Sealed):
         self.uva_buffer: UvaBuffer | None = None
         self.gpu = self._alloc(uva_instead_of_gpu)
         log = EditLog(self.rows, self.cols, self.dtype)
+        target = WriteTarget(self.gpu, self.device, self.row_stride, tier_class(self.tier).copies)
         self._init(
-            _target=WriteTarget(self.gpu, self.tier),
+            _target=target,
             _log=log,
             # what the staging fast paths read, in one load: the bounds and the log's list methods
-            _fast=(self.rows, self.cols, log.dst.append, log.lens.append, log.vals.extend),
-            _launcher=(launcher := _Launcher(self.device, self.max_concurrency, _CAPACITY)),
-            _sink=launcher.apply,
-            _kernel=Cell("host" if self.tier is Tier.HOST else "scatter"),
+            _fast=(
+                self.rows,
+                self.cols,
+                log.indices.append,
+                log.starts.append,
+                log.lens.append,
+                log.vals.extend,
+                log.vals.append,
+            ),  # fmt: skip
+            _launcher=self.launcher_class(self.device, self.max_concurrency, CAPACITY),
+            _kernel=Cell("host" if target.np is not None else "scatter"),
             _thread=Owner("StagedWriteTensor") if check_mode() else None,
         )
 
@@ -146,7 +156,8 @@ class StagedWriteTensor(Sealed):
     def _alloc(self, uva: bool) -> torch.Tensor:
         if uva:
             why = ""
-            if self.tier is Tier.UVA:
+            buffers = tier_class(self.tier)
+            if buffers.async_host_reads and not buffers.copies:  # the device reads host memory itself
                 try:
                     self.uva_buffer = UvaBuffer(self.shape, self.dtype, self.device)
                     return self.uva_buffer.dev
@@ -188,29 +199,31 @@ class StagedWriteTensor(Sealed):
         if type(values) is list and type(index) is int:
             if type(start) is not int:  # vLLM passes numpy ints here (a row's block count)
                 if type(start) not in NP_INTS:
-                    self._log.stage_checked(index, start, values)
+                    stage_checked(self._log, index, start, values)
                     return
                 start = int(start)
             n = len(values)
-            rows, cols, dst, lens, vals = self._fast
+            rows, cols, idx, starts, lens, vals, _ = self._fast
             if 0 <= index < rows and start >= 0 and start + n <= cols and n:
-                dst(index * cols + start)
+                idx(index)
+                starts(start)
                 lens(n)
                 vals(values)
                 return
-        self._log.stage_checked(index, start, values)
+        stage_checked(self._log, index, start, values)
 
     def stage_write_elem(self, index: int, value: Any) -> None:
         """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target); ``value`` is one scalar: an
         int or float (checked at apply) or a 0-d array. Raises as :meth:`stage_write` (a list, tuple or
         array that is not 0-d is InvalidArgumentError; a bool or a non-number ArgumentTypeError)."""
-        rows, cols, dst, lens, _ = self._fast
+        rows, _, idx, starts, lens, _, val = self._fast
         if type(index) is int and 0 <= index < rows and (type(value) is int or type(value) is float):
-            dst(index * cols)
+            idx(index)
+            starts(0)
             lens(1)
-            self._log.vals.append(value)
+            val(value)
             return
-        self._log.stage_elem_checked(index, value)
+        stage_elem_checked(self._log, index, value)
 
     def stage_writes(
         self, rows: HostData, starts: HostData, values: HostData, lengths: HostData | None = None
@@ -241,7 +254,7 @@ class StagedWriteTensor(Sealed):
         """
         if self._thread is not None:
             self._thread.check()
-        self._log.stage_writes(rows, starts, values, lengths)
+        stage_writes(self._log, rows, starts, values, lengths)
 
     # --- inspecting, applying ---
 
@@ -276,7 +289,7 @@ class StagedWriteTensor(Sealed):
         g = check(self._log, self._target, self)
         if g is None:
             return
-        self._kernel.value = self._sink([g])
+        self._kernel.value = self._launcher.launch([g])
         self._log.clear()
 
     def release_thread(self) -> None:
@@ -324,13 +337,15 @@ class FusedStagedWriter(Sealed):
         also if ``max_writes`` is not an int >= 1.
     """
 
+    launcher_class: ClassVar[type[Launcher]] = Launcher
+    """The launch step of this class's applies, as ``StagedWriteTensor.launcher_class``."""
+
     def __init__(self, device: DeviceLike = None, max_writes: int = 1024, max_concurrency: int | None = None):
         self._max_writes = int_in(max_writes, "max_writes", 1, None, "")
         self.max_concurrency = slot_count(max_concurrency)
         self.device = capabilities(device).device
         # a slot per apply: per edit an 8-byte destination and about 8 values of 8 bytes, or 32 bytes of rows
-        self._launcher = _Launcher(self.device, self.max_concurrency, 1024 + 96 * self._max_writes)
-        self._sink: Callable[[list[CheckedEdits]], Kernel] = self._launcher.apply  # as StagedWriteTensor's
+        self._launcher = self.launcher_class(self.device, self.max_concurrency, 1024 + 96 * self._max_writes)
         self._edit_growths = 0
         self._kernel: Cell[Kernel] = Cell("scatter")
         self._verified: BoundedCache[tuple[Any, ...], bool] = BoundedCache(64)
@@ -429,11 +444,11 @@ class FusedStagedWriter(Sealed):
             raise _fused_error(errors) from None
         if not parts:
             return
-        n = sum(p.dst.shape[0] for p in parts)
+        n = sum(p.indices.shape[0] for p in parts)
         if n > self._max_writes:
             self._max_writes = 1 << (n - 1).bit_length()
             self._edit_growths += 1
-        self._kernel.value = self._sink(parts)
+        self._kernel.value = self._launcher.launch(parts)
         for t in targets:
             t._log.clear()
 

@@ -113,15 +113,9 @@ class StepBackedTensor(Sealed):
     no pool publishes the rows.
     """
 
-    def __new__(
-        cls,
-        size: int | tuple[int, ...],
-        dtype: DTypeLike,
-        max_concurrency: int | None = None,
-        device: DeviceLike = None,
-    ) -> Any:
-        if numpy_dtype(torch_dtype(dtype)).itemsize % 4:
-            return UvaBackedTensor(size, dtype, max_concurrency, device)
+    def __new__(cls, size: int | tuple[int, ...], dtype: DTypeLike, *args: Any, **kwargs: Any) -> Any:
+        if numpy_dtype(torch_dtype(dtype)).itemsize % 4:  # (then __init__ does not run: not this class)
+            return UvaBackedTensor(size, dtype, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(
@@ -146,20 +140,10 @@ class StepBackedTensor(Sealed):
         self._gpu = Cell(self._fixed)
         self._freeze()
 
-    _COPY_IN = ("np", "cpu")
-
-    def _copy_in(self, name: str, value: Any) -> None:
-        fill_host(self.np, value, self.dtype, f"UvaBackedTensor.{name}")  # copy in, checked
-
     @property
     def gpu(self) -> torch.Tensor:
         """The device tensor: the rows of the last ``copy_to_uva()`` (at first, all rows, zeros)."""
         return self._gpu.value
-
-    @property
-    def tier(self) -> Tier:
-        """The tier of the device's step batch."""
-        return self._step_batch.tier
 
     def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
         """Publish the first ``n`` rows (None: all) into the fixed device tensor, in the step's batch; its
@@ -177,12 +161,22 @@ class StepBackedTensor(Sealed):
             _done(b)
         return got[0]
 
+    @property
+    def tier(self) -> Tier:
+        """The tier of the device's step batch."""
+        return self._step_batch.tier
+
     def release_thread(self) -> None:
         """Nothing to hand over: no pool, and the step's batch is the engine thread's."""
 
     def stats(self) -> dict[str, int]:
         """As :meth:`UvaBackedTensor.stats`; all zero (the step's batch copies for it)."""
         return {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0}
+
+    _COPY_IN = ("np", "cpu")
+
+    def _copy_in(self, name: str, value: Any) -> None:  # (Sealed's hook: assigning .np or .cpu copies in)
+        fill_host(self.np, value, self.dtype, f"UvaBackedTensor.{name}")
 
 
 def wrap_h2d(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -198,3 +198,71 @@ def test_a_step_backed_publish_refuses_a_bad_row_count(monkeypatch, bad) -> None
         _vllm_step.reset()
         monkeypatch.delenv("STAGEBUF_TIER")
         stagebuf.reset_capabilities()
+
+
+def test_the_step_classes_use_the_core_seams_only(monkeypatch) -> None:
+    """The step writers name their launch step (``launcher_class``) and override nothing private;
+    ``StepBackedTensor`` is a class of its own with UvaBackedTensor's public surface, and for a dtype
+    whose rows are not whole 32-bit words it makes a plain, fully constructed UvaBackedTensor."""
+    from stagebuf._engines.vllm_check import public_names
+
+    for cls in (_vllm_step.StepStagedWriteTensor, _vllm_step.StepFusedStagedWriter):
+        assert set(vars(cls)) - {"__module__", "__doc__", "__qualname__"} == {"launcher_class"}
+    assert not issubclass(_vllm_step.StepBackedTensor, stagebuf.UvaBackedTensor)
+    assert public_names(stagebuf.UvaBackedTensor) <= public_names(_vllm_step.StepBackedTensor)
+    monkeypatch.setenv("STAGEBUF_TIER", "host")
+    stagebuf.reset_capabilities()
+    try:
+        for dtype in (torch.int16, torch.uint8, torch.bool):
+            plain = _vllm_step.StepBackedTensor(5, dtype, device="cpu")
+            assert type(plain) is stagebuf.UvaBackedTensor and plain.pool is not None
+            plain.np[:] = 1
+            assert plain.copy_to_uva(3).tolist() == [1, 1, 1]  # through its pool, at once
+        fixed = _vllm_step.StepBackedTensor((2, 3), torch.float32, device="cpu")
+        assert type(fixed) is _vllm_step.StepBackedTensor and fixed.pool is None
+        fixed.np = [[1.5, 2, 3], [4, 5, 6]]  # copied in, as on UvaBackedTensor
+        with pytest.raises(stagebuf.ReadOnlyAttributeError, match="copy_to_uva"):
+            fixed.gpu = torch.zeros(2, 3)  # type: ignore[misc]
+        assert fixed.copy_to_uva(1).tolist() == [[1.5, 2, 3]] and fixed.gpu.shape == (1, 3)
+        assert fixed.stats() == {"transfers": 0, "bytes": 0, "growths": 0, "guard_waits": 0}
+    finally:
+        _vllm_step.reset()
+        monkeypatch.delenv("STAGEBUF_TIER")
+        stagebuf.reset_capabilities()
+
+
+@pytest.mark.parametrize("tier", ["host", "pageable"])
+def test_step_writes_equal_the_plain_classes(monkeypatch, tier) -> None:
+    """Staged writes through the step batch (one window, overlapping edits, a fused writer, edits of
+    mixed lengths) leave the targets a numpy model of the edits holds, as the plain classes do."""
+    monkeypatch.setenv("STAGEBUF_TIER", tier)
+    stagebuf.reset_capabilities()
+    rng = np.random.default_rng(5)
+    edits = [(int(r), int(s), rng.integers(-50, 50, n).tolist()) for r, s, n in zip(
+        rng.integers(0, 6, 40), rng.integers(0, 4, 40), rng.integers(1, 5, 40))]  # fmt: skip
+    model = np.zeros((6, 8), np.int64)
+    for r, s, v in edits:
+        model[r, s : s + len(v)] = v
+    try:
+        step = [_vllm_step.StepStagedWriteTensor((6, 8), torch.int64, device="cpu") for _ in range(2)]
+        plain = [stagebuf.StagedWriteTensor((6, 8), torch.int64, device="cpu") for _ in range(2)]
+        h2d = _vllm_step.wrap_h2d(lambda *a, **k: pytest.fail("vLLM's own copy was not expected"))
+        with _vllm_step.window():
+            for t in (step[0], plain[0]):
+                for r, s, v in edits:
+                    t.stage_write(r, s, v)
+                t.apply_write()
+            for t in (step[1], plain[1]):
+                t.stage_writes([e[0] for e in edits], [e[1] for e in edits],
+                               [x for e in edits for x in e[2]], [len(e[2]) for e in edits])  # fmt: skip
+            _vllm_step.StepFusedStagedWriter("cpu").apply([step[1]])
+            stagebuf.FusedStagedWriter("cpu").apply([plain[1]])
+            assert not step[0].gpu.any() and not step[1].gpu.any()  # deferred until the out= copy
+            h2d(np.array([1], np.int32), out=torch.zeros(1, dtype=torch.int32))
+        for t in (*step, *plain):
+            np.testing.assert_array_equal(t.gpu.numpy(), model)
+        assert step[0].kernel == ("host" if tier == "host" else "scatter")
+    finally:
+        _vllm_step.reset()
+        monkeypatch.delenv("STAGEBUF_TIER")
+        stagebuf.reset_capabilities()

@@ -135,9 +135,7 @@ class StepBatch:
 
     def add_batch(self, b: WriteBatch) -> None:
         """Defer writing a staged-write apply's checked batch (its edits write distinct elements)."""
-        stride = b.target.stride
-        first = b.indices if stride == 1 else b.indices * stride + b.starts  # (1 column: start 0)
-        self.add(self.target(b.target.flat), first, b.lens, b.values)
+        self.add(self.target(b.target.flat), b.first, b.lens, b.values)
 
     def flush(self) -> None:
         """Publish the step's staging and write every deferred edit (see the module docstring)."""

@@ -46,15 +46,15 @@ class StagedBatch:
 
 class EditLog:
     """The edits staged on one target of ``rows`` x ``cols`` values of ``dtype``, in staging order: list
-    edits in ``indices``, ``starts``, ``lens`` and ``vals`` (a ``stage_write`` appends to them; values
-    unchecked), arrays in ``batches`` (``staging.py`` checks what enters either)."""
+    edits in ``dst`` (each edit's flat offset, ``index * row_stride + start``), ``lens`` and ``vals`` (a
+    ``stage_write`` appends to them; values unchecked), arrays in ``batches`` (``staging.py`` checks what
+    enters either)."""
 
     def __init__(self, rows: int, cols: int, dtype: torch.dtype):
         self.rows, self.cols, self.row_stride = rows, cols, cols
         self.dtype = dtype
         self.np_dtype = numpy_dtype(dtype)
-        self.indices: list[int] = []
-        self.starts: list[int] = []
+        self.dst: list[int] = []
         self.lens: list[int] = []
         self.vals: list[Any] = []
         self.batches: list[StagedBatch] = []
@@ -64,7 +64,7 @@ class EditLog:
     @property
     def count(self) -> int:
         """Edits staged and not yet applied (empty ones are not kept)."""
-        return len(self.indices) + sum(len(b.dst) for b in self.batches)
+        return len(self.dst) + sum(len(b.dst) for b in self.batches)
 
     def stage_batch(self, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray) -> None:
         """Stage checked array edits (int64 flat offsets and lengths, flat values: the caller's copies)."""
@@ -74,28 +74,20 @@ class EditLog:
 
     def seal(self) -> None:
         """Move the list-staged edits into a batch, so later batches keep staging order."""
-        if self.indices:
-            self.batches.append(self.listed())
-            self.indices.clear()
-            self.starts.clear()
+        if self.dst:
+            self.batches.append(StagedBatch(self.dst[:], self.lens[:], self.vals[:], False))
+            self.dst.clear()
             self.lens.clear()
             self.vals.clear()
 
-    def listed(self) -> StagedBatch:
-        """The list-staged edits as a batch (copies of the lists)."""
-        stride = self.row_stride
-        dst = [i * stride + s for i, s in zip(self.indices, self.starts)]
-        return StagedBatch(dst, self.lens[:], self.vals[:], False)
-
     def clear(self) -> None:
-        self.indices.clear()
-        self.starts.clear()
+        self.dst.clear()
         self.lens.clear()
         self.vals.clear()
         self.batches.clear()
 
     def all_batches(self) -> list[StagedBatch]:
-        return [*self.batches, self.listed()]
+        return [*self.batches, StagedBatch(self.dst, self.lens, self.vals, False)]
 
     def pending(self) -> list[tuple[int, int, list[Any]]]:
         """The staged edits, in staging order: ``(index, start, values)``."""
@@ -193,14 +185,16 @@ class WriteBatch(NamedTuple):
     """One target's staged edits, checked: what vLLM's kernel reads, and what stagebuf adds.
 
     Edit ``k`` writes ``values[cu_lens[k] - lens[k] : cu_lens[k]]`` into row ``indices[k]`` from column
-    ``starts[k]`` (all int64; ``cu_lens`` as vLLM's, the running total of the lengths). Where two edits
-    shared a row the check has resolved them (``overlaps``) into one-element edits, each element's last
-    staged value: the edits of a batch write distinct elements.
+    ``starts[k]``, as vLLM's ``StagedWriteTensor`` kernel reads its ``indices``, ``starts`` and ``cu_lens``
+    (all int64; ``cu_lens`` the running total of the lengths). Where vLLM's kernel computes each edit's
+    flat offset ``indices * stride + starts``, stagebuf's log keeps it (``first``; ``indices`` and
+    ``starts`` are read from it). Where two edits shared a row the check has resolved them (``overlaps``)
+    into one-element edits, each element's last staged value: the edits of a batch write distinct elements.
     """
 
     target: WriteTarget
-    indices: np.ndarray
-    starts: np.ndarray
+    first: np.ndarray
+    """Each edit's flat offset in the target: ``indices * target.stride + starts``."""
     cu_lens: np.ndarray
     values: np.ndarray
     lens: np.ndarray
@@ -210,6 +204,16 @@ class WriteBatch(NamedTuple):
     overlaps: bool
     """Two staged edits shared a row (resolved as above; the launch then runs the scatter)."""
 
+    @property
+    def indices(self) -> np.ndarray:
+        """Each edit's row."""
+        return self.first // self.target.stride
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Each edit's first column."""
+        return self.first % self.target.stride
+
 
 def check(log: EditLog, target: WriteTarget, tensor: Any) -> WriteBatch | None:
     """Every edit of ``log`` as one checked batch for ``target`` (None: nothing staged); raises
@@ -217,11 +221,11 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> WriteBatch | None:
     bad: Bad = []
     dt = log.np_dtype
     if not log.batches:  # the common case: list edits only
-        li = log.indices
-        if not li:
+        dl = log.dst
+        if not dl:
             return None
         ll, vals = log.lens, log.vals
-        e = len(li)
+        e = len(dl)
         w = ll[0] if ll.count(ll[0]) == e else 0  # (one C-level pass; an array of lengths costs more)
         if w:
             got = UNIFORM.get((e, w))
@@ -229,7 +233,7 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> WriteBatch | None:
         else:
             n = np.array(ll, np.int64)
             cu = np.cumsum(n)
-        v = None
+        v = a = None
         if dt.kind in "iu":  # ints read exactly in one pass (floats, strings, past 64 bits: refused)
             try:
                 a = np.frombuffer(array("q", vals), np.int64)
@@ -242,17 +246,16 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> WriteBatch | None:
                 if r[0] <= lo and hi <= r[1] and not maybe_bools:
                     v = a.astype(dt, copy=False)
         if v is None:  # the general reading, edit by edit where it must
-            v = list_values(vals, li, log.starts, n, dt, bad, width=w, read=a if dt.kind in "iu" else None)
+            v = list_values(vals, dl, n, dt, bad, width=w, read=a)
             if bad:
                 raise_bad(log, tensor, bad)
         if e <= 32:  # a few edits: the overlap test is cheaper in Python
-            batch = WriteBatch(
-                target, np.array(li, np.int64), np.array(log.starts, np.int64), cu, v, n, w,
-                e > 1 and len(set(li)) != e,
-            )  # fmt: skip
-            return last_wins(batch) if batch.overlaps else batch
-        return with_overlaps(log, target, np.array(li, np.int64), np.array(log.starts, np.int64), n, v, w, cu)
-    batches = log.all_batches() if log.indices else [*log.batches]
+            stride = log.row_stride
+            dup = e > 1 and len(set(map(stride.__rfloordiv__, dl) if stride != 1 else dl)) != e
+            batch = WriteBatch(target, np.array(dl, np.int64), cu, v, n, w, dup)
+            return last_wins(batch) if dup else batch
+        return with_overlaps(log, target, np.array(dl, np.int64), n, v, w, cu)
+    batches = log.all_batches() if log.dst else [*log.batches]
     dsts, lens, vals_ = [], [], []
     pos = 0
     for b in batches:
@@ -261,19 +264,16 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> WriteBatch | None:
             lens.append(b.lens)
             vals_.append(b.vals)
         else:
-            d = np.array(b.dst, np.int64)
             lens_b = np.array(b.lens, np.int64)
-            i, s = np.divmod(d, log.row_stride)
-            vals_.append(list_values(b.vals, i, s, lens_b, dt, bad, pos))
-            dsts.append(d)
+            vals_.append(list_values(b.vals, b.dst, lens_b, dt, bad, pos))
+            dsts.append(np.array(b.dst, np.int64))
             lens.append(lens_b)
         pos += len(b.dst)
     if bad:
         raise_bad(log, tensor, bad)
     parts = (dsts, lens, vals_)
     d, n, v = (x[0] for x in parts) if len(batches) == 1 else (np.concatenate(x) for x in parts)
-    i, s = np.divmod(d, log.row_stride)
-    return with_overlaps(log, target, i, s, n, v)
+    return with_overlaps(log, target, d, n, v)
 
 
 BOOLS = frozenset({bool, np.bool_})
@@ -282,7 +282,8 @@ BOOLS = frozenset({bool, np.bool_})
 
 def raise_bad(log: EditLog, tensor: Any, bad: Bad) -> None:
     """Raise the StagedWriteError of ``bad`` (a check's bad edits, at least one) on ``tensor``."""
-    pos, row, start, why = bad[0]
+    pos, flat, why = bad[0]
+    row, start = divmod(flat, log.row_stride)
     more = f"; {len(bad) - 1} more bad edit(s), at positions {[b[0] for b in bad[1:9]]}" if bad[1:] else ""
     n = log.lens_at(pos)
     what = (
@@ -305,40 +306,37 @@ def raise_bad(log: EditLog, tensor: Any, bad: Bad) -> None:
 def with_overlaps(
     log: EditLog,
     target: WriteTarget,
-    i: np.ndarray,
-    s: np.ndarray,
+    d: np.ndarray,
     n: np.ndarray,
     v: np.ndarray,
     width: int = 0,
     cu: np.ndarray | None = None,
 ) -> WriteBatch:
-    """The gathered edits (rows ``i``, starts ``s``, lengths ``n``, values ``v``; ``cu``: their ``cu_lens``
-    if known) as a batch, its overlaps resolved (``last_wins``) where two share a row; ``width`` as for
+    """The gathered edits (flat offsets ``d``, lengths ``n``, values ``v``; ``cu``: their ``cu_lens`` if
+    known) as a batch, its overlaps resolved (``last_wins``) where two share a row; ``width`` as for
     ``WriteBatch``."""
-    e = i.shape[0]
+    e = d.shape[0]
     dup = False
     if e > 1:  # two edits on one row may overlap: then each element's last staged value wins
         mark = log.mark
         if mark is None:
             mark = log.mark = np.empty(log.rows, np.int64)
+        r = d // log.row_stride if log.row_stride != 1 else d
         ar = np.arange(e, dtype=np.int64)
-        mark[i] = ar
-        dup = bool((mark[i] != ar).any())  # exact whichever duplicate numpy wrote last
-    batch = WriteBatch(target, i, s, np.cumsum(n) if cu is None else cu, v, n, width, dup)
+        mark[r] = ar
+        dup = bool((mark[r] != ar).any())  # exact whichever duplicate numpy wrote last
+    batch = WriteBatch(target, d, np.cumsum(n) if cu is None else cu, v, n, width, dup)
     return last_wins(batch) if dup else batch
 
 
 def last_wins(b: WriteBatch) -> WriteBatch:
     """``b`` as one-element edits of distinct elements, each its last staged value (staging order)."""
-    stride = b.target.stride
     total = b.values.shape[0]
-    first = b.indices * stride + b.starts
-    dest = np.repeat(first - (b.cu_lens - b.lens), b.lens) + np.arange(total, dtype=np.int64)
+    dest = np.repeat(b.first - (b.cu_lens - b.lens), b.lens) + np.arange(total, dtype=np.int64)
     _, last = np.unique(dest[::-1], return_index=True)  # each element's last staged value
     keep = (total - 1) - last
-    dest = dest[keep]
-    ones, cu = uniform_lens(dest.shape[0], 1)
-    return WriteBatch(b.target, dest // stride, dest % stride, cu, b.values[keep], ones, 1, True)
+    ones, cu = uniform_lens(keep.shape[0], 1)
+    return WriteBatch(b.target, dest[keep], cu, b.values[keep], ones, 1, True)
 
 
 # --- launch ------------------------------------------------------------------------------------
@@ -358,10 +356,10 @@ def auto_kernel(batches: Sequence[WriteBatch]) -> Literal["scatter", "triton"]:
     """The kernel ``auto`` runs for ``batches`` on CUDA (docs/DESIGN.md, "Staged writes")."""
     if len(batches) == 1:
         n = batches[0].values.shape[0]
-        return "triton" if n >= TRITON_MIN_ELEMS and n >= 2 * batches[0].indices.shape[0] else "scatter"
+        return "triton" if n >= TRITON_MIN_ELEMS and n >= 2 * batches[0].first.shape[0] else "scatter"
     edits = elems = 0
     for b in batches:
-        edits += b.indices.shape[0]
+        edits += b.first.shape[0]
         elems += b.values.shape[0]
     few = edits <= PY_ROWS or edits + ROWS_A_LAUNCH <= ROWS_A_LAUNCH * (len(batches) - 1)
     return "triton" if elems >= 2 * edits or few else "scatter"
@@ -419,8 +417,7 @@ class Launcher:
         else:  # each element's flat destination: row * stride + start, then the columns of its edit
             dests = []
             for b in batches:
-                stride = b.target.stride
-                first = b.indices if stride == 1 else b.indices * stride + b.starts  # (1 column: start 0)
+                first = b.first
                 total = b.values.shape[0]
                 if total == first.shape[0]:  # one element per edit
                     dests.append(first)
@@ -518,23 +515,22 @@ def _views_for(ring: Ring, cur: int, views: BoundedCache[Any, Any], key: Any, of
 def edit_meta(batches: Sequence[WriteBatch]) -> tuple[np.ndarray, np.ndarray, int]:
     """The Triton kernel's per-edit rows (target address, flat offset of the first element, length, source
     offset), the values, and the longest edit."""
-    if sum(b.indices.shape[0] for b in batches) <= PY_ROWS:  # a few edits: rows in Python, one conversion
+    if sum(b.first.shape[0] for b in batches) <= PY_ROWS:  # a few edits: rows in Python, one conversion
         rows: list[int] = []
         src = 0
         for b in batches:
-            ptr, stride = b.target.ptr, b.target.stride
-            for i, s, n, c in zip(b.indices.tolist(), b.starts.tolist(), b.lens.tolist(), b.cu_lens.tolist()):
-                rows += (ptr, i * stride + s, n, src + c - n)
+            ptr = b.target.ptr
+            for d, n, c in zip(b.first.tolist(), b.lens.tolist(), b.cu_lens.tolist()):
+                rows += (ptr, d, n, src + c - n)
             src += b.values.shape[0]
         vals = batches[0].values if len(batches) == 1 else np.concatenate([b.values for b in batches])
         return np.array(rows, np.int64).reshape(-1, 4), vals, max(rows[2::4])
     metas, values, src, longest = [], [], 0, 1
     for b in batches:
-        e = b.indices.shape[0]
+        e = b.first.shape[0]
         m = np.empty((e, 4), np.int64)
         m[:, 0] = b.target.ptr
-        np.multiply(b.indices, b.target.stride, out=m[:, 1])
-        m[:, 1] += b.starts
+        m[:, 1] = b.first
         m[:, 2] = b.lens
         np.subtract(b.cu_lens, b.lens, out=m[:, 3])
         m[:, 3] += src

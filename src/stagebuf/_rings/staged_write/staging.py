@@ -86,8 +86,7 @@ def stage_checked(log: EditLog, index: Any, start: Any, values: Any) -> None:
     if not n:
         return
     if arr is None:
-        log.indices.append(row)
-        log.starts.append(col)
+        log.dst.append(row * log.row_stride + col)
         log.lens.append(n)
         log.vals.extend(values)
         return

@@ -19,8 +19,8 @@ from ..._common.convert import (
     why_unfit,
 )
 
-Bad = list[tuple[int, int, int, str]]
-"""Bad list edits found by ``list_values``: (edit number, its row, its start, why)."""
+Bad = list[tuple[int, int, str]]
+"""Bad list edits found by ``list_values``: (edit number, its flat offset, why)."""
 
 
 def checked_values(values: Any, target: np.dtype, name: str) -> np.ndarray:
@@ -40,8 +40,7 @@ def checked_values(values: Any, target: np.dtype, name: str) -> np.ndarray:
 
 def list_values(
     vals: list[Any],
-    indices: Any,
-    starts: Any,
+    dst: Any,
     lens: np.ndarray,
     target: np.dtype,
     bad: Bad,
@@ -49,12 +48,12 @@ def list_values(
     width: int = 0,
     read: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The values of list-staged edits (``lens[k]`` values each, edit ``k`` at row ``indices[k]`` from column
-    ``starts[k]``) as ``target``, checked in bulk.
+    """The values of list-staged edits (``lens[k]`` values each, edit ``k`` at flat offset ``dst[k]``) as
+    ``target``, checked in bulk.
 
     Where the one array of the batch cannot be trusted per edit (not numeric, a value does not fit, an
     edit may be all bools, or int64 values may have gone through float64), each edit is read on its own
-    and each bad one added to ``bad`` as ``(pos + k, row, start, why)`` (its values zeros in the unused
+    and each bad one added to ``bad`` as ``(pos + k, flat offset, why)`` (its values zeros in the unused
     result). ``width`` as for ``WriteBatch``; ``read``: ``vals`` already read as int64, if the caller did.
     """
     a = read
@@ -109,7 +108,7 @@ def list_values(
     for k, n in enumerate(lens.tolist()):
         got, why = _edit_values(vals[a0 : a0 + n], target)
         if got is None:
-            bad.append((pos + k, int(indices[k]), int(starts[k]), why))
+            bad.append((pos + k, int(dst[k]), why))
             got = np.zeros(n, target)
         out.append(got)
         a0 += n

@@ -96,7 +96,7 @@ class StagedWriteTensor(Sealed):
     mode defers the batches into its step)."""
     _target: WriteTarget
     _log: EditLog
-    _fast: tuple[int, int, Any, Any, Any, Any, Any]
+    _fast: tuple[int, int, Any, Any, Any, Any]
     _launcher: Launcher
     _kernel: Cell[Kernel]
     _thread: Owner | None
@@ -134,15 +134,7 @@ class StagedWriteTensor(Sealed):
             _target=target,
             _log=log,
             # what the staging fast paths read, in one load: the bounds and the log's list methods
-            _fast=(
-                self.rows,
-                self.cols,
-                log.indices.append,
-                log.starts.append,
-                log.lens.append,
-                log.vals.extend,
-                log.vals.append,
-            ),  # fmt: skip
+            _fast=(self.rows, self.cols, log.dst.append, log.lens.append, log.vals.extend, log.vals.append),
             _launcher=self.launcher_class(self.device, self.max_concurrency, CAPACITY),
             _kernel=Cell("host" if target.np is not None else "scatter"),
             _thread=Owner("StagedWriteTensor") if check_mode() else None,
@@ -203,10 +195,9 @@ class StagedWriteTensor(Sealed):
                     return
                 start = int(start)
             n = len(values)
-            rows, cols, idx, starts, lens, vals, _ = self._fast
+            rows, cols, dst, lens, vals, _ = self._fast
             if 0 <= index < rows and start >= 0 and start + n <= cols and n:
-                idx(index)
-                starts(start)
+                dst(index * cols + start)
                 lens(n)
                 vals(values)
                 return
@@ -216,10 +207,9 @@ class StagedWriteTensor(Sealed):
         """Stage ``gpu[index, 0] = value`` (``gpu[index]`` on a 1-D target); ``value`` is one scalar: an
         int or float (checked at apply) or a 0-d array. Raises as :meth:`stage_write` (a list, tuple or
         array that is not 0-d is InvalidArgumentError; a bool or a non-number ArgumentTypeError)."""
-        rows, _, idx, starts, lens, _, val = self._fast
+        rows, cols, dst, lens, _, val = self._fast
         if type(index) is int and 0 <= index < rows and (type(value) is int or type(value) is float):
-            idx(index)
-            starts(0)
+            dst(index * cols)
             lens(1)
             val(value)
             return
@@ -444,7 +434,7 @@ class FusedStagedWriter(Sealed):
             raise _fused_error(errors) from None
         if not parts:
             return
-        n = sum(p.indices.shape[0] for p in parts)
+        n = sum(p.first.shape[0] for p in parts)
         if n > self._max_writes:
             self._max_writes = 1 << (n - 1).bit_length()
             self._edit_growths += 1

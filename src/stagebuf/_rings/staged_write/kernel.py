@@ -101,10 +101,8 @@ def why_no_triton(device: torch.device) -> str:
 
 
 def _block_for(longest: int) -> int:
-    b = MIN_BLOCK
-    while b < longest and b < MAX_BLOCK:
-        b *= 2
-    return b
+    """The power of two in [MIN_BLOCK, MAX_BLOCK] nearest above ``longest`` (MAX_BLOCK past it)."""
+    return min(MAX_BLOCK, max(MIN_BLOCK, 1 << max(longest - 1, 0).bit_length()))
 
 
 _compiled: dict[tuple[Any, ...], Any] = {}

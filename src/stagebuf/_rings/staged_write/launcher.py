@@ -396,9 +396,7 @@ class Launcher:
         b0 = batches[0]
         one = len(batches) == 1
         kernel = "host" if b0.target.np is not None else self.forced
-        if kernel == "host":
-            pass
-        elif b0.overlaps if one else any(b.overlaps for b in batches):
+        if kernel != "host" and (b0.overlaps if one else any(b.overlaps for b in batches)):
             kernel = "scatter"  # overlaps, resolved by the check: one scatter, as before they were
         elif kernel == "auto":  # on CUDA (elsewhere the scatter: Triton's interpreter is never cheaper)
             kernel = auto_kernel(batches)

@@ -18,7 +18,6 @@ control all the same code) shows how often the method alone flags a cell (docs/B
 
 from __future__ import annotations
 
-import functools
 import importlib
 import io
 import json
@@ -27,7 +26,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import vllm_mrv2, vs_vllm
-from .engine import stagebuf_tier
+from .harness import stagebuf_tier, tiers, turns
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("before", "after", "control")
@@ -73,35 +71,9 @@ def as_buffer_utils(pkg: Any) -> Any:
 
 
 def cases(device: torch.device) -> list[tuple[str, Callable[[Any], Step]]]:
-    """The vs-vLLM cells: (name, a builder of one step from a ``buffer_utils``)."""
-    out: list[tuple[str, Callable[[Any], Step]]] = []
-    for k in (1, 8):
-        out.append((f"pool|k{k}", functools.partial(vs_vllm._pool_case, device=device, k=k)))
-        out.append((f"backed|k{k}", functools.partial(vs_vllm._backed_case, device=device, k=k)))
-    for e in (1, 16, 256, 4096):
-        for ln in (1, 8, 64):
-            for fused in (False, True) if e >= 2 else (False,):
-                case = functools.partial(vs_vllm._writes_case, device=device, e=e, ln=ln, fused=fused)
-                out.append((f"{'fused' if fused else 'writes'}|{e}x{ln}", case))
-    return out
-
-
-def measure(steps: list[Step], device: torch.device, n: int, warmup: int) -> list[float]:
-    """The median step time (µs, host) of each of ``steps``, which take turns, the order rotating."""
-    times: list[list[float]] = [[] for _ in steps]
-    clock = time.perf_counter
-    k = len(steps)
-    for i in range(warmup + n):
-        for j in range(k):
-            s = (i + j) % k
-            t0 = clock()
-            steps[s](i)
-            t1 = clock()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= warmup:
-                times[s].append((t1 - t0) * 1e6)
-    return [float(np.median(t)) for t in times]
+    """The vs-vLLM cells: (name, a builder of one step from a ``buffer_utils``): pools, backed tensors,
+    writes and fused writes."""
+    return vs_vllm.cases(device, (1, 16, 256, 4096), (1, 8, 64))
 
 
 def verdict(rounds: list[list[float]]) -> dict[str, Any]:
@@ -134,18 +106,16 @@ def run(
             load_copy(here, "stagebuf_control", where),
         )
         sides = [as_buffer_utils(p) for p in pkgs]
-        caps = stagebuf.capabilities(device)
-        cuda = device.type == "cuda"
-        tiers = [t.name.lower() for t in stagebuf.Tier if caps.tier <= t < stagebuf.Tier.HOST] if cuda else []
         medians: dict[str, list[list[float]]] = {}
         for r in range(rounds):
             for name, make in cases(device):
-                n = max(10, steps // 4) if name.endswith("4096x64") else steps
-                for t in tiers or ["host", "pageable"]:
+                for t in tiers(device):
                     with stagebuf_tier(t, pkgs[0], pkgs[2]):
                         order = sides[r % 3 :] + sides[: r % 3]  # which side builds (and starts) first
                         built = {id(s): make(s) for s in order}
-                        got = measure([built[id(s)] for s in sides], device, n, warmup)
+                        got = turns(
+                            [built[id(s)] for s in sides], device, vs_vllm.steps_of(name, steps), warmup
+                        )
                     medians.setdefault(f"{name} {t}", []).append(got)
             log(f"ab round {r + 1}/{rounds} done")
     cells = [{"cell": k, "medians_us": m, **verdict(m)} for k, m in medians.items()]

@@ -2,33 +2,24 @@
 
     python -m benchmarks.e2e [--shape qwen3-0.6b] [--rounds 3] [--json out.json] [--plot out.png]
 
-nano-vllm-fork 20260210 (:mod:`benchmarks.nanovllm_pkg`) runs as released: ``LLM(...)`` builds its
-``ModelRunner`` (model, warm-up, KV cache, CUDA graphs), its ``Scheduler`` and ``BlockManager`` schedule,
-its ``Sampler`` samples. The model is a Qwen3 of the chosen shape with random weights
-(:mod:`benchmarks.e2e_model`); attention is flash-attn where it imports, else the bench's Triton stand-in
-(:mod:`benchmarks.e2e_attention`). Prompts are token ids drawn from a fixed seed; sampling is near-greedy
-(temperature 0.01) with ``ignore_eos`` and a fixed torch seed per run, so a setup that hands the model the
-same inputs generates the same token ids. nano-vllm's ``Config`` reads ``config.json`` as written
-(:class:`benchmarks.nanovllm_pkg.AutoConfig`): transformers 5's ``rope_scaling`` is a dict that nano-vllm
-20260210 cannot take.
+nano-vllm-fork (:mod:`benchmarks.nanovllm_pkg`) runs as released: ``LLM(...)`` builds its ``ModelRunner``
+(model, warm-up, KV cache, CUDA graphs), its ``Scheduler`` and ``BlockManager`` schedule, its ``Sampler``
+samples. The model is a Qwen3 of the chosen shape with random weights (:mod:`benchmarks.e2e_model`);
+attention is flash-attn where it imports, else the bench's Triton stand-in (:mod:`benchmarks.e2e_attention`).
+Prompts are token ids drawn from a seed; sampling is near-greedy (temperature 0.01) with ``ignore_eos`` and
+a torch seed per run, so a setup that hands the model the same inputs generates the same token ids.
+nano-vllm's ``Config`` reads ``config.json`` as written (:class:`benchmarks.nanovllm_pkg.AutoConfig`).
 
 Workloads (:data:`WORKLOADS`): ``decode`` (many sequences, short prompts, long outputs), ``prefill`` (long
-prompts, four new tokens) and ``mixed`` (arrivals every step, prompts of varied length of which half
-begin with one of four shared prefixes, hits of nano-vllm's prefix cache).
-
-Setups (:data:`SETUPS`), on one engine, attached and detached; each round runs a workload's setups back
-to back, in an order rotated by round: ``own``
-(nano-vllm's own preparation, pinned memory), ``stagebuf_uva``, ``stagebuf_pinned`` and
-``stagebuf_pageable`` (``stagebuf.nanovllm.attach`` on a forced tier). Then a machine without pinned
-memory (:func:`refuse_pinning`: every pinned allocation raises, as torch does there): nano-vllm's own
-engine is started and fails; a second engine is started attached as the README says (``attach`` on the
-``ModelRunner`` class before ``LLM(...)``) and runs the workloads as ``stagebuf_nopin``.
-
-Per setup and workload: tokens/s (prefill and decode steps separately, nano-vllm's own count: a prefill
-step's tokens are its sequences' lengths, a decode step's its sequences), the step split into host input
-preparation (``prepare_*``), forward and sampling (device time between CUDA events) and the rest
-(scheduling, post-processing, the host waiting), and whether every generated token id equals the own
-engine's first round. :func:`summarize` turns the rounds into medians and the targets of :data:`GOALS`.
+prompts, four new tokens) and ``mixed`` (arrivals every step, prompts of varied length, half behind one of
+four shared prefixes: hits of nano-vllm's prefix cache). Setups (:data:`SETUPS`), on one engine attached
+and detached, back to back per workload in an order rotated by round: ``own`` (nano-vllm's own preparation,
+pinned memory) and ``stagebuf_<tier>`` (``stagebuf.nanovllm.attach`` on a forced tier); then a machine
+without pinned memory (:func:`refuse_pinning`): nano-vllm's own engine is started and fails, and a second
+engine, started attached as the README says, runs the workloads as ``stagebuf_nopin``. Per setup and
+workload: tokens/s (prefill and decode steps apart), the step split into host input preparation
+(``prepare_*``), forward and sampling (device time between CUDA events) and the rest, and whether every
+generated token id equals the own engine's first round. :func:`summarize` gives medians and the targets.
 """
 
 from __future__ import annotations
@@ -37,7 +28,6 @@ import atexit
 import contextlib
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -51,8 +41,9 @@ import numpy as np
 import torch
 
 from . import nanovllm_pkg as P
-from .engine import stagebuf_tier
-from .verdicts import misses, verdict
+from . import report as R
+from . import targets as T
+from .harness import commit, stagebuf_tier
 
 SETUPS = ("own", "stagebuf_uva", "stagebuf_pinned", "stagebuf_pageable")
 """The setups run on one engine, back to back per workload, in an order rotated by round."""
@@ -462,165 +453,78 @@ def measure(
 
 # --- the report ------------------------------------------------------------------------------------
 
-GOALS: dict[str, tuple[str, str, float, str]] = {
-    "e2e_nanovllm_decode_uva_vs_own": (">=", "decode tok/s, attached UVA / own", 1.7, "decode"),
-    "e2e_nanovllm_decode_pageable_vs_own": (
-        ">=", "decode tok/s, attached PAGEABLE / own with pinned memory", 1.6, "decode"),
-    "e2e_nanovllm_decode_nopin_vs_own": (
-        ">=", "decode tok/s, attached on a machine without pinned memory / own with pinned memory", 1.5,
-        "decode"),
-    "e2e_nanovllm_prefill_uva_vs_own": (">=", "prefill tok/s, attached UVA / own", 1.05, "prefill"),
-    "e2e_nanovllm_prep_share_uva": (
-        "<=", "attached UVA: input preparation (prepare_decode + prepare_sample) / the whole decode step",
-        0.1, "decode"),
-    "e2e_nanovllm_tokens_identical": (
-        ">=", "runs whose generated token ids equal the own engine's first round, every setup (share)", 1.0,
-        "all"),
+GOALS: dict[str, tuple[str, float, str, str]] = {
+    "e2e_nanovllm_decode_uva_vs_own": (">=", 1.7, "decode tok/s, attached UVA / own", "attaching stagebuf "
+        "gains less decode throughput than claimed: the own engine's host preparation is a smaller share of "
+        "its step on this machine"),
+    "e2e_nanovllm_decode_pageable_vs_own": (">=", 1.6, "decode tok/s, attached PAGEABLE / own with pinned "
+        "memory", "without pinned memory the attached engine decodes slower, relative to the own engine with "
+        "pinned memory, than claimed"),
+    "e2e_nanovllm_decode_nopin_vs_own": (">=", 1.5, "decode tok/s, attached on a machine without pinned "
+        "memory / own with pinned memory", "on a machine without pinned memory the attached engine decodes "
+        "slower than claimed, relative to the own engine where pinning works"),
+    "e2e_nanovllm_prefill_uva_vs_own": (">=", 1.05, "prefill tok/s, attached UVA / own",
+        "prefill gains less than claimed from attaching stagebuf"),
+    "e2e_nanovllm_prep_share_uva": ("<=", 0.1, "attached UVA: input preparation (prepare_decode + "
+        "prepare_sample) / the whole decode step", "input preparation is a larger share of the attached "
+        "decode step than claimed"),
+    "e2e_nanovllm_tokens_identical": (">=", 1.0, "runs whose generated token ids equal the own engine's "
+        "first round, every setup (share)", "a setup generated other token ids than nano-vllm's own engine: "
+        "its inputs differ"),
 }  # fmt: skip
-"""name: (op, what it compares, goal, workload)."""
-
-WHY = {
-    "e2e_nanovllm_decode_uva_vs_own": "attaching stagebuf gains less decode throughput than claimed: "
-    "the own engine's host preparation is a smaller share of its step on this machine",
-    "e2e_nanovllm_decode_pageable_vs_own": "without pinned memory the attached engine decodes slower, "
-    "relative to the own engine with pinned memory, than claimed",
-    "e2e_nanovllm_decode_nopin_vs_own": "on a machine without pinned memory the attached engine decodes "
-    "slower than claimed, relative to the own engine where pinning works",
-    "e2e_nanovllm_prefill_uva_vs_own": "prefill gains less than claimed from attaching stagebuf",
-    "e2e_nanovllm_prep_share_uva": "input preparation is a larger share of the attached decode step "
-    "than claimed",
-    "e2e_nanovllm_tokens_identical": "a setup generated other token ids than nano-vllm's own engine: "
-    "its inputs differ",
-}
-
-
-def _median(runs: list[dict[str, Any]], setup: str, workload: str, kind: str, key: str) -> float | None:
-    vals = [r[kind][key] for r in runs if r["setup"] == setup and r["workload"] == workload and r[kind]]
-    return float(statistics.median(vals)) if vals else None
+"""name: (op, goal, what it compares, what a miss means)."""
+KEYS = ("tokens_per_s", "step_ms", "prep_ms", "forward_ms", "sample_ms", "rest_ms", "prep_share")
 
 
 def summarize(measured: dict[str, Any]) -> dict[str, Any]:
     """Medians per setup and workload, and the targets of :data:`GOALS` (``ratios``, the bench's form)."""
     runs = measured["runs"]
-    setups = [s for s in (*SETUPS, NOPIN) if any(r["setup"] == s for r in runs)]
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for w in measured["workloads"]:
         table[w] = {}
-        for s in setups:
+        for s in (*SETUPS, NOPIN):
             mine = [r for r in runs if r["setup"] == s and r["workload"] == w]
             if not mine:
                 continue
-            row: dict[str, Any] = {
-                "rounds": len(mine),
-                "identical": all(r["identical"] for r in mine),
+            row = table[w][s] = {
+                "rounds": len(mine), "identical": all(r["identical"] for r in mine),
                 "tier": next((r["tier"] for r in mine if r["tier"]), None),
                 "generated_tokens_per_s": statistics.median(r["generated"] / r["wall_s"] for r in mine),
-            }
+            }  # fmt: skip
             for kind in ("decode", "prefill"):
-                for key in ("tokens_per_s", "step_ms", "prep_ms", "forward_ms", "sample_ms", "rest_ms",
-                            "prep_share"):  # fmt: skip
-                    v = _median(runs, s, w, kind, key)
-                    if v is not None:
-                        row[f"{kind}_{key}"] = v
-            table[w][s] = row
+                for key in KEYS:
+                    vals = [r[kind][key] for r in mine if r[kind]]
+                    if vals:
+                        row[f"{kind}_{key}"] = float(statistics.median(vals))
 
-    def ratio(w: str, kind: str, num: str, den: str) -> float | None:
-        a, b = table.get(w, {}).get(num, {}), table.get(w, {}).get(den, {})
-        x, y = a.get(f"{kind}_tokens_per_s"), b.get(f"{kind}_tokens_per_s")
+    def ratio(w: str, num: str) -> float | None:
+        x, y = (table.get(w, {}).get(s, {}).get(f"{w}_tokens_per_s") for s in (num, "own"))
         return x / y if x and y else None
 
-    uva = table.get("decode", {}).get("stagebuf_uva", {})
-    same = sum(bool(r["identical"]) for r in runs)
-    values: dict[str, float | None] = {
-        "e2e_nanovllm_decode_uva_vs_own": ratio("decode", "decode", "stagebuf_uva", "own"),
-        "e2e_nanovllm_decode_pageable_vs_own": ratio("decode", "decode", "stagebuf_pageable", "own"),
-        "e2e_nanovllm_decode_nopin_vs_own": ratio("decode", "decode", NOPIN, "own"),
-        "e2e_nanovllm_prefill_uva_vs_own": ratio("prefill", "prefill", "stagebuf_uva", "own"),
-        "e2e_nanovllm_prep_share_uva": uva.get("decode_prep_share"),
-        "e2e_nanovllm_tokens_identical": same / len(runs) if runs else None,
+    values = {
+        "e2e_nanovllm_decode_uva_vs_own": ratio("decode", "stagebuf_uva"),
+        "e2e_nanovllm_decode_pageable_vs_own": ratio("decode", "stagebuf_pageable"),
+        "e2e_nanovllm_decode_nopin_vs_own": ratio("decode", NOPIN),
+        "e2e_nanovllm_prefill_uva_vs_own": ratio("prefill", "stagebuf_uva"),
+        "e2e_nanovllm_prep_share_uva": table.get("decode", {})
+        .get("stagebuf_uva", {})
+        .get("decode_prep_share"),
+        "e2e_nanovllm_tokens_identical": sum(bool(r["identical"]) for r in runs) / len(runs)
+        if runs
+        else None,
     }
-    ratios: dict[str, dict[str, Any]] = {}
-    for name, (op, what, goal, w) in GOALS.items():
-        v = values[name]
-        ok = None if v is None else (v >= goal if op == ">=" else v <= goal)
-        r: dict[str, Any] = {"description": what, "workload": f"e2e {w}", "op": op, "target": goal,
-                             "measured": None if v is None else round(v, 4),
-                             "status": "skipped" if ok is None else "pass" if ok else "fail"}  # fmt: skip
-        if ok is False:
-            r["why"] = WHY[name]
-        ratios[name] = r
-    own = table.get("decode", {}).get("own", {})
+    ratios = {}
+    for name, (op, goal, what, why) in GOALS.items():
+        w = "all" if name.endswith("identical") else "prefill" if "prefill" in name else "decode"
+        r = ratios[name] = T.target(what, f"e2e {w}", values[name], op, goal, why=why)
+        r["status"] = T.status(r)
+        r.pop("skipped", None)
     return {
         "table": table,
         "ratios": ratios,
-        "own_decode_prep_share": own.get("decode_prep_share"),
+        "own_decode_prep_share": table.get("decode", {}).get("own", {}).get("decode_prep_share"),
         "own_fails_without_pinning": measured.get("no_pin", {}).get("own_error"),
     }
-
-
-def markdown(report: dict[str, Any]) -> str:
-    """The report's tables in Markdown: one caption naming machine, command and commit."""
-    s = report["summary"]
-    lines = [
-        f"nano-vllm-fork {P.VERSION} end to end on {report.get('device_name', '?')}: "
-        f"`{report.get('command', '?')}`, commit `{(report.get('commit') or '?')[:10]}`; "
-        f"model {report['shape']} (random weights), attention: {report['measured']['attention']}; "
-        f"medians of {report['measured']['rounds']} rounds.",
-        "",
-        "| workload | setup | tier | decode tok/s | prefill tok/s | decode step ms (prep / forward / "
-        "sample / rest) | tokens identical |",
-        "|---|---|---|---:|---:|---|---|",
-    ]
-    for w, rows in s["table"].items():
-        for setup, row in rows.items():
-            split = " / ".join(
-                f"{row.get(f'decode_{k}_ms', 0):.2f}" for k in ("prep", "forward", "sample", "rest")
-            )
-            lines.append(
-                f"| {w} | {setup} | {row.get('tier') or '-'} | {row.get('decode_tokens_per_s', 0):,.0f} | "
-                f"{row.get('prefill_tokens_per_s', 0):,.0f} | {row.get('decode_step_ms', 0):.2f} ({split}) | "
-                f"{'yes' if row['identical'] else 'NO'} |"
-            )
-    lines += ["", "| target | what it compares | goal | measured | status |", "|---|---|---|---:|---|"]
-    for name, r in s["ratios"].items():
-        m = "-" if r["measured"] is None else f"{r['measured']:.3f}"
-        lines.append(f"| `{name}` | {r['description']} | {r['op']} {r['target']} | {m} | {r['status']} |")
-    share = s.get("own_decode_prep_share")
-    if share is not None:
-        lines += ["", f"The own engine's decode step is {share:.0%} host input preparation in this run."]
-    err = s.get("own_fails_without_pinning")
-    if err:
-        lines += [f"Without pinned memory nano-vllm's own engine does not start: `{err}`."]
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: dict[str, Any], path: Path) -> None:
-    """Tokens/s of each setup against the own engine's, decode and prefill, one panel each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = report["summary"]["table"]
-    panels = [("decode", "decode", "decode tokens/s"), ("prefill", "prefill", "prefill tokens/s")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(8, 3.2), dpi=120)
-    for ax, (w, kind, title) in zip(axes, panels):
-        rows = table.get(w, {})
-        names = [s for s in (*SETUPS, NOPIN) if s in rows]
-        vals = [rows[s].get(f"{kind}_tokens_per_s", 0.0) for s in names]
-        base = rows.get("own", {}).get(f"{kind}_tokens_per_s")
-        bars = ax.bar(range(len(names)), vals, color=["#888888" if n == "own" else "#2a7ab9" for n in names])
-        ax.set_xticks(range(len(names)), [n.replace("stagebuf_", "") for n in names], fontsize=8)
-        ax.set_title(f"{w}: {title}", fontsize=9)
-        ax.tick_params(axis="y", labelsize=8)
-        for b, v in zip(bars, vals):
-            if base:
-                ax.annotate(f"{v / base:.2f}×", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
-                            fontsize=8)  # fmt: skip
-    fig.suptitle(f"nano-vllm {P.VERSION}, {report['shape']}: own vs stagebuf attached (tier)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 @click.command("e2e")
@@ -646,8 +550,8 @@ def main(
 ) -> None:  # fmt: skip
     """nano-vllm's real engine generating tokens, on its own input preparation and on stagebuf's."""
     from . import e2e_model as M
-    from .bench import _git, command_line
-    from .vllm_mrv2 import cache_root
+    from .bench import command_line
+    from .fetch import cache_root
 
     if from_json is not None:
         report = json.loads(from_json.read_text())
@@ -668,7 +572,8 @@ def main(
         measured = measure(folder, workloads, rounds, seed, nopin=not no_nopin)
         report = {
             "command": command_line().replace("-m benchmarks ", "-m benchmarks.e2e ", 1),
-            "commit": os.environ.get("STAGEBUF_BENCH_COMMIT") or _git("rev-parse", "HEAD"),
+            "commit": commit(),
+            "nanovllm": f"{P.DIST} {P.VERSION}",
             "device_name": torch.cuda.get_device_name(),
             "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
             "shape": shape,
@@ -676,17 +581,17 @@ def main(
             "elapsed_s": round(time.perf_counter() - t, 1),
         }
         report["summary"] = summarize(measured)
-    text = markdown(report)
+    text = R.e2e_markdown(report)
     print(text)
-    for line in misses(report["summary"]):
+    for line in T.misses(report["summary"]):
         print("missed:", line)
-    print(verdict(report["summary"], strict=False))
+    print(T.verdict(report["summary"], strict=False))
     if json_path:
         json_path.write_text(json.dumps(report, indent=1) + "\n")
     if md_path:
         md_path.write_text(text)
     if plot_path:
-        plot(report, plot_path)
+        R.e2e_plot(report, plot_path)
 
 
 if __name__ == "__main__":

@@ -1,47 +1,30 @@
 """The engine workload: vLLM's own MRV2 input path, step by step, on a scheduler-like trace.
 
-The modules are vLLM's, of one release (``release``, default ``vllm_mrv2.NEWEST``; any of
-``vllm_mrv2.RELEASES``): ``RequestState``, ``BlockTables``,
-``SamplingStates``, ``InputBuffers`` and the prepare, gather, slot-mapping and
-post-update kernels. Each step does what ``GPUModelRunner.execute_model`` and
-``prepare_inputs`` do with them, in their order: remove finished requests, add
-new ones (``add_request``, ``append_block_ids(overwrite=True)``,
-``SamplingStates.add_request``), apply the request and sampler writes, update the
-running requests (new blocks, ``num_computed_tokens``), apply the block tables,
-copy ``idx_mapping`` and ``query_start_loc`` to the device, and launch the
-prepare, gather and slot-mapping kernels. Then a stand-in forward pass
-(``torch.cuda._sleep`` on a busy GPU, nothing on an idle one) and vLLM's
-``post_update`` with deterministic "sampled" tokens. On a release with ``TokenBuffer`` (0.34 on)
-a new request's prompt reaches ``RequestState.add_request`` as one, as vLLM's scheduler output
-carries it (``NewRequestData.prefill_token_ids``: the request's ``prompt_token_ids``, a
-``TokenBuffer``), made before the step's timing starts.
+vLLM's modules of one release (``release``, default ``vllm_mrv2.NEWEST``): ``RequestState``,
+``BlockTables``, ``SamplingStates``, ``InputBuffers`` and the prepare, gather, slot-mapping and post-update
+kernels. Each step does what ``GPUModelRunner.execute_model`` and ``prepare_inputs`` do with them, in their
+order: remove finished requests, add new ones (from 0.34 a prompt arrives as a ``TokenBuffer``, made
+before the timing), apply the request and sampler writes, update the running requests, apply the block
+tables, copy ``idx_mapping`` and ``query_start_loc`` to the device and launch the kernels; then a stand-in
+forward pass (busy GPU) and ``post_update`` with deterministic "sampled" tokens.
 
-Configurations (``Setup``):
-
-* ``vllm``: vLLM's own ``buffer_utils``; ``pin=False`` is its NonUvaBuffer
-  fallback (a machine without pinned memory);
-* ``dropin``: stagebuf's classes in place of ``buffer_utils``' (the plugin's
-  substitution), on a forced stagebuf tier;
-* ``own``: the same, with the step's buffer work written against stagebuf's
-  own API: every staged write of the step (block tables and request state)
-  in one ``FusedStagedWriter.apply``; the per-request parameters (the
-  sampler's five, prompt and prefill lengths) in one ``DeviceParamTable``
-  (one copy per step where any changed); the step's per-step arrays
-  (``idx_mapping``, ``query_start_loc``) through one ``StepStager`` step.
-
-Measured per step, on the host: the preparation (state updates through the last
-prepare kernel's launch) and the buffer work within it (applies, publishes and
-per-step copies). ``check()`` runs a configuration in lockstep with vLLM's own
-layer and compares every device-visible input after every step.
+Setups (:class:`Setup`): ``vllm`` (vLLM's own ``buffer_utils``; ``nopin``: its NonUvaBuffer fallback),
+``dropin`` (stagebuf's classes in its place, as the plugin's ``STAGEBUF_VLLM=1`` substitutes them, on a
+forced tier), ``step`` (the plugin's step mode), ``own`` (the step's buffer work on stagebuf's own API:
+every staged write in one ``FusedStagedWriter.apply``, the per-request parameters in one
+``DeviceParamTable``, the per-step arrays through one ``StepStager`` step) and ``floor``
+(:class:`FloorEngine`).
+Measured per step, on the host: the preparation (through the last kernel's launch) and the buffer work within
+it, by part (:data:`SECTIONS`). ``check()`` runs a setup in lockstep with vLLM's own layer and compares
+every device-visible input after every step.
 """
 
 from __future__ import annotations
 
 import math
-import os
+import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -49,7 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import targets as T
 from . import vllm_mrv2
+from .harness import Lockstep, env_var, sleep_cycles_for, stagebuf_tier, tiers  # (tests import these here)
+from .vllm_mrv2 import release_suffix
 
 # --- the trace -------------------------------------------------------------------------------
 
@@ -224,40 +210,6 @@ class Setup:
         return f"stagebuf_{self.api}_{self.tier}"
 
 
-@contextmanager
-def env_var(name: str, value: str | None) -> Iterator[None]:
-    """The environment variable ``name`` set to ``value`` (None: unset) for the block, then restored."""
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-@contextmanager
-def stagebuf_tier(tier: str | None, *others: Any) -> Iterator[None]:
-    """``STAGEBUF_TIER=tier`` (None: unset) for the block, the probe forgotten before and after (also by
-    ``others``: more copies of the package, as ``benchmarks.ab`` loads them)."""
-    import stagebuf
-
-    pkgs = (stagebuf, *others)
-    with env_var("STAGEBUF_TIER", tier):
-        for p in pkgs:
-            p.reset_capabilities()
-        try:
-            yield
-        finally:
-            for p in pkgs:
-                p.reset_capabilities()
-
-
 def modules(setup: Setup, device: torch.device, release: str = vllm_mrv2.NEWEST) -> vllm_mrv2.Mrv2:
     if setup.layer in ("plugin", "step"):
         return plugin_modules(device, "step" if setup.layer == "step" else "1", release)
@@ -286,8 +238,6 @@ def plugin_modules(device: torch.device, mode: str = "1", release: str = vllm_mr
     cm = vllm_mrv2.as_installed(device, release=release)
     inst = cm.__enter__()
     try:
-        import sys
-
         with env_var("STAGEBUF_VLLM", mode):
             if any(e.name == "stagebuf" for e in entry_points(group="vllm.general_plugins")):
                 sys.modules["vllm.plugins"].load_general_plugins()
@@ -381,8 +331,6 @@ class Engine:
         self.runner: Any = None
         self.h2d = m.async_tensor_h2d
         if setup.layer == "step":  # vLLM's model runner, as the plugin patched it
-            import sys
-
             mr = sys.modules["vllm.v1.worker.gpu.model_runner"]
             self.runner = mr.GPUModelRunner(None, device)
             self.h2d = mr.async_tensor_h2d
@@ -579,20 +527,12 @@ def _tier_of(setup: Setup) -> str | None:
 
 
 def check(
-    setup: Setup,
-    cfg: TraceConfig,
-    device: torch.device,
-    busy_cycles: int = 0,
-    reference: Setup | None = None,
-    trace: list[StepPlan] | None = None,
-    tamper: Callable[[Engine, int], None] | None = None,
-    release: str = vllm_mrv2.NEWEST,
-) -> dict[str, Any]:
+    setup: Setup, cfg: TraceConfig, device: torch.device, busy_cycles: int = 0,
+    reference: Setup | None = None, trace: list[StepPlan] | None = None,
+    tamper: Callable[[Engine, int], None] | None = None, release: str = vllm_mrv2.NEWEST,
+) -> dict[str, Any]:  # fmt: skip
     """Run ``setup`` and vLLM's own layer in lockstep, both on vLLM ``release``'s modules; compare every
-    device-visible input each step.
-
-    Returns ``{"steps": n, "mismatches": [...]}``; a mismatch names the step and the input.
-    """
+    device-visible input each step: ``{"steps": n, "mismatches": ["step i: input", ...], ...}``."""
     ref_setup = reference or Setup("vllm", "uva")
     plans = trace if trace is not None else make_trace(cfg)
     with stagebuf_tier(_tier_of(ref_setup)):
@@ -608,151 +548,91 @@ def check(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             a, b = ref.inputs(), eng.inputs()
-            for k in a:
-                x, y = a[k], b[k]
-                if x.shape != y.shape or not torch.equal(x.cpu(), y.cpu()):
-                    mismatches.append(f"step {i}: {k}")
+            mismatches += [
+                f"step {i}: {k}"
+                for k in a
+                if a[k].shape != b[k].shape or not torch.equal(a[k].cpu(), b[k].cpu())
+            ]
             for e in (ref, eng):
                 e.finish(plan, busy_cycles)
             if len(mismatches) > 20:
                 break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return {
-        "steps": len(plans),
-        "mismatches": mismatches,
-        "setup": setup.name,
-        "reference": ref_setup.name,
-        "release": release,
-    }
+    return {"steps": len(plans), "mismatches": mismatches, "setup": setup.name, "reference": ref_setup.name,
+            "release": release}  # fmt: skip
 
 
-def sleep_cycles_for(ms: float, device: torch.device) -> int:
-    """``torch.cuda._sleep`` cycles for about ``ms`` milliseconds on ``device`` (measured once)."""
-    probe = 1_000_000
-    torch.cuda._sleep(probe)  # warm
-    torch.cuda.synchronize(device)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    torch.cuda._sleep(probe)
-    b.record()
-    b.synchronize()
-    per_ms = probe / max(a.elapsed_time(b), 1e-3)
-    return int(per_ms * ms)
-
-
-def _wait(ev: Any) -> None:
-    """Wait for a CUDA event by polling with short sleeps, the same way before every preparation.
-
-    Busy and idle runs then differ only in the GPU's state, not in what the host thread did just
-    before a timed preparation (a spinning ``synchronize()`` in one mode and none in the other).
-    """
-    while not ev.query():
-        time.sleep(50e-6)
+SECTIONS = ("request_writes", "sampler_publish", "block_tables", "per_step_copies")
+"""The parts of the buffer work: RequestState.apply_staged_writes (steps with arrivals), the sampler's five
+publishes (own API: one DeviceParamTable sync for them and the request lengths), BlockTables'
+apply_staged_writes (own API: every staged write of the step in one fused apply, and num_blocks), and
+idx_mapping and query_start_loc to the device."""
+PARAMS = ("temperature", "top_k", "top_p", "min_p", "seeds")
+"""SamplingStates' per-request parameters (UvaBackedTensors published every step)."""
 
 
 def run_lockstep(
-    setups_: list[Setup],
-    cfg: TraceConfig,
-    device: torch.device,
-    plans: list[StepPlan],
-    busy_cycles: int,
-    warmup: int,
-    before_step: Callable[[int, list[Any]], None] | None = None,
-    release: str = vllm_mrv2.NEWEST,
-) -> dict[str, dict[str, Any]]:
-    """One timed run of the trace by every setup in lockstep: step i of each, in a rotating order.
-
-    Interleaving at the step makes slow drifts of the host hit every setup alike. Busy GPU
-    (``busy_cycles`` > 0): each engine's forward stand-in is queued behind the others', and an
-    engine waits for its own previous step before preparing the next (two steps in flight).
-    Idle GPU: the device has finished everything before each preparation. Both wait the same
-    way (``_wait``). stagebuf engines begin each
-    step with ``stagebuf.begin_step()`` (timed): the one event per step that a lone engine's first
-    ring would record, kept per engine although the engines share a device.
-    """
+    setups_: list[Setup], cfg: TraceConfig, device: torch.device, plans: list[StepPlan], busy_cycles: int,
+    warmup: int, before_step: Callable[[int, list[Any]], None] | None = None, release: str = vllm_mrv2.NEWEST,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """One timed run of the trace by every setup in :class:`benchmarks.harness.Lockstep`: step i of each,
+    in a rotating order. A stagebuf engine begins each step with ``stagebuf.begin_step()`` (timed): the
+    event per step a lone engine's first ring would record, kept per engine though they share a device."""
     import stagebuf
 
     engines: list[Any] = []
     for s in setups_:
         with stagebuf_tier(_tier_of(s)):
-            eng = FloorEngine(cfg, device) if s.layer == "floor" else Engine(s, cfg, device, release)
-            engines.append(eng)
+            engines.append(
+                FloorEngine(cfg, device) if s.layer == "floor" else Engine(s, cfg, device, release)
+            )
     stagebuf.capabilities(device)  # cached with no tier forced: begin_step() asks it per step
     waits0 = [_batch_waits(eng.setup) for eng in engines]
-    cuda = device.type == "cuda"
     prep: list[list[float]] = [[] for _ in engines]
     bufw: list[list[float]] = [[] for _ in engines]
     secs: list[list[tuple[float, ...]]] = [[] for _ in engines]
-    prev: list[Any] = [None] * len(engines)
-    clock = time.perf_counter
-    k = len(engines)
+    turns, clock = Lockstep(len(engines), device, busy_cycles), time.perf_counter
     for i, plan in enumerate(plans):
         if before_step is not None:  # (engine_profile: hooks the engines' parts after the warm-up)
             before_step(i, engines)
-        for j in range(k):
-            e = (i + j) % k
+        for e in turns.order(i):
             eng = engines[e]
-            if cuda and not busy_cycles:  # idle: everything queued so far is done
-                done = torch.cuda.Event()
-                done.record()
-                _wait(done)
+            turns.before()
             t0 = clock()
             if eng.setup.layer not in ("vllm", "floor"):
                 stagebuf.begin_step(device)
             t1 = clock()
             p, b = eng.prepare(plan)
             eng.finish(plan, busy_cycles)
-            if cuda and busy_cycles:
-                ev = torch.cuda.Event()
-                ev.record()
-                if prev[e] is not None:
-                    _wait(prev[e])
-                prev[e] = ev
+            turns.after(e)
             if i >= warmup:
                 prep[e].append(p + (t1 - t0) * 1e6)
                 bufw[e].append(b)
                 secs[e].append(eng.sections)
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
-    out: dict[str, dict[str, Any]] = {}
+    out = {}
     for e, eng in enumerate(engines):
+        waits = 0 if isinstance(eng, FloorEngine) else _guard_waits(eng) + _batch_waits(eng.setup) - waits0[e]
         out[eng.setup.name] = {
-            "prep_us": float(np.median(prep[e])),
-            "buffer_us": float(np.median(bufw[e])),
-            "prep_mean_us": float(np.mean(prep[e])),
-            "buffer_mean_us": float(np.mean(bufw[e])),
+            "prep_us": float(np.median(prep[e])), "buffer_us": float(np.median(bufw[e])),
+            "prep_mean_us": float(np.mean(prep[e])), "buffer_mean_us": float(np.mean(bufw[e])),
             "steps": len(prep[e]),
             # mean µs per step of each part of the buffer work
             "sections_us": dict(zip(SECTIONS, (float(x) * 1e6 for x in np.mean(np.array(secs[e]), axis=0)))),
-            "guard_waits": 0
-            if isinstance(eng, FloorEngine)
-            else _guard_waits(eng) + _batch_waits(eng.setup) - waits0[e],
-        }
+            "guard_waits": waits,
+        }  # fmt: skip
     return out
-
-
-SECTIONS = ("request_writes", "sampler_publish", "block_tables", "per_step_copies")
-"""The parts of the buffer work: RequestState.apply_staged_writes (steps with arrivals), the
-sampler's five publishes (own API: one DeviceParamTable sync for them and the request lengths),
-BlockTables.apply_staged_writes (own API: every staged write of the step in one fused apply, and
-num_blocks), idx_mapping and query_start_loc to the device."""
-
-PARAMS = ("temperature", "top_k", "top_p", "min_p", "seeds")
-"""SamplingStates' per-request parameters (UvaBackedTensors published every step)."""
 
 
 def _guard_waits(eng: Engine) -> int:
     """Waits of the slot guard over every stagebuf object of an engine (0 for vLLM's layer)."""
     objs: list[Any] = [eng.stager, eng.writer, getattr(eng, "params", None), eng.block_tables.num_blocks]
-    objs += eng.block_tables.block_tables
-    objs += [v for x in (eng.req_states, eng.sampling) for v in vars(x).values()]
-    total = 0
-    for obj in objs:
-        st = getattr(obj, "stats", None)
-        if callable(st):
-            total += int(st().get("guard_waits", 0))
-    return total
+    objs += eng.block_tables.block_tables + [
+        v for x in (eng.req_states, eng.sampling) for v in vars(x).values()
+    ]
+    return sum(int(o.stats().get("guard_waits", 0)) for o in objs if callable(getattr(o, "stats", None)))
 
 
 def _batch_waits(setup: Setup) -> int:
@@ -762,61 +642,48 @@ def _batch_waits(setup: Setup) -> int:
         return 0
     from stagebuf._engines.vllm_step_batch import BATCHES
 
-    mine = [b for (_, tier), b in BATCHES.items() if tier.name.lower() == setup.tier]
-    return sum(b.stager.stats()["guard_waits"] for b in mine)
+    return sum(
+        b.stager.stats()["guard_waits"] for (_, t), b in BATCHES.items() if t.name.lower() == setup.tier
+    )
 
 
-def setups(cuda: bool, have_uva: bool, have_pinned: bool) -> list[Setup]:
-    out: list[Setup] = []
-    if cuda:
-        out.append(Setup("vllm", "uva"))
-        out.append(Setup("vllm", "nopin"))
-        tiers = [t for t, ok in (("uva", have_uva), ("pinned", have_pinned), ("pageable", True)) if ok]
-    else:
-        out.append(Setup("vllm", "uva"))
-        tiers = ["host", "pageable"]
-    for api in ("dropin", "own"):
-        out.extend(Setup("stagebuf", t, api) for t in tiers)
-    out.extend(Setup("step", t) for t in tiers)
-    out.append(Setup("floor", "floor"))
-    return out
+def setups(tier_names: list[str], cuda: bool) -> list[Setup]:
+    """Every setup on a device with ``tier_names``: vLLM's layer (``nopin`` too on a GPU), stagebuf's
+    classes and own API and step mode on each tier, and the floor."""
+    out = [Setup("vllm", "uva"), *([Setup("vllm", "nopin")] if cuda else [])]
+    out += [Setup("stagebuf", t, api) for api in ("dropin", "own") for t in tier_names]
+    return [*out, *(Setup("step", t) for t in tier_names), Setup("floor", "floor")]
 
 
 def part_bytes(plan: StepPlan, cfg: TraceConfig) -> tuple[int, int, int, int]:
-    """The bytes each part of a step's buffer work must get to the device (``SECTIONS``' order).
-
-    Request writes (steps with arrivals): each new request's token ids and its five lengths.
-    Sampler publishes: each new request's five parameters (4 + 4 + 4 + 4 + 8 bytes). Block tables:
-    every new block id and each edited request's block count per group. Per-step copies:
-    ``idx_mapping`` (int64) and ``query_start_loc`` (int32, ``max_num_reqs + 1``).
-    """
+    """The bytes each part of a step's buffer work must get to the device (``SECTIONS``' order): each new
+    request's token ids and five lengths; its five sampling parameters (4 + 4 + 4 + 4 + 8 bytes); every new
+    block id and each edited request's block count per group; ``idx_mapping`` (int64) and
+    ``query_start_loc`` (int32, ``max_num_reqs + 1``)."""
     g = len(cfg.block_sizes)
-    req = sum(4 * (len(n.token_ids) + 5) for n in plan.new)
-    sampler = 24 * len(plan.new)
     blocks = [n.block_ids for n in plan.new] + [b for _, _, b in plan.cached if b is not None]
+    req = sum(4 * (len(n.token_ids) + 5) for n in plan.new)
     bt = sum(4 * (sum(len(x) for x in ids) + g) for ids in blocks)
-    return req, sampler, bt, 8 * len(plan.order) + 4 * (cfg.max_num_reqs + 1)
+    return req, 24 * len(plan.new), bt, 8 * len(plan.order) + 4 * (cfg.max_num_reqs + 1)
 
 
 class FloorEngine:
-    """The floor of each part of a step's buffer work: its bytes (``part_bytes``) packed into one
-    pinned buffer, one host-to-device copy and one launch (a part with no bytes costs nothing).
-    Run in lockstep with the engines, so it sees the same machine and the same GPU load."""
+    """The floor of each part of a step's buffer work: its bytes (``part_bytes``) packed into one pinned
+    buffer, one host-to-device copy and one launch (a part with no bytes costs nothing). Run in lockstep with
+    the engines, so it sees the same machine and the same GPU load."""
 
     def __init__(self, cfg: TraceConfig, device: torch.device):
         self.setup, self.cfg, self.device = Setup("floor", "floor"), cfg, device
         n = 1 << 22
-        cuda = device.type == "cuda"
         self.src = np.ones(n, np.uint8)
-        self.host = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
+        self.host = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.host_np = self.host.numpy()
         self.dev = torch.empty(n, dtype=torch.uint8, device=device)
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         self.sections: tuple[float, ...] = (0.0,) * 4
 
     def prepare(self, plan: StepPlan) -> tuple[float, float]:
-        clock = time.perf_counter
-        secs = []
+        clock, secs = time.perf_counter, []
         for nbytes in part_bytes(plan, self.cfg):
             t = clock()
             if nbytes:
@@ -825,113 +692,63 @@ class FloorEngine:
                 self.flag.add_(1)
             secs.append(clock() - t)
         self.sections = tuple(secs)
-        total = sum(secs) * 1e6
-        return total, total
+        return sum(secs) * 1e6, sum(secs) * 1e6
 
     def finish(self, plan: StepPlan, sleep_cycles: int) -> None:
         if sleep_cycles and self.device.type == "cuda":
             torch.cuda._sleep(sleep_cycles)
 
 
-def bench(
-    device: torch.device,
-    groups: tuple[int, ...] = (1, 2),
-    repeats: int = 3,
-    steps: int = 150,
-    warmup: int = 30,
-    busy_ms: float = 3.0,
-    check_steps: int = 150,
-    log: Callable[[str], None] = print,
-    release: str = vllm_mrv2.NEWEST,
-) -> dict[str, Any]:
-    """The whole engine workload on vLLM ``release``: identical-inputs checks, then interleaved timed
-    repeats."""
-    import stagebuf
+BLOCK_SIZES = (16, 32, 16, 64)
+"""KV-cache groups' block sizes: group 0 full attention, group 1 e.g. a sliding-window group."""
 
+
+def bench(
+    device: torch.device, groups: tuple[int, ...] = (1, 2), repeats: int = 3, steps: int = 150,
+    warmup: int = 30, busy_ms: float = 3.0, check_steps: int = 150, log: Callable[[str], None] = print,
+    release: str = vllm_mrv2.NEWEST,
+) -> dict[str, Any]:  # fmt: skip
+    """The whole engine workload on vLLM ``release``: identical-inputs checks of every setup (idle and busy
+    GPU), then interleaved timed repeats."""
     cuda = device.type == "cuda"
-    have = {t: False for t in ("uva", "pinned")}
-    if cuda:
-        caps = stagebuf.capabilities(device)
-        have["uva"] = caps.tier is stagebuf.Tier.UVA
-        have["pinned"] = caps.tier <= stagebuf.Tier.PINNED
-    all_setups = setups(cuda, have["uva"], have["pinned"])
+    all_setups = setups(tiers(device) if cuda else ["host", "pageable"], cuda)
     cycles = sleep_cycles_for(busy_ms, device) if cuda else 0
     modes = (False, True) if cuda else (False,)
+    trace = {k: v for k, v in vars(TraceConfig()).items() if k not in ("block_sizes", "steps")}
     out: dict[str, Any] = {
-        "vllm_version": release,
-        "trace": {k: v for k, v in vars(TraceConfig()).items() if k not in ("block_sizes", "steps")},
-        "busy_ms": busy_ms if cuda else 0,
-        "steps": steps,
-        "warmup": warmup,
-        "repeats": repeats,
-        "setups": [s.name for s in all_setups],
-        "checks": [],
+        "vllm_version": release, "trace": trace, "busy_ms": busy_ms if cuda else 0, "steps": steps,
+        "warmup": warmup, "repeats": repeats, "setups": [s.name for s in all_setups], "checks": [],
         "runs": {},
-    }
+    }  # fmt: skip
     try:
         for g in groups:
             cfg = TraceConfig(block_sizes=BLOCK_SIZES[:g], steps=max(steps, check_steps))
             out.setdefault("block_sizes", {})[g] = list(cfg.block_sizes)
             plans = make_trace(cfg)
             for s in all_setups:
-                if s.layer == "vllm" and s.tier == "uva" or s.layer == "floor":
-                    continue
-                for busy in modes:
-                    cyc = cycles if busy else 0
-                    r = check(s, cfg, device, cyc, trace=plans[:check_steps], release=release)
-                    r.update(groups=g, busy=busy)
-                    out["checks"].append(r)
+                for busy in modes if s.name not in ("vllm_uva", "floor") else ():
+                    r = check(
+                        s, cfg, device, cycles if busy else 0, trace=plans[:check_steps], release=release
+                    )
+                    out["checks"].append(r | {"groups": g, "busy": busy})
                     log(f"check {s.name} groups={g} busy={busy}: {len(r['mismatches'])} mismatches")
             for rep in range(repeats):
                 for busy in modes:
                     res = run_lockstep(
-                        all_setups, cfg, device, plans[:steps], cycles if busy else 0, warmup, release=release
+                        all_setups, cfg, device, plans[:steps], cycles * busy, warmup, release=release
                     )
                     for name, r in res.items():
                         out["runs"].setdefault(f"{name}|g{g}|{'busy' if busy else 'idle'}", []).append(r)
                 log(f"engine groups={g}: repeat {rep + 1}/{repeats} done")
     finally:
         close_plugin_modules()  # the step setups' vLLM modules and patch
-    out["medians"] = {
-        k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
-        for k, v in out["runs"].items()
-    }
+    out["medians"] = {k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
+                      for k, v in out["runs"].items()}  # fmt: skip
     out["identical_inputs"] = all(not c["mismatches"] for c in out["checks"])
     return out
 
 
-BLOCK_SIZES = (16, 32, 16, 64)
-"""KV-cache groups' block sizes: group 0 full attention, group 1 e.g. a sliding-window group."""
-
-
-def _entry(description: str, value: float | None, op: str, goal: float, note: str | None = None,
-           missing: str = "") -> dict[str, Any]:  # fmt: skip
-    """A target in the bench report's form (as ``bench._ratio`` makes them)."""
-    e: dict[str, Any] = {"description": description, "workload": "engine", "op": op, "target": goal}
-    if value is None:
-        e.update(
-            measured=None, passed=None, skipped=f"not measured in this run{': ' + missing if missing else ''}"
-        )
-        return e
-    e.update(measured=round(value, 4), passed=value <= goal if op == "<=" else value >= goal)
-    if note:
-        e["worst_note"] = note
-    return e
-
-
-def _floor_why(meds: dict[str, Any], runs: dict[str, Any], setup: str, g: int) -> str:
-    """The part of ``setup``'s buffer work furthest above its floor (busy GPU, last run), in one line."""
-    mine, floor = (
-        runs.get(f"{setup}|g{g}|busy") or runs.get(f"{setup}|g{g}|idle"),
-        runs.get(f"floor|g{g}|busy"),
-    )
-    if not mine or not floor:
-        return ""
-    a, f = mine[-1]["sections_us"], floor[-1]["sections_us"]
-    part = max(SECTIONS, key=lambda k: a.get(k, 0) - f.get(k, 0))
-    mine_us, floor_us = a.get(part, 0), f.get(part, 0)
-    return f"most above the floor: {part} {mine_us:.1f} µs against {floor_us:.1f} µs ({setup}, {g}g)"
-
+# --- the targets ----------------------------------------------------------------------------------
 
 GOALS: dict[str, dict[str, float]] = {
     "0.33.0": {"step_uva_vs_vllm_uva": 0.4, "step_pageable_vs_vllm_uva": 0.5, "dropin_uva_vs_vllm_uva": 0.7,
@@ -939,200 +756,123 @@ GOALS: dict[str, dict[str, float]] = {
     "0.34.0": {"step_uva_vs_vllm_uva": 0.5, "step_pageable_vs_vllm_uva": 0.6, "dropin_uva_vs_vllm_uva": 0.9,
                "dropin_pageable_vs_vllm_nopin": 0.7},
 }  # fmt: skip
-"""The engine goals that differ by the peer's release (the others are the same for every release); a
-release without an entry takes the newest entry's."""
+"""The engine goals that differ by the peer's release (else :data:`RATIOS`'); a release without an entry
+takes the newest entry's."""
+RATIOS = (  # name, numerator, denominator, goal, which time, what it compares
+    ("step_uva_vs_vllm_uva", "stagebuf_step_uva", "vllm_uva", 0.4, "buffer_us",
+     "step mode (STAGEBUF_VLLM=step) on UVA / vLLM's own layer on UVA"),
+    ("step_pageable_vs_vllm_uva", "stagebuf_step_pageable", "vllm_uva", 0.5, "buffer_us",
+     "step mode on PAGEABLE (no pinned memory) / vLLM's own layer on UVA (bare metal)"),
+    ("step_prep_vs_vllm_uva", "stagebuf_step_uva", "vllm_uva", 0.75, "prep_us",
+     "the whole host preparation, step mode on UVA / vLLM's own layer on UVA"),
+    ("dropin_uva_vs_vllm_uva", "stagebuf_dropin_uva", "vllm_uva", 0.7, "buffer_us",
+     "stagebuf's classes in vLLM's place (STAGEBUF_VLLM=1) on UVA / vLLM's own layer on UVA"),
+    ("own_uva_vs_vllm_uva", "stagebuf_own_uva", "vllm_uva", 0.5, "buffer_us",
+     "stagebuf's own API on UVA / vLLM's own layer on UVA"),
+    ("dropin_pageable_vs_vllm_nopin", "stagebuf_dropin_pageable", "vllm_nopin", 0.6, "buffer_us",
+     "stagebuf's classes on PAGEABLE / vLLM's NonUvaBuffer fallback (no pinned memory)"),
+    ("own_pageable_vs_vllm_uva", "stagebuf_own_pageable", "vllm_uva", 1.0, "buffer_us",
+     "stagebuf's own API on PAGEABLE (no pinned memory) / vLLM's own layer on UVA (bare metal)"),
+)  # fmt: skip
 
 
-def release_suffix(release: str) -> str:
-    """The suffix of a target measured against vLLM ``release``: ``_v034`` for 0.34.x."""
-    major, minor = release.split(".")[:2]
-    return f"_v{int(major)}{int(minor):02d}"
+def _part_means(runs: dict[str, Any], setup: str, g: int, mode: str = "busy") -> dict[str, float]:
+    """Mean µs a step of each part of ``setup``'s buffer work over its runs (``mode``, else idle)."""
+    rs = runs.get(f"{setup}|g{g}|{mode}") or runs.get(f"{setup}|g{g}|idle") or []
+    return {k: float(np.mean([r["sections_us"].get(k, 0) for r in rs])) if rs else 0.0 for k in SECTIONS}
 
 
-def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """The engine and vs-vLLM targets, ratios of medians measured in one run, each with pass/fail.
+def _last(runs: dict[str, Any], setup: str, g: int, mode: str = "busy") -> dict[str, float]:
+    """The last run's µs a step of each part (``mode``, else idle)."""
+    rs = runs.get(f"{setup}|g{g}|{mode}") or runs.get(f"{setup}|g{g}|idle")
+    return rs[-1]["sections_us"] if rs else {}
 
-    An engine ratio is measured on the idle and the busy GPU (``measured_idle``, ``measured_busy``);
-    ``measured`` is the worse of the two, so a target passes only where both pass. Each engine target's
-    name ends in its peer's release (``_v034``), and its goal is that release's (:data:`GOALS`).
-    """
+
+def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """The engine targets, ratios of medians of one run, each measured on the idle and the busy GPU
+    (``measured_idle``, ``measured_busy``; ``measured`` is the worse). Each name ends in the peer's release
+    (``_v034``) and its goal is that release's (:data:`GOALS`). (``micro``: the vs-vLLM run, whose targets
+    :func:`benchmarks.vs_vllm.targets` makes.)"""
     res = res or {}
-    out: dict[str, dict[str, Any]] = {}
-    meds = res.get("medians", {})
-    runs = res.get("runs", {})
+    meds, runs, out = res.get("medians", {}), res.get("runs", {}), {}
     groups = sorted({int(k.split("|")[1][1:]) for k in meds}) or [1, 2]
     sb = [s for s in res.get("setups", []) if s.startswith("stagebuf_")]
-    gpu = "needs a GPU"
-    release = (micro or {}).get("vllm_version") or res.get("vllm_version") or vllm_mrv2.NEWEST
-    peer = ".".join(str(release).split(".")[:2])  # the peer's release in the descriptions, as "0.34"
-    eng_release = res.get("vllm_version") or vllm_mrv2.NEWEST
-    sfx = release_suffix(eng_release)
-    goals = GOALS.get(eng_release) or GOALS[max(GOALS, key=lambda r: tuple(map(int, r.split("."))))]
+    release = res.get("vllm_version") or vllm_mrv2.NEWEST
+    sfx = release_suffix(release)
+    goals = GOALS.get(release) or GOALS[max(GOALS, key=lambda r: tuple(map(int, r.split("."))))]
 
     def ratio(num: str, den: str, g: int, m: str, what: str = "buffer_us") -> float | None:
         a, b = meds.get(f"{num}|g{g}|{m}"), meds.get(f"{den}|g{g}|{m}")
         return None if not a or not b else a[what] / b[what]
 
-    def both(num: str, den: str, g: int, what: str = "buffer_us") -> tuple[float | None, dict[str, float]]:
-        got = {m: ratio(num, den, g, m, what) for m in ("idle", "busy")}
-        have = {m: round(v, 4) for m, v in got.items() if v is not None}
-        return (max(have.values()) if have else None), {f"measured_{m}": v for m, v in have.items()}
+    def entry(what: str, value: float | None, goal: float, note: str | None = None) -> dict[str, Any]:
+        return T.target(what, "engine", value, "<=", goal, note, "needs a GPU")
 
-    worst: tuple[float, str] | None = None
-    at = ("", 0)  # the worst setup and its KV groups
+    worst: tuple[float, str, str, int] | None = None  # the worst setup and its KV groups
     for g in groups:
         base = meds.get(f"vllm_uva|g{g}|busy"), meds.get(f"vllm_uva|g{g}|idle")
-        if not all(base):
-            continue
-        vllm_r = base[0]["prep_us"] / base[1]["prep_us"]
-        for s in sb:
+        for s in sb if all(base) else ():
             busy, idle = meds.get(f"{s}|g{g}|busy"), meds.get(f"{s}|g{g}|idle")
-            if busy and idle:
-                r = busy["prep_us"] / idle["prep_us"] - vllm_r
-                if worst is None or r > worst[0]:
-                    worst = (r, f"{s}, {g} KV groups: busy/idle {busy['prep_us'] / idle['prep_us']:.3f}, "
-                                f"vLLM UVA's {vllm_r:.3f}")  # fmt: skip
-                    at = (s, g)
-    e = out[f"engine_busy_ratio_vs_vllm{sfx}"] = _entry(
+            vllm_r = base[0]["prep_us"] / base[1]["prep_us"]  # type: ignore[index]
+            if busy and idle and (worst is None or busy["prep_us"] / idle["prep_us"] - vllm_r > worst[0]):
+                note = (f"{s}, {g} KV groups: busy/idle {busy['prep_us'] / idle['prep_us']:.3f}, vLLM UVA's "
+                        f"{vllm_r:.3f}")  # fmt: skip
+                worst = (busy["prep_us"] / idle["prep_us"] - vllm_r, note, s, g)
+    e = out[f"engine_busy_ratio_vs_vllm{sfx}"] = entry(
         "engine: host preparation busy/idle (3 ms forward stand-in, two steps in flight) of a stagebuf "
         "setup, minus vLLM UVA's busy/idle in the same run; worst stagebuf setup x KV groups",
-        None if worst is None else worst[0], "<=", 0.05, None if worst is None else worst[1], gpu,
-    )  # fmt: skip
-    busy_runs, idle_runs = runs.get(f"{at[0]}|g{at[1]}|busy"), runs.get(f"{at[0]}|g{at[1]}|idle")
-    if e.get("passed") is False and busy_runs and idle_runs:
-        b, i = busy_runs[-1]["sections_us"], idle_runs[-1]["sections_us"]
+        worst and worst[0], 0.05, worst and worst[1])  # fmt: skip
+    if e.get("passed") is False and worst is not None:
+        b, i = _last(runs, worst[2], worst[3]), _last(runs, worst[2], worst[3], "idle")
         part = max(SECTIONS, key=lambda k: b.get(k, 0) - i.get(k, 0))
-        waits = sum(r.get("guard_waits", 0) for r in busy_runs)
-        e["why"] = (
-            f"the part that grows most on the busy GPU ({at[0]}, {at[1]}g, last run, mean µs a step): {part} "
-            f"{i.get(part, 0):.1f} -> {b.get(part, 0):.1f}; guard waits in its busy runs: {waits}"
+        waits = sum(r.get("guard_waits", 0) for r in runs.get(f"{worst[2]}|g{worst[3]}|busy", []))
+        e[T.REASON] = (
+            f"the part that grows most on the busy GPU ({worst[2]}, {worst[3]}g, last run, mean µs a step): "
+            f"{part} {i.get(part, 0):.1f} -> {b.get(part, 0):.1f}; guard waits in its busy runs: {waits}"
         )
-    rows = (
-        ("step_uva_vs_vllm_uva", "stagebuf_step_uva", "vllm_uva", 0.4, "buffer_us",
-         "step mode (STAGEBUF_VLLM=step) on UVA / vLLM's own layer on UVA"),
-        ("step_pageable_vs_vllm_uva", "stagebuf_step_pageable", "vllm_uva", 0.5, "buffer_us",
-         "step mode on PAGEABLE (no pinned memory) / vLLM's own layer on UVA (bare metal)"),
-        ("step_prep_vs_vllm_uva", "stagebuf_step_uva", "vllm_uva", 0.75, "prep_us",
-         "the whole host preparation, step mode on UVA / vLLM's own layer on UVA"),
-        ("dropin_uva_vs_vllm_uva", "stagebuf_dropin_uva", "vllm_uva", 0.7, "buffer_us",
-         "stagebuf's classes in vLLM's place (STAGEBUF_VLLM=1) on UVA / vLLM's own layer on UVA"),
-        ("own_uva_vs_vllm_uva", "stagebuf_own_uva", "vllm_uva", 0.5, "buffer_us",
-         "stagebuf's own API on UVA / vLLM's own layer on UVA"),
-        ("dropin_pageable_vs_vllm_nopin", "stagebuf_dropin_pageable", "vllm_nopin", 0.6, "buffer_us",
-         "stagebuf's classes on PAGEABLE / vLLM's NonUvaBuffer fallback (no pinned memory)"),
-        ("own_pageable_vs_vllm_uva", "stagebuf_own_pageable", "vllm_uva", 1.0, "buffer_us",
-         "stagebuf's own API on PAGEABLE (no pinned memory) / vLLM's own layer on UVA (bare metal)"),
-    )  # fmt: skip
-    for name, num, den, goal, what, text in rows:
-        goal = goals.get(name, goal)
+    for name, num, den, goal, what, text in RATIOS:
         for g in groups:
-            v, extra = both(num, den, g, what)
-            e = _entry(
-                f"engine {'buffer work' if what == 'buffer_us' else 'host preparation'}, {g} KV "
-                f"group{'s' if g > 1 else ''}, idle and busy GPU (the worse): {text}",
-                v, "<=", goal, missing=gpu,
-            )  # fmt: skip
-            e.update(extra)
-            if e.get("passed") is False:
-                e["why"] = _floor_why(meds, runs, num, g)
-            if name == "dropin_uva_vs_vllm_uva" and e.get("passed") and eng_release in GOALS:
-                slower = _slower_parts(runs, num, den, g)
-                if slower:  # the goal adds: no part slower than vLLM's own
-                    e.update(passed=False, why=f"slower than vLLM's own in {slower}")
-            out[f"engine_{name}_g{g}{sfx}"] = e
-    worst_f: tuple[float, str] | None = None
-    for g in groups:
-        for s in (x for x in sb if x.startswith("stagebuf_step_")):
-            for m in ("idle", "busy"):
-                v = ratio(s, "floor", g, m)
-                if v is not None and (worst_f is None or v > worst_f[0]):
-                    worst_f = (v, f"{s}, {g} KV groups, {m}")
-    e = _entry(
+            got = {m: round(v, 4) for m in ("idle", "busy") if (v := ratio(num, den, g, m, what)) is not None}
+            kind = "buffer work" if what == "buffer_us" else "host preparation"
+            e = out[f"engine_{name}_g{g}{sfx}"] = entry(
+                f"engine {kind}, {g} KV group{'s' if g > 1 else ''}, idle and busy GPU (the worse): {text}",
+                max(got.values()) if got else None, goals.get(name, goal))  # fmt: skip
+            e.update({f"measured_{m}": v for m, v in got.items()})
+            mine, floor = _last(runs, num, g), runs.get(f"floor|g{g}|busy")
+            if e.get("passed") is False and mine and floor:
+                f = floor[-1]["sections_us"]
+                part = max(SECTIONS, key=lambda k: mine.get(k, 0) - f.get(k, 0))
+                e[T.REASON] = (f"most above the floor: {part} {mine.get(part, 0):.1f} µs against "
+                               f"{f.get(part, 0):.1f} µs ({num}, {g}g)")  # fmt: skip
+            a, b = _part_means(runs, num, g), _part_means(runs, den, g)
+            slower = "; ".join(
+                f"{k} {a[k]:.1f} µs against {b[k]:.1f}" for k in SECTIONS if b[k] and a[k] > 1.05 * b[k]
+            )
+            if name == "dropin_uva_vs_vllm_uva" and e.get("passed") and release in GOALS and slower:
+                e.update(
+                    passed=False, why=f"slower than vLLM's own in {slower}"
+                )  # the goal adds: no part slower
+    steps = [(v, f"{s}, {g} KV groups, {m}") for g in groups for s in sb if s.startswith("stagebuf_step_")
+             for m in ("idle", "busy") if (v := ratio(s, "floor", g, m)) is not None]  # fmt: skip
+    w = max(steps, default=None)
+    out[f"engine_step_vs_floor{sfx}"] = entry(
         "engine: step mode's buffer work / the summed floor of its parts (each part's bytes in one packed "
         "transfer plus one launch, measured in the same run); worst tier x KV groups x idle/busy",
-        None if worst_f is None else worst_f[0], "<=", 4.0, None if worst_f is None else worst_f[1], gpu,
-    )  # fmt: skip
-    out[f"engine_step_vs_floor{sfx}"] = e
-    med = (micro or {}).get("median_us", {})
-    cells = {c: d for c, d in med.items() if c.startswith("writes|") and "stagebuf_uva" in d}
-    rs = {c.split("|")[1]: d["stagebuf_uva"] / d["vllm_uva"] for c, d in cells.items()}
-    w = max(rs.items(), key=lambda kv: kv[1]) if rs else None
-    e = out["vllm_staged_write_per_cell"] = _entry(
-        f"StagedWriteTensor, E stage_write calls of L values + apply_write: stagebuf UVA / vLLM {peer}'s "
-        "on UVA, worst E x L cell",
-        None if w is None else w[1], "<=", 0.6, None if w is None else f"E x L = {w[0]}", "needs a GPU",
-    )  # fmt: skip
-    if w is not None and e["passed"] is False:
-        d, st = cells[f"writes|{w[0]}"], med.get(f"stage|{w[0]}", {})
-        parts = [
-            f"{who} {d[p]:.1f} µs" + (f" ({st[p]:.1f} staging + {d[p] - st[p]:.1f} apply)" if p in st else "")
-            for who, p in (("stagebuf", "stagebuf_uva"), (f"vLLM {peer}", "vllm_uva"))
-        ]
-        e["why"] = f"E x L = {w[0]}: {' against '.join(parts)}"
-    for case, label in (
-        ("pool|k8", "UvaBufferPool.copy_to_uva"),
-        ("backed|k8", "UvaBackedTensor.copy_to_uva"),
-    ):
-        d = med.get(case, {})
-        v = d["stagebuf_uva"] / d["vllm_uva"] if "stagebuf_uva" in d and d.get("vllm_uva") else None
-        e = out[f"vllm_{case.split('|')[0]}_copy_to_uva"] = _entry(
-            f"{label}, 8 per step of 256 int32: stagebuf UVA / vLLM {peer}'s on UVA", v, "<=", 0.8,
-            missing="needs a GPU",
-        )  # fmt: skip
-        one = med.get(case.replace("k8", "k1"), {})
-        if e.get("passed") is False and "stagebuf_uva" in one and "vllm_uva" in one:
-            ours, theirs = d["stagebuf_uva"] / 8, d["vllm_uva"] / 8
-            e["why"] = (
-                f"a call: {ours:.2f} µs against vLLM's {theirs:.2f}; with one call a step (each pays the "
-                f"slot guard's event record and query) {one['stagebuf_uva']:.1f} against "
-                f"{one['vllm_uva']:.1f}: vLLM's has no guard"
-            )
-    both_uva = ("stagebuf_uva", "vllm_uva")
-    prompts = {c: d for c, d in med.items() if c.startswith("prompt|") and all(p in d for p in both_uva)}
-    pr = {c.split("|", 1)[1]: d["stagebuf_uva"] / d["vllm_uva"] for c, d in prompts.items() if d["vllm_uva"]}
-    wp = max(pr.items(), key=lambda kv: kv[1]) if pr else None
-    e = out[f"vllm_stage_prompt{release_suffix(release)}"] = _entry(
-        f"StagedWriteTensor.stage_write of one prompt + apply_write (as vLLM {peer} passes it, an ndarray or "
-        f"a list; 16 to 131 072 tokens): stagebuf UVA / vLLM {peer}'s on UVA, worst cell",
-        None if wp is None else wp[1], "<=", 1.0, None if wp is None else wp[0], "needs a GPU",
-    )  # fmt: skip
-    if wp is not None and e["passed"] is False:
-        d = prompts[f"prompt|{wp[0]}"]
-        e["why"] = f"{wp[0]}: stagebuf {d['stagebuf_uva']:.1f} µs against vLLM {peer}'s {d['vllm_uva']:.1f}"
+        w and w[0], 4.0, w and w[1])  # fmt: skip
     return out
 
 
-def _slower_parts(runs: dict[str, Any], num: str, den: str, g: int) -> str:
-    """The parts of the engine step where ``num`` spends more than ``den`` (busy GPU, mean µs a step over
-    the runs), as text; empty where none is slower by more than 5%."""
-
-    def part_means(setup: str) -> dict[str, float]:
-        rs = runs.get(f"{setup}|g{g}|busy") or runs.get(f"{setup}|g{g}|idle") or []
-        return {k: float(np.mean([r["sections_us"].get(k, 0) for r in rs])) if rs else 0.0 for k in SECTIONS}
-
-    a, b = part_means(num), part_means(den)
-    slow = [f"{k} {a[k]:.1f} µs against {b[k]:.1f}" for k in SECTIONS if b[k] and a[k] > 1.05 * b[k]]
-    return "; ".join(slow)
-
-
 def sync_check(
-    setup: Setup,
-    cfg: TraceConfig,
-    device: torch.device,
-    warmup: int = 20,
-    busy_cycles: int = 0,
+    setup: Setup, cfg: TraceConfig, device: torch.device, warmup: int = 20, busy_cycles: int = 0,
     release: str = vllm_mrv2.NEWEST,
-) -> str | None:
-    """Run the trace with ``torch.cuda.set_sync_debug_mode("error")`` after ``warmup`` steps.
-
-    Returns None, or the error of the first synchronising call (with the step it happened in).
-    """
-    plans = make_trace(cfg)
+) -> str | None:  # fmt: skip
+    """Run the trace with ``torch.cuda.set_sync_debug_mode("error")`` after ``warmup`` steps: None, or the
+    error of the first synchronising call (with the step it happened in)."""
     with stagebuf_tier(_tier_of(setup)):
         eng = Engine(setup, cfg, device, release)
         prev: Any = None
         try:
-            for i, plan in enumerate(plans):
+            for i, plan in enumerate(make_trace(cfg)):
                 if i == warmup:
                     torch.cuda.synchronize(device)
                     torch.cuda.set_sync_debug_mode("error")
@@ -1155,117 +895,25 @@ def sync_check(
     return None
 
 
-def _engine_tables(eng: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """One release's engine run as tables (none where it was not run)."""
-    out: list[tuple[str, list[str], list[list[str]]]] = []
-    meds = eng.get("medians", {})
-    if meds:
-        groups = sorted({int(k.split("|")[1][1:]) for k in meds})
-        head = ["setup"] + [
-            f"{g}g {w} {m}" for g in groups for w in ("prep", "buffer") for m in ("idle", "busy")
-        ]
-        rows = []
-        for s in eng.get("setups", []):
-            cells = [s]
-            for g in groups:
-                for w in ("prep_us", "buffer_us"):
-                    for m in ("idle", "busy"):
-                        v = meds.get(f"{s}|g{g}|{m}", {}).get(w)
-                        cells.append("-" if v is None else f"{v:.1f}")
-            rows.append(cells)
-        n_ok = sum(1 for c in eng.get("checks", []) if not c["mismatches"])
-        title = (
-            f"engine: vLLM {eng.get('vllm_version')} MRV2 input path, host µs per step (median of "
-            f"{eng.get('repeats')} interleaved runs of {eng.get('steps', 0) - eng.get('warmup', 0)} steps); "
-            f"identical inputs: {n_ok}/{len(eng.get('checks', []))} checks"
-        )
-        out.append((title, head, rows))
-        srow = []
-        for s in eng.get("setups", []):
-            for g in groups:
-                runs = eng.get("runs", {}).get(f"{s}|g{g}|busy") or eng.get("runs", {}).get(f"{s}|g{g}|idle")
-                if runs:
-                    sec = runs[-1]["sections_us"]
-                    srow.append([f"{s}, {g}g", *(f"{sec.get(k, 0):.1f}" for k in SECTIONS)])
-        out.append(
-            (
-                "engine: buffer work by part, mean µs per step (last run; busy GPU where run)",
-                ["setup", *SECTIONS],
-                srow,
-            )
-        )
-        frow = []
-        for g in groups:
-            fl = eng.get("runs", {}).get(f"floor|g{g}|busy") or eng.get("runs", {}).get(f"floor|g{g}|idle")
-            if not fl:
-                continue
-            f = fl[-1]["sections_us"]
-            for s in eng.get("setups", []):
-                runs = eng.get("runs", {}).get(f"{s}|g{g}|busy") or eng.get("runs", {}).get(f"{s}|g{g}|idle")
-                if not runs or s == "floor":
-                    continue
-                sec = runs[-1]["sections_us"]
-                above = [sec.get(k, 0) - f.get(k, 0) for k in SECTIONS]
-                frow.append([f"{s}, {g}g", *(f"{x:.1f}" for x in above), f"{sum(above):.1f}"])
-            frow.append([f"floor, {g}g", *(f"{f.get(k, 0):.1f}" for k in SECTIONS), f"{sum(f.values()):.1f}"])
-        if frow:
-            out.append(
-                (
-                    "engine: buffer work above the floor (each part's bytes in one packed transfer plus one "
-                    "launch, same run), mean µs per step (last run; busy GPU where run); last row: the floor",
-                    ["setup", *SECTIONS, "total"],
-                    frow,
-                )
-            )
-    return out
-
-
-def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """The engine (each release run) and vs-vLLM results as (title, header, rows) tables, for the console
-    and Markdown."""
-    out: list[tuple[str, list[str], list[list[str]]]] = []
-    for eng in [report.get("engine") or {}, *(report.get("engine_also") or {}).values()]:
-        out += _engine_tables(eng)
-    micro = report.get("vs_vllm") or {}
-    med = micro.get("median_us", {})
-    if med:
-        peers: list[str] = []
-        for d in med.values():
-            peers += [p for p in d if p not in peers]
-        rows = [[c, *(f"{d[p]:.1f}" if p in d else "-" for p in peers)] for c, d in med.items()]
-        rel = micro.get("vllm_version") or eng.get("vllm_version")
-        whose = f"vLLM {rel}'s" if rel else "vLLM's"
-        out.append((f"vs {whose} own classes: host µs per step, idle GPU", ["case", *peers], rows))
-    return out
-
-
 def plugin_vs_dropin(
-    device: torch.device,
-    tiers: tuple[str, ...],
-    repeats: int = 3,
-    steps: int = 150,
-    busy_ms: float = 3.0,
+    device: torch.device, tiers: tuple[str, ...], repeats: int = 3, steps: int = 150, busy_ms: float = 3.0,
     release: str = vllm_mrv2.NEWEST,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     """stagebuf through its vLLM plugin against the direct substitution: identical inputs (each against
     vLLM's own layer, 2 KV groups, busy GPU) and buffer-work timings in lockstep, busy GPU."""
     cycles = sleep_cycles_for(busy_ms, device) if device.type == "cuda" else 0
     cfg = TraceConfig(block_sizes=BLOCK_SIZES[:2], steps=steps)
     plans = make_trace(cfg)
+    pairs = [s for t in tiers for s in (Setup("stagebuf", t), Setup("plugin", t))]
     out: dict[str, Any] = {"checks": {}, "runs": {}}
     try:
-        for t in tiers:
-            for s in (Setup("stagebuf", t), Setup("plugin", t)):
-                r = check(s, cfg, device, cycles, trace=plans, release=release)
-                out["checks"][s.name] = r["mismatches"]
-        pairs = [s for t in tiers for s in (Setup("stagebuf", t), Setup("plugin", t))]
+        for s in pairs:
+            out["checks"][s.name] = check(s, cfg, device, cycles, trace=plans, release=release)["mismatches"]
         for _ in range(repeats):
             for name, r in run_lockstep(pairs, cfg, device, plans, cycles, 30, release=release).items():
                 out["runs"].setdefault(name, []).append({k: r[k] for k in ("prep_us", "buffer_us")})
     finally:
         close_plugin_modules()
-    out["medians"] = {
-        k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
-        for k, v in out["runs"].items()
-    }
+    out["medians"] = {k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
+                      for k, v in out["runs"].items()}  # fmt: skip
     return out

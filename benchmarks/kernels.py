@@ -14,7 +14,6 @@ the last line, in how many cells ``auto`` ran the faster kernel and what it cost
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .engine import env_var, stagebuf_tier
+from .harness import env_var, stagebuf_tier, turns
 
 KERNELS = ("scatter", "triton", "auto")
 ROWS, COLS = 4096, 64
@@ -59,33 +58,26 @@ def writer(device: torch.device, targets: int, edits: int, length: int, kernel: 
 
 
 def cell(device: torch.device, targets: int, edits: int, length: int, steps: int) -> dict[str, Any]:
-    """The median apply (µs) of each kernel, and the kernel ``auto`` ran."""
+    """The median apply (µs) of each kernel (:func:`benchmarks.harness.turns`: the staging untimed, each
+    apply on an idle device), and the kernel ``auto`` ran."""
     sides = [writer(device, targets, edits, length, k) for k in KERNELS]
-    applies: list[Callable[[], None]] = []
+    applies: list[Callable[[int], None]] = []
     for _, w in sides:
         if isinstance(w, tuple):
             fused, ts, ptrs, strides = w
-            applies.append(lambda f=fused, t=ts, p=ptrs, s=strides: f.apply(t, p, s))
+            applies.append(lambda i, f=fused, t=ts, p=ptrs, s=strides: f.apply(t, p, s))
         else:
-            applies.append(w.apply_write)
-    times: list[list[float]] = [[] for _ in KERNELS]
-    warmup, clock = 10, time.perf_counter
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
-    for i in range(warmup + steps):
-        for j in range(len(KERNELS)):
-            s = (i + j) % len(KERNELS)
-            sides[s][0](i)
-            sync(device)
-            t0 = clock()
-            applies[s]()
-            t1 = clock()
-            sync(device)
-            if i >= warmup:
-                times[s].append((t1 - t0) * 1e6)
+            applies.append(lambda i, w=w: w.apply_write())
+    us = turns(applies, device, steps, 10, prep=[stage for stage, _ in sides])
     auto = sides[2][1]
     ran = (auto[0] if isinstance(auto, tuple) else auto).kernel
-    med = {k: float(np.median(t)) for k, t in zip(KERNELS, times)}
-    return {"targets": targets, "edits": edits, "length": length, "us": med, "auto_ran": ran}
+    return {
+        "targets": targets,
+        "edits": edits,
+        "length": length,
+        "us": dict(zip(KERNELS, us)),
+        "auto_ran": ran,
+    }
 
 
 def run(

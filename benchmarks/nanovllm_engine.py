@@ -1,24 +1,17 @@
 """The nano-vllm workload: nano-vllm's own input preparation against stagebuf's, on its own scheduler's trace.
 
-nano-vllm-fork 20260210 (``nanovllm_pkg``) is run as released: its ``Scheduler`` and
-``BlockManager`` schedule a stream of ``Sequence`` arrivals (varied prompt lengths,
-shared prefixes that hit the prefix cache, finishes by EOS or ``max_tokens``, and
-preemption when the KV cache runs short; CFG pairs in a CFG trace), and each step its
-``ModelRunner`` prepares the step as ``run`` does: ``prepare_prefill`` or
-``prepare_decode``, then ``prepare_sample``. The forward pass is a stand-in
-(``torch.cuda._sleep`` on a busy GPU, nothing on an idle one); the "sampled" tokens are
-drawn on the host from the trace's seed, so every setup sees the same trace.
-
-Setups: ``own`` (nano-vllm's code: pinned memory and ``.cuda()``; on a machine without
-CUDA, ``nanovllm_pkg.own_path_on_cpu``) and ``stagebuf_<tier>`` (the same runner after
-``stagebuf.nanovllm.attach``, on a forced tier). ``check()`` compares, every step, every
-tensor the runner hands the model and the sampler and the attention context; with
-``graphs`` it also runs ``run_model`` on captured graphs of a stand-in model (real CUDA
-graphs on a GPU, captured by nano-vllm's own ``capture_cudagraph``; replayed eagerly on
-the CPU) and compares the graphs' static inputs and outputs. ``graph_writes()`` counts
-the device-side writes into the graphs' inputs that ``run_model`` does per decode step.
-The timed runs also time each prefill step's floor (``floor_prefill``: its token lists into
-one array, which every setup does), as the row ``floor``.
+nano-vllm-fork (``nanovllm_pkg``) runs as released: its ``Scheduler`` and ``BlockManager`` schedule a
+seeded stream of ``Sequence`` arrivals (varied prompts, shared prefixes that hit the prefix cache, finishes
+by EOS or ``max_tokens``, preemption when the KV cache runs short; CFG pairs in a CFG trace), and each step
+its ``ModelRunner`` prepares the step as ``run`` does (``prepare_prefill`` or ``prepare_decode``, then
+``prepare_sample``). The forward pass is a stand-in (busy GPU: ``torch.cuda._sleep``); the "sampled" tokens
+are drawn from the trace's seed, so every setup sees the same trace. Setups: ``own`` (nano-vllm's code; on
+a machine without CUDA through ``nanovllm_pkg.own_path_on_cpu``) and ``stagebuf_<tier>`` (the same runner
+after ``stagebuf.nanovllm.attach``, on a forced tier). ``check()`` compares every tensor the runner hands
+the model and the sampler, and the attention context, every step; with ``graphs`` also ``run_model`` on
+captured graphs of a stand-in model (real CUDA graphs on a GPU, replayed eagerly on the CPU).
+``graph_writes()`` counts the device-side writes into the graphs' inputs per decode step. The timed runs
+also time a prefill step's floor (``floor_prefill``: its token lists into one array) as the row ``floor``.
 """
 
 from __future__ import annotations
@@ -35,7 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import nanovllm_pkg as P
-from .engine import _wait, sleep_cycles_for, stagebuf_tier
+from . import targets as T
+from .harness import Lockstep, sleep_cycles_for, stagebuf_tier, tiers
 
 # --- the trace -----------------------------------------------------------------------------------
 
@@ -476,11 +470,8 @@ def check_in_flight(setup: str, cfg: TraceConfig, work: Path, busy_cycles: int) 
 # --- the timed workload --------------------------------------------------------------------------
 
 
-def setups(cuda: bool, have_uva: bool, have_pinned: bool) -> list[str]:
-    if not cuda:
-        return ["own", "stagebuf_host", "stagebuf_pageable"]
-    tiers = [t for t, ok in (("uva", have_uva), ("pinned", have_pinned), ("pageable", True)) if ok]
-    return ["own", *(f"stagebuf_{t}" for t in tiers)]
+def setups(device: torch.device) -> list[str]:
+    return ["own", *(f"stagebuf_{t}" for t in tiers(device))]
 
 
 FLOOR = "floor"
@@ -500,128 +491,96 @@ def floor_prefill(seqs: list[Any]) -> np.ndarray:
 def run_lockstep(
     names: list[str], cfg: TraceConfig, work: Path, busy_cycles: int, warmup: int
 ) -> dict[str, Any]:
-    """One timed run of the trace by every setup in lockstep (as ``engine.run_lockstep``): per step, each
-    setup in a rotating order prepares the same batch (timed: prepare_prefill or prepare_decode, then
-    prepare_sample), then its forward stand-in; busy: two steps in flight per setup. After the setups,
-    a prefill step's floor is timed (``floor_prefill``), reported as the setup ``floor``."""
+    """One timed run of the trace by every setup in lockstep (:class:`benchmarks.harness.Lockstep`): each
+    prepares the same batch (timed: prepare_prefill or prepare_decode, then prepare_sample), then its
+    forward stand-in. After the setups, a prefill step's floor is timed (``floor_prefill``) as ``floor``."""
     import stagebuf
 
     trace = Trace(cfg, work)
     runners = [make_runner(trace, s) for s in names]
     cuda = torch.cuda.is_available()
     times: dict[str, dict[str, list[float]]] = {s: {"prefill": [], "decode": []} for s in [*names, FLOOR]}
-    prev: list[Any] = [None] * len(names)
-    clock = time.perf_counter
-    k = len(names)
+    turns, clock = (
+        Lockstep(len(names), torch.device("cuda" if cuda else "cpu"), busy_cycles),
+        time.perf_counter,
+    )
     i = 0
     while i < cfg.steps and (step := trace.next()) is not None:
         seqs, pre = step
-        for j in range(k):
-            e = (i + j) % k
-            name, r = names[e], runners[e]
-            if cuda and not busy_cycles:
-                done = torch.cuda.Event()
-                done.record()
-                _wait(done)
-            with own_context(name):
+        kind = "prefill" if pre else "decode"
+        for e in turns.order(i):
+            turns.before()
+            with own_context(names[e]):
                 t0 = clock()
-                if name != "own":
+                if names[e] != "own":
                     stagebuf.begin_step()
-                prepare(r, seqs, pre)
+                prepare(runners[e], seqs, pre)
                 t1 = clock()
             trace.nano.context.reset_context()
             if cuda and busy_cycles:
                 torch.cuda._sleep(busy_cycles)
-                ev = torch.cuda.Event()
-                ev.record()
-                if prev[e] is not None:
-                    _wait(prev[e])
-                prev[e] = ev
+            turns.after(e)
             if i >= warmup:
-                times[name]["prefill" if pre else "decode"].append((t1 - t0) * 1e6)
+                times[names[e]][kind].append((t1 - t0) * 1e6)
         if pre:
             t0 = clock()
             floor_prefill(seqs)
-            t1 = clock()
             if i >= warmup:
-                times[FLOOR]["prefill"].append((t1 - t0) * 1e6)
+                times[FLOOR]["prefill"].append((clock() - t0) * 1e6)
         trace.post(seqs)
         i += 1
     if cuda:
         torch.cuda.synchronize()
     return {
-        s: {f"{kind}_us": float(np.median(v)) if v else None for kind, v in d.items()}
-        | {f"{kind}_steps": len(v) for kind, v in d.items()}
+        s: {f"{k}_us": float(np.median(v)) if v else None for k, v in d.items()}
+        | {f"{k}_steps": len(v) for k, v in d.items()}
         for s, d in times.items()
     }
 
 
 def bench(
-    repeats: int = 3,
-    steps: int = 200,
-    warmup: int = 30,
-    busy_ms: float = 3.0,
-    cfg: TraceConfig | None = None,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """The whole workload: identical-input checks (lockstep, graphs, in flight), graph-input writes,
-    then interleaved timed repeats, idle and busy (busy on a GPU only)."""
-    import stagebuf
-
-    cuda = torch.cuda.is_available()
-    have = {"uva": False, "pinned": False}
-    if cuda:
-        caps = stagebuf.capabilities()
-        have = {"uva": caps.tier is stagebuf.Tier.UVA, "pinned": caps.tier <= stagebuf.Tier.PINNED}
-    names = setups(cuda, have["uva"], have["pinned"])
-    cfg = cfg or TraceConfig(steps=steps)
-    cycles = sleep_cycles_for(busy_ms, torch.device("cuda")) if cuda else 0
-    modes = (False, True) if cuda else (False,)
-    threads = torch.get_num_threads()
-    if not cuda:  # as the bench's CPU runs: one thread, an engine's host thread
-        torch.set_num_threads(1)
-    try:
-        return _bench(names, cfg, cycles, modes, repeats, warmup, busy_ms, log)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _bench(
-    names: list[str], cfg: TraceConfig, cycles: int, modes: tuple[bool, ...], repeats: int, warmup: int,
-    busy_ms: float, log: Callable[[str], None],
+    repeats: int = 3, steps: int = 200, warmup: int = 30, busy_ms: float = 3.0,
+    cfg: TraceConfig | None = None, log: Callable[[str], None] = print,
 ) -> dict[str, Any]:  # fmt: skip
+    """The whole workload: identical-input checks (lockstep, graphs, in flight), graph-input writes, then
+    interleaved timed repeats, idle and busy (busy on a GPU only)."""
     import tempfile
 
     cuda = torch.cuda.is_available()
+    names = setups(torch.device("cuda" if cuda else "cpu"))
+    cfg = cfg or TraceConfig(steps=steps)
+    cycles = sleep_cycles_for(busy_ms, torch.device("cuda")) if cuda else 0
+    threads = torch.get_num_threads()
+    if not cuda:  # as the bench's CPU runs: one thread, an engine's host thread
+        torch.set_num_threads(1)
     out: dict[str, Any] = {
         "nanovllm_version": f"{P.DIST} {P.VERSION}",
         "trace": {k: v for k, v in vars(cfg).items() if k != "steps"},
         "steps": cfg.steps, "warmup": warmup, "repeats": repeats, "busy_ms": busy_ms if cuda else 0,
         "setups": names, "checks": [], "graph_writes": {}, "runs": {},
     }  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for s in names[1:]:
-            for graphs in (False, True):
-                r = check(s, replace(cfg, steps=min(cfg.steps, 120)), work, graphs=graphs)
-                out["checks"].append(r)
-                log(
-                    f"nanovllm check {s} graphs={graphs}: {r['steps']} steps, "
-                    f"{len(r['mismatches'])} mismatches"
-                )
-            if cuda:
-                r = check_in_flight(s, replace(cfg, steps=min(cfg.steps, 120)), work, cycles)
-                r["graphs"] = "in flight"
-                out["checks"].append(r)
-                log(f"nanovllm in-flight check {s}: {len(r['mismatches'])} mismatches")
-        for s in names:
-            out["graph_writes"][s] = graph_writes(s, replace(cfg, steps=60), work)
-        for rep in range(repeats):
-            for busy in modes:
-                res = run_lockstep(names, cfg, work, cycles if busy else 0, warmup)
-                for name, r in res.items():
-                    out["runs"].setdefault(f"{name}|{'busy' if busy else 'idle'}", []).append(r)
-            log(f"nanovllm: repeat {rep + 1}/{repeats} done")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            work, small = Path(tmp), replace(cfg, steps=min(cfg.steps, 120))
+            for s in names[1:]:
+                for graphs in (False, True):
+                    out["checks"].append(r := check(s, small, work, graphs=graphs))
+                    said = f"{r['steps']} steps, {len(r['mismatches'])} mismatches"
+                    log(f"nanovllm check {s} graphs={graphs}: {said}")
+                if cuda:
+                    out["checks"].append(
+                        r := check_in_flight(s, small, work, cycles) | {"graphs": "in flight"}
+                    )
+                    log(f"nanovllm in-flight check {s}: {len(r['mismatches'])} mismatches")
+            for s in names:
+                out["graph_writes"][s] = graph_writes(s, replace(cfg, steps=60), work)
+            for rep in range(repeats):
+                for busy in (False, True) if cuda else (False,):
+                    for name, r in run_lockstep(names, cfg, work, cycles * busy, warmup).items():
+                        out["runs"].setdefault(f"{name}|{'busy' if busy else 'idle'}", []).append(r)
+                log(f"nanovllm: repeat {rep + 1}/{repeats} done")
+    finally:
+        torch.set_num_threads(threads)
     out["medians"] = {
         k: {m: float(np.median([r[m] for r in v if r[m] is not None] or [float("nan")]))
             for m in ("prefill_us", "decode_us")}
@@ -631,109 +590,44 @@ def _bench(
     return out
 
 
-def _entry(description: str, value: float | None, op: str, goal: float, missing: str = "") -> dict[str, Any]:
-    """A target in the bench report's form (as ``engine._entry``), workload "nanovllm"."""
-    e: dict[str, Any] = {"description": description, "workload": "nanovllm", "op": op, "target": goal}
-    if value is None or value != value:
-        e.update(measured=None, passed=None,
-                 skipped=f"not measured in this run{': ' + missing if missing else ''}")  # fmt: skip
-        return e
-    ok = value <= goal if op == "<=" else value == goal if op == "==" else value >= goal
-    e.update(measured=round(value, 4), passed=ok)
-    return e
+TARGETS = (  # name, setup, which preparation, goal, what it compares
+    ("nanovllm_decode_uva_vs_own", "stagebuf_uva", "decode", 0.15, "nano-vllm decode step, host "
+     "preparation (prepare_decode + prepare_sample): stagebuf UVA / nano-vllm's own (pinned), worst of idle "
+     "and busy GPU"),
+    ("nanovllm_prefill_uva_vs_own", "stagebuf_uva", "prefill", 0.35, "nano-vllm prefill step, host "
+     "preparation (prepare_prefill + prepare_sample): stagebuf UVA / nano-vllm's own, worst of idle and busy "
+     "GPU"),
+    ("nanovllm_decode_pageable_vs_own", "stagebuf_pageable", "decode", 0.25, "nano-vllm decode step, host "
+     "preparation: stagebuf PAGEABLE (no pinned memory) / nano-vllm's own with pinned memory, worst of idle "
+     "and busy GPU"),
+)  # fmt: skip
 
 
 def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """The nano-vllm targets: ratios of medians of one run (worst of idle and busy), graph-input copies."""
+    """The nano-vllm targets: ratios of medians of one run (the worse of idle and busy), and the device-side
+    copies into the graph inputs per graph-replayed decode step."""
     res = res or {}
     meds = res.get("medians", {})
-
-    def ratio(num: str, kind: str) -> float | None:
-        rs = [meds[f"{num}|{m}"][kind] / meds[f"own|{m}"][kind] for m in ("idle", "busy")
-              if f"{num}|{m}" in meds and f"own|{m}" in meds]  # fmt: skip
-        return max(rs) if rs else None
-
-    def why(num: str, kind: str) -> str:
-        """A missed ratio's reason: both medians of the worse GPU state, and the prefill floor."""
-        rs = {m: meds[f"{num}|{m}"][kind] / meds[f"own|{m}"][kind] for m in ("idle", "busy")
+    out = {}
+    for name, num, kind, goal, what in TARGETS:
+        key = f"{kind}_us"
+        rs = {m: meds[f"{num}|{m}"][key] / meds[f"own|{m}"][key] for m in ("idle", "busy")
               if f"{num}|{m}" in meds and f"own|{m}" in meds}  # fmt: skip
-        m = max(rs, key=rs.__getitem__)
-        line = (
-            f"{num} {meds[f'{num}|{m}'][kind]:.1f} µs against own {meds[f'own|{m}'][kind]:.1f} µs ({m} GPU)"
-        )
-        floor = meds.get(f"{FLOOR}|{m}", {}).get(kind)
-        if kind == "prefill_us" and floor == floor and floor is not None:
-            line += f"; the floor (token lists into one array) {floor:.1f} µs"
-        return line
-
-    out = {
-        "nanovllm_decode_uva_vs_own": _entry(
-            "nano-vllm decode step, host preparation (prepare_decode + prepare_sample): stagebuf UVA / "
-            "nano-vllm's own (pinned), worst of idle and busy GPU",
-            ratio("stagebuf_uva", "decode_us"), "<=", 0.15, "needs a GPU with UVA"),
-        "nanovllm_prefill_uva_vs_own": _entry(
-            "nano-vllm prefill step, host preparation (prepare_prefill + prepare_sample): stagebuf UVA / "
-            "nano-vllm's own, worst of idle and busy GPU",
-            ratio("stagebuf_uva", "prefill_us"), "<=", 0.35, "needs a GPU with UVA"),
-        "nanovllm_decode_pageable_vs_own": _entry(
-            "nano-vllm decode step, host preparation: stagebuf PAGEABLE (no pinned memory) / nano-vllm's own "
-            "with pinned memory, worst of idle and busy GPU",
-            ratio("stagebuf_pageable", "decode_us"), "<=", 0.25, "needs a GPU"),
-    }  # fmt: skip
-    for name, num, kind in (
-        ("nanovllm_decode_uva_vs_own", "stagebuf_uva", "decode_us"),
-        ("nanovllm_prefill_uva_vs_own", "stagebuf_uva", "prefill_us"),
-        ("nanovllm_decode_pageable_vs_own", "stagebuf_pageable", "decode_us"),
-    ):
-        if out[name].get("passed") is False:
-            out[name]["why"] = why(num, kind)
+        gpu = "needs a GPU with UVA" if num.endswith("uva") else "needs a GPU"
+        e = out[name] = T.target(what, "nanovllm", max(rs.values()) if rs else None, "<=", goal, missing=gpu)
+        if e["passed"] is False:  # both medians of the worse GPU state, and the prefill floor
+            m = max(rs, key=rs.__getitem__)
+            e[T.REASON] = (
+                f"{num} {meds[f'{num}|{m}'][key]:.1f} µs against own {meds[f'own|{m}'][key]:.1f} µs ({m} GPU)"
+            )
+            floor = meds.get(f"{FLOOR}|{m}", {}).get(key)
+            if kind == "prefill" and floor is not None and floor == floor:
+                e[T.REASON] += f"; the floor (token lists into one array) {floor:.1f} µs"
     gw = res.get("graph_writes", {})
     mine = [v["d2d_copies_per_step"] for k, v in gw.items() if k != "own" and v.get("decode_steps")]
     real = any(v.get("real_graphs") for v in gw.values())
-    out["nanovllm_graph_copies"] = _entry(
+    out["nanovllm_graph_copies"] = T.target(
         "nano-vllm graph-replayed decode step with stagebuf attached: device-to-device copies into the "
-        "graph's static inputs (nano-vllm's own run_model: 5 copies and 3 fills), worst tier",
-        max(mine) if mine and real else None,
-        "==",
-        0,
-        "needs a GPU (CUDA graphs)",
-    )
+        "graph's static inputs (nano-vllm's own run_model: 5 copies and 3 fills), worst tier", "nanovllm",
+        max(mine) if mine and real else None, "==", 0, missing="needs a GPU (CUDA graphs)")  # fmt: skip
     return out
-
-
-def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """The nano-vllm results as (title, header, rows) tables, for the console and Markdown."""
-    res = report.get("nanovllm") or {}
-    meds = res.get("medians", {})
-    if not meds:
-        return []
-    modes = [m for m in ("idle", "busy") if any(k.endswith(f"|{m}") for k in meds)]
-    head = ["setup"] + [f"{kind} {m}" for kind in ("prefill", "decode") for m in modes]
-    rows = []
-    shown = [*res.get("setups", []), *([FLOOR] if any(k.startswith(f"{FLOOR}|") for k in meds) else [])]
-    for s in shown:
-        cells = [s if s != FLOOR else "floor (token lists into one array)"]
-        for kind in ("prefill_us", "decode_us"):
-            for m in modes:
-                v = meds.get(f"{s}|{m}", {}).get(kind)
-                cells.append("-" if v is None or v != v else f"{v:.1f}")
-        rows.append(cells)
-    checks = res.get("checks", [])
-    n_ok = sum(1 for c in checks if not c["mismatches"])
-    steps = sum(c["steps"] for c in checks)
-    title = (
-        f"nanovllm: {res.get('nanovllm_version')} input preparation, host µs per step (median of "
-        f"{res.get('repeats')} interleaved runs of {res.get('steps', 0) - res.get('warmup', 0)} steps); "
-        f"identical inputs: {n_ok}/{len(checks)} checks, {steps} steps"
-    )
-    gw = res.get("graph_writes", {})
-    grows = [
-        [s, f"{v['decode_steps']}", f"{v['d2d_copies_per_step']:.1f}", f"{v['fills_per_step']:.1f}",
-         "CUDA graphs" if v.get("real_graphs") else "replayed eagerly (CPU)"]
-        for s, v in gw.items()
-    ]  # fmt: skip
-    return [
-        (title, head, rows),
-        ("nanovllm: writes into the graph inputs per graph-replayed decode step",
-         ["setup", "decode steps", "device-to-device copies", "fills", "graphs"], grows),
-    ]  # fmt: skip

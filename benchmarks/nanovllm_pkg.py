@@ -1,23 +1,15 @@
-"""nano-vllm-fork 20260210, fetched at test or bench time and imported with stand-ins for what input
-preparation never uses.
+"""nano-vllm-fork's released package, fetched at test or bench time and imported with stand-ins for what
+input preparation never uses.
 
-Nothing of nano-vllm is committed. ``fetch()`` runs ``pip download --no-deps
-nano-vllm-fork==20260210`` (a pure-Python wheel) and unpacks it into ``cache_dir()``
-(``.cache/nanovllm-20260210`` in the checkout, or ``$STAGEBUF_NANOVLLM_DIR``), with
-xxhash wheels for CPython 3.10-3.12 on x86-64 Linux beside it: nano-vllm's
-``BlockManager`` hashes with xxhash, and a machine without network (the GPU box) gets
-that folder carried. An installed nano-vllm-fork 20260210 is used as it is.
-
-``load()`` imports the real package ``nanovllm`` from there. Its ``Scheduler``,
-``BlockManager``, ``Sequence``, ``SamplingParams``, ``utils.context`` and
-``ModelRunner`` (``prepare_*``, ``run_model``, ``capture_cudagraph``) run as released.
-What the input path never reaches gets a stand-in while the package is imported, and
-only where the real module is missing here: ``transformers`` (``AutoConfig`` reads the
-model folder's ``config.json``; ``AutoTokenizer`` and ``Qwen3Config`` are unused),
-``flash_attn`` (attention kernels), ``safetensors`` (weights), ``tqdm`` (progress bar)
-and ``triton`` (a kernel definition). The stand-ins are taken out of ``sys.modules``
-again after the import. ``runner()`` builds a ``ModelRunner`` as its ``__init__`` does,
-less the process group, the model and its weights, the warm-up and the KV cache.
+``fetch()`` keeps the wheel (``pip download --no-deps nano-vllm-fork==<version>``, pure Python) unpacked in
+``cache_dir()`` (``.cache/nanovllm-<version>`` in the checkout, or ``$STAGEBUF_NANOVLLM_DIR``), with xxhash
+wheels for CPython 3.10-3.12 on x86-64 Linux beside it (its ``BlockManager`` hashes with xxhash; a machine
+without network gets the folder carried). An installed nano-vllm-fork of the version is used as it is.
+``load()`` imports the real package: its ``Scheduler``, ``BlockManager``, ``Sequence``, ``SamplingParams``,
+``utils.context`` and ``ModelRunner`` run as released. Where a module that input preparation never reaches
+is missing here (``transformers``, ``flash_attn``, ``safetensors``, ``tqdm``, ``triton``), a stand-in
+takes its place during the import only. ``runner()`` builds a ``ModelRunner`` as its ``__init__`` does,
+less the process group, the model, the warm-up and the KV cache.
 """
 
 from __future__ import annotations
@@ -28,9 +20,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import types
 import zipfile
 from collections.abc import Iterator
@@ -40,83 +30,54 @@ from typing import Any
 
 import torch
 
+from . import fetch as F
+from .fetch import Unavailable  # noqa: F401  (this module's name too)
+
 VERSION = "20260210"
+"""The release every function here defaults to."""
 DIST = "nano-vllm-fork"
 ENV_DIR = "STAGEBUF_NANOVLLM_DIR"
-"""Where the fetched wheel is unpacked (default: ``.cache/nanovllm-20260210`` in the checkout)."""
+"""Where the fetched wheel is unpacked (default: ``.cache/nanovllm-<version>`` in the checkout)."""
 XXHASH_PYTHONS = ("3.10", "3.11", "3.12")
 
 
-class Unavailable(RuntimeError):
-    """nano-vllm-fork 20260210 could not be had here (the reason says why)."""
-
-
-def cache_dir() -> Path:
+def cache_dir(version: str = VERSION) -> Path:
     given = os.environ.get(ENV_DIR)
-    if given:
-        return Path(given)
-    return Path(__file__).resolve().parents[1] / ".cache" / f"nanovllm-{VERSION}"
-
-
-def _pip_download(dest: str, *args: str) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", dest, *args]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise Unavailable(f"pip download {args[-1]} failed (is the package registry reachable?): {e}") from e
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise Unavailable(
-            f"pip download {args[-1]} failed (is the package registry reachable?): {tail[0][:300]}"
-        )
-
-
-def _unzip(wheel: Path, dest: Path) -> None:
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(dest)
-
-
-def _installed() -> bool:
-    from importlib import metadata
-
-    try:
-        return metadata.version(DIST) == VERSION
-    except metadata.PackageNotFoundError:
-        return False
-
-
-def fetch(quiet: bool = True) -> Path:
-    """The folder holding nano-vllm (``pkg/nanovllm``) and xxhash; fetched once; raises Unavailable."""
-    root = cache_dir()
-    pkg = root / "pkg"
-    if not (pkg / "nanovllm" / "engine" / "model_runner.py").is_file():
-        with tempfile.TemporaryDirectory() as tmp:
-            _pip_download(tmp, f"{DIST}=={VERSION}")
-            wheels = list(Path(tmp).glob("nano_vllm_fork-*.whl"))
-            if not wheels:
-                raise Unavailable(f"pip download {DIST}=={VERSION} gave no wheel")
-            _unzip(wheels[0], pkg)
-    for py in XXHASH_PYTHONS:
-        dest = root / f"xxhash-py{py}"
-        if (dest / "xxhash").is_dir():
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                _pip_download(tmp, "--only-binary=:all:", "--python-version", py, "--implementation", "cp",
-                              "--platform", "manylinux2014_x86_64", "xxhash")  # fmt: skip
-            except Unavailable:
-                if importlib.util.find_spec("xxhash") is None and py == _py():
-                    raise
-                continue
-            for w in Path(tmp).glob("xxhash-*.whl"):
-                _unzip(w, dest)
-    if not quiet:
-        print(f"nanovllm_pkg: {DIST} {VERSION} is in {root}", file=sys.stderr)
-    return root
+    return Path(given) if given else Path(__file__).resolve().parents[1] / ".cache" / f"nanovllm-{version}"
 
 
 def _py() -> str:
     return f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def _unzip(requirement: str, *pip_args: str) -> Any:
+    """A ``fetch.put`` filler: the wheel of ``requirement``, unpacked."""
+
+    def fill(dest: Path) -> None:
+        with F.wheel(requirement, *pip_args, timeout=300) as whl, zipfile.ZipFile(whl) as z:
+            z.extractall(dest)
+
+    return fill
+
+
+def fetch(version: str = VERSION, quiet: bool = True) -> Path:
+    """The folder holding nano-vllm (``pkg/nanovllm``) and xxhash; fetched once; raises Unavailable."""
+    root = cache_dir(version)
+    if not (root / "pkg/nanovllm/engine/model_runner.py").is_file():
+        F.put(root / "pkg", _unzip(f"{DIST}=={version}"))
+    for py in XXHASH_PYTHONS:
+        if (root / f"xxhash-py{py}/xxhash").is_dir():
+            continue
+        args = ("--only-binary=:all:", "--python-version", py, "--implementation", "cp", "--platform",
+                "manylinux2014_x86_64")  # fmt: skip
+        try:
+            F.put(root / f"xxhash-py{py}", _unzip("xxhash", *args))
+        except Unavailable:
+            if importlib.util.find_spec("xxhash") is None and py == _py():
+                raise
+    if not quiet:
+        print(f"nanovllm_pkg: {DIST} {version} is in {root}", file=sys.stderr)
+    return root
 
 
 _why: str | None = None
@@ -137,10 +98,6 @@ def available() -> str | None:
 # --- importing it ---------------------------------------------------------------------------------
 
 
-class _HfConfig(types.SimpleNamespace):
-    """What ``AutoConfig.from_pretrained`` gives: the model folder's config.json as attributes."""
-
-
 class AutoConfig:
     """transformers' ``AutoConfig`` as nano-vllm uses it: the folder's config.json, as written, as attributes.
 
@@ -148,23 +105,20 @@ class AutoConfig:
     5 turns ``rope_scaling`` into a dict that nano-vllm 20260210's ``get_rope`` cannot take."""
 
     @staticmethod
-    def from_pretrained(path: str, **_: Any) -> _HfConfig:
-        return _HfConfig(**json.loads((Path(path) / "config.json").read_text()))
+    def from_pretrained(path: str, **_: Any) -> types.SimpleNamespace:
+        return types.SimpleNamespace(**json.loads((Path(path) / "config.json").read_text()))
 
 
 def _stand_ins() -> dict[str, types.ModuleType]:
     def module(name: str, **attrs: Any) -> types.ModuleType:
         m = types.ModuleType(name)
         m.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        m.__dict__.update(attrs)
-        m.__stagebuf_stand_in__ = True  # type: ignore[attr-defined]
+        m.__dict__.update(attrs, __stagebuf_stand_in__=True)
         return m
 
     def unused(what: str) -> Any:
         def f(*a: Any, **k: Any) -> Any:
-            raise NotImplementedError(
-                f"nanovllm_pkg: {what} is a stand-in (input preparation never calls it)"
-            )
+            raise NotImplementedError(f"nanovllm_pkg: {what} is a stand-in (never called to prepare inputs)")
 
         return f
 
@@ -174,27 +128,19 @@ def _stand_ins() -> dict[str, types.ModuleType]:
         def __init__(self, *a: Any, **k: Any):
             raise NotImplementedError("nanovllm_pkg: a transformers stand-in")
 
-    def jit(fn: Any = None, **_: Any) -> Any:
-        return fn if fn is not None else (lambda f: f)
-
-    out = {
-        "transformers": module(
-            "transformers", AutoConfig=AutoConfig, AutoTokenizer=Unused, Qwen3Config=Unused
-        ),
-        "flash_attn": module(
-            "flash_attn",
-            flash_attn_varlen_func=unused("flash_attn_varlen_func"),
-            flash_attn_with_kvcache=unused("flash_attn_with_kvcache"),
-        ),
+    fa = {f"flash_attn_{n}": unused(f"flash_attn_{n}") for n in ("varlen_func", "with_kvcache")}
+    tl = module("triton.language", constexpr=int)
+    tqdm = module("tqdm.auto", tqdm=unused("tqdm"))
+    hf = {"AutoConfig": AutoConfig, "AutoTokenizer": Unused, "Qwen3Config": Unused}
+    return {
+        "transformers": module("transformers", **hf),
+        "flash_attn": module("flash_attn", **fa),
         "safetensors": module("safetensors", safe_open=unused("safetensors.safe_open")),
-        "tqdm": module("tqdm"),
-        "tqdm.auto": module("tqdm.auto", tqdm=unused("tqdm")),
-        "triton": module("triton", jit=jit),
-        "triton.language": module("triton.language", constexpr=int),
+        "tqdm": module("tqdm", auto=tqdm),
+        "tqdm.auto": tqdm,
+        "triton": module("triton", jit=lambda fn=None, **_: fn or (lambda f: f), language=tl),
+        "triton.language": tl,
     }
-    out["triton"].language = out["triton.language"]  # type: ignore[attr-defined]
-    out["tqdm"].auto = out["tqdm.auto"]  # type: ignore[attr-defined]
-    return out
 
 
 @dataclass
@@ -213,6 +159,8 @@ class Nano:
     llm_engine: Any
 
 
+MODULES = ("config", "engine.sequence", "sampling_params", "engine.block_manager", "engine.scheduler",
+           "engine.model_runner", "utils.context", "engine.llm_engine")  # fmt: skip
 _loaded: Nano | None = None
 
 
@@ -228,11 +176,7 @@ def load() -> Nano:
     global _loaded
     if _loaded is not None:
         return _loaded
-    root = Path(".")
-    added: list[str] = []
-    if not _installed():
-        root = fetch()
-        added.append(str(root / "pkg"))
+    added = [] if F.installed(DIST, VERSION) else [str(fetch() / "pkg")]
     if _missing("xxhash"):
         added.append(str(cache_dir() / f"xxhash-py{_py()}"))
     stand = {k: v for k, v in _stand_ins().items() if _missing(k.split(".")[0])}
@@ -241,9 +185,7 @@ def load() -> Nano:
     sys.path[:0] = added
     sys.modules.update(stand)
     try:
-        names = ("config", "engine.sequence", "sampling_params", "engine.block_manager", "engine.scheduler",
-                 "engine.model_runner", "utils.context", "engine.llm_engine")  # fmt: skip
-        mods = [importlib.import_module(f"nanovllm.{n}") for n in names]
+        mods = [importlib.import_module(f"nanovllm.{n}") for n in MODULES]
         top = importlib.import_module("nanovllm")
     except ImportError as e:
         raise Unavailable(f"{DIST} {VERSION} could not be imported: {e}") from e
@@ -259,51 +201,30 @@ def load() -> Nano:
 
 # --- a runner without a model ---------------------------------------------------------------------
 
-
-HF_CONFIG = {
-    "model_type": "qwen3",
-    "max_position_embeddings": 40960,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 32000,
-    "torch_dtype": "bfloat16",
-}
+HF_CONFIG = {"model_type": "qwen3", "max_position_embeddings": 40960, "hidden_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "vocab_size": 32000, "torch_dtype": "bfloat16"}  # fmt: skip
 """A small Qwen3-shaped config.json: what Config reads (input preparation reads none of it but sizes)."""
 
 
 def config(model_dir: Path, **kw: Any) -> Any:
     """nano-vllm's own ``Config`` for a model folder holding only ``config.json`` (written if missing)."""
-    nano = load()
     model_dir.mkdir(parents=True, exist_ok=True)
-    cfg_file = model_dir / "config.json"
-    if not cfg_file.is_file():
-        cfg_file.write_text(json.dumps(HF_CONFIG))
-    kw.setdefault("num_kvcache_blocks", 4096)
-    blocks = kw.pop("num_kvcache_blocks")
-    c = nano.config.Config(str(model_dir), **kw)
+    if not (model_dir / "config.json").is_file():
+        (model_dir / "config.json").write_text(json.dumps(HF_CONFIG))
+    blocks = kw.pop("num_kvcache_blocks", 4096)
+    c = load().config.Config(str(model_dir), **kw)
     c.num_kvcache_blocks = blocks  # what allocate_kv_cache computes from free memory
     return c
 
 
 def runner(cfg: Any, model: Any = None) -> Any:
-    """A ``ModelRunner`` with the attributes its ``__init__`` sets for input preparation.
-
-    No process group, no ``torch.cuda.set_device``, no weights, warm-up, KV cache or graph
-    capture; ``_allocate_sample_buffers`` (nano-vllm's, pinned) is not called here: see
-    ``own_buffers``.
-    """
+    """A ``ModelRunner`` with the attributes its ``__init__`` sets for input preparation: no process group,
+    device, weights, warm-up, KV cache or graphs; its pinned sample buffers are :func:`own_buffers`'."""
     mr = load().model_runner.ModelRunner
     r = mr.__new__(mr)
-    r.config = cfg
-    r.block_size = cfg.kvcache_block_size
-    r.enforce_eager = cfg.enforce_eager
-    r.world_size = cfg.tensor_parallel_size
-    r.rank = 0
-    r.event = []
-    r.dtype = torch.bfloat16
+    r.config, r.block_size, r.enforce_eager = cfg, cfg.kvcache_block_size, cfg.enforce_eager
+    r.world_size, r.rank, r.event, r.dtype = cfg.tensor_parallel_size, 0, [], torch.bfloat16
     if model is not None:
         r.model = model
     return r
@@ -311,13 +232,11 @@ def runner(cfg: Any, model: Any = None) -> Any:
 
 @contextlib.contextmanager
 def own_path_on_cpu() -> Iterator[None]:
-    """nano-vllm's own code run on a machine without CUDA: the reference of the CPU tests and bench.
+    """nano-vllm's own code on a machine without CUDA: the reference of the CPU tests and bench.
 
-    Its own path cannot run there at all (``pin_memory=True`` raises, ``.cuda()`` asserts). In
-    this block ``torch.tensor`` and ``torch.zeros`` ignore ``pin_memory=True`` and
-    ``Tensor.cuda()`` returns a CPU copy (``clone``): every value is still computed by
-    nano-vllm's code; only the transfer is replaced. Tests only: it patches torch for the block.
-    """
+    Its own path cannot run there (``pin_memory=True`` raises, ``.cuda()`` asserts): in this block
+    ``torch.tensor`` and ``torch.zeros`` ignore ``pin_memory=True`` and ``Tensor.cuda()`` returns a CPU copy.
+    Every value is still nano-vllm's; only the transfer is replaced. It patches torch for the block."""
     real_tensor, real_zeros, real_cuda = torch.tensor, torch.zeros, torch.Tensor.cuda
 
     def tensor(*a: Any, pin_memory: bool = False, **k: Any) -> torch.Tensor:
@@ -338,8 +257,5 @@ def own_path_on_cpu() -> Iterator[None]:
 
 def own_buffers(r: Any) -> None:
     """nano-vllm's ``_allocate_sample_buffers`` on ``r``: pinned on CUDA, unpinned on a CPU-only machine."""
-    if torch.cuda.is_available():
+    with contextlib.nullcontext() if torch.cuda.is_available() else own_path_on_cpu():
         r._allocate_sample_buffers()
-    else:
-        with own_path_on_cpu():
-            r._allocate_sample_buffers()

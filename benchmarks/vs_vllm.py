@@ -1,25 +1,20 @@
-"""Micro-benchmarks against vLLM's own buffer classes (``buffer_utils`` of ``vllm_mrv2.NEWEST``, or of
-``--release``, loaded by ``vllm_mrv2``).
+"""Micro-benchmarks against vLLM's own buffer classes (``buffer_utils`` of ``--release``, default
+``vllm_mrv2.NEWEST``), the engine workload's second part.
 
-Each case builds the same object from vLLM's module and from stagebuf's (on a
-forced tier) and times one step on the host, the GPU idle (synchronised between
-steps, outside the timing); medians over steps, then over interleaved repeats.
+Each case builds the same object from vLLM's module and from stagebuf's (on a forced tier) and times one
+step on the host, the GPU idle (synchronised between steps, outside the timing); medians over steps,
+then over interleaved repeats.
 
-* ``pool``: ``UvaBufferPool.copy_to_uva`` of a numpy array of 256 int32, K pools
-  per step (K=8: the sampler's block of publishes; K=1: a pool alone, which
-  pays stagebuf's slot-guard event every call).
-* ``backed``: ``UvaBackedTensor.copy_to_uva()`` of K tensors of 256, one value
-  changed in each per step.
-* ``writes``: ``StagedWriteTensor``: E ``stage_write`` calls of L values on
-  distinct rows of a (max(4096, E), max(64, L)) int32 table, then ``apply_write``.
-* ``fused``: ``FusedStagedWriter.apply`` over two such tables (E/2 edits each),
-  with vLLM's call shape: device tensors of the tables' pointers and strides.
-* ``stage``: a ``writes`` cell's ``stage_write`` calls alone (then ``clear_staged_writes``), E <= 256, for
-  vLLM UVA and stagebuf UVA: what of a cell is staging and what is the apply.
+* ``pool|kK``: ``UvaBufferPool.copy_to_uva`` of a numpy array of 256 int32, K pools a step (K=8: the
+  sampler's block of publishes; K=1: a pool alone, which pays stagebuf's slot-guard event every call).
+* ``backed|kK``: ``UvaBackedTensor.copy_to_uva()`` of K tensors of 256, one value changed in each a step.
+* ``writes|ExL``: ``StagedWriteTensor``: E ``stage_write`` calls of L values on distinct rows of a
+  (max(4096, E), max(64, L)) int32 table, then ``apply_write``; ``stage|ExL``: the calls alone (E <= 256).
+* ``fused|ExL``: ``FusedStagedWriter.apply`` over two such tables (E/2 edits each), with vLLM's call shape.
+* ``prompt|KIND|N``: one prompt of N tokens staged and applied, as the model runner adds a request.
 
-``python -m benchmarks.vs_vllm --json FILE`` runs these cells alone (half a minute on an H200, where
-the full bench takes minutes) and writes a report that ``benchmarks.compare`` reads: one side's run
-of a compare (``scripts/gpu.sh compare`` runs both sides in turns).
+``python -m benchmarks.vs_vllm --json FILE`` runs these cells alone (half a minute on an H200) and writes a
+report that ``benchmarks.compare`` reads: one side's run of ``scripts/gpu.sh compare``.
 """
 
 from __future__ import annotations
@@ -38,46 +33,27 @@ import click
 import numpy as np
 import torch
 
+from . import targets as T
 from . import vllm_mrv2
-from .engine import env_var, stagebuf_tier
+from .harness import commit, env_var, stagebuf_tier, tiers, turns
+from .vllm_mrv2 import release_suffix
 
 N = 256
+Step = Callable[[int], None]
+PROMPT_KINDS = ("tokens", "ndarray", "list")
+PROMPT_LENGTHS = (16, 1024, 16384, 131072)
 
 
-def _kernel(kernel: str | None) -> Any:
-    """``STAGEBUF_WRITE_KERNEL`` for the block (read when a writer is made); None leaves it as it is."""
-    return env_var("STAGEBUF_WRITE_KERNEL", kernel) if kernel is not None else contextlib.nullcontext()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(step: Callable[[int], None], device: torch.device, steps: int, warmup: int) -> float:
-    ts: list[float] = []
-    clock = time.perf_counter
-    for i in range(steps + warmup):
-        t0 = clock()
-        step(i)
-        t1 = clock()
-        _sync(device)
-        if i >= warmup:
-            ts.append(t1 - t0)
-    return float(np.median(ts)) * 1e6
-
-
-def _writes_case(
+def writes_case(
     bu: Any, device: torch.device, e: int, ln: int, fused: bool, stage_only: bool = False
-) -> Callable[[int], None]:
+) -> Step:
     rows, cols = max(4096, e), max(64, ln)
     rng = np.random.default_rng(e * 100 + ln)
     rows_sel = rng.permutation(rows)[:e].tolist()
     vals = [rng.integers(0, 1 << 20, ln).tolist() for _ in range(4)]
     if not fused:
         t = bu.StagedWriteTensor((rows, cols), torch.int32, device)
-        sw = t.stage_write
-        end = t.clear_staged_writes if stage_only else t.apply_write
+        sw, end = t.stage_write, t.clear_staged_writes if stage_only else t.apply_write
 
         def step(i: int) -> None:
             v = vals[i & 3]
@@ -90,8 +66,7 @@ def _writes_case(
     w = bu.FusedStagedWriter(device, 2 * rows)
     ptrs = torch.tensor([t.gpu.data_ptr() for t in ts], dtype=torch.uint64, device=device)
     strides = torch.tensor([t.gpu.stride(0) for t in ts], dtype=torch.int64, device=device)
-    half = (e + 1) // 2
-    a, b = ts[0].stage_write, ts[1].stage_write
+    half, a, b = (e + 1) // 2, ts[0].stage_write, ts[1].stage_write
 
     def fstep(i: int) -> None:
         v = vals[i & 3]
@@ -102,23 +77,14 @@ def _writes_case(
     return fstep
 
 
-PROMPT_KINDS = ("tokens", "ndarray", "list")
-PROMPT_LENGTHS = (16, 1024, 16384, 131072)
-
-
-def _prompt_case(bu: Any, device: torch.device, kind: str, n: int, release: str) -> Callable[[int], None]:
-    """One prompt of ``n`` tokens staged (``stage_write``) and applied, as the model runner adds a request:
-    ``tokens`` as the release passes prompts (its ``TokenBuffer``, else an ``array('i')``), an int32
-    ndarray, or a list. The prompt is made before the timing, four of them in turn."""
+def prompt_case(bu: Any, device: torch.device, kind: str, n: int, release: str) -> Step:
+    """One prompt of ``n`` tokens staged (``stage_write``) and applied: ``tokens`` as the release passes
+    prompts (its ``TokenBuffer``, else an ``array('i')``), an int32 ndarray, or a list; made before the
+    timing, four of them in turn."""
     rng = np.random.default_rng(n)
     ids = [rng.integers(0, 152_000, n, dtype=np.int32) for _ in range(4)]
     tb = vllm_mrv2.token_buffer(release) or (lambda a: array("i", a.tobytes()))
-    if kind == "tokens":
-        src: list[Any] = [tb(a) for a in ids]
-    elif kind == "list":
-        src = [a.tolist() for a in ids]
-    else:
-        src = ids
+    src = [tb(a) if kind == "tokens" else a.tolist() if kind == "list" else a for a in ids]
     t = bu.StagedWriteTensor((4, n), torch.int32, device)
 
     def step(i: int) -> None:
@@ -128,7 +94,7 @@ def _prompt_case(bu: Any, device: torch.device, kind: str, n: int, release: str)
     return step
 
 
-def _pool_case(bu: Any, device: torch.device, k: int) -> Callable[[int], None]:
+def pool_case(bu: Any, device: torch.device, k: int) -> Step:
     pools = [bu.UvaBufferPool(N, torch.int32) for _ in range(k)]
     srcs = [np.arange(N, dtype=np.int32) + j for j in range(k)]
 
@@ -139,7 +105,7 @@ def _pool_case(bu: Any, device: torch.device, k: int) -> Callable[[int], None]:
     return step
 
 
-def _backed_case(bu: Any, device: torch.device, k: int) -> Callable[[int], None]:
+def backed_case(bu: Any, device: torch.device, k: int) -> Step:
     ts = [bu.UvaBackedTensor(N, torch.int32) for _ in range(k)]
 
     def step(i: int) -> None:
@@ -150,75 +116,127 @@ def _backed_case(bu: Any, device: torch.device, k: int) -> Callable[[int], None]
     return step
 
 
-def run(
-    device: torch.device,
-    edits: tuple[int, ...] = (1, 16, 256, 4096),
-    lengths: tuple[int, ...] = (1, 8, 64),
-    repeats: int = 3,
-    steps: int = 60,
-    warmup: int = 10,
-    log: Callable[[str], None] = print,
-    release: str = vllm_mrv2.NEWEST,
-) -> dict[str, Any]:
-    """Every case on vLLM ``release``'s layer (UVA; and its NonUvaBuffer fallback) and stagebuf's tiers."""
-    import stagebuf
-
-    cuda = device.type == "cuda"
-    peers: list[tuple[str, Any, str | None]] = []
-    vllm_uva = vllm_mrv2.load("vllm", pin=True, device=device, release=release).buffer_utils
-    peers.append(("vllm_uva", vllm_uva, None))
-    if cuda:
-        nopin = vllm_mrv2.load("vllm", pin=False, device=device, release=release).buffer_utils
-        peers.append(("vllm_nopin", nopin, None))
-        caps = stagebuf.capabilities(device)
-        tiers = [t.name.lower() for t in stagebuf.Tier if caps.tier <= t < stagebuf.Tier.HOST]
-    else:
-        tiers = ["host", "pageable"]
-    sb = vllm_mrv2.stagebuf_buffer_utils(vllm_uva, release)
-    for t in tiers:
-        peers.append((f"stagebuf_{t}", sb, t))
-    if cuda and tiers and tiers[0] == "uva":
-        peers.append(("stagebuf_uva_triton", sb, "uva"))  # the Triton kernel forced (fused cases)
-    cases: list[tuple[str, Callable[[Any], Callable[[int], None]]]] = []
-    for k in (1, 8):
-        cases.append((f"pool|k{k}", functools.partial(_pool_case, device=device, k=k)))
-        cases.append((f"backed|k{k}", functools.partial(_backed_case, device=device, k=k)))
+def cases(device: torch.device, edits: tuple[int, ...], lengths: tuple[int, ...], release: str | None = None,
+          stage: bool = False) -> list[tuple[str, Callable[[Any], Step]]]:  # fmt: skip
+    """The cells, each (name, a builder of one step from a ``buffer_utils``): pools, backed tensors, writes,
+    fused writes, and with ``release`` the prompts; ``stage``: also the stage-only cells."""
+    p = functools.partial
+    out = [(f"{kind}|k{k}", p(make, device=device, k=k)) for k in (1, 8)
+           for kind, make in (("pool", pool_case), ("backed", backed_case))]  # fmt: skip
     for e in edits:
         for ln in lengths:
-            cases.append(
-                (f"writes|{e}x{ln}", functools.partial(_writes_case, device=device, e=e, ln=ln, fused=False))
-            )
-            if e <= 256:
-                only = functools.partial(_writes_case, device=device, e=e, ln=ln, fused=False)
-                cases.append((f"stage|{e}x{ln}", functools.partial(only, stage_only=True)))
-            if e >= 2:
-                cases.append(
+            out.append((f"writes|{e}x{ln}", p(writes_case, device=device, e=e, ln=ln, fused=False)))
+            if stage and e <= 256:
+                out.append(
                     (
-                        f"fused|{e}x{ln}",
-                        functools.partial(_writes_case, device=device, e=e, ln=ln, fused=True),
+                        f"stage|{e}x{ln}",
+                        p(writes_case, device=device, e=e, ln=ln, fused=False, stage_only=True),
                     )
                 )
-    for kind in PROMPT_KINDS:
-        for n in PROMPT_LENGTHS:
-            make = functools.partial(_prompt_case, device=device, kind=kind, n=n, release=release)
-            cases.append((f"prompt|{kind}|{n}", make))
+            if e >= 2:
+                out.append((f"fused|{e}x{ln}", p(writes_case, device=device, e=e, ln=ln, fused=True)))
+    if release is not None:
+        out += [(f"prompt|{kind}|{n}", p(prompt_case, device=device, kind=kind, n=n, release=release))
+                for kind in PROMPT_KINDS for n in PROMPT_LENGTHS]  # fmt: skip
+    return out
+
+
+def steps_of(cell: str, steps: int) -> int:
+    """The timed steps of a cell: fewer for the largest (4096 edits of 64)."""
+    return max(10, steps // 4) if cell.endswith("4096x64") else steps
+
+
+def run(
+    device: torch.device, edits: tuple[int, ...] = (1, 16, 256, 4096), lengths: tuple[int, ...] = (1, 8, 64),
+    repeats: int = 3, steps: int = 60, warmup: int = 10, log: Callable[[str], None] = print,
+    release: str = vllm_mrv2.NEWEST,
+) -> dict[str, Any]:  # fmt: skip
+    """Every case on vLLM ``release``'s layer (UVA; on a GPU also its NonUvaBuffer fallback) and stagebuf's
+    tiers (UVA also with the Triton kernel forced, for the writes)."""
+    cuda = device.type == "cuda"
+    vllm_uva = vllm_mrv2.load("vllm", pin=True, device=device, release=release).buffer_utils
+    peers: list[tuple[str, Any, str | None]] = [("vllm_uva", vllm_uva, None)]
+    if cuda:
+        peers.append(
+            (
+                "vllm_nopin",
+                vllm_mrv2.load("vllm", pin=False, device=device, release=release).buffer_utils,
+                None,
+            )
+        )
+    sb, ts = vllm_mrv2.stagebuf_buffer_utils(vllm_uva, release), tiers(device)
+    peers += [(f"stagebuf_{t}", sb, t) for t in ts]
+    if cuda and ts[:1] == ["uva"]:
+        peers.append(("stagebuf_uva_triton", sb, "uva"))  # the Triton kernel forced (writes and fused)
     raw: dict[str, dict[str, list[float]]] = {}
     for rep in range(repeats):
-        for cname, make in cases:
-            for pname, bu, tier in peers:
-                forced = pname.endswith("_triton")
-                if forced and not cname.startswith(("fused", "writes")):
+        for cell, make in cases(device, edits, lengths, release, stage=True):
+            for name, bu, tier in peers:
+                forced = name.endswith("_triton")
+                if forced and not cell.startswith(("fused", "writes")):
                     continue
-                if cname.startswith(("stage", "prompt")) and pname not in ("vllm_uva", "stagebuf_uva"):
+                if cell.startswith(("stage", "prompt")) and name not in ("vllm_uva", "stagebuf_uva"):
                     continue
-                with stagebuf_tier(tier), _kernel("triton" if forced else None):
-                    step = make(bu)
-                    n = steps if not cname.endswith("x64") or "4096" not in cname else max(10, steps // 4)
-                    us = _time(step, device, n, warmup)
-                raw.setdefault(cname, {}).setdefault(pname, []).append(us)
+                kernel = env_var("STAGEBUF_WRITE_KERNEL", "triton") if forced else contextlib.nullcontext()
+                with stagebuf_tier(tier), kernel:
+                    us = turns([make(bu)], device, steps_of(cell, steps), warmup)[0]
+                raw.setdefault(cell, {}).setdefault(name, []).append(us)
         log(f"vs_vllm repeat {rep + 1}/{repeats} done")
     med = {c: {p: float(np.median(v)) for p, v in d.items()} for c, d in raw.items()}
     return {"median_us": med, "raw_us": raw, "repeats": repeats, "steps": steps, "vllm_version": release}
+
+
+def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """stagebuf UVA against vLLM's own classes on UVA: staged writes (the worst E x L cell), the pools'
+    and backed tensors' publishes (8 a step), a prompt (the worst kind and length)."""
+    med = (res or {}).get("median_us", {})
+    release = (res or {}).get("vllm_version") or vllm_mrv2.NEWEST
+    peer, us, them = release.rpartition(".")[0], "stagebuf_uva", "vllm_uva"
+    gpu = "needs a GPU"
+
+    def worst(kind: str) -> tuple[str, float] | tuple[None, None]:
+        """The cell of ``kind`` where stagebuf UVA / vLLM UVA is largest: (its size, the ratio)."""
+        got = [
+            (c.split("|", 1)[1], d[us] / d[them])
+            for c, d in med.items()
+            if c.startswith(kind) and d.get(them)
+        ]
+        return max(got, key=lambda x: x[1], default=(None, None))
+
+    out = {}
+    cell, r = worst("writes|")
+    what = f"StagedWriteTensor, E stage_write calls of L values + apply_write: stagebuf UVA / vLLM {peer}'s"
+    e = out["vllm_staged_write_per_cell"] = T.target(
+        f"{what} on UVA, worst E x L cell", "engine", r, "<=", 0.6, f"E x L = {cell}", gpu
+    )
+    if e["passed"] is False:
+        d, st = med[f"writes|{cell}"], med.get(f"stage|{cell}", {})
+        parts = []
+        for who, p in (("stagebuf", us), (f"vLLM {peer}", them)):
+            split = f" ({st[p]:.1f} staging + {d[p] - st[p]:.1f} apply)" if p in st else ""
+            parts.append(f"{who} {d[p]:.1f} µs{split}")
+        e[T.REASON] = f"E x L = {cell}: {' against '.join(parts)}"
+    for case, label in (("pool", "UvaBufferPool.copy_to_uva"), ("backed", "UvaBackedTensor.copy_to_uva")):
+        d, one = med.get(f"{case}|k8", {}), med.get(f"{case}|k1", {})
+        what = f"{label}, 8 per step of 256 int32: stagebuf UVA / vLLM {peer}'s on UVA"
+        r = d[us] / d[them] if us in d and d.get(them) else None
+        e = out[f"vllm_{case}_copy_to_uva"] = T.target(what, "engine", r, "<=", 0.8, missing=gpu)
+        if e["passed"] is False and us in one and them in one:
+            e[T.REASON] = (
+                f"a call: {d[us] / 8:.2f} µs against vLLM's {d[them] / 8:.2f}; with one call a step (each "
+                f"pays the slot guard's event record and query) {one[us]:.1f} against {one[them]:.1f}: "
+                "vLLM's has no guard"
+            )
+    cell, r = worst("prompt|")
+    what = (
+        f"StagedWriteTensor.stage_write of one prompt + apply_write (as vLLM {peer} passes it, an ndarray "
+        f"or a list; 16 to 131 072 tokens): stagebuf UVA / vLLM {peer}'s on UVA, worst cell"
+    )
+    e = out[f"vllm_stage_prompt{release_suffix(release)}"] = T.target(what, "engine", r, "<=", 1.0, cell, gpu)
+    if e["passed"] is False:
+        d = med[f"prompt|{cell}"]
+        e[T.REASON] = f"{cell}: stagebuf {d[us]:.1f} µs against vLLM {peer}'s {d[them]:.1f}"
+    return out
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -233,20 +251,16 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--lengths", default="1,8,64", show_default=True, help="L of the writes cells.")
 @vllm_mrv2.release_option("The vLLM release whose classes are the peer.")
 def main(json_path: str, repeats: int, steps: int, edits: str, lengths: str, release: str) -> None:
-    """Time the vs-vLLM cells alone; the report's commit is ``STAGEBUF_BENCH_COMMIT`` (or unknown)."""
+    """Time the vs-vLLM cells alone; the report's commit is ``STAGEBUF_BENCH_COMMIT`` (else git's HEAD)."""
     vllm_mrv2.fetch(release)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise click.UsageError("on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1")
     t0 = time.time()
-    log = lambda s: click.echo(s, err=True)  # noqa: E731
-    res = run(device, _ints(edits), _ints(lengths), repeats, steps, log=log, release=release)
-    report = {
-        "commit": os.environ.get("STAGEBUF_BENCH_COMMIT", "unknown"),
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-        "device": str(device),
-        "vs_vllm": res,
-    }
+    res = run(device, _ints(edits), _ints(lengths), repeats, steps, log=lambda s: click.echo(s, err=True),
+              release=release)  # fmt: skip
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))
+    report = {"commit": commit() or "unknown", "started_utc": started, "device": str(device), "vs_vllm": res}
     Path(json_path).write_text(json.dumps(report) + "\n")
     click.echo(f"vs_vllm: {len(res['raw_us'])} cells in {time.time() - t0:.1f} s -> {json_path}")
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from benchmarks import vllm_mrv2
-from benchmarks.engine import env_var
+from benchmarks.harness import env_var
 
 
 @pytest.fixture(scope="module")

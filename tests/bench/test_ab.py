@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from benchmarks import ab
-from benchmarks.engine import stagebuf_tier
+from benchmarks.harness import stagebuf_tier, turns
 
 import stagebuf
 
@@ -33,7 +33,7 @@ def test_slower_only_when_every_round_is_beyond_the_controls_spread() -> None:
 def test_turns_rotate_and_every_side_runs_every_step() -> None:
     calls: list[tuple[int, int]] = []
     steps = [lambda i, s=s: calls.append((i, s)) for s in range(3)]
-    got = ab.measure(steps, torch.device("cpu"), n=4, warmup=2)
+    got = turns(steps, torch.device("cpu"), n=4, warmup=2)
     assert len(got) == 3 and all(m >= 0 for m in got)
     for i in range(6):
         order = [s for j, s in calls if j == i]

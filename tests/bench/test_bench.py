@@ -18,10 +18,13 @@ import pytest
 import torch
 from benchmarks import baselines as BL
 from benchmarks import bench as B
-from benchmarks import vllm_mrv2
-from benchmarks import workloads as W
+from benchmarks import decode, vllm_mrv2, writes
+from benchmarks import harness as H
+from benchmarks import report as R
+from benchmarks import targets as T
 
 from helpers import invoke
+from stagebuf import Tier
 
 HAS_CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,15 +183,15 @@ def test_quick_staging_is_strategy_minus_floor(quick: dict[str, Any]) -> None:
 
 
 def test_quick_decode_loop_checked_its_answers(quick: dict[str, Any]) -> None:
-    decode = quick["report"]["results"]["decode"]
-    for name, e in decode.items():
+    dec = quick["report"]["results"]["decode"]
+    for name, e in dec.items():
         row = next(iter(e["sizes"].values()))
         if name == "floor":
             continue
         assert row["checks"] >= 1, name
-        assert row["steps"] > W.DECODE_WARMUP
-    assert decode["stager_pageable"]["sizes"]["256"]["tier"] == "PAGEABLE"
-    assert decode["stager_host"]["sizes"]["256"]["tier"] == "HOST"
+        assert row["steps"] > decode.WARMUP
+    assert dec["stager_pageable"]["sizes"]["256"]["tier"] == "PAGEABLE"
+    assert dec["stager_host"]["sizes"]["256"]["tier"] == "HOST"
 
 
 def test_quick_lists_what_it_skipped_with_reasons(quick: dict[str, Any]) -> None:
@@ -204,7 +207,7 @@ def test_quick_lists_what_it_skipped_with_reasons(quick: dict[str, Any]) -> None
     tiers = " ".join(s for (w, s) in skipped if w == "*")
     assert "stager_uva" in tiers and "stager_pinned" in tiers
     assert rep["tiers"]["measured"] == ["HOST", "PAGEABLE"]
-    assert "skipped" in quick["output"]
+    assert "Skipped:" in quick["output"]
 
 
 def test_quick_ratios_section(quick: dict[str, Any]) -> None:
@@ -218,7 +221,7 @@ def test_quick_ratios_section(quick: dict[str, Any]) -> None:
         elif r["measured"] is None:
             assert r["passed"] is None and r["skipped"] and r["status"] == "skipped", name
         elif r["status"] == "info":  # a quick run on a CPU: measured, not judged
-            assert r["passed"] is None and r["info"] == B.INFO_WHY, name
+            assert r["passed"] is None and r["info"] == T.INFO_WHY, name
         else:
             assert isinstance(r["passed"], bool), name
             assert r["status"] == ("pass" if r["passed"] else "fail"), name
@@ -246,7 +249,7 @@ def test_quick_metadata_guard_cost_and_plot(quick: dict[str, Any]) -> None:
         for g in by_size.values():
             assert g["delta_e2e_us"] == pytest.approx(g["wait_e2e_us"] - g["off_e2e_us"], abs=0.011)
     png: Path = quick["png"]  # one figure per workload, named from --plot's path
-    files = B.plot_paths(str(png), rep)
+    files = R.plot_paths(str(png), rep)
     assert [f.name for f in files] == [f"bench-{w}.png" for w in ("micro", "decode", "writes")]
     for f in files:
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -263,27 +266,29 @@ def test_measure_counts_warmup_and_fixed_iters() -> None:
     def step() -> None:
         calls[0] += 1
 
-    m = B.measure(step, lambda: None, repeats=3, max_iters=50, target_s=0.001, min_warmup=7, fixed_iters=11)
+    m = H.measure(
+        H.Case(step, min_warmup=7, fixed_iters=11), lambda: None, repeats=3, max_iters=50, target_s=0.001
+    )
     assert calls[0] == 7 + 3 * 11
     assert m.iters == 11 and m.repeats == 3 and len(m.host_samples_us) == 3
     assert m.host_us > 0 and m.e2e_us >= m.host_us * 0.5
     calls[0] = 0
-    m = B.measure(step, lambda: None, repeats=2, max_iters=40, target_s=0.001)
+    m = H.measure(H.Case(step), lambda: None, repeats=2, max_iters=40, target_s=0.001)
     assert 2 <= m.iters <= 40
 
 
 def test_tier_env_restores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STAGEBUF_TIER", "host")
-    with B.tier_env(W.Tier.PAGEABLE):
+    with H.stagebuf_tier("pageable"):
         assert os.environ["STAGEBUF_TIER"] == "pageable"
     assert os.environ["STAGEBUF_TIER"] == "host"
-    with B.tier_env(None):
+    with H.stagebuf_tier(None):
         assert "STAGEBUF_TIER" not in os.environ
     assert os.environ["STAGEBUF_TIER"] == "host"
 
 
 def test_decode_sim_model_is_consistent() -> None:
-    sim = W.DecodeSim(32, block_size=16, max_prompt=8, max_len=128, seed=3)
+    sim = decode.DecodeSim(32, block_size=16, max_prompt=8, max_len=128, seed=3)
     replay = np.zeros_like(sim.table)
     arrivals = 0
     for _ in range(400):
@@ -303,22 +308,22 @@ def test_decode_sim_model_is_consistent() -> None:
 
 
 def test_slot_mapping_matches_host_model() -> None:
-    sim = W.DecodeSim(16, seed=1)
+    sim = decode.DecodeSim(16, seed=1)
     table = torch.zeros(sim.table.shape, dtype=torch.int32)
     tok = torch.arange(sim.max_tokens, dtype=torch.int32)
     for _ in range(100):
         st = sim.advance()
         table.copy_(torch.from_numpy(sim.table))
         d = [torch.from_numpy(a) for a in (st.idx, st.pos, st.seq, st.qsl)]
-        slots = W.slot_mapping(*d, table, tok, 16)
+        slots = decode.slot_mapping(*d, table, tok, 16)
         assert np.array_equal(slots.numpy(), sim.reference_slots(st))
         sim.check("t", st, slots, table)
 
 
 def test_decode_check_fails_loudly_on_a_wrong_table() -> None:
-    env = W.Env(torch.device("cpu"), False, False, False, check_every=5, decode_steps=10)
+    env = H.Env(torch.device("cpu"), False, False, False, check_every=5, decode_steps=10)
 
-    class DropEveryThirdEdit(W.RowCopyTable):
+    class DropEveryThirdEdit(BL.RowCopyTable):
         n = 0
 
         def write(self, row: int, start: int, values: list[int]) -> None:
@@ -326,25 +331,22 @@ def test_decode_check_fails_loudly_on_a_wrong_table() -> None:
             if self.n % 3:
                 super().write(row, start, values)
 
-    case = W._decode_case(
-        env,
-        32,
-        "broken",
-        W._per_array(torch.from_numpy),
-        lambda sim: DropEveryThirdEdit(W._table_shape(sim), env.device, False).ops(),
-    )
-    with pytest.raises(W.BenchCheckError, match="broken"):
+    sim = decode.DecodeSim(32, env.block_size, seed=env.seed)
+    t = DropEveryThirdEdit((sim.rows_total, sim.max_blocks), env.device, False)
+    stage = decode.per_array(lambda a, dev: torch.from_numpy(a))(sim, env.device)
+    case = decode.case(env, 32, "broken", stage, decode.TableOps(t.write, lambda: None, lambda: t.dev), sim)
+    with pytest.raises(H.BenchCheckError, match="broken"):
         for _ in range(20):
             case.step()
 
 
 def test_cli_fails_on_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = W.slot_mapping
+    real = decode.slot_mapping
 
     def off_by_one(*args: Any) -> torch.Tensor:
         return real(*args) + 1
 
-    monkeypatch.setattr(W, "slot_mapping", off_by_one)
+    monkeypatch.setattr(decode, "slot_mapping", off_by_one)
     res = invoke(
         main,
         [
@@ -364,19 +366,19 @@ def test_cli_fails_on_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_seed_pool_and_row_copy_baselines_are_correct(vllm_interpreted: None) -> None:
     dev = torch.device("cpu")
-    pool = W.mrv2_fallback_pool(4, torch.int32, dev)
+    pool = BL.mrv2_fallback_pool(4, torch.int32, dev)
     for n in (3, 4, 9, 2):  # grows on 9
         x = np.arange(n, dtype=np.int32) + n
         assert pool.copy_to_uva(x).tolist() == x.tolist()
-    t = W.RowCopyTable((4, 8), dev, pinned=False)
+    t = BL.RowCopyTable((4, 8), dev, pinned=False)
     t.write(2, 3, [7, 8])
     assert t.dev[2].tolist() == [0, 0, 0, 7, 8, 0, 0, 0]
 
 
 def test_writes_cases_verify_on_cpu(vllm_interpreted: None) -> None:
-    env = W.Env(torch.device("cpu"), False, False, False)
-    builds = [W.writes_row_copy, W.writes_staged, W.writes_staged_batched, W.writes_mrv2()]
-    for cell in (W.WriteCell(1, 1), W.WriteCell(16, 8), W.WriteCell(40, 64)):
+    env = H.Env(torch.device("cpu"), False, False, False)
+    builds = [writes.row_copy, writes.staged, writes.staged_batched, writes.mrv2]
+    for cell in (writes.WriteCell(1, 1), writes.WriteCell(16, 8), writes.WriteCell(40, 64)):
         for build in builds:
             case = build(env, cell)
             for _ in range(3):
@@ -386,22 +388,22 @@ def test_writes_cases_verify_on_cpu(vllm_interpreted: None) -> None:
 
 
 def test_writes_cases_catch_a_wrong_table() -> None:
-    env = W.Env(torch.device("cpu"), False, False, False)
+    env = H.Env(torch.device("cpu"), False, False, False)
 
-    class SkipLastEdit(W.RowCopyTable):
+    class SkipLastEdit(BL.RowCopyTable):
         skip = -1
 
         def write(self, row: int, start: int, values: list[int]) -> None:
             if row != self.skip:
                 super().write(row, start, values)
 
-    cell = W.WriteCell(16, 8)
-    ws = W.write_sets(env, cell)
-    t = SkipLastEdit(W.write_shape(cell), env.device, pinned=False)
+    cell = writes.WriteCell(16, 8)
+    ws = writes.write_sets(env, cell)
+    t = SkipLastEdit(writes.write_shape(cell), env.device, pinned=False)
     t.skip = int(ws.rows[-1])
-    case = W._writes_case("broken", cell, ws, W._per_edit(t.write, ws), lambda: None, lambda: t.dev)
+    case = writes.case("broken", cell, ws, writes.per_edit(t.write, ws), lambda: None, lambda: t.dev)
     case.step()
-    with pytest.raises(W.BenchCheckError, match=r"broken\] E=16 L=8: 8 table cells"):
+    with pytest.raises(H.BenchCheckError, match=r"broken\] E=16 L=8: 8 table cells"):
         case.finish()
 
 
@@ -443,12 +445,11 @@ def _synthetic(values: dict[tuple[str, str, int | str], float]) -> dict[str, Any
     for (wl, name, size), v in values.items():
         entry = res.setdefault(wl, {}).setdefault(name, {"sizes": {}})
         entry["sizes"][str(size)] = {"host_us": v, "e2e_us": v}
-    B._add_staging(res)
+    B.add_staging(res)
     return res
 
 
 def test_ratios_from_synthetic_results() -> None:
-    T = W.Tier
     res = _synthetic(
         {
             ("micro", "floor", 64): 20.0,
@@ -467,7 +468,7 @@ def test_ratios_from_synthetic_results() -> None:
         }
     )
     cfg = B.BenchConfig()
-    r = B.compute_ratios(res, {}, [T.UVA, T.PINNED, T.PAGEABLE], cfg, "cuda:0")
+    r = B.compute_ratios(res, {}, [Tier.UVA, Tier.PINNED, Tier.PAGEABLE], cfg, "cuda:0")
     assert r["uva_stager_vs_pinned_per_array"]["measured"] == pytest.approx(5 / 50, rel=1e-3)
     assert r["uva_stager_vs_pinned_per_array"]["passed"] is True
     assert r["pinned_stager_vs_pinned_per_array"]["measured"] == pytest.approx(20 / 50, rel=1e-3)
@@ -507,11 +508,11 @@ CPU = torch.device("cpu")
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only behaviour")
 def test_mrv2_uva_pool_refuses_a_machine_without_uva() -> None:
     with pytest.raises(Exception, match="UVA|accelerator|CUDA"):
-        W.mrv2_uva_pool(8, torch.int32, CPU)
+        BL.mrv2_uva_pool(8, torch.int32, CPU)
 
 
 def test_mrv2_baselines_are_vllms_own_classes(vllm_interpreted: None) -> None:
-    pool = W.mrv2_fallback_pool(8, torch.int32, CPU)
+    pool = BL.mrv2_fallback_pool(8, torch.int32, CPU)
     sw = BL.mrv2_staged_write((4, 8), torch.int32, CPU)
     buf = BL.cpu_gpu_buffer(8, torch.int32, CPU)
     for obj, name in ((pool, "UvaBufferPool"), (sw, "StagedWriteTensor")):
@@ -524,7 +525,7 @@ def test_mrv2_baselines_are_vllms_own_classes(vllm_interpreted: None) -> None:
 
 def test_mrv2_pool_is_a_ring_without_a_guard(vllm_interpreted: None) -> None:
     # vLLM's own pool without pinned memory: a device tensor per slot, round robin, no guard
-    pool = W.mrv2_fallback_pool(8, torch.int32, CPU)
+    pool = BL.mrv2_fallback_pool(8, torch.int32, CPU)
     outs = [pool.copy_to_uva(np.full(4, i, np.int32)) for i in range(3)]
     assert outs[0].data_ptr() != outs[1].data_ptr() and outs[2].data_ptr() == outs[0].data_ptr()
     # no guard: the third write rewrote the first slot, which the first result still views
@@ -557,9 +558,9 @@ def test_mrv2_staged_write_matches_a_model(vllm_interpreted: None) -> None:
 
 
 def test_mrv2_decode_loop_checks_its_answers_on_cpu(vllm_interpreted: None) -> None:
-    env = W.Env(CPU, False, False, False, check_every=5, decode_steps=10)
-    case = W.decode_mrv2(W.mrv2_fallback_pool)(env, 32)
-    for _ in range(W.DECODE_WARMUP + 20):
+    env = H.Env(CPU, False, False, False, check_every=5, decode_steps=10)
+    case = decode.mrv2(BL.mrv2_fallback_pool)(env, 32)
+    for _ in range(decode.WARMUP + 20):
         case.step()
     got = case.finish()
     assert got["checks"] >= 10 and got["peer"] == f"vLLM {vllm_mrv2.NEWEST}"
@@ -585,11 +586,11 @@ def test_mrv2_decode_catches_a_wrong_table(vllm_interpreted: None, monkeypatch: 
         sw.apply_write = apply_write
         return sw
 
-    monkeypatch.setattr(W, "mrv2_staged_write", drops_the_last_edit)
-    env = W.Env(CPU, False, False, False, check_every=5, decode_steps=10)
-    case = W.decode_mrv2(W.mrv2_fallback_pool)(env, 32)
-    with pytest.raises(W.BenchCheckError, match="mrv2_decode"):
-        for _ in range(W.DECODE_WARMUP + 20):
+    monkeypatch.setattr(BL, "mrv2_staged_write", drops_the_last_edit)
+    env = H.Env(CPU, False, False, False, check_every=5, decode_steps=10)
+    case = decode.mrv2(BL.mrv2_fallback_pool)(env, 32)
+    with pytest.raises(H.BenchCheckError, match="mrv2_decode"):
+        for _ in range(decode.WARMUP + 20):
             case.step()
 
 
@@ -598,9 +599,9 @@ def test_mrv2_staged_write_on_the_gpu_matches_a_model() -> None:
     dev = torch.device("cuda")
     if BL.triton_error():
         pytest.skip(BL.triton_error() or "")
-    env = W.Env(dev, True, True, True)
-    for cell in (W.WriteCell(1, 1), W.WriteCell(256, 8), W.WriteCell(64, 64)):
-        case = W.writes_mrv2()(env, cell)
+    env = H.Env(dev, True, True, True)
+    for cell in (writes.WriteCell(1, 1), writes.WriteCell(256, 8), writes.WriteCell(64, 64)):
+        case = writes.mrv2(env, cell)
         for _ in range(5):
             case.step()
         assert case.finish()["verified"]
@@ -610,10 +611,10 @@ def test_mrv2_staged_write_on_the_gpu_matches_a_model() -> None:
 
 
 def test_write_sets_are_distinct_rows_inside_the_table() -> None:
-    env = W.Env(CPU, False, False, False)
-    for cell in (W.WriteCell(1, 1), W.WriteCell(256, 8), W.WriteCell(4096, 64)):
-        ws = W.write_sets(env, cell)
-        rows, cols = W.write_shape(cell)
+    env = H.Env(CPU, False, False, False)
+    for cell in (writes.WriteCell(1, 1), writes.WriteCell(256, 8), writes.WriteCell(4096, 64)):
+        ws = writes.write_sets(env, cell)
+        rows, cols = writes.write_shape(cell)
         assert cols >= 2 * cell.length and rows >= cell.edits
         assert len(set(ws.rows.tolist())) == cell.edits
         assert ws.starts.min() >= 0 and ws.starts.max() <= cols - cell.length
@@ -627,13 +628,13 @@ def test_write_sets_are_distinct_rows_inside_the_table() -> None:
 
 
 def test_write_cell_keys() -> None:
-    c = W.WriteCell(256, 8)
-    assert str(c) == "256x8" and W.WriteCell.parse("256x8") == c
-    assert W.WriteCell.parse("256") == W.WriteCell(256, 1)  # reports from before the sweep
-    assert sorted([W.WriteCell(16, 1), W.WriteCell(1, 64), W.WriteCell(1, 8)]) == [
-        W.WriteCell(1, 8),
-        W.WriteCell(1, 64),
-        W.WriteCell(16, 1),
+    c = writes.WriteCell(256, 8)
+    assert str(c) == "256x8" and writes.WriteCell.parse("256x8") == c
+    assert writes.WriteCell.parse("256") == writes.WriteCell(256, 1)  # reports from before the sweep
+    assert sorted([writes.WriteCell(16, 1), writes.WriteCell(1, 64), writes.WriteCell(1, 8)]) == [
+        writes.WriteCell(1, 8),
+        writes.WriteCell(1, 64),
+        writes.WriteCell(16, 1),
     ]
 
 
@@ -708,7 +709,7 @@ def test_quick_on_a_cpu_prints_its_targets_without_judging_them(quick: dict[str,
         assert all(p.get("passed") is None for p in r.get("parts", [])), name
         cell = _result_cell(quick["output"], name)
         if name in measured:
-            assert r["status"] == "info" and r["info"] == B.INFO_WHY, name
+            assert r["status"] == "info" and r["info"] == T.INFO_WHY, name
             assert cell.startswith("info") and "pass" not in cell and "FAIL" not in cell, cell
             assert f"{r['measured']:.3f}" in next(ln for ln in quick["output"].splitlines() if name in ln)
     flat = " ".join(quick["output"].split())
@@ -717,7 +718,6 @@ def test_quick_on_a_cpu_prints_its_targets_without_judging_them(quick: dict[str,
 
 def test_which_runs_judge_from_synthetic_results() -> None:
     """One set of results: judged on a GPU (quick or not) and on a full CPU run; info on a quick CPU run."""
-    T = W.Tier
     res = _synthetic(
         {
             ("micro", "floor", 64): 20.0,
@@ -732,7 +732,7 @@ def test_which_runs_judge_from_synthetic_results() -> None:
         }
     )
     so = {"staged_write_host.stage_only": {"256x8": {"host_us": 512.0, "e2e_us": 512.0}}}
-    gpu_tiers, cpu_tiers = [T.UVA, T.PINNED, T.PAGEABLE], [T.HOST, T.PAGEABLE]
+    gpu_tiers, cpu_tiers = [Tier.UVA, Tier.PINNED, Tier.PAGEABLE], [Tier.HOST, Tier.PAGEABLE]
     for quick in (False, True):
         cfg = B.BenchConfig(quick=quick)
         r = B.compute_ratios(res, so, gpu_tiers, cfg, "cuda:0")
@@ -750,18 +750,18 @@ def test_which_runs_judge_from_synthetic_results() -> None:
         assert e["status"] == ("info" if full[name]["status"] in ("pass", "fail") else full[name]["status"])
         assert e["measured"] == full[name]["measured"], name  # the number is still printed
     sw = quick["stage_write_8_ints_us"]
-    assert sw["info"] == B.INFO_WHY and [p["passed"] for p in sw["parts"]] == [None, None]
-    assert B.not_judged(True, "cuda:1") is None and B.not_judged(False, "cpu") is None
+    assert sw["info"] == T.INFO_WHY and [p["passed"] for p in sw["parts"]] == [None, None]
+    assert T.not_judged(True, "cuda:1") is None and T.not_judged(False, "cpu") is None
     engine_like = {"description": "an engine target", "measured": 1.5, "passed": False}  # no status field
-    B.inform(engine_like, B.not_judged(True, "cpu"))
+    T.inform(engine_like, T.not_judged(True, "cpu"))
     assert engine_like["status"] == "info" and engine_like["passed"] is None
-    assert B._status(engine_like) == "info"
+    assert T.status(engine_like) == "info"
 
 
 def test_strict_fails_only_on_a_judged_target(quick: dict[str, Any], tmp_path: Path) -> None:
     rep = json.loads(json.dumps(quick["report"]))
     name = "staged_write_256_speedup"
-    rep["ratios"][name].update(passed=None, status="info", info=B.INFO_WHY)
+    rep["ratios"][name].update(passed=None, status="info", info=T.INFO_WHY)
     info = tmp_path / "info.json"
     info.write_text(json.dumps(rep))
     others_fail = any(r.get("passed") is False for n, r in rep["ratios"].items() if n != name)
@@ -777,7 +777,7 @@ def test_strict_fails_only_on_a_judged_target(quick: dict[str, Any], tmp_path: P
     md = tmp_path / "b.md"
     assert invoke(main, ["--from-json", str(info), "--markdown", str(md)]).exit_code == 0
     line = next(ln for ln in md.read_text().splitlines() if f"`{name}`" in ln)
-    assert line.endswith("| info (not judged) |") and f"Why: {B.INFO_WHY}." in md.read_text()
+    assert line.endswith("| info (not judged) |") and f"Why: {T.INFO_WHY}." in md.read_text()
 
 
 def test_a_real_run_records_its_command(tmp_path: Path) -> None:
@@ -807,7 +807,6 @@ def _cells(values: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 
 def test_per_cell_targets_from_synthetic_results() -> None:
-    T = W.Tier
     cfg = B.BenchConfig(edits=(1, 16, 256), lengths=(1, 8))
     mrv2 = {"1x1": 100.0, "1x8": 100.0, "16x1": 200.0, "16x8": 200.0, "256x1": 1000.0, "256x8": 2000.0}
     res = _cells(
@@ -827,7 +826,7 @@ def test_per_cell_targets_from_synthetic_results() -> None:
             "staged_write_host": {"1x1": 30.0},
         }
     )
-    r = B.compute_ratios(res, {}, [T.UVA, T.PINNED, T.PAGEABLE], cfg, "cuda:0")
+    r = B.compute_ratios(res, {}, [Tier.UVA, Tier.PINNED, Tier.PAGEABLE], cfg, "cuda:0")
     small = r["staged_write_uva_vs_mrv2_e_le_16"]
     assert [p["size"] for p in small["parts"]] == ["1x1", "1x8", "16x1", "16x8"]
     assert small["measured"] == pytest.approx(0.6) and small["worst_size"] == "16x1"
@@ -845,20 +844,19 @@ def test_per_cell_targets_from_synthetic_results() -> None:
     # HOST targets do not apply to a GPU run
     assert r["host_one_edit_vs_row_copy"]["status"] == "n/a"
     assert "device is cuda:0" in r["host_one_edit_vs_row_copy"]["na"]
-    on_cpu = B.compute_ratios(res, {}, [T.HOST], cfg, "cpu")
+    on_cpu = B.compute_ratios(res, {}, [Tier.HOST], cfg, "cpu")
     assert on_cpu["host_one_edit_vs_row_copy"]["measured"] == pytest.approx(3.0)
     assert on_cpu["host_one_edit_vs_row_copy"]["passed"] is False
     assert on_cpu["staged_write_uva_vs_mrv2_e_le_16"]["status"] == "n/a"
     assert "parts" not in on_cpu["staged_write_uva_vs_mrv2_e_le_16"]
     # a sweep with no E >= 256: skipped with why, not a pass
-    r = B.compute_ratios(res, {}, [T.UVA], B.BenchConfig(edits=(1, 16), lengths=(1,)), "cuda:0")
+    r = B.compute_ratios(res, {}, [Tier.UVA], B.BenchConfig(edits=(1, 16), lengths=(1,)), "cuda:0")
     assert r["staged_writes_uva_vs_mrv2_e_ge_256"]["skipped"] == (
         "no cell of this run's writes sweep has E >= 256"
     )
 
 
 def test_stage_write_pool_decode_and_host_targets_from_synthetic_results() -> None:
-    T = W.Tier
     cfg = B.BenchConfig()
     res = _synthetic(
         {
@@ -878,7 +876,7 @@ def test_stage_write_pool_decode_and_host_targets_from_synthetic_results() -> No
         "staged_write_uva.stage_only": {"256x8": {"host_us": 192.0, "e2e_us": 200.0}},
         "staged_write_pinned.stage_only": {"256x8": {"host_us": 320.0, "e2e_us": 330.0}},
     }
-    r = B.compute_ratios(res, stage_only, [T.UVA, T.PINNED, T.PAGEABLE], cfg, "cuda:0")
+    r = B.compute_ratios(res, stage_only, [Tier.UVA, Tier.PINNED, Tier.PAGEABLE], cfg, "cuda:0")
     sw = r["stage_write_8_ints_us"]
     assert sw["measured"] == pytest.approx(1.25) and sw["passed"] is False
     assert sw["worst_note"] == "PINNED" and sw["applies"] is True
@@ -891,7 +889,7 @@ def test_stage_write_pool_decode_and_host_targets_from_synthetic_results() -> No
     assert r["decode_stager_pinned_vs_mrv2"]["measured"] == pytest.approx(160 / 200)
     assert r["decode_stager_pinned_vs_mrv2"]["passed"] is False
     assert r["decode_stager_pageable_vs_mrv2"]["status"] == "skipped"
-    host = B.compute_ratios(res, stage_only, [T.HOST], cfg, "cpu")["host_decode_vs_naive_cpu"]
+    host = B.compute_ratios(res, stage_only, [Tier.HOST], cfg, "cpu")["host_decode_vs_naive_cpu"]
     assert host["denominator"] == "mrv2_fallback_per_array"  # the faster naive strategy
     assert host["measured"] == pytest.approx(150 / 250) and host["passed"] is True
     assert host["naive_candidates_us"] == {"list_tensor": 400.0, "mrv2_fallback_per_array": 250.0}

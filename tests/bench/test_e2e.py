@@ -13,7 +13,8 @@ import pytest
 import torch
 from benchmarks import e2e as E
 from benchmarks import nanovllm_pkg as P
-from benchmarks.verdicts import misses
+from benchmarks import report as R
+from benchmarks.targets import misses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -172,14 +173,14 @@ def test_markdown_names_machine_command_and_commit_once_and_the_chart_is_drawn(t
         "command": "python -m benchmarks.e2e --rounds 3", "commit": "0123456789abcdef",
         "device_name": "NVIDIA H200", "shape": "qwen3-0.6b", "measured": m, "summary": E.summarize(m),
     }  # fmt: skip
-    text = E.markdown(report)
+    text = R.e2e_markdown(report)
     assert text.count("NVIDIA H200") == 1 and text.count("0123456789") == 1
     assert text.count("python -m benchmarks.e2e --rounds 3") == 1
     rows = [ln for ln in text.splitlines() if ln.startswith("| decode |")]
     assert len(rows) == 5
     assert "no pinned memory" in text
     (tmp_path / "r.json").write_text(json.dumps(report))
-    E.plot(json.loads((tmp_path / "r.json").read_text()), tmp_path / "r.png")
+    R.e2e_plot(json.loads((tmp_path / "r.json").read_text()), tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from benchmarks import engine as E
 from benchmarks import engine_profile as P
+from benchmarks.report import profile_markdown
 
 CPU = torch.device("cpu")
 SMALL = {"max_num_reqs": 24, "max_model_len": 256, "max_num_batched_tokens": 192, "running": 16,
@@ -54,40 +55,10 @@ def test_a_part_never_called_has_an_empty_profile() -> None:
     assert P.top(cProfile.Profile(), steps=5, k=3) == {"profiled_us": 0.0, "top": []}
 
 
-def test_timers_give_each_part_its_own_calls_and_are_removed_after() -> None:
-    """--timers: step mode's flush counts once a step, in per-step copies only; the block tables' part
-    only adds; own time never exceeds total; vLLM's own layer calls none of stagebuf's functions; and
-    every timed function is put back after the run."""
-    from stagebuf._engines.vllm_step_batch import StepBatch
-
-    flush = StepBatch.flush
-    names = ["vllm_uva", "stagebuf_step_pageable"]
-    r = P.run(CPU, names, (1,), (False,), steps=12, warmup=4, k=5, trace=SMALL, timers=True)
-    assert StepBatch.flush is flush
-    runs = r["runs"]
-    vllm, step = runs["vllm_uva|g1|idle"]["timers"], runs["stagebuf_step_pageable|g1|idle"]["timers"]
-    assert list(step) == list(E.SECTIONS) and not any(vllm.values())
-
-    def calls(part: str, fn: str) -> float:
-        return sum(t["calls"] for t in step[part] if t["function"] == fn)
-
-    assert calls("per_step_copies", "StepBatch.flush") == 1
-    assert calls("block_tables", "StepBatch.flush") == 0
-    assert calls("block_tables", "StepBatch.add") >= 1
-    assert calls("per_step_copies", "vllm_step.close_window") >= 1
-    for part in step.values():
-        for t in part:
-            assert -1e-6 <= t["own_us"] <= t["total_us"] + 1e-6, t
-
-
-def test_timers_refuse_a_timed_function_that_does_not_exist(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stagebuf._rings.ring import Ring
-
-    acquire = Ring.acquire
-    monkeypatch.setattr(P, "TIMED", (*P.TIMED, ("stagebuf._rings.ring", "Ring", ("no_such_call",))))
-    timers = P.Timers()
-    with pytest.raises(AttributeError, match="TIMED: stagebuf._rings.ring has no function Ring.no_such_call"):
-        timers.install()
-    assert Ring.acquire is not acquire  # the entries before the missing one were timed
-    timers.remove()
-    assert Ring.acquire is acquire
+def test_the_markdown_lists_each_parts_time_floor_and_top_functions() -> None:
+    r = P.run(CPU, ["vllm_uva"], (1,), (False,), steps=8, warmup=2, k=3, trace=SMALL)
+    md = profile_markdown(r)
+    assert md.startswith("#### vllm_uva|g1|idle")
+    rows = [ln for ln in md.splitlines() if ln.split(" | ")[0] in E.SECTIONS]
+    assert [ln.split(" | ")[0] for ln in rows] == list(E.SECTIONS)
+    assert "async_tensor_h2d" in next(ln for ln in rows if ln.startswith("per_step_copies"))

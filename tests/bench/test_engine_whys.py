@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from benchmarks import engine as E
+from benchmarks import vs_vllm as V
 
 
 def _sections(writes: float, publish: float, tables: float, copies: float) -> dict[str, float]:
@@ -43,7 +44,7 @@ def test_a_missed_staged_write_cell_splits_staging_from_the_apply() -> None:
         "writes|256x1": {"stagebuf_uva": 105.0, "vllm_uva": 150.0},  # 0.7: the worst cell, missed
         "stage|256x1": {"stagebuf_uva": 70.0, "vllm_uva": 120.0},
     }
-    t = E.targets(None, {"median_us": med, "vllm_version": "0.33.0"})["vllm_staged_write_per_cell"]
+    t = V.targets({"median_us": med, "vllm_version": "0.33.0"})["vllm_staged_write_per_cell"]
     assert t["passed"] is False and t["measured"] == 0.7
     assert t["why"] == (
         "E x L = 256x1: stagebuf 105.0 µs (70.0 staging + 35.0 apply) against "
@@ -51,7 +52,7 @@ def test_a_missed_staged_write_cell_splits_staging_from_the_apply() -> None:
     )
     assert "/ vLLM 0.33's on UVA" in t["description"]
     newest = E.vllm_mrv2.NEWEST.rpartition(".")[0]  # a run that does not say: the harness's newest
-    assert f"vLLM {newest} 150.0" in E.targets(None, {"median_us": med})["vllm_staged_write_per_cell"]["why"]
+    assert f"vLLM {newest} 150.0" in V.targets({"median_us": med})["vllm_staged_write_per_cell"]["why"]
 
 
 def test_a_missed_backed_copy_names_the_cost_of_a_call_and_of_the_guard() -> None:
@@ -61,7 +62,7 @@ def test_a_missed_backed_copy_names_the_cost_of_a_call_and_of_the_guard() -> Non
         "pool|k8": {"stagebuf_uva": 12.0, "vllm_uva": 24.0},  # 0.5: met, no reason
         "pool|k1": {"stagebuf_uva": 4.0, "vllm_uva": 3.5},
     }
-    t = E.targets(None, {"median_us": med})
+    t = V.targets({"median_us": med})
     b = t["vllm_backed_copy_to_uva"]
     assert b["passed"] is False and b["why"] == (
         "a call: 3.00 µs against vLLM's 3.00; with one call a step (each pays the slot guard's event record "
@@ -115,6 +116,6 @@ def test_the_prompt_target_takes_the_worst_kind_and_length() -> None:
         "prompt|list|131072": {"stagebuf_uva": 900.0, "vllm_uva": 1500.0},
         "prompt|ndarray|131072": {"stagebuf_uva": 66.0, "vllm_uva": 60.0},  # 1.1: the worst, missed
     }
-    t = E.targets(None, {"median_us": med, "vllm_version": "0.34.0"})["vllm_stage_prompt_v034"]
+    t = V.targets({"median_us": med, "vllm_version": "0.34.0"})["vllm_stage_prompt_v034"]
     assert t["passed"] is False and t["measured"] == 1.1 and t["worst_note"] == "ndarray|131072"
     assert t["why"] == "ndarray|131072: stagebuf 66.0 µs against vLLM 0.34's 60.0"

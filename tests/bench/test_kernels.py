@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from benchmarks import kernels
-from benchmarks.engine import stagebuf_tier
+from benchmarks.harness import stagebuf_tier
 
 
 @pytest.mark.parametrize(("targets", "edits", "length"), [(1, 16, 8), (2, 64, 1), (4, 30, 3)])

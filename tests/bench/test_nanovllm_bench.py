@@ -14,6 +14,7 @@ from benchmarks import bench as B
 from benchmarks import nanovllm_engine as NV
 from benchmarks import nanovllm_pkg as P
 from benchmarks import render_docs as R
+from benchmarks import report as RP
 from click.testing import CliRunner
 
 TARGETS = {"nanovllm_decode_uva_vs_own", "nanovllm_prefill_uva_vs_own", "nanovllm_decode_pageable_vs_own",
@@ -60,11 +61,11 @@ def test_targets_have_the_bench_shape(report: dict) -> None:
 
 
 def test_tables_render(report: dict) -> None:
-    titles = [t for t, _, _ in NV.tables(report)]
+    titles = [t for t, _, _ in RP.nanovllm_tables(report)]
     assert titles[0].startswith("nanovllm: nano-vllm-fork 20260210") and "4/4 checks" in titles[0]
     md = R.tables(report)
     assert "#### nanovllm: nano-vllm-fork 20260210" in md and "`stagebuf_pageable`" in md
-    assert [r[0] for r in NV.tables(report)[0][2]][-1] == "floor (token lists into one array)"
+    assert [r[0] for r in RP.nanovllm_tables(report)[0][2]][-1] == "floor (token lists into one array)"
 
 
 def test_a_missed_ratio_gives_its_reason_from_the_worse_gpu_state() -> None:

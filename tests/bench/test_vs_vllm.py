@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from benchmarks import compare as C
 from benchmarks import vs_vllm
-from benchmarks.engine import env_var
+from benchmarks.harness import env_var
 from click.testing import CliRunner
 
 pytestmark = pytest.mark.usefixtures("vllm_interpreted")

@@ -1,0 +1,290 @@
+"""What every workload shares: a forced stagebuf tier, the clocks, the busy-GPU stand-in, a case's form.
+
+A step is timed on the host (``time.perf_counter`` around it). :func:`turns` times several steps taking
+turns in a rotating order, so that a drift of the machine falls on all of them alike, and gives each one's
+median; :class:`Lockstep` drives several engines through one trace the same way, the GPU idle (all queued
+work done before each timed step) or busy (a forward stand-in of :func:`sleep_cycles_for` per step, two
+steps in flight an engine). The micro, decode and writes workloads are lists of :class:`Strategy`, each
+building a :class:`Case` (one step to time, then a check) for an :class:`Env` and a size; :func:`measure`
+times one case as :mod:`benchmarks.bench` does (which interleaves the cases of a size instead).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import stagebuf
+from stagebuf import Tier
+
+HERE = Path(__file__).resolve().parent
+
+
+@contextmanager
+def env_var(name: str, value: str | None) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` (None: unset) for the block, then restored."""
+    old = os.environ.get(name)
+    _set(name, value)
+    try:
+        yield
+    finally:
+        _set(name, old)
+
+
+def _set(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+@contextmanager
+def stagebuf_tier(tier: str | None, *others: Any) -> Iterator[None]:
+    """``STAGEBUF_TIER=tier`` (None: unset) for the block, the probe forgotten before and after (also by
+    ``others``: more copies of the package, as ``benchmarks.ab`` loads them)."""
+    pkgs = (stagebuf, *others)
+    with env_var("STAGEBUF_TIER", tier):
+        for p in pkgs:
+            p.reset_capabilities()
+        try:
+            yield
+        finally:
+            for p in pkgs:
+                p.reset_capabilities()
+
+
+def tiers(device: torch.device) -> list[str]:
+    """The stagebuf tiers this device has, best first, HOST only on a CPU (there: host and pageable)."""
+    if device.type != "cuda":
+        return ["host", "pageable"]
+    best = stagebuf.capabilities(device).tier
+    return [t.name.lower() for t in Tier if best <= t < Tier.HOST]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def sleep_cycles_for(ms: float, device: torch.device) -> int:
+    """``torch.cuda._sleep`` cycles for about ``ms`` milliseconds on ``device`` (measured once)."""
+    probe = 1_000_000
+    torch.cuda._sleep(probe)  # warm
+    torch.cuda.synchronize(device)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(probe)
+    b.record()
+    b.synchronize()
+    return int(probe / max(a.elapsed_time(b), 1e-3) * ms)
+
+
+def wait(ev: Any) -> None:
+    """Wait for a CUDA event by polling with short sleeps, the same way before every timed step (busy and
+    idle runs then differ in the GPU's state only, not in what the host thread did just before)."""
+    while not ev.query():
+        time.sleep(50e-6)
+
+
+def turns(steps: list[Callable[[int], object]], device: torch.device, n: int, warmup: int,
+          prep: list[Callable[[int], object]] | None = None) -> list[float]:  # fmt: skip
+    """The median host µs of each of ``steps`` (called with the step's number), taking turns in a rotating
+    order, each on an idle device: ``prep`` (untimed: what a step consumes) and a synchronize before it."""
+    times: list[list[float]] = [[] for _ in steps]
+    k, clock = len(steps), time.perf_counter
+    for i in range(warmup + n):
+        for j in range(k):
+            s = (i + j) % k
+            if prep is not None:
+                prep[s](i)
+            sync(device)
+            t0 = clock()
+            steps[s](i)
+            t1 = clock()
+            sync(device)
+            if i >= warmup:
+                times[s].append((t1 - t0) * 1e6)
+    return [float(np.median(t)) for t in times]
+
+
+class Lockstep:
+    """Engines taking turns on one trace: step ``i`` of each, in an order rotated by ``i``.
+
+    Idle GPU (``busy_cycles`` 0): before each timed preparation every queued kernel is done. Busy: the
+    caller's forward stand-in sleeps ``busy_cycles`` on the device after each step, and an engine waits for
+    its own previous step before preparing the next (two steps in flight). Both wait by polling."""
+
+    def __init__(self, engines: int, device: torch.device, busy_cycles: int):
+        self.n, self.cuda, self.busy = engines, device.type == "cuda", busy_cycles
+        self.prev: list[Any] = [None] * engines
+
+    def order(self, i: int) -> list[int]:
+        return [(i + j) % self.n for j in range(self.n)]
+
+    def before(self) -> None:
+        """Before a timed preparation: on an idle GPU, wait until everything queued is done."""
+        if self.cuda and not self.busy:
+            done = torch.cuda.Event()
+            done.record()
+            wait(done)
+
+    def after(self, e: int) -> None:
+        """After engine ``e``'s step and forward stand-in: on a busy GPU, wait for its previous step."""
+        if self.cuda and self.busy:
+            ev = torch.cuda.Event()
+            ev.record()
+            if self.prev[e] is not None:
+                wait(self.prev[e])
+            self.prev[e] = ev
+
+
+def commit() -> str | None:
+    """``$STAGEBUF_BENCH_COMMIT`` (a copied tree's .git may not be what was copied), else git's HEAD."""
+    return os.environ.get("STAGEBUF_BENCH_COMMIT") or git("rev-parse", "HEAD")
+
+
+def git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        )
+    except Exception:
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+# --- the micro, decode and writes workloads' form ---------------------------------------------------
+
+
+@dataclass
+class Env:
+    """What a strategy is built for: the device and the workload parameters."""
+
+    device: torch.device
+    cuda: bool
+    pin_memory: bool
+    uva: bool
+    k: int = 8
+    """micro: arrays per step."""
+    batch: int = 256
+    """decode: requests per step."""
+    block_size: int = 16
+    check_every: int = 50
+    decode_steps: int = 500
+    seed: int = 0
+
+
+@dataclass
+class Case:
+    """One step to time, and a check (plus extra facts) to run after timing."""
+
+    step: Callable[[], object]
+    finish: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    min_warmup: int = 0
+    """Steps to run before timing, at least (the decode loop's first steps are all prefill)."""
+    fixed_iters: int | None = None
+    """Steps per repeat, when every strategy must time the same steps (the decode loop)."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    label: str
+    kind: str
+    """'baseline', 'stagebuf' or 'floor'."""
+    build: Callable[[Env, Any], Case]
+    """(env, size): size is an int (micro N, decode batch) or a ``writes.WriteCell``."""
+    tier: Tier | None = None
+    """The forced stagebuf tier (None: built with STAGEBUF_TIER unset)."""
+    needs: tuple[str, ...] = ()
+    """What it needs of the machine: 'cuda', 'pinned', 'uva', 'triton', 'vllm' (vLLM's files, fetched)."""
+
+
+class BenchCheckError(RuntimeError):
+    """A strategy's device result differs from the host model: the run fails."""
+
+
+EXCLUDED_S = [0.0]
+"""Seconds the timed steps spent checking answers (the decode loop's device round trips and comparisons,
+work the floor does not do); :func:`time_repeat` leaves them out."""
+
+
+@dataclass
+class Measurement:
+    host_us: float
+    e2e_us: float
+    iters: int
+    repeats: int
+    host_samples_us: list[float] = field(default_factory=list)
+    e2e_samples_us: list[float] = field(default_factory=list)
+
+
+def prepare(case: Case, sync: Callable[[], None], max_iters: int, target_s: float) -> int:
+    """Warm ``case`` up; the steps per repeat.
+
+    Warm-up runs ``max(3, case.min_warmup)`` steps (compiles, first allocations, a decode loop's
+    prefill). Then, unless the case fixes its steps, a calibration of about 20% of ``target_s`` (at most
+    ``max_iters // 4 + 2`` steps) sets them so that a repeat lasts about ``target_s`` (2 .. ``max_iters``)."""
+    for _ in range(max(3, case.min_warmup)):
+        case.step()
+    sync()
+    if case.fixed_iters is not None:
+        return case.fixed_iters
+    n, t0 = 0, time.perf_counter()
+    while n < 2 or (n < max_iters // 4 + 2 and time.perf_counter() - t0 < 0.2 * target_s):
+        case.step()
+        n += 1
+    sync()
+    per = (time.perf_counter() - t0) / n
+    return max(2, min(max_iters, int(target_s / max(per, 1e-9))))
+
+
+def time_repeat(step: Callable[[], object], sync: Callable[[], None], iters: int) -> tuple[float, float]:
+    """One repeat of ``iters`` steps, the garbage collector off: (host µs a step, synchronised µs a step),
+    less the time spent checking answers (:data:`EXCLUDED_S`)."""
+    sync()
+    was = gc.isenabled()
+    gc.disable()
+    EXCLUDED_S[0] = 0.0
+    try:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+    finally:
+        if was:
+            gc.enable()
+    skip = EXCLUDED_S[0]
+    return (t1 - t0 - skip) / iters * 1e6, (t2 - t0 - skip) / iters * 1e6
+
+
+def summarise(hs: list[float], es: list[float], iters: int) -> Measurement:
+    return Measurement(round(statistics.median(hs), 3), round(statistics.median(es), 3), iters, len(hs),
+                       [round(h, 3) for h in hs], [round(e, 3) for e in es])  # fmt: skip
+
+
+def measure(
+    case: Case, sync: Callable[[], None], repeats: int, max_iters: int, target_s: float
+) -> Measurement:
+    """:func:`prepare`, then ``repeats`` repeats of one case."""
+    iters = prepare(case, sync, max_iters, target_s)
+    hs, es = [], []
+    for _ in range(repeats):
+        gc.collect()
+        h, e = time_repeat(case.step, sync, iters)
+        hs.append(h)
+        es.append(e)
+    return summarise(hs, es, iters)

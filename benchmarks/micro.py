@@ -1,0 +1,225 @@
+"""The micro workload: K int32 arrays of N staged per step, then one op reading them all.
+
+Measures what getting a step's small arrays to the device costs: per-array copies (a tensor from a list,
+a pinned tensor, vLLM's ``CpuGpuBuffer``), vLLM's ``UvaBufferPool`` (with and without pinned memory),
+a round-robin UVA pool without a guard, and stagebuf's ``UvaBufferPool`` and ``StepStager`` on each tier;
+the floor is the consumer alone, its data already on the device. Each case checks the device data after
+timing. The guard variants (``guard="wait"`` and ``"off"``) give the guard's cost (:func:`guard_cost`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from stagebuf import StepStager, Tier, UvaBufferPool
+
+from . import baselines as BL
+from . import targets as T
+from . import vllm_mrv2
+from .harness import BenchCheckError, Case, Env, Strategy
+
+V = vllm_mrv2.NEWEST.rpartition(".")[0]
+"""The peer's vLLM release in the strategies' labels, as "0.34"."""
+SIZE = 64
+"""The N of the targets."""
+
+
+def sources(env: Env, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(env.seed * 7919 + n)
+    return [rng.integers(0, 1 << 20, n, dtype=np.int32) for _ in range(env.k)]
+
+
+def case(name: str, srcs: list[np.ndarray], run: Callable[[], list[torch.Tensor]],
+         stats: Callable[[], dict[str, Any]] = dict) -> Case:  # fmt: skip
+    """A step stages every array (``run``) and sums their concatenation on the device; after timing,
+    each staged array must equal its source."""
+
+    def step() -> object:
+        ts = run()
+        torch.cat(ts).sum()
+        return ts
+
+    def finish() -> dict[str, Any]:
+        for i, (g, w) in enumerate(zip(run(), srcs)):
+            got = g.cpu().numpy()
+            if got.shape != w.shape or not np.array_equal(got, w):
+                bad = int(np.count_nonzero(got != w)) if got.shape == w.shape else -1
+                raise BenchCheckError(
+                    f"{name}: array {i} on the device differs from the host source "
+                    f"({bad} of {w.size} elements differ; shape {got.shape} vs {w.shape})"
+                )
+        return {"verified": True, **stats()}
+
+    return Case(step, finish)
+
+
+def list_tensor(env: Env, n: int) -> Case:
+    srcs = sources(env, n)
+    lists = [s.tolist() for s in srcs]
+    return case(
+        "list_tensor", srcs, lambda: [torch.tensor(x, dtype=torch.int32, device=env.device) for x in lists]
+    )
+
+
+def pinned_tensor(env: Env, n: int) -> Case:
+    srcs = sources(env, n)
+    lists = [s.tolist() for s in srcs]
+
+    def run() -> list[torch.Tensor]:
+        return [
+            torch.tensor(x, dtype=torch.int32, pin_memory=True).to(env.device, non_blocking=True)
+            for x in lists
+        ]
+
+    return case("pinned_tensor_per_array", srcs, run)
+
+
+def pinned_buffer(env: Env, n: int) -> Case:
+    srcs = sources(env, n)
+    bufs = [BL.cpu_gpu_buffer(n, torch.int32, env.device) for _ in srcs]
+
+    def run() -> list[torch.Tensor]:
+        for b, s in zip(bufs, srcs):
+            b.np[:n] = s
+        return [b.copy_to_gpu(n) for b in bufs]
+
+    return case("pinned_buffer_per_array", srcs, run)
+
+
+def baseline_pool(
+    make: Callable[[int, torch.dtype, torch.device], Any], name: str
+) -> Callable[[Env, int], Case]:
+    def build(env: Env, n: int) -> Case:
+        srcs = sources(env, n)
+        pools = [make(n, torch.int32, env.device) for _ in srcs]
+        return case(name, srcs, lambda: [p.copy_to_uva(s) for p, s in zip(pools, srcs)])
+
+    return build
+
+
+def pool(guard: str = "auto") -> Callable[[Env, int], Case]:
+    def build(env: Env, n: int) -> Case:
+        srcs = sources(env, n)
+        pools = [UvaBufferPool(n, torch.int32, device=env.device, guard=guard) for _ in srcs]
+        waits = lambda: sum(p.stats()["guard_waits"] for p in pools)
+        run = lambda: [p.copy_to_uva(s) for p, s in zip(pools, srcs)]
+        return case("pool", srcs, run, lambda: {"tier": pools[0].tier.name, "guard_waits": waits()})
+
+    return build
+
+
+def stager(guard: str = "auto", static: bool = False) -> Callable[[Env, int], Case]:
+    def build(env: Env, n: int) -> Case:
+        srcs = sources(env, n)
+        capacity = max(1 << 20, 1 << (max(env.k * (n * 4 + 16), 1) - 1).bit_length())
+        st = StepStager(device=env.device, capacity=capacity, guard=guard, static=static)
+
+        def run() -> list[torch.Tensor]:
+            with st.step() as s:
+                return [s.stage(x) for x in srcs]
+
+        return case("stager", srcs, run, lambda: {"tier": st.tier.name, "guard": st.guard, **st.stats()})
+
+    return build
+
+
+def floor(env: Env, n: int) -> Case:
+    srcs = sources(env, n)
+    ts = [torch.from_numpy(s).to(env.device) for s in srcs]
+    return case("floor", srcs, lambda: ts)
+
+
+BASELINES = (  # name, label, builder, needs
+    ("list_tensor", "list -> torch.tensor(device=...) per array", list_tensor, ()),
+    ("pinned_tensor_per_array", "pinned tensor per array + .cuda(non_blocking) (nano-vllm)", pinned_tensor,
+     ("pinned",)),
+    ("pinned_buffer_per_array", f"vLLM {V} V1 CpuGpuBuffer per array (fixed pinned buffer + async copy)",
+     pinned_buffer, ("vllm", "pinned")),
+    ("mrv2_fallback_per_array", f"vLLM {V} UvaBufferPool without pinned memory (NonUvaBuffer) per array",
+     baseline_pool(BL.mrv2_fallback_pool, "mrv2_fallback_per_array"), ("vllm",)),
+    ("uva_pool_per_array", "UVA pool per array on stagebuf's UvaBuffer (2 slots, cached views, no guard)",
+     baseline_pool(BL.uva_pool_cached, "uva_pool_per_array"), ("uva",)),
+    ("mrv2_uva_pool", f"vLLM {V} UvaBufferPool per array (2 UVA slots, no guard)",
+     baseline_pool(BL.mrv2_uva_pool, "mrv2_uva_pool"), ("vllm", "uva")),
+)  # fmt: skip
+
+
+def strategies(tiers: Sequence[Tier]) -> list[Strategy]:
+    out = [Strategy(name, label, "baseline", build, needs=needs) for name, label, build, needs in BASELINES]
+    for t in tiers:
+        n = t.name.lower()
+        out += [
+            Strategy(f"pool_{n}", f"stagebuf UvaBufferPool per array [{t.name}]", "stagebuf", pool(), t),
+            Strategy(f"stager_static_{n}", f"stagebuf StepStager(static=True), CUDA-graph ready [{t.name}]",
+                     "stagebuf", stager(static=True), t),
+            Strategy(f"stager_{n}", f"stagebuf StepStager [{t.name}]", "stagebuf", stager(), t),
+        ]  # fmt: skip
+    return [*out, Strategy("floor", "floor: consumer only, data already on the device", "floor", floor)]
+
+
+def guard_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
+    """StepStager and per-array pools with the guard forced to wait and to off (for :func:`guard_cost`)."""
+    return [
+        Strategy(
+            f"{what}_{t.name.lower()}.guard_{g}", f"{label} [{t.name}] guard={g}", "stagebuf", make(g), t
+        )
+        for t in tiers
+        for g in ("wait", "off")
+        for what, label, make in (("stager", "StepStager", stager), ("pool", "UvaBufferPool per array", pool))
+    ]
+
+
+def guard_cost(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per tier and structure: guard='wait' minus guard='off', µs per step."""
+    out: dict[str, Any] = {}
+    for name, by_size in raw.items():
+        base, _, mode = name.partition(".guard_")
+        off = raw.get(f"{base}.guard_off", {})
+        for size, w in by_size.items():
+            o = off.get(size)
+            if mode != "wait" or o is None:
+                continue
+            what, _, tier = base.partition("_")
+            out.setdefault(base, {})[size] = {
+                "structure": {"stager": "StepStager", "pool": "UvaBufferPool per array"}.get(what, what),
+                "tier": tier.upper(),
+                **{
+                    f"{m}_{k}_us": r[f"{k}_us"] for m, r in (("wait", w), ("off", o)) for k in ("host", "e2e")
+                },
+                **{f"delta_{k}_us": round(w[f"{k}_us"] - o[f"{k}_us"], 3) for k in ("host", "e2e")},
+                "guard_waits": w.get("guard_waits", 0),
+                "guard_active": w.get("guard") == "wait" if "guard" in w else None,
+            }
+    return out
+
+
+TARGETS = (
+    T.Ratio("uva_stager_vs_pinned_per_array", "cuda", "UVA StepStager staging cost / per-array pinned "
+            "copies' (fixed pinned buffer per array + async copy, vLLM V1 style)", "stager_uva",
+            "pinned_buffer_per_array", 0.2, "UVA staging saves less over one pinned copy per array than the "
+            "README claims: the headline claim does not hold on this machine"),
+    T.Ratio("pinned_stager_vs_pinned_per_array", "cuda", "PINNED StepStager staging cost / per-array pinned "
+            "copies'", "stager_pinned", "pinned_buffer_per_array", 0.3, "with pinned memory but no UVA, one "
+            "copy per step saves less over one copy per array than claimed"),
+    T.Ratio("pageable_stager_vs_mrv2_fallback", None, "PAGEABLE StepStager staging cost / MRV2's "
+            "synchronous-copy fallback (NonUvaBuffer) per array", "stager_pageable",
+            "mrv2_fallback_per_array", 0.25, "without pinned memory, one copy per step saves less over "
+            "MRV2's synchronous per-array fallback than claimed"),
+    T.Ratio("pool_vs_mrv2_pool", "cuda", "UVA UvaBufferPool per array (default guard) staging cost / "
+            "MRV2's UvaBufferPool per array", "pool_uva", "mrv2_uva_pool", 1.0, "stagebuf's UvaBufferPool "
+            "(its guard on) costs more per array than MRV2's (no guard)"),
+)  # fmt: skip
+
+
+def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The micro targets: staging costs at N = :data:`SIZE`; against per-array pinned copies, also the
+    ratio to nano-vllm's flavour of them (``vs_pinned_tensor_per_array``, for reference)."""
+    out = T.ratios(TARGETS, results, "micro", SIZE)
+    for d in TARGETS[:2]:
+        alt = T.ratio("", results, "micro", SIZE, d.num, "pinned_tensor_per_array", "staging", "<=", 0)
+        out[d.name]["vs_pinned_tensor_per_array"] = alt.get("measured")
+    return out

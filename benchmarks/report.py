@@ -1,0 +1,566 @@
+"""Every table the bench prints or writes, from a report: the console, Markdown, figures and the docs.
+
+A table is ``(title, header, rows)`` of strings. :func:`tables` gives a bench report's (micro, decode,
+writes, engine, vs vLLM, nano-vllm, stage only, guard cost); :func:`render` prints them with the targets,
+each miss's reason and what was skipped; :func:`markdown` writes the same; :func:`plot` draws one figure
+per workload. :func:`docs_tables` is the compact selection docs/BENCHMARKS.md shows (every current target
+and the columns a reader compares), :func:`e2e_markdown` and :func:`e2e_plot` the end-to-end report's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import targets as T
+from .writes import WriteCell
+
+Table = tuple[str, list[str], list[list[str]]]
+WORKLOADS = ("micro", "decode", "writes")
+UNITS = {"micro": "µs per step", "decode": "µs per step", "writes": "µs per apply"}
+SECTIONS = ("request_writes", "sampler_publish", "block_tables", "per_step_copies")
+"""The parts of the engine workload's buffer work (``engine.SECTIONS``)."""
+PLOT_HINT = "--plot needs matplotlib: bash scripts/setup.sh bench (or pip install -r requirements/bench.txt)"
+
+
+def fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def _cell(row: dict[str, Any] | None, staging: bool) -> str:
+    if row is None:
+        return "-"
+    staged = f" (+{fmt(row['staging_e2e_us'])})" if staging and "staging_e2e_us" in row else ""
+    return f"{fmt(row['host_us'])} / {fmt(row['e2e_us'])}{staged}"
+
+
+def _cells(data: dict[str, Any]) -> set[WriteCell]:
+    return {WriteCell.parse(s) for e in data.values() for s in e["sizes"]}
+
+
+def workload_tables(report: dict[str, Any], labels: bool = False) -> list[Table]:
+    """micro, decode and writes: a row per strategy (``labels``: with what it is), a column per size, each
+    cell host / synchronised µs (+ staging, where the workload has a floor); writes: a row per strategy
+    and L, a column per E."""
+    out: list[Table] = []
+    for wl in WORKLOADS:
+        data = report["results"].get(wl)
+        if not data:
+            continue
+        staging = wl != "writes" and "floor" in data
+        title = f"{wl}: {UNITS[wl]}, median host / device-synchronised"
+        title += " (+ staging = synchronised minus the floor)" if staging else ""
+        rows = []
+        if wl == "writes":
+            es = sorted({c.edits for c in _cells(data)})
+            head = ["L", *(f"E={e}" for e in es)]
+            for ln in sorted({c.length for c in _cells(data)}):
+                for n, e in data.items():
+                    if any(WriteCell.parse(k).length == ln for k in e["sizes"]):
+                        rows.append(
+                            [n, str(ln), *(_cell(e["sizes"].get(str(WriteCell(x, ln))), False) for x in es)]
+                        )
+        else:
+            sizes = sorted({int(k) for e in data.values() for k in e["sizes"]})
+            head = [f"{T.SIZE_NAMES[wl]}={n}" for n in sizes] + (["checks"] if wl == "decode" else [])
+            for n, e in data.items():
+                rows.append([n, *(_cell(e["sizes"].get(str(k)), staging and n != "floor") for k in sizes)])
+                if wl == "decode":
+                    rows[-1].append(str(next(iter(e["sizes"].values())).get("checks", "-")))
+        if labels:
+            head, rows = ["what", *head], [[r[0], data[r[0]].get("label", ""), *r[1:]] for r in rows]
+        out.append((title, ["strategy", *head], rows))
+    return out
+
+
+def _busy_or_idle(runs: dict[str, Any], setup: str, g: int) -> list[dict[str, Any]]:
+    return runs.get(f"{setup}|g{g}|busy") or runs.get(f"{setup}|g{g}|idle") or []
+
+
+def engine_tables(eng: dict[str, Any]) -> list[Table]:
+    """One release's engine run: medians of each setup, its buffer work by part, and that above the floor."""
+    meds, runs = eng.get("medians", {}), eng.get("runs", {})
+    if not meds:
+        return []
+    groups = sorted({int(k.split("|")[1][1:]) for k in meds})
+    head = ["setup", *(f"{g}g {w} {m}" for g in groups for w in ("prep", "buffer") for m in ("idle", "busy"))]
+    rows = [[s, *(fmt(meds.get(f"{s}|g{g}|{m}", {}).get(w)) for g in groups for w in ("prep_us", "buffer_us")
+                  for m in ("idle", "busy"))] for s in eng.get("setups", [])]  # fmt: skip
+    checks = eng.get("checks", [])
+    ok = sum(not c["mismatches"] for c in checks)
+    title = (f"engine: vLLM {eng.get('vllm_version')} MRV2 input path, host µs per step (median of "
+             f"{eng.get('repeats')} interleaved runs of {eng.get('steps', 0) - eng.get('warmup', 0)} steps); "
+             f"identical inputs: {ok}/{len(checks)} checks")  # fmt: skip
+    parts, above = [], []
+    for s in eng.get("setups", []):
+        for g in groups:
+            mine, floor = _busy_or_idle(runs, s, g), _busy_or_idle(runs, "floor", g)
+            if mine:
+                sec = mine[-1]["sections_us"]
+                parts.append([f"{s}, {g}g", *(f"{sec.get(k, 0):.1f}" for k in SECTIONS)])
+            if mine and floor:
+                diff = [
+                    sec.get(k, 0) - (0 if s == "floor" else floor[-1]["sections_us"].get(k, 0))
+                    for k in SECTIONS
+                ]
+                above.append([f"{s}, {g}g", *(f"{x:.1f}" for x in diff), f"{sum(diff):.1f}"])
+    last = "mean µs per step (last run; busy GPU where run)"
+    return [
+        (title, head, rows),
+        (f"engine: buffer work by part, {last}", ["setup", *SECTIONS], parts),
+        (f"engine: buffer work above the floor (each part's bytes in one packed transfer plus one launch, "
+         f"same run), {last}; floor rows: the floor itself", ["setup", *SECTIONS, "total"], above),
+    ]  # fmt: skip
+
+
+def vs_vllm_table(report: dict[str, Any]) -> list[Table]:
+    res = report.get("vs_vllm") or {}
+    med = res.get("median_us", {})
+    if not med:
+        return []
+    peers = list(dict.fromkeys(p for d in med.values() for p in d))
+    rows = [[c, *(fmt(d.get(p)) for p in peers)] for c, d in med.items()]
+    rel = res.get("vllm_version") or (report.get("engine") or {}).get("vllm_version")
+    return [
+        (
+            f"vs {f'vLLM {rel}' if rel else 'vLLM'}'s own classes: host µs per step, idle GPU",
+            ["case", *peers],
+            rows,
+        )
+    ]
+
+
+def nanovllm_tables(report: dict[str, Any]) -> list[Table]:
+    """The nano-vllm workload: each setup's prefill and decode preparation (and the prefill floor); the
+    device-side writes into the graph inputs per graph-replayed decode step."""
+    res = report.get("nanovllm") or {}
+    meds = res.get("medians", {})
+    if not meds:
+        return []
+    modes = [m for m in ("idle", "busy") if any(k.endswith(f"|{m}") for k in meds)]
+    shown = [*res.get("setups", []), *(["floor"] if any(k.startswith("floor|") for k in meds) else [])]
+    rows = []
+    for s in shown:
+        got = [meds.get(f"{s}|{m}", {}).get(k) for k in ("prefill_us", "decode_us") for m in modes]
+        rows.append([s if s != "floor" else "floor (token lists into one array)",
+                     *("-" if v is None or v != v else f"{v:.1f}" for v in got)])  # fmt: skip
+    checks = res.get("checks", [])
+    title = (f"nanovllm: {res.get('nanovllm_version')} input preparation, host µs per step (median of "
+             f"{res.get('repeats')} interleaved runs of {res.get('steps', 0) - res.get('warmup', 0)} steps); "
+             f"identical inputs: {sum(not c['mismatches'] for c in checks)}/{len(checks)} checks, "
+             f"{sum(c['steps'] for c in checks)} steps")  # fmt: skip
+    graphs = [[s, f"{v['decode_steps']}", f"{v['d2d_copies_per_step']:.1f}", f"{v['fills_per_step']:.1f}",
+               "CUDA graphs" if v.get("real_graphs") else "replayed eagerly (CPU)"]
+              for s, v in res.get("graph_writes", {}).items()]  # fmt: skip
+    return [
+        (title, ["setup", *(f"{k} {m}" for k in ("prefill", "decode") for m in modes)], rows),
+        ("nanovllm: writes into the graph inputs per graph-replayed decode step",
+         ["setup", "decode steps", "device-to-device copies", "fills", "graphs"], graphs),
+    ]  # fmt: skip
+
+
+def tables(report: dict[str, Any], labels: bool = False) -> list[Table]:
+    """Every table of a bench report but the targets, in the order printed."""
+    out = workload_tables(report, labels)
+    for eng in [report.get("engine") or {}, *(report.get("engine_also") or {}).values()]:
+        out += engine_tables(eng)
+    out += vs_vllm_table(report) + nanovllm_tables(report)
+    so = [[n, k, fmt(r["host_us"]), f"{r['host_us'] / WriteCell.parse(k).edits:.3f}"]
+          for n, by in report.get("staged_write_stage_only", {}).items() for k, r in by.items()]  # fmt: skip
+    if so:
+        title = (
+            "stage only: stage_write x E from Python lists, then clear_staged_writes() (no apply), host µs"
+        )
+        out.append((title, ["strategy", "ExL", "per step", "per call"], so))
+    guard = []
+    for by in (report.get("guard_cost") or {}).values():
+        for n, g in by.items():
+            costs = [fmt(g["wait_e2e_us"]), fmt(g["off_e2e_us"]), f"{g['delta_e2e_us']:+.2f}"]
+            guard.append([g["structure"], g["tier"], n, *costs, str(g["guard_waits"])])
+    if guard:
+        title = "guard cost: guard='wait' minus guard='off', µs per step (device-synchronised)"
+        out.append((title, ["structure", "tier", "N", "wait", "off", "delta", "waits"], guard))
+    return out
+
+
+def measured(r: dict[str, Any]) -> str:
+    if r.get("measured") is None:
+        return "-"
+    return f"{r['measured']:.3f}" + (f" ({r['worst_note']})" if r.get("worst_note") else "")
+
+
+def goal(r: dict[str, Any]) -> str:
+    return f"{r['op']} {r['target']}" + (f" {r['unit']}" if r.get("unit") else "")
+
+
+def result(r: dict[str, Any]) -> str:
+    """A target that was not judged: "n/a: why" or "skipped: why"."""
+    s = T.status(r)
+    return f"n/a: {r.get('na', '')}" if s == "n/a" else f"skipped: {r.get('skipped', '')}"
+
+
+def _lines(report: dict[str, Any], item: str) -> list[str]:
+    """What follows the targets: why they are not judged, why each miss missed, what was skipped."""
+    info = next((str(r["info"]) for r in report["ratios"].values() if T.status(r) == "info"), None)
+    out = [f"info: not judged pass/fail. Why: {info}."] if info else []
+    missed = T.misses(report)
+    out += ["Why each missed target missed:", *(f"{item}{m}" for m in missed)] if missed else []
+    skipped = []
+    for s in report.get("skipped", []):
+        wl = "all workloads" if s["workload"] == "*" else s["workload"]
+        skipped.append(f"{item}{wl} {s['strategy']}: {s['reason']}")
+    return out + (["Skipped:", *skipped] if skipped else [])
+
+
+def render(report: dict[str, Any], console: Any) -> None:
+    """The report's tables, targets and verdict lines, to a rich console."""
+    from rich.markup import escape
+    from rich.table import Table as Rich
+
+    for title, head, rows in tables(report):
+        tab = Rich(*head, title=title, title_justify="left")
+        for i, c in enumerate(tab.columns):
+            c.justify, c.no_wrap = ("left" if i == 0 else "right"), True
+        for cells in rows:
+            tab.add_row(*cells)
+        console.print(tab)
+    caption = "measured: a ratio of e2e µs; (…): the worst part of a target made of parts"
+    tab = Rich("target", "measured", "goal", "result", title=f"targets (device {report['device']})",
+               title_justify="left", caption=caption)  # fmt: skip
+    marks = {
+        "pass": "[green]pass[/]",
+        "fail": "[red]FAIL[/]",
+        "info": "[cyan]info[/]: not judged (see below)",
+    }
+    for name, r in report["ratios"].items():
+        tab.add_row(name, measured(r), goal(r), marks.get(T.status(r)) or escape(result(r)))
+    console.print(tab)
+    for line in _lines(report, "  "):
+        console.print(escape(line), highlight=False)
+    console.print(f"total {report['elapsed_s']:.1f} s", highlight=False)
+
+
+def md_table(head: list[str], rows: list[list[str]], pipes: bool = True) -> list[str]:
+    """A GitHub table; without ``pipes``, without the optional outer pipes (the docs' word budget counts
+    each pipe)."""
+    if not pipes:
+        return [" | ".join(head), "|".join("---" for _ in head), *(" | ".join(r) for r in rows), ""]
+    return [f"| {' | '.join(head)} |", "|" + "---|" * len(head), *(f"| {' | '.join(r)} |" for r in rows), ""]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report's tables as Markdown, all from this one report."""
+    v, r = report.get("versions", {}), report
+    lines = md_table(["", ""], [
+        ["command", f"`{r.get('command', '?')}`"],
+        ["commit", f"`{r.get('commit') or '?'}`{' (dirty tree)' if r.get('dirty') else ''}"],
+        ["device", f"{r.get('device_name', '?')} ({r.get('device', '?')})"],
+        ["torch / CUDA runtime", f"{v.get('torch', '?')} / {v.get('cuda_runtime', '-')}"],
+        ["driver", f"{v.get('driver', '-')} (CUDA driver API {v.get('cuda_driver_api', '-')})"],
+        ["Triton / cuda-bindings", f"{v.get('triton', '-')} / {v.get('cuda_bindings', '-')}"],
+        ["python / torch threads", f"{v.get('python', '?')} / {r.get('torch_threads', '?')}"],
+        ["started (UTC) / total", f"{r.get('started_utc', '?')} / {r.get('elapsed_s', '?')} s"],
+    ])  # fmt: skip
+    for title, head, rows in tables(report, labels=True):
+        lines += [f"#### {title}", "", *md_table(head, [[f"`{c[0]}`", *c[1:]] for c in rows])]
+    marks = {"pass": "pass", "fail": "**FAIL**", "info": "info (not judged)"}
+    rows = [[f"`{n}`", t.get("description", ""), measured(t), goal(t), marks.get(T.status(t)) or result(t)]
+            for n, t in report["ratios"].items()]  # fmt: skip
+    lines += ["#### targets", "", *md_table(["target", "definition", "measured", "goal", "result"], rows)]
+    return "\n".join([*lines, *_lines(report, "- ")]) + "\n"
+
+
+def plot_paths(path: str, report: dict[str, Any]) -> list[Path]:
+    """The files :func:`plot` writes for ``path`` (``bench.png``): ``bench-micro.png`` and so on, one per
+    workload the report has."""
+    p, res = Path(path), report.get("results", {})
+    return [p.with_name(f"{p.stem}-{w}{p.suffix or '.png'}") for w in WORKLOADS if res.get(w)]
+
+
+def plot(report: dict[str, Any], path: str) -> list[Path]:
+    """One figure per workload, legible at a page's width: micro and writes as µs against size, a line per
+    strategy, log axes (writes: a panel per L, against E); decode as bars. Raises ImportError without
+    matplotlib."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    res, out = report["results"], plot_paths(path, report)
+    where = f"{report['device_name']} ({report['device']}), commit {(report.get('commit') or '?')[:10]}"
+    for wl, file in zip([w for w in WORKLOADS if res.get(w)], out):
+        data = res[wl]
+        lens = sorted({c.length for c in _cells(data)}) if wl == "writes" else [None]
+        fig = Figure(
+            figsize=(8, 0.35 * len(data) + 1.4 if wl == "decode" else 3.6 * len(lens)), layout="constrained"
+        )
+        FigureCanvasAgg(fig)
+        for i, ln in enumerate(lens):
+            ax = fig.add_subplot(len(lens), 1, i + 1)
+            if wl == "decode":
+                names = list(data)
+                vals = [next(iter(data[n]["sizes"].values()))["e2e_us"] for n in names]
+                colors = {"baseline": "0.6", "floor": "0.85"}
+                ax.barh(names, vals, color=[colors.get(data[n]["kind"], "C0") for n in names])
+                for y, v in enumerate(vals):
+                    ax.annotate(
+                        fmt(v), (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
+                    )
+                ax.set_xscale("log")
+                ax.set_xlabel(f"{UNITS[wl]} (device-synchronised, batch {report['config']['batch']})")
+                ax.tick_params(axis="y", labelsize=7)
+                ax.invert_yaxis()
+                continue
+            for name, e in data.items():
+                cells = ((WriteCell.parse(k), r["e2e_us"]) for k, r in e["sizes"].items())
+                if ln is None:
+                    pts = sorted((int(k), r["e2e_us"]) for k, r in e["sizes"].items())
+                else:
+                    pts = sorted((c.edits, us) for c, us in cells if c.length == ln)
+                style = {"baseline": "--", "floor": ":"}.get(e["kind"], "-")
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", markersize=3, label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("N (int32 per array)" if wl == "micro" else "E (edits per apply)", fontsize=8)
+            ax.set_ylabel(f"{UNITS[wl]} (synchronised)", fontsize=8)
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+            ax.grid(True, which="both", alpha=0.3)
+            if ln is not None:
+                ax.set_title(f"L = {ln} elements per edit", fontsize=8)
+        fig.suptitle(f"{wl}: {UNITS[wl]} on {where}", fontsize=9)
+        fig.savefig(file, dpi=110)
+    return out
+
+
+# --- docs/BENCHMARKS.md: a compact selection ---------------------------------------------------------
+
+WRITES_LENGTH = 8
+"""The docs' staged-write and vs-vLLM tables show edits of this many elements (where the run has them)."""
+NA = {"cuda": "n/a (GPU only)", "cpu": "n/a (CPU only)"}
+MICRO_SIZES = (64, 32768)
+"""The micro table's columns, where the report has them (else every size it has)."""
+OTHER_TIERS = ("_pinned", "_pageable")
+"""Staged-write rows of these tiers are left out of the writes table (the vs-vLLM table has them)."""
+VS_VLLM_PEERS = ("vllm_uva", "stagebuf_uva", "vllm_nopin", "stagebuf_pageable")
+"""The vs-vLLM table's columns, where the report has them (else every peer it has)."""
+VS_VLLM_LEFT_OUT = ("pool|k1", "backed|k1")
+"""vs-vLLM cases left out (the targets use the K=8 cases)."""
+
+
+def _docs_result(r: dict[str, Any]) -> str:
+    s = T.status(r)
+    return "**fail**" if s == "fail" else NA.get(r.get("needs") or "", "n/a") if s == "n/a" else s
+
+
+def _docs_targets(report: dict[str, Any], current: set[str]) -> list[str]:
+    ratios = report.get("ratios", {})
+    rows = [[f"`{k}`", measured(r), goal(r), _docs_result(r)] for k, r in ratios.items() if k in current]
+    out = ["#### Targets", "", *md_table(["target", "measured", "goal", "result"], rows, pipes=False)]
+    gone = ", ".join(f"`{k}`" for k in ratios if k not in current)
+    return out + ([f"Left out: {gone} (not current targets of the bench).", ""] if gone else [])
+
+
+def _docs_staging(report: dict[str, Any], wl: str) -> list[str]:
+    """micro (at :data:`MICRO_SIZES`) or decode: each strategy's staging cost (the floor: its step time)."""
+    data, cfg = report.get("results", {}).get(wl), report.get("config", {})
+    if not data:
+        return []
+    have = sorted({int(k) for e in data.values() for k in e["sizes"]})
+    sizes = ([n for n in have if n in MICRO_SIZES] or have) if wl == "micro" else have[:1]
+    rows = []
+    for name, e in data.items():
+        key = "e2e_us" if name == "floor" else "staging_e2e_us"
+        cells = [fmt(e["sizes"].get(str(n), {}).get(key)) for n in sizes]
+        rows.append([f"`{name}`" + (" (its step time)" if name == "floor" else ""), *cells])
+    if wl == "micro":
+        title = f"micro: staging cost of K={cfg.get('k', '?')} int32 arrays of N, µs per step"
+        head = ["strategy", *(f"N={n}" for n in sizes)]
+    else:
+        title, head = (
+            f"decode loop, batch {cfg.get('batch', '?')}: staging cost, µs per step",
+            ["strategy", "staging"],
+        )
+    return [f"#### {title} (synchronised, minus the floor)", "", *md_table(head, rows, pipes=False)]
+
+
+def _docs_writes(report: dict[str, Any]) -> list[str]:
+    data = report.get("results", {}).get("writes")
+    if not data:
+        return []
+    lengths = sorted({c.length for c in _cells(data)})
+    ln = WRITES_LENGTH if WRITES_LENGTH in lengths else lengths[len(lengths) // 2]
+    es = sorted({c.edits for c in _cells(data) if c.length == ln})
+    rows = []
+    for name, e in data.items():
+        got = [e["sizes"].get(str(WriteCell(x, ln))) for x in es]
+        if any(got) and not (name.startswith("staged_write") and name.split(".")[0].endswith(OTHER_TIERS)):
+            rows.append([f"`{name}`", *(fmt(g["e2e_us"]) if g else "-" for g in got)])
+    head = ["strategy", *(f"E={x}" for x in es)]
+    title = f"#### staged writes: E edits of L={ln} elements, µs per apply (synchronised)"
+    return [title, "", *md_table(head, rows, pipes=False)]
+
+
+def _docs_engine(eng: dict[str, Any]) -> list[str]:
+    """One release's engine run: prep and buffer µs per step on the busy GPU."""
+    meds = eng.get("medians", {})
+    if not meds:
+        return [f"Engine workload: not run ({eng['skipped']}).", ""] if eng.get("skipped") else []
+    groups = sorted({int(k.split("|")[1][1:]) for k in meds})
+    head = ["setup", *(f"{g}g {w}" for g in groups for w in ("prep", "buffer"))]
+    rows = []
+    for s in eng.get("setups", []):
+        got = [meds.get(f"{s}|g{g}|busy", {}).get(f"{w}_us") for g in groups for w in ("prep", "buffer")]
+        rows.append([f"`{s}`", *("-" if v is None else f"{v:.0f}" for v in got)])
+    checks = eng.get("checks", [])
+    ok = sum(1 for c in checks if not c["mismatches"])
+    title = (f"#### engine: vLLM {eng.get('vllm_version', '?')}'s MRV2 input path, busy GPU, host µs per "
+             f"step (identical inputs: {ok} of {len(checks)} checks)")  # fmt: skip
+    return [title, "", *md_table(head, rows, pipes=False)]
+
+
+def _length(case: str) -> int | None:
+    """L of a vs-vLLM case named ``kind|ExL`` (None for ``pool|k8`` and the like)."""
+    try:
+        return WriteCell.parse(case.split("|", 1)[-1]).length
+    except (ValueError, TypeError):
+        return None
+
+
+def _docs_vs_vllm(report: dict[str, Any]) -> list[str]:
+    med = (report.get("vs_vllm") or {}).get("median_us", {})
+    if not med:
+        return []
+    peers = list(dict.fromkeys(p for d in med.values() for p in d))
+    peers = [p for p in peers if p in VS_VLLM_PEERS] or peers
+    lengths = {_length(c) for c in med} - {None}
+    ln = WRITES_LENGTH if WRITES_LENGTH in lengths or not lengths else sorted(lengths)[len(lengths) // 2]  # type: ignore[type-var]
+    rows = [[f"`{c}`".replace("|", "\\|"), *(fmt(d.get(p)) for p in peers)]
+            for c, d in med.items() if _length(c) in (None, ln) and c not in VS_VLLM_LEFT_OUT]  # fmt: skip
+    title = f"#### vs vLLM's own classes: host µs per step, idle GPU (edits of L={ln})"
+    return [title, "", *md_table(["case", *peers], rows, pipes=False)]
+
+
+def _docs_guard(report: dict[str, Any]) -> list[str]:
+    rows = [[g["structure"], g["tier"], str(n), f"{g['delta_e2e_us']:+.1f}", str(g["guard_waits"])]
+            for by in (report.get("guard_cost") or {}).values() for n, g in by.items()]  # fmt: skip
+    if not rows:
+        return []
+    title = '#### guard cost: `guard="wait"` minus `"off"`, µs per step (synchronised)'
+    return [title, "", *md_table(["structure", "tier", "N", "cost", "waits"], rows, pipes=False)]
+
+
+def docs_tables(report: dict[str, Any], current: set[str]) -> str:
+    """The Markdown docs/BENCHMARKS.md shows of one bench report: the run, the ``current`` targets (the
+    others named), and per workload the columns a reader compares."""
+    v = report.get("versions", {})
+    dirty = " (dirty tree)" if report.get("dirty") else ""
+    lines = [
+        f"Run: `{report.get('command', '?')}` at commit `{report.get('commit') or '?'}`{dirty} on "
+        f"{report.get('device_name', '?')}, {report.get('started_utc', '?')[:10]}; "
+        f"torch {v.get('torch', '?')}, driver {v.get('driver') or '-'}, Triton {v.get('triton') or '-'}.",
+        "",
+        *_docs_targets(report, current),
+        *_docs_staging(report, "micro"),
+        *_docs_staging(report, "decode"),
+        *_docs_writes(report),
+    ]
+    for eng in [report.get("engine") or {}, *(report.get("engine_also") or {}).values()]:
+        lines += _docs_engine(eng)
+    for title, head, rows in nanovllm_tables(report):
+        lines += [f"#### {title}", "", *md_table(head, [[f"`{r[0]}`", *r[1:]] for r in rows], pipes=False)]
+    lines += _docs_vs_vllm(report) + _docs_guard(report)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# --- the end-to-end report (benchmarks.e2e) ------------------------------------------------------------
+
+E2E_SETUPS = ("own", "stagebuf_uva", "stagebuf_pinned", "stagebuf_pageable", "stagebuf_nopin")
+
+
+def _nano(report: dict[str, Any]) -> str:
+    """The nano-vllm release of an end-to-end report (reports from before the field: the default one)."""
+    from . import nanovllm_pkg as P
+
+    return str(report.get("nanovllm") or f"{P.DIST} {P.VERSION}")
+
+
+def e2e_markdown(report: dict[str, Any]) -> str:
+    """The end-to-end report's tables in Markdown, one caption naming machine, command and commit."""
+    s, m, commit = report["summary"], report["measured"], (report.get("commit") or "?")[:10]
+    lines = [
+        f"{_nano(report)} end to end on {report.get('device_name', '?')}: `{report.get('command', '?')}`, "
+        f"commit `{commit}`; model {report['shape']} (random weights), attention: {m['attention']}; "
+        f"medians of {m['rounds']} rounds.",
+        "",
+        "| workload | setup | tier | decode tok/s | prefill tok/s | decode step ms (prep / forward / sample "
+        "/ rest) | tokens identical |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
+    for w, rows in s["table"].items():
+        for setup, row in rows.items():
+            split = " / ".join(
+                f"{row.get(f'decode_{k}_ms', 0):.2f}" for k in ("prep", "forward", "sample", "rest")
+            )
+            lines.append(
+                f"| {w} | {setup} | {row.get('tier') or '-'} | {row.get('decode_tokens_per_s', 0):,.0f} | "
+                f"{row.get('prefill_tokens_per_s', 0):,.0f} | {row.get('decode_step_ms', 0):.2f} ({split}) | "
+                f"{'yes' if row['identical'] else 'NO'} |"
+            )
+    lines += ["", "| target | what it compares | goal | measured | status |", "|---|---|---|---:|---|"]
+    for name, r in s["ratios"].items():
+        got = "-" if r["measured"] is None else f"{r['measured']:.3f}"
+        lines.append(f"| `{name}` | {r['description']} | {r['op']} {r['target']} | {got} | {r['status']} |")
+    share, err = s.get("own_decode_prep_share"), s.get("own_fails_without_pinning")
+    if share is not None:
+        lines += ["", f"The own engine's decode step is {share:.0%} host input preparation in this run."]
+    if err:
+        lines += [f"Without pinned memory nano-vllm's own engine does not start: `{err}`."]
+    return "\n".join(lines) + "\n"
+
+
+def e2e_plot(report: dict[str, Any], path: Path) -> None:
+    """Tokens/s of each setup against the own engine's, decode and prefill, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = report["summary"]["table"]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=120)
+    for ax, w in zip(axes, ("decode", "prefill")):
+        rows = table.get(w, {})
+        names = [s for s in E2E_SETUPS if s in rows]
+        vals = [rows[s].get(f"{w}_tokens_per_s", 0.0) for s in names]
+        base = rows.get("own", {}).get(f"{w}_tokens_per_s")
+        bars = ax.bar(range(len(names)), vals, color=["#888888" if n == "own" else "#2a7ab9" for n in names])
+        ax.set_xticks(range(len(names)), [n.replace("stagebuf_", "") for n in names], fontsize=8)
+        ax.set_title(f"{w}: {w} tokens/s", fontsize=9)
+        ax.tick_params(axis="y", labelsize=8)
+        for b, v in zip(bars, vals):
+            if base:
+                ax.annotate(f"{v / base:.2f}×", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
+                            fontsize=8)  # fmt: skip
+    version = _nano(report).rpartition(" ")[2]
+    fig.suptitle(f"nano-vllm {version}, {report['shape']}: own vs stagebuf attached (tier)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def profile_markdown(report: dict[str, Any], k: int = 6) -> str:
+    """An engine profile (``benchmarks.engine_profile``) as Markdown: per run, each part's µs (unprofiled),
+    its floor, and its top functions."""
+    lines = []
+    for key, r in report["runs"].items():
+        lines += [
+            f"#### {key}",
+            "",
+            "part | µs | floor µs | top functions (calls, own µs per step)",
+            "---|---|---|---",
+        ]
+        for part in SECTIONS:
+            fns = "; ".join(
+                f"`{t['function']}` {t['calls']:.1f}, {t['own_us']:.1f}" for t in r["parts"][part]["top"][:k]
+            )
+            lines.append(f"{part} | {r['sections_us'][part]:.1f} | {r['floor_us'][part]:.1f} | {fns}")
+        lines.append("")
+    return "\n".join(lines)

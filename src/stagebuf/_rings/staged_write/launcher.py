@@ -156,7 +156,7 @@ def uniform_lens(e: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     got = UNIFORM.get((e, width))
     if got is not None:
         return got
-    cu = np.arange(width, (e + 1) * width, width, dtype=np.int64) if width else np.zeros(e, np.int64)
+    cu = np.arange(width, (e + 1) * width, width, dtype=np.int64)  # (width >= 1)
     cu.flags.writeable = False
     if e > SMALL:
         return np.broadcast_to(np.int64(width), (e,)), cu  # (read-only)

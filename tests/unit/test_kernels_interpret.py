@@ -23,7 +23,7 @@ import stagebuf
 from stagebuf import FusedStagedWriter, StagedWriteTensor
 from stagebuf._rings.staged_write import kernel as sw_kernel
 from stagebuf._rings.staged_write import launcher as sw_plan
-from stagebuf._rings.staged_write.check import CheckedEdits
+from stagebuf._rings.staged_write.launcher import WriteBatch
 from stagebuf._tiers.settings import ENV_KERNEL
 
 pytest.importorskip("triton")
@@ -67,14 +67,14 @@ def model_apply(a: np.ndarray, edits: list[Edit]) -> None:
         a[r, s : s + len(v)] = v
 
 
-def gathered(t: StagedWriteTensor, edits: list[Edit]) -> CheckedEdits:
+def gathered(t: StagedWriteTensor, edits: list[Edit]) -> WriteBatch:
     """One target's edits as the apply path gathers them (rows distinct: the Triton kernel's contract)."""
     assert len({r for r, _, _ in edits}) == len(edits)
     rows = np.array([r for r, _, _ in edits], np.int64)
     starts = np.array([s for _, s, _ in edits], np.int64)
     lens = np.array([len(v) for _, _, v in edits], np.int64)
     vals = np.concatenate([v for _, _, v in edits]).astype(NP[t.dtype])
-    return CheckedEdits(t._target, rows * t.row_stride + starts, lens, vals, False)
+    return WriteBatch(t._target, rows * t.row_stride + starts, np.cumsum(lens), vals, lens, 0, False)
 
 
 def torch_twin(
@@ -97,7 +97,7 @@ def torch_twin(
 def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) -> None:
     """Run the Triton kernel (interpreted) and the twin on one layout; both equal the numpy model."""
     parts = [gathered(t, e) for t, e in zip(targets, edits) if e]
-    meta, vals, longest = sw_plan._edit_meta(parts)
+    meta, vals, longest = sw_plan.edit_meta(parts)
     assert meta.shape == (sum(len(e) for e in edits), 4) and vals.shape[0] == meta[:, 2].sum()
     models = [t.gpu.numpy().reshape(t.rows, t.cols).copy() for t in targets]
     for m, e in zip(models, edits):

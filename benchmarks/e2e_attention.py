@@ -3,13 +3,12 @@ them, for the end-to-end benchmark on machines where flash-attn does not install
 
 Both take flash-attn's keyword names and follow its documented semantics: grouped-query attention, a
 bottom-right aligned causal mask (a query that sees no key gives zeros), ``softmax_scale`` defaulting to
-``D ** -0.5``, softmax in float32, the output in the query's dtype; any other flash-attn argument only at
-its default (else ``NotImplementedError``). On CUDA they run one Triton kernel that reads no device value
-on the host and sizes its grid from shapes alone, so a decode call can be captured in a CUDA graph; a
-padded row (``cache_seqlens == 0``, its block table row ``-1``) reads nothing and gives zeros. On the CPU
-they run the kernel in Triton's interpreter under ``TRITON_INTERPRET=1``, else the plain-torch references
-``reference_varlen`` and ``reference_kvcache``. ``install(module)`` binds flash-attn's own functions where
-it imports, else these; ``backend()`` names which.
+``D ** -0.5``, softmax in float32, the output in the query's dtype; any other flash-attn argument raises
+``NotImplementedError``. They run one Triton kernel that reads no device value on the host and sizes its
+grid from shapes alone, so a decode call can be captured in a CUDA graph; a padded row (``cache_seqlens ==
+0``, its block table row ``-1``) reads nothing and gives zeros. On the CPU the kernel runs in Triton's
+interpreter (``TRITON_INTERPRET=1``). ``install(module)`` binds flash-attn's own functions where it imports,
+else these; ``backend()`` names which.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 
 try:
     import triton.language as tl
-except ImportError:  # the references still run (the CPU path)
+except ImportError:  # (the kernel is defined all the same; running it needs Triton)
     tl = None
 
 STAND_IN_MARK = "__stagebuf_stand_in__"
@@ -44,6 +43,7 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 
 _LOG2E = 1.4426950408889634
+Strides = tuple[int, ...]
 
 # ---------------------------------------------------------------------------------------------- kernel
 
@@ -189,56 +189,26 @@ def _kernel(interpret: bool) -> Any:
     return k
 
 
-# ---------------------------------------------------------------------------------------- arguments
-
-_VARLEN_DEFAULTS: dict[str, Any] = {
-    "dropout_p": 0.0,
-    "window_size": (-1, -1),
-    "softcap": 0.0,
-    "alibi_slopes": None,
-    "deterministic": False,
-    "return_attn_probs": False,
-}
-_KVCACHE_DEFAULTS: dict[str, Any] = {
-    "k": None,
-    "v": None,
-    "rotary_cos": None,
-    "rotary_sin": None,
-    "cache_batch_idx": None,
-    "cache_leftpad": None,
-    "window_size": (-1, -1),
-    "softcap": 0.0,
-    "rotary_interleaved": True,
-    "alibi_slopes": None,
-    "num_splits": 0,
-    "return_softmax_lse": False,
-}
+# ---------------------------------------------------------------------------------------- the calls
 
 
-def _only_defaults(kwargs: dict[str, Any], defaults: dict[str, Any], fn: str) -> None:
-    for name, value in kwargs.items():
-        if name not in defaults:
-            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
-        default = defaults[name]
-        same = (
-            value is None if default is None else isinstance(value, (int, float, tuple)) and value == default
-        )
-        if name == "window_size" and isinstance(value, list):
-            same = tuple(value) == default
-        if not same:
-            got = f"a tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-            raise NotImplementedError(f"{fn}: {name}={got} (the stand-in takes {default!r} only)")
-
-
-def _check_index(t: Any, name: str, ndim: int, device: torch.device) -> None:
+def _check_index(t: Any, name: str, ndim: int, device: torch.device, rows: int | None = None) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != ndim:
         raise ValueError(f"{name} must be an int32 tensor of {ndim} dims")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, the query on {device}")
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name} has {t.shape[0]} rows for {rows} sequences")
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_dims: int, k_dims: int) -> None:
-    for name, t, n in (("q", q, q_dims), ("k", k, k_dims), ("v", v, k_dims)):
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: tuple[int, int], kwargs: dict[str, Any],
+           fn: str) -> None:  # fmt: skip
+    """Shapes and dtypes flash-attn takes, and no argument it would take that the stand-in does not."""
+    if kwargs:
+        raise NotImplementedError(
+            f"{fn}: {', '.join(kwargs)} (the stand-in takes flash-attn's defaults only)"
+        )
+    for name, t, n in (("q", q, dims[0]), ("k", k, dims[1]), ("v", v, dims[1])):
         if not isinstance(t, torch.Tensor) or t.dim() != n:
             raise ValueError(f"{name} must be a tensor of {n} dims")
         if t.dtype != q.dtype or t.device != q.device:
@@ -250,27 +220,17 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_dims: int, k
         raise NotImplementedError(f"head dim {d} (the stand-in takes {HEAD_DIMS})")
     if k.shape != v.shape or k.shape[-1] != d:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match, with head dim {d}")
-    h, h_kv = q.shape[-2], k.shape[-2]
-    if h_kv == 0 or h % h_kv:
-        raise ValueError(f"{h} query heads are not a multiple of {h_kv} key heads")
-
-
-def _scale(softmax_scale: float | None, d: int) -> float:
-    return float(d**-0.5 if softmax_scale is None else softmax_scale)
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"{q.shape[-2]} query heads are not a multiple of {k.shape[-2]} key heads")
 
 
 def _block_n(d: int, page: int | None) -> int:
     n = max(BLOCK_N if d <= 128 else BLOCK_N // 2, 16)
-    if page is not None:
-        while n > 16 and page % n:
-            n //= 2
-        if page % n:
-            raise NotImplementedError(f"page size {page} (the stand-in takes multiples of 16)")
+    while page is not None and n > 16 and page % n:
+        n //= 2
+    if page is not None and page % n:
+        raise NotImplementedError(f"page size {page} (the stand-in takes multiples of 16)")
     return n
-
-
-def _use_kernel(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _new_out(q: torch.Tensor) -> torch.Tensor:
@@ -282,263 +242,107 @@ def _last1(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# ---------------------------------------------------------------------------------------- the calls
-
-
 def flash_attn_varlen_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    block_table: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float | None = None, causal: bool = False,
+    block_table: torch.Tensor | None = None, **kwargs: Any,
+) -> torch.Tensor:  # fmt: skip
     """Attention over packed sequences: ``q`` [total_q, H, D]; ``k``, ``v`` [total_k, H_kv, D] packed the
     same way (``cu_seqlens_k``), or with ``block_table`` [B, max_blocks] the paged caches
     [num_blocks, page, H_kv, D]. Returns [total_q, H, D] in ``q``'s dtype."""
-    _only_defaults(kwargs, _VARLEN_DEFAULTS, "flash_attn_varlen_func")
     paged = block_table is not None
-    _check_qkv(q, k, v, 3, 4 if paged else 3)
+    _check(q, k, v, (3, 4 if paged else 3), kwargs, "flash_attn_varlen_func")
+    batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else -1
     _check_index(cu_seqlens_q, "cu_seqlens_q", 1, q.device)
-    _check_index(cu_seqlens_k, "cu_seqlens_k", 1, q.device)
-    batch = cu_seqlens_q.shape[0] - 1
-    if batch < 0 or cu_seqlens_k.shape[0] != batch + 1:
-        raise ValueError(
-            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, cu_seqlens_k {tuple(cu_seqlens_k.shape)}"
-        )
+    _check_index(cu_seqlens_k, "cu_seqlens_k", 1, q.device, batch + 1)
     if block_table is not None:
-        _check_index(block_table, "block_table", 2, q.device)
-        if block_table.shape[0] != batch:
-            raise ValueError(f"block_table has {block_table.shape[0]} rows for {batch} sequences")
-    if not _use_kernel(q.device):
-        return reference_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale=softmax_scale, causal=causal, block_table=block_table,
-        )  # fmt: skip
+        _check_index(block_table, "block_table", 2, q.device, batch)
     q, k, v = _last1(q), _last1(k), _last1(v)
-    out = _new_out(q)
-    h, d = q.shape[1], q.shape[2]
+    out, (h, d) = _new_out(q), q.shape[1:]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q <= 0:
         return out.zero_()
     block_n = _block_n(d, k.shape[1] if paged else None)
-    grid = (-(-int(max_seqlen_q) // PREFILL_BLOCK_M), batch, h)
-    if paged:
-        assert block_table is not None
-        table, stride_tb, page = block_table, block_table.stride(0), k.shape[1]
-        kb, kt, kh = k.stride(0), k.stride(1), k.stride(2)
-        vb, vt, vh = v.stride(0), v.stride(1), v.stride(2)
+    if block_table is not None:
+        table, stride_tb, page, kb, vb = (
+            block_table,
+            block_table.stride(0),
+            k.shape[1],
+            k.stride(),
+            v.stride(),
+        )
     else:
-        table, stride_tb, page = cu_seqlens_k, 0, block_n
-        kb, kt, kh = 0, k.stride(0), k.stride(1)
-        vb, vt, vh = 0, v.stride(0), v.stride(1)
+        table, stride_tb, page, kb, vb = cu_seqlens_k, 0, block_n, (0, *k.stride()), (0, *v.stride())
     _launch(
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k, table, grid,
-        _scale(softmax_scale, d), 1,
-        (0, q.stride(0), q.stride(1)), (0, out.stride(0), out.stride(1)),
-        (kb, kt, kh), (vb, vt, vh), stride_tb,
-        group=h // k.shape[-2], page=page, block_m=PREFILL_BLOCK_M, block_n=block_n,
-        decode=False, paged=paged, causal=bool(causal),
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, table, (-(-int(max_seqlen_q) // PREFILL_BLOCK_M), batch, h),
+        _scale(softmax_scale, d), 1, (0, *q.stride()[:2]), (0, *out.stride()[:2]), kb[:3], vb[:3], stride_tb,
+        group=h // k.shape[-2], page=page, block_m=PREFILL_BLOCK_M, block_n=block_n, decode=False,
+        paged=paged, causal=bool(causal),
     )  # fmt: skip
     return out
 
 
 def flash_attn_with_kvcache(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    *,
-    cache_seqlens: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    **kwargs: Any,
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+    cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None, causal: bool = False, **kwargs: Any,
+) -> torch.Tensor:  # fmt: skip
     """Attention of ``q`` [B, S, H, D] over a cache: ``k_cache``, ``v_cache`` [num_blocks, page, H_kv, D]
     through ``block_table`` [B, max_blocks], or [B, max_len, H_kv, D] without one; sequence ``b`` has
     ``cache_seqlens[b]`` keys (int32 [B]). Returns [B, S, H, D] in ``q``'s dtype. Graph-capturable."""
-    _only_defaults(kwargs, _KVCACHE_DEFAULTS, "flash_attn_with_kvcache")
-    _check_qkv(q, k_cache, v_cache, 4, 4)
-    if cache_seqlens is None or not isinstance(cache_seqlens, torch.Tensor):
+    _check(q, k_cache, v_cache, (4, 4), kwargs, "flash_attn_with_kvcache")
+    if not isinstance(cache_seqlens, torch.Tensor):
         raise NotImplementedError("cache_seqlens: the stand-in takes an int32 tensor [B] only")
-    _check_index(cache_seqlens, "cache_seqlens", 1, q.device)
     batch, s, h, d = q.shape
-    if cache_seqlens.shape[0] != batch:
-        raise ValueError(f"cache_seqlens has {cache_seqlens.shape[0]} entries for {batch} sequences")
+    _check_index(cache_seqlens, "cache_seqlens", 1, q.device, batch)
     paged = block_table is not None
     if block_table is not None:
-        _check_index(block_table, "block_table", 2, q.device)
-        if block_table.shape[0] != batch:
-            raise ValueError(f"block_table has {block_table.shape[0]} rows for {batch} sequences")
+        _check_index(block_table, "block_table", 2, q.device, batch)
     elif k_cache.shape[0] != batch:
         raise ValueError(f"k_cache has {k_cache.shape[0]} sequences for {batch} (no block_table)")
-    if not _use_kernel(q.device):
-        return reference_kvcache(
-            q, k_cache, v_cache,
-            cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
-        )  # fmt: skip
     q, k_cache, v_cache = _last1(q), _last1(k_cache), _last1(v_cache)
     out = _new_out(q)
     if batch == 0 or s == 0:
         return out
-    h_kv = k_cache.shape[2]
-    group = h // h_kv
+    group = h // k_cache.shape[2]
     block_n = _block_n(d, k_cache.shape[1] if paged else None)
-    grid = (-(-(s * group) // DECODE_BLOCK_M), batch, h_kv)
     table = block_table if block_table is not None else cache_seqlens
+    grid = (-(-(s * group) // DECODE_BLOCK_M), batch, k_cache.shape[2])
     _launch(
-        q, k_cache, v_cache, out, cache_seqlens, cache_seqlens, cache_seqlens, table, grid,
-        _scale(softmax_scale, d), s,
+        q, k_cache, v_cache, out, cache_seqlens, cache_seqlens, table, grid, _scale(softmax_scale, d), s,
         q.stride()[:3], out.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3],
-        table.stride(0) if paged else 0,
-        group=group, page=k_cache.shape[1] if paged else block_n, block_m=DECODE_BLOCK_M, block_n=block_n,
-        decode=True, paged=paged, causal=bool(causal),
+        table.stride(0) if paged else 0, group=group, page=k_cache.shape[1] if paged else block_n,
+        block_m=DECODE_BLOCK_M, block_n=block_n, decode=True, paged=paged, causal=bool(causal),
     )  # fmt: skip
     return out
 
 
+def _scale(softmax_scale: float | None, d: int) -> float:
+    return float(d**-0.5 if softmax_scale is None else softmax_scale)
+
+
 def _launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    seqlens_k: torch.Tensor,
-    table: torch.Tensor,
-    grid: tuple[int, int, int],
-    scale: float,
-    seqlen_q_decode: int,
-    q_strides: tuple[int, ...],
-    o_strides: tuple[int, ...],
-    k_strides: tuple[int, ...],
-    v_strides: tuple[int, ...],
-    stride_tb: int,
-    *,
-    group: int,
-    page: int,
-    block_m: int,
-    block_n: int,
-    decode: bool,
-    paged: bool,
-    causal: bool,
-) -> None:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_q: torch.Tensor,
+    seqlens_k: torch.Tensor, table: torch.Tensor, grid: tuple[int, ...], scale: float, seqlen_q_decode: int,
+    q_strides: Strides, o_strides: Strides, k_strides: Strides, v_strides: Strides, stride_tb: int, *,
+    group: int, page: int, block_m: int, block_n: int, decode: bool, paged: bool, causal: bool,
+) -> None:  # fmt: skip
+    """The kernel on ``grid``; ``seqlens_k`` is ``cu_seqlens_k`` (varlen) or ``cache_seqlens`` (decode)."""
     interpret = q.device.type != "cuda"
-    kernel = _kernel(interpret)
-    args = (
-        q, k, v, out, cu_q, cu_k, seqlens_k, table, scale * _LOG2E, seqlen_q_decode,
-        *q_strides, *o_strides, *k_strides, *v_strides, stride_tb,
-    )  # fmt: skip
-    consts = dict(
-        GROUP=group,
-        HEAD_DIM=q.shape[-1],
-        PAGE=page,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DECODE=decode,
-        PAGED=paged,
-        CAUSAL=causal,
-        PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32",
-        INTERPRET=interpret,
-    )
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        raise NotImplementedError(
+            f"the stand-in on {q.device} runs in Triton's interpreter: set TRITON_INTERPRET=1"
+        )
+    args = (q, k, v, out, cu_q, seqlens_k, seqlens_k, table, scale * _LOG2E, seqlen_q_decode, *q_strides,
+            *o_strides, *k_strides, *v_strides, stride_tb)  # fmt: skip
+    precision = "ieee" if q.dtype == torch.float32 or interpret else "tf32"
+    consts = dict(GROUP=group, HEAD_DIM=q.shape[-1], PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+                  DECODE=decode, PAGED=paged, CAUSAL=causal, PRECISION=precision,
+                  INTERPRET=interpret)  # fmt: skip
     if interpret:
-        kernel[grid](*args, **consts)
+        _kernel(True)[grid](*args, **consts)
         return
     with torch.cuda.device(q.device):
-        kernel[grid](*args, **consts, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-
-
-# ---------------------------------------------------------------------------------------- references
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """One sequence in float32: ``q`` [s_q, H, D], ``k``, ``v`` [s_k, H_kv, D] -> [s_q, H, D]."""
-    s_q, h, _ = q.shape
-    s_k, h_kv, _ = k.shape
-    if s_k == 0:
-        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    qf, kf, vf = q.float(), k.float(), v.float()
-    kf = kf.repeat_interleave(h // h_kv, dim=1)
-    vf = vf.repeat_interleave(h // h_kv, dim=1)
-    scores = torch.einsum("ihd,jhd->hij", qf, kf) * scale
-    keep = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
-    if causal:
-        i = torch.arange(s_q, device=q.device)[:, None]
-        j = torch.arange(s_k, device=q.device)[None, :]
-        keep = j <= i + (s_k - s_q)
-    scores = scores.masked_fill(~keep, float("-inf"))
-    top = scores.amax(dim=-1, keepdim=True).clamp_min(-1e30)  # a row with no key: -inf, not NaN
-    p = torch.exp(scores - top)
-    total = p.sum(dim=-1, keepdim=True)
-    p = p / torch.where(total > 0, total, torch.ones_like(total))
-    return torch.einsum("hij,jhd->ihd", p, vf)
-
-
-def _paged_keys(cache: torch.Tensor, pages: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` keys of a sequence whose pages are ``pages`` (a block table row), [n, H_kv, D]."""
-    page = cache.shape[1]
-    used = pages[: -(-n // page)].long()
-    return cache[used].reshape(-1, *cache.shape[2:])[:n]
-
-
-def reference_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    block_table: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """``flash_attn_varlen_func`` in plain torch, one sequence at a time (reads the index tensors)."""
-    _only_defaults(kwargs, _VARLEN_DEFAULTS, "reference_varlen")
-    scale = _scale(softmax_scale, q.shape[-1])
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for b in range(len(cq) - 1):
-        n = ck[b + 1] - ck[b]
-        if block_table is None:
-            kb, vb = k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]]
-        else:
-            kb, vb = _paged_keys(k, block_table[b], n), _paged_keys(v, block_table[b], n)
-        out[cq[b] : cq[b + 1]] = _attend(q[cq[b] : cq[b + 1]], kb, vb, scale, causal)
-    return out.to(q.dtype)
-
-
-def reference_kvcache(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    *,
-    cache_seqlens: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """``flash_attn_with_kvcache`` in plain torch, one sequence at a time (reads the index tensors)."""
-    _only_defaults(kwargs, _KVCACHE_DEFAULTS, "reference_kvcache")
-    if cache_seqlens is None:
-        raise NotImplementedError("cache_seqlens: the stand-in takes an int32 tensor [B] only")
-    scale = _scale(softmax_scale, q.shape[-1])
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for b, n in enumerate(cache_seqlens.tolist()):
-        if block_table is None:
-            kb, vb = k_cache[b, :n], v_cache[b, :n]
-        else:
-            kb, vb = _paged_keys(k_cache, block_table[b], n), _paged_keys(v_cache, block_table[b], n)
-        out[b] = _attend(q[b], kb, vb, scale, causal)
-    return out.to(q.dtype)
+        _kernel(False)[grid](*args, **consts, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 # ---------------------------------------------------------------------------------------- binding

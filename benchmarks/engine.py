@@ -253,19 +253,8 @@ def plugin_modules(device: torch.device, mode: str = "1", release: str = vllm_mr
         cm.__exit__(None, None, None)
         raise
     h2d = inst._imports["vllm.utils.torch_utils"].async_tensor_h2d
-    m = vllm_mrv2.Mrv2(
-        buffer_utils=bu,
-        block_table=mods["block_table"],
-        states=mods["states"],
-        input_batch=mods["input_batch"],
-        sample_states=mods["sample.states"],
-        async_tensor_h2d=h2d,
-        CpuGpuBuffer=inst._imports["_CpuGpuBuffer"],
-        layer="plugin",
-        pin=True,
-        release=release,
-        TokenBuffer=inst.TokenBuffer,
-    )
+    m = vllm_mrv2.Mrv2(bu, *(mods[n] for n in ("block_table", "states", "input_batch", "sample.states")), h2d,
+                       inst._imports["_CpuGpuBuffer"], "plugin", True, release, inst.TokenBuffer)  # fmt: skip
     _PLUGIN["mods"] = (m, str(device), mode, release)
     _PLUGIN["cm"] = cm
     return m
@@ -289,16 +278,10 @@ class Engine:
         self.setup, self.cfg, self.device, self.release = setup, cfg, device, release
         m = self.m = modules(setup, device, release)
         g = len(cfg.block_sizes)
-        self.req_states = m.states.RequestState(
-            cfg.max_num_reqs, cfg.max_model_len, cfg.max_num_batched_tokens, 0, cfg.vocab, device
-        )
-        self.block_tables = m.block_table.BlockTables(
-            list(cfg.block_sizes),
-            cfg.max_num_reqs,
-            cfg.max_num_batched_tokens,
-            [math.ceil(cfg.max_model_len / bs) for bs in cfg.block_sizes],
-            device,
-        )
+        reqs, tokens = cfg.max_num_reqs, cfg.max_num_batched_tokens
+        self.req_states = m.states.RequestState(reqs, cfg.max_model_len, tokens, 0, cfg.vocab, device)
+        blocks = [math.ceil(cfg.max_model_len / bs) for bs in cfg.block_sizes]
+        self.block_tables = m.block_table.BlockTables(list(cfg.block_sizes), reqs, tokens, blocks, device)
         self.sampling = m.sample_states.SamplingStates(cfg.max_num_reqs, cfg.vocab)
         self.buffers = m.input_batch.InputBuffers(cfg.max_num_reqs, cfg.max_num_batched_tokens, device)
         self.own = setup.api == "own"
@@ -308,21 +291,19 @@ class Engine:
             import stagebuf
 
             self.stager = stagebuf.StepStager(device, capacity=1 << 16)
-            writes = self.block_tables.block_tables + [
-                self.req_states.total_len,
-                self.req_states.all_token_ids,
-                self.req_states.num_computed_tokens,
+            rs = self.req_states
+            self.own_writes = [
+                *self.block_tables.block_tables,
+                rs.total_len,
+                rs.all_token_ids,
+                rs.num_computed_tokens,
             ]
-            self.own_writes = writes
             self.writer = stagebuf.FusedStagedWriter(device, max_writes=g * cfg.max_num_reqs + 3 * 64)
             # the per-request parameters (the sampler's five, prompt and prefill lengths) in one table:
             # one copy per step where any changed, in place of seven publishes
-            owners = {n: self.sampling for n in PARAMS} | {
-                n: self.req_states for n in ("prompt_len", "prefill_len")
-            }
-            self.params = stagebuf.DeviceParamTable(
-                cfg.max_num_reqs, {n: getattr(o, n).dtype for n, o in owners.items()}, device
-            )
+            owners = {n: self.sampling for n in PARAMS} | {n: rs for n in ("prompt_len", "prefill_len")}
+            dtypes = {n: getattr(o, n).dtype for n, o in owners.items()}
+            self.params = stagebuf.DeviceParamTable(cfg.max_num_reqs, dtypes, device)
             for n, o in owners.items():
                 self.params[n].np[:] = getattr(o, n).np  # vLLM's initial values (top_k, top_p)
                 setattr(o, n, self.params[n])  # vLLM's code writes .np and reads .gpu, as before
@@ -359,13 +340,8 @@ class Engine:
             rs.remove_request(rid)
         tb = self.m.TokenBuffer
         for nr in plan.new:
-            rs.add_request(
-                req_id=nr.req_id,
-                prompt_len=nr.prompt_len,
-                all_token_ids=received(nr, tb),
-                num_computed_tokens=0,
-                max_tokens=nr.max_tokens,
-            )
+            rs.add_request(req_id=nr.req_id, prompt_len=nr.prompt_len, all_token_ids=received(nr, tb),
+                           num_computed_tokens=0, max_tokens=nr.max_tokens)  # fmt: skip
             idx = rs.req_id_to_index[nr.req_id]
             bt.append_block_ids(idx, nr.block_ids, overwrite=True)
             ss.add_request(idx, nr.params)
@@ -416,52 +392,23 @@ class Engine:
         self.sections = (b1 - b0, b2 - b1, b4 - b3, b5 - b4)
         ib = self.m.input_batch
         cu_num_logits = torch.arange(num_reqs + 1, device=dev, dtype=torch.int32)
+        b, nct_gpu = self.buffers, rs.num_computed_tokens.gpu
         if plan.has_prefill:
-            ib.prepare_prefill_inputs(
-                self.buffers.input_ids,
-                rs.next_prefill_tokens,
-                idx_mapping,
-                query_start_loc,
-                rs.all_token_ids.gpu,
-                rs.prefill_len.gpu,
-                rs.num_computed_tokens.gpu,
-            )
-        ib.prepare_pos_seq_lens(
-            idx_mapping,
-            query_start_loc,
-            rs.num_computed_tokens.gpu,
-            self.buffers.positions,
-            self.buffers.seq_lens,
-        )
-        seq_lens = self.buffers.seq_lens[:num_reqs]
+            ib.prepare_prefill_inputs(b.input_ids, rs.next_prefill_tokens, idx_mapping, query_start_loc,
+                                      rs.all_token_ids.gpu, rs.prefill_len.gpu, nct_gpu)  # fmt: skip
+        ib.prepare_pos_seq_lens(idx_mapping, query_start_loc, nct_gpu, b.positions, b.seq_lens)
         logits_indices = ib.combine_sampled_and_draft_tokens(
-            self.buffers.input_ids,
-            idx_mapping,
-            rs.last_sampled_tokens,
-            query_start_loc,
-            seq_lens,
-            rs.prefill_len.gpu,
-            rs.draft_tokens,
-            cu_num_logits,
-            num_reqs,
-            1,
-        )
+            b.input_ids, idx_mapping, rs.last_sampled_tokens, query_start_loc, b.seq_lens[:num_reqs],
+            rs.prefill_len.gpu, rs.draft_tokens, cu_num_logits, num_reqs, 1,
+        )  # fmt: skip
         # as the model runner's prepare_attn calls it (0.32's takes no num_computed_tokens)
-        nct_kw = (
-            {"num_computed_tokens": rs.num_computed_tokens.gpu}
-            if self.m.spec.gather_masks_sliding_window
-            else {}
-        )
+        nct_kw = {"num_computed_tokens": nct_gpu} if self.m.spec.gather_masks_sliding_window else {}
         tables = bt.gather_block_tables(idx_mapping, num_reqs, **nct_kw)
-        slots = bt.compute_slot_mappings(idx_mapping, query_start_loc, self.buffers.positions, num_tokens)
+        slots = bt.compute_slot_mappings(idx_mapping, query_start_loc, b.positions, num_tokens)
         t1 = clock()
-        self.last = {
-            "idx_mapping": idx_mapping,
-            "query_start_loc": query_start_loc,
-            "logits_indices": logits_indices,
-            "slot_mappings": slots,
-            **{f"block_table_{g}": t for g, t in enumerate(tables)},
-        }
+        self.last = {"idx_mapping": idx_mapping, "query_start_loc": query_start_loc,
+                     "logits_indices": logits_indices, "slot_mappings": slots,
+                     **{f"block_table_{g}": t for g, t in enumerate(tables)}}  # fmt: skip
         self._num = (num_reqs, num_tokens)
         return (t1 - t0) * 1e6, buf * 1e6
 
@@ -476,50 +423,22 @@ class Engine:
         num_rejected = torch.zeros_like(num_sampled)
         rs = self.req_states
         self.m.input_batch.post_update(
-            idx_mapping,
-            rs.num_computed_tokens.gpu,
-            rs.last_sampled_tokens,
-            None,
-            sampled,
-            num_sampled,
-            num_rejected,
-            self.last["query_start_loc"],
-            rs.all_token_ids.gpu,
-            rs.total_len.gpu,
-        )
+            idx_mapping, rs.num_computed_tokens.gpu, rs.last_sampled_tokens, None, sampled, num_sampled,
+            num_rejected, self.last["query_start_loc"], rs.all_token_ids.gpu, rs.total_len.gpu,
+        )  # fmt: skip
         self.step_no += 1
 
     def inputs(self) -> dict[str, torch.Tensor]:
         """Every device-visible input of the step just prepared (views: read after a synchronize)."""
         num_reqs, num_tokens = self._num
         rs, bt, ss, b = self.req_states, self.block_tables, self.sampling, self.buffers
-        out = {
-            "idx_mapping": self.last["idx_mapping"],
-            "query_start_loc": self.last["query_start_loc"],
-            "logits_indices": self.last["logits_indices"],
-            "slot_mappings": self.last["slot_mappings"],
-            "positions": b.positions[:num_tokens],
-            "input_ids": b.input_ids[:num_tokens],
-            "seq_lens": b.seq_lens[:num_reqs],
-            "num_computed_tokens": rs.num_computed_tokens.gpu,
-            "total_len": rs.total_len.gpu,
-            "all_token_ids": rs.all_token_ids.gpu,
-            "prompt_len": rs.prompt_len.gpu,
-            "prefill_len": rs.prefill_len.gpu,
-            "last_sampled_tokens": rs.last_sampled_tokens,
-            "num_blocks": bt.num_blocks.gpu,
-            "temperature": ss.temperature.gpu,
-            "top_k": ss.top_k.gpu,
-            "top_p": ss.top_p.gpu,
-            "min_p": ss.min_p.gpu,
-            "seeds": ss.seeds.gpu,
-        }
-        for g, t in enumerate(bt.block_tables):
-            out[f"block_table_state_{g}"] = t.gpu
-        for k, v in self.last.items():
-            if k.startswith("block_table_"):
-                out[k] = v
-        return out
+        out = {**self.last, "positions": b.positions[:num_tokens], "input_ids": b.input_ids[:num_tokens],
+               "seq_lens": b.seq_lens[:num_reqs], "last_sampled_tokens": rs.last_sampled_tokens,
+               "num_blocks": bt.num_blocks.gpu}  # fmt: skip
+        for n in ("num_computed_tokens", "total_len", "all_token_ids", "prompt_len", "prefill_len"):
+            out[n] = getattr(rs, n).gpu
+        out |= {n: getattr(ss, n).gpu for n in PARAMS}
+        return out | {f"block_table_state_{g}": t.gpu for g, t in enumerate(bt.block_tables)}
 
 
 def _tier_of(setup: Setup) -> str | None:

@@ -20,8 +20,7 @@ from stagebuf import UvaBuffer
 
 from . import vllm_mrv2
 
-MRV2_SLOTS = 2
-"""MRV2's default round-robin depth of a UVA buffer pool (``_DEFAULT_MAX_CONCURRENCY``)."""
+MRV2_SLOTS = 2  # MRV2's default round-robin depth of a UVA buffer pool (``_DEFAULT_MAX_CONCURRENCY``).
 
 
 class RoundRobinPool:

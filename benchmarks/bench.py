@@ -57,10 +57,8 @@ class BenchConfig:
     tiers: tuple[str, ...] = ()
     workloads: tuple[str, ...] = ALL_WORKLOADS
     sizes: tuple[int, ...] = (64, 512, 4096, 32768)
-    edits: tuple[int, ...] = (1, 16, 256, 4096)
-    """writes: E, the edits per apply."""
-    lengths: tuple[int, ...] = (1, 8, 64)
-    """writes: L, the elements per edit (the sweep is every E x L)."""
+    edits: tuple[int, ...] = (1, 16, 256, 4096)  # writes: E, the edits per apply.
+    lengths: tuple[int, ...] = (1, 8, 64)  # writes: L, the elements per edit (the sweep is every E x L).
     k: int = H.Env.k
     batch: int = H.Env.batch
     repeats: int = 5
@@ -68,8 +66,7 @@ class BenchConfig:
     target_ms: float = 150.0
     check_every: int = H.Env.check_every
     decode_steps: int = H.Env.decode_steps
-    engine_steps: int = 150
-    """engine: steps of the trace per run (the first 30 are warm-up)."""
+    engine_steps: int = 150  # engine: steps of the trace per run (the first 30 are warm-up).
     engine_releases: tuple[str, ...] = tuple(reversed(list(vllm_mrv2.RELEASES)[-2:]))
     """engine: the vLLM releases whose own layer is the peer, the main one first (the newest; the one
     before it is the second column, with fewer repeats and no micro-benchmarks)."""
@@ -149,8 +146,7 @@ def _missing(s: H.Strategy, m: Machine) -> str | None:
 class Task:
     workload: str
     strategy: H.Strategy
-    size: int | writes.WriteCell
-    """micro N, decode batch, or a writes cell (``str()`` of it is the size key)."""
+    size: int | writes.WriteCell  # micro N, decode batch, or a writes cell (``str()`` of it is the size key).
     section: str = "results"
     """'results', 'guard' (guard-cost variants) or 'stage_only' (staged writes without the apply)."""
 

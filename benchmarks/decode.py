@@ -29,8 +29,7 @@ from .harness import EXCLUDED_S, BenchCheckError, Case, Env, Strategy
 from .writes import staged_write_tensor
 
 V = micro.V
-WARMUP = 64
-"""Decode steps before timing: the first step prefills every request at once."""
+WARMUP = 64  # Decode steps before timing: the first step prefills every request at once.
 Arrays = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -38,16 +37,11 @@ Arrays = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 class DecodeStep:
     """What the scheduler hands the model runner for one step."""
 
-    idx: np.ndarray
-    """int32 [B]: each batch entry's row in the request state (and the block table)."""
-    pos: np.ndarray
-    """int64 [T]: each scheduled token's position."""
-    seq: np.ndarray
-    """int32 [B]: sequence lengths after this step."""
-    qsl: np.ndarray
-    """int32 [B+1]: query-start offsets (the cumulative tokens per request)."""
-    edits: list[tuple[int, int, list[int]]]
-    """Block-table appends: (row, first column, block ids)."""
+    idx: np.ndarray  # int32 [B]: each batch entry's row in the request state (and the block table).
+    pos: np.ndarray  # int64 [T]: each scheduled token's position.
+    seq: np.ndarray  # int32 [B]: sequence lengths after this step.
+    qsl: np.ndarray  # int32 [B+1]: query-start offsets (the cumulative tokens per request).
+    edits: list[tuple[int, int, list[int]]]  # Block-table appends: (row, first column, block ids).
 
 
 class DecodeSim:

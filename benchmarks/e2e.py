@@ -47,20 +47,16 @@ from .harness import commit, stagebuf_tier
 
 SETUPS = ("own", "stagebuf_uva", "stagebuf_pinned", "stagebuf_pageable")
 """The setups run on one engine, back to back per workload, in an order rotated by round."""
-NOPIN = "stagebuf_nopin"
-"""The setup on a machine without pinned memory (a second engine, started attached)."""
+NOPIN = "stagebuf_nopin"  # The setup on a machine without pinned memory (a second engine, started attached).
 TEMPERATURE = 0.01
 
 
 @dataclass(frozen=True)
 class Workload:
     requests: int
-    prompt: tuple[int, int]
-    """Prompt length range (inclusive), tokens."""
-    output: tuple[int, int]
-    """New tokens range (inclusive)."""
-    arrivals_per_step: int = 0
-    """Requests added before each engine step (0: all at the start)."""
+    prompt: tuple[int, int]  # Prompt length range (inclusive), tokens.
+    output: tuple[int, int]  # New tokens range (inclusive).
+    arrivals_per_step: int = 0  # Requests added before each engine step (0: all at the start).
     shared_prefix: float = 0.0
     """The share of prompts that begin with one of four shared prefixes of ``prefix_len`` tokens."""
     prefix_len: int = 512
@@ -75,8 +71,7 @@ SMALL: dict[str, Workload] = {
     "decode": Workload(32, (16, 16), (24, 24)),
     "prefill": Workload(32, (300, 300), (2, 2)),
     "mixed": Workload(48, (8, 200), (4, 24), arrivals_per_step=4, shared_prefix=0.5, prefix_len=256),
-}
-"""Sizes for the tiny model (tests; ``--small``)."""
+}  # Sizes for the tiny model (tests; ``--small``).
 
 
 @dataclass(frozen=True)
@@ -357,15 +352,18 @@ def run_one(llm: Any, setup: str, name: str, w: Workload, seed: int, vocab: int,
     )  # fmt: skip
 
 
+def _said(r: Run) -> str:
+    d = r.decode
+    return (f"  {r.setup:18} {r.workload:8} round {r.round}: decode {d.get('tokens_per_s', 0):9.0f} tok/s, "
+            f"prefill {r.prefill.get('tokens_per_s', 0):9.0f} tok/s, identical={r.identical}, decode step ms "
+            f"{d.get('step_ms', 0):.2f} (prep {d.get('prep_ms', 0):.2f}, forward "
+            f"{d.get('forward_ms', 0):.2f}, sample {d.get('sample_ms', 0):.2f})")  # fmt: skip
+
+
 def measure(
-    model_dir: Path,
-    workloads: dict[str, Workload],
-    rounds: int,
-    seed: int = 0,
-    cfg: EngineConfig = EngineConfig(),  # noqa: B008
-    nopin: bool = True,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
+    model_dir: Path, workloads: dict[str, Workload], rounds: int, seed: int = 0,
+    cfg: EngineConfig = EngineConfig(), nopin: bool = True, log: Callable[[str], None] = print,  # noqa: B008
+) -> dict[str, Any]:  # fmt: skip
     """Every setup's runs (:class:`Run` as dicts, tokens dropped after the check) and the no-pin start."""
     import stagebuf
     import stagebuf.nanovllm as sn
@@ -380,75 +378,59 @@ def measure(
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     runs: list[Run] = []
     ref: dict[str, list[list[int]]] = {}
+    started: dict[str, float] = {}
+    blocks: dict[str, int] = {}
 
-    def keep(r: Run) -> None:
-        if r.workload not in ref:
-            ref[r.workload] = r.tokens
-        r.identical = r.tokens == ref[r.workload]
-        dec, pre = r.decode.get("tokens_per_s", 0), r.prefill.get("tokens_per_s", 0)
-        log(f"  {r.setup:18} {r.workload:8} round {r.round}: decode {dec:9.0f} tok/s, prefill {pre:9.0f}"
-            f" tok/s, identical={r.identical}, decode step ms {r.decode.get('step_ms', 0):.2f} (prep"
-            f" {r.decode.get('prep_ms', 0):.2f}, forward {r.decode.get('forward_ms', 0):.2f}, sample"
-            f" {r.decode.get('sample_ms', 0):.2f})")  # fmt: skip
-        r.tokens = []
-        runs.append(r)
+    def engine(key: str, setups: Callable[[int], tuple[str, ...]]) -> None:
+        """An engine started, every round of every workload on each of its setups, the engine stopped."""
+        t0 = time.perf_counter()
+        llm = start(model_dir, cfg, tok)
+        started[key], blocks[key] = (
+            round(time.perf_counter() - t0, 1),
+            llm.model_runner.config.num_kvcache_blocks,
+        )
+        log(f"engine started in {started[key]} s, {blocks[key]} KV-cache blocks; attention: {attention}")
+        try:
+            for rnd in range(rounds):
+                for name, w in workloads.items():
+                    for setup in setups(rnd):
+                        with as_setup(llm, setup) if setup != NOPIN else contextlib.nullcontext():
+                            r = run_one(llm, setup, name, w, seed, vocab, rnd)
+                        r.identical = r.tokens == ref.setdefault(
+                            name, r.tokens
+                        )  # own's first run: the reference
+                        log(_said(r))
+                        r.tokens = []
+                        runs.append(r)
+        finally:
+            stop(llm)
 
-    t0 = time.perf_counter()
-    llm = start(model_dir, cfg, tok)
-    started = {"own": round(time.perf_counter() - t0, 1)}
-    blocks = {"own": llm.model_runner.config.num_kvcache_blocks}
-    log(f"engine started in {started['own']} s, {blocks['own']} KV-cache blocks; attention: {attention}")
-    try:
-        for rnd in range(rounds):
-            # a workload's setups back to back (the GPU's speed drifts over tens of seconds), rotated by
-            # round; round 0 starts with own, whose first run is every setup's reference
-            order = SETUPS[rnd % len(SETUPS) :] + SETUPS[: rnd % len(SETUPS)]
-            for name, w in workloads.items():
-                for setup in order:
-                    with as_setup(llm, setup):
-                        keep(run_one(llm, setup, name, w, seed, vocab, rnd))
-    finally:
-        stop(llm)
+    # a workload's setups back to back (the GPU's speed drifts over tens of seconds), rotated by round
+    engine("own", lambda rnd: SETUPS[rnd % len(SETUPS) :] + SETUPS[: rnd % len(SETUPS)])
     no_pin: dict[str, Any] = {}
     if nopin:
         with refuse_pinning():
             stagebuf.reset_capabilities()
             try:
-                bare = start(model_dir, cfg, tok)
+                stop(start(model_dir, cfg, tok))
+                no_pin["own_error"] = None
             except Exception as e:  # the expected outcome: its own buffers are pinned
                 no_pin["own_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 _drop_process_group()
                 gc.collect()
                 torch.cuda.empty_cache()
-            else:
-                no_pin["own_error"] = None
-                stop(bare)
-            sn.attach(nano.model_runner.ModelRunner)
+            sn.attach(nano.model_runner.ModelRunner)  # started attached, as the README says
             try:
-                t0 = time.perf_counter()
-                llm = start(model_dir, cfg, tok)
-                started[NOPIN] = round(time.perf_counter() - t0, 1)
-                blocks[NOPIN] = llm.model_runner.config.num_kvcache_blocks
-                try:
-                    for rnd in range(rounds):
-                        for name, w in workloads.items():
-                            keep(run_one(llm, NOPIN, name, w, seed, vocab, rnd))
-                finally:
-                    stop(llm)
+                engine(NOPIN, lambda rnd: (NOPIN,))
             finally:
                 sn.detach(nano.model_runner.ModelRunner)
                 stagebuf.reset_capabilities()
     return {
-        "attention": attention,
-        "engine": asdict(cfg),
-        "workloads": {k: asdict(v) for k, v in workloads.items()},
-        "rounds": rounds,
-        "seed": seed,
-        "started_s": started,
-        "kv_cache_blocks": blocks,
-        "no_pin": no_pin,
+        "attention": attention, "engine": asdict(cfg),
+        "workloads": {k: asdict(w) for k, w in workloads.items()},
+        "rounds": rounds, "seed": seed, "started_s": started, "kv_cache_blocks": blocks, "no_pin": no_pin,
         "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs],
-    }
+    }  # fmt: skip
 
 
 # --- the report ------------------------------------------------------------------------------------

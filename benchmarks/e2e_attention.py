@@ -33,8 +33,7 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Query/key/value dtypes (flash-attn takes the first two; float32 is for tests)."""
 
-PREFILL_BLOCK_M = 64
-"""Query rows per program in a varlen call."""
+PREFILL_BLOCK_M = 64  # Query rows per program in a varlen call.
 DECODE_BLOCK_M = 16
 """Rows per program in a kvcache call: (query position, query head of the key head's group) pairs."""
 BLOCK_N = 64

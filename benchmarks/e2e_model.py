@@ -1,29 +1,17 @@
 """A Qwen3 model folder for nano-vllm's end-to-end run, written at run time with random weights.
 
-``write_model(folder, shape, seed)`` writes what nano-vllm's ``LLM(folder, tokenizer=...)``
-reads: ``config.json`` (Qwen3-0.6B's published fields, or the same architecture tiny for
-CPU tests), ``model.safetensors`` (Hugging Face Qwen3 parameter names, bfloat16, tied
-embeddings: no ``lm_head``) and a tokenizer built offline (``tokenizer.json``, a WordLevel
-vocabulary ``t0 t1 ...`` with Qwen's two special tokens at their ids, and
-``tokenizer_config.json`` for transformers' ``AutoTokenizer``). ``load_tokenizer`` gives
-the small adapter nano-vllm's engine takes as ``tokenizer=``.
-
-The weights are random because the GPU box has no network: nothing is downloaded, and a
-benchmark of the engine's host path needs the model's shapes, dtype and cost, not its
-answers. They are drawn from ``seed`` (one ``torch.Generator`` per tensor, seeded from
-the seed and the tensor's name): the same torch build writes the same bytes. Linear and
-embedding weights are normal with std ``INIT_STD`` (0.02, Qwen3's ``initializer_range``,
-what transformers' own initialisation draws); every RMSNorm weight is 1. For 0.6B that
-gives attention scores of std about 1 (``q_norm``/``k_norm`` hold q and k at RMS 1), layer
-outputs of RMS 0.2-0.6, a residual stream of RMS about 3 after 28 layers, and tied-head
-logits of std about ``0.02 * sqrt(hidden_size)`` = 0.64: finite in bfloat16, varying
-with token and position, near-uniform after softmax (top-1 about 1e-4, EOS about 6e-6 a
-step), so sequences end by ``max_tokens``, not EOS.
-
-A folder is written into a temporary sibling and renamed into place; a folder whose
-``stagebuf-model.json`` manifest matches (writer version, shape, seed, config and the
-files' sizes) is reused as it is. The weights are drawn a slice of rows at a time (in
-float32) and written with safetensors' own ``save_file`` (the 0.6B shape: 1.2 GB in memory).
+``write_model(folder, shape, seed)`` writes what nano-vllm's ``LLM(folder, tokenizer=...)`` reads:
+``config.json`` (Qwen3-0.6B's published fields, or the same architecture tiny for CPU tests),
+``model.safetensors`` (Hugging Face Qwen3 names, bfloat16, tied embeddings) and a tokenizer built offline
+(a WordLevel vocabulary ``t0 t1 ...`` with Qwen's two special tokens at their ids); ``load_tokenizer``
+gives the adapter nano-vllm's engine takes as ``tokenizer=``. The weights are random because the GPU box
+has no network, and the engine's host path needs the model's shapes, dtype and cost, not its answers:
+each tensor is drawn from its own ``torch.Generator`` seeded from the seed and its name; linear and
+embedding weights normal with std ``INIT_STD`` (Qwen3's ``initializer_range``), RMSNorm weights 1. For 0.6B
+that gives attention scores of std about 1, a residual stream of RMS about 3 after 28 layers and tied-head
+logits of std about 0.64: finite in bfloat16, near-uniform after softmax (EOS about 6e-6 a step), so
+sequences end by ``max_tokens``. A folder is written into a temporary sibling and renamed into place; one
+whose ``stagebuf-model.json`` manifest matches (writer version, shape, seed, config, files' sizes) is reused.
 """
 
 from __future__ import annotations
@@ -32,72 +20,42 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .fetch import put
+
 if TYPE_CHECKING:
     import tokenizers
 
 WRITER_VERSION = 2
 """Bumped whenever the files written for a (shape, seed) change: an older folder is rewritten."""
-INIT_STD = 0.02
-"""The std of every linear and embedding weight (Qwen3's ``initializer_range``); norms are 1."""
+INIT_STD = 0.02  # The std of every linear and embedding weight (Qwen3's ``initializer_range``); norms are 1.
 MANIFEST = "stagebuf-model.json"
 WEIGHTS = "model.safetensors"
 BOS_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 
 _QWEN3_0_6B: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 1024,
-    "initializer_range": 0.02,
-    "intermediate_size": 3072,
-    "max_position_embeddings": 40960,
-    "max_window_layers": 28,
-    "model_type": "qwen3",
-    "num_attention_heads": 16,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000,
-    "sliding_window": None,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.51.0",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 151936,
-}
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": _QWEN3_0_6B,
-    "tiny": {
-        **_QWEN3_0_6B,
-        "bos_token_id": 998,
-        "eos_token_id": 999,
-        "head_dim": 16,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "max_window_layers": 2,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 2,
-        "num_key_value_heads": 2,
-        "vocab_size": 1000,
-    },
-}
+    "tiny": {**_QWEN3_0_6B, "bos_token_id": 998, "eos_token_id": 999, "head_dim": 16, "hidden_size": 64,
+             "intermediate_size": 128, "max_window_layers": 2, "num_attention_heads": 4,
+             "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 1000},
+}  # fmt: skip
 """``config.json`` of each shape: Qwen3-0.6B's published one, and the same architecture tiny."""
 
 NANOVLLM_FIELDS = (
@@ -117,22 +75,14 @@ def parameter_shapes(shape: str) -> dict[str, tuple[int, ...]]:
     hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     head = c.get("head_dim") or hidden // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    layer = (("input_layernorm", (hidden,)), ("self_attn.q_proj", (q, hidden)),
+             ("self_attn.k_proj", (kv, hidden)), ("self_attn.v_proj", (kv, hidden)),
+             ("self_attn.o_proj", (hidden, q)), ("self_attn.q_norm", (head,)), ("self_attn.k_norm", (head,)),
+             ("post_attention_layernorm", (hidden,)), ("mlp.gate_proj", (inter, hidden)),
+             ("mlp.up_proj", (inter, hidden)), ("mlp.down_proj", (hidden, inter)))  # fmt: skip
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out |= {
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q, hidden),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q),
-            p + "self_attn.q_norm.weight": (head,),
-            p + "self_attn.k_norm.weight": (head,),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        }
+        out |= {f"model.layers.{i}.{name}.weight": s for name, s in layer}
     out["model.norm.weight"] = (hidden,)
     if not c["tie_word_embeddings"]:
         out["lm_head.weight"] = (vocab, hidden)
@@ -145,8 +95,7 @@ def parameter_count(shape: str) -> int:
 
 # --- the weights ----------------------------------------------------------------------------------
 
-_CHUNK_ELEMS = 1 << 22
-"""Elements drawn (and held, as float32) at a time: 16 MiB."""
+_CHUNK_ELEMS = 1 << 22  # Elements drawn (and held, as float32) at a time: 16 MiB.
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -205,15 +154,10 @@ def _write_tokenizer(folder: Path, c: dict[str, Any]) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(BOS_TOKEN, special=True), AddedToken(EOS_TOKEN, special=True)])
     tok.save(str(folder / "tokenizer.json"))
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": BOS_TOKEN,
-        "unk_token": BOS_TOKEN,
-        "model_max_length": c["max_position_embeddings"],
-        "clean_up_tokenization_spaces": False,
-    }
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN,
+                  "eos_token": EOS_TOKEN, "pad_token": BOS_TOKEN, "unk_token": BOS_TOKEN,
+                  "model_max_length": c["max_position_embeddings"],
+                  "clean_up_tokenization_spaces": False}  # fmt: skip
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
 
 
@@ -277,7 +221,7 @@ def _matches(folder: Path, want: dict[str, Any]) -> bool:
 
 def write_model(folder: str | os.PathLike[str], shape: str = "qwen3-0.6b", seed: int = 0) -> Path:
     """The model folder for ``shape`` with weights from ``seed``: reused where its manifest matches,
-    otherwise written whole (into a temporary sibling, then renamed into place). Returns ``folder``.
+    otherwise written whole (:func:`benchmarks.fetch.put`: into a sibling, then renamed into place).
 
     An existing folder is replaced only when it is empty or holds a manifest (a folder this wrote);
     anything else raises ``FileExistsError``.
@@ -290,31 +234,13 @@ def write_model(folder: str | os.PathLike[str], shape: str = "qwen3-0.6b", seed:
         return folder
     if folder.exists() and any(folder.iterdir()) and not (folder / MANIFEST).exists():
         raise FileExistsError(f"{folder} exists and is not a model folder written here (no {MANIFEST})")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         c = SHAPES[shape]
         (tmp / "config.json").write_text(json.dumps(c, indent=2) + "\n")
         _write_tokenizer(tmp, c)
         _write_safetensors(tmp / WEIGHTS, parameter_shapes(shape), seed)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps({**want, "files": files}, indent=2) + "\n")
-        old = None
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
-            try:
-                os.rename(folder, old)
-            except FileNotFoundError:  # another writer moved it first
-                old = None
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not _matches(folder, want):  # not another writer's finished folder
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+
+    return put(folder, fill)

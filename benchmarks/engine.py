@@ -46,8 +46,7 @@ class TraceConfig:
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048
     block_sizes: tuple[int, ...] = (16,)
-    running: int = 190
-    """Requests the scheduler keeps running once ramped up."""
+    running: int = 190  # Requests the scheduler keeps running once ramped up.
     arrivals_per_step: int = 4
     prompt: tuple[int, int] = (16, 1024)
     output: tuple[int, int] = (16, 256)

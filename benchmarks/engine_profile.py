@@ -33,8 +33,7 @@ DEFAULT_SETUPS = {
     "cuda": "vllm_uva,vllm_nopin,stagebuf_dropin_uva,stagebuf_dropin_pageable,stagebuf_step_uva,"
     "stagebuf_step_pageable",
     "cpu": "vllm_uva,stagebuf_dropin_pageable,stagebuf_step_host,stagebuf_step_pageable",
-}
-"""The setups profiled unless ``--setups`` names others (the floor is always timed)."""
+}  # The setups profiled unless ``--setups`` names others (the floor is always timed).
 
 
 def _profiled(f: Callable[..., Any], prof: cProfile.Profile) -> Callable[..., Any]:

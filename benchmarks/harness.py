@@ -175,10 +175,8 @@ class Env:
     cuda: bool
     pin_memory: bool
     uva: bool
-    k: int = 8
-    """micro: arrays per step."""
-    batch: int = 256
-    """decode: requests per step."""
+    k: int = 8  # micro: arrays per step.
+    batch: int = 256  # decode: requests per step.
     block_size: int = 16
     check_every: int = 50
     decode_steps: int = 500
@@ -201,12 +199,10 @@ class Case:
 class Strategy:
     name: str
     label: str
-    kind: str
-    """'baseline', 'stagebuf' or 'floor'."""
+    kind: str  # 'baseline', 'stagebuf' or 'floor'.
     build: Callable[[Env, Any], Case]
     """(env, size): size is an int (micro N, decode batch) or a ``writes.WriteCell``."""
-    tier: Tier | None = None
-    """The forced stagebuf tier (None: built with STAGEBUF_TIER unset)."""
+    tier: Tier | None = None  # The forced stagebuf tier (None: built with STAGEBUF_TIER unset).
     needs: tuple[str, ...] = ()
     """What it needs of the machine: 'cuda', 'pinned', 'uva', 'triton', 'vllm' (vLLM's files, fetched)."""
 

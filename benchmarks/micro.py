@@ -22,10 +22,8 @@ from . import targets as T
 from . import vllm_mrv2
 from .harness import BenchCheckError, Case, Env, Strategy
 
-V = vllm_mrv2.NEWEST.rpartition(".")[0]
-"""The peer's vLLM release in the strategies' labels, as "0.34"."""
-SIZE = 64
-"""The N of the targets."""
+V = vllm_mrv2.NEWEST.rpartition(".")[0]  # The peer's vLLM release in the strategies' labels, as "0.34".
+SIZE = 64  # The N of the targets.
 
 
 def sources(env: Env, n: int) -> list[np.ndarray]:

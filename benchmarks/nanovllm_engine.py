@@ -41,15 +41,13 @@ class TraceConfig:
     max_model_len: int = 4096
     num_kvcache_blocks: int = 2048
     block_size: int = 256
-    running: int = 256
-    """Sequences the trace keeps submitted (waiting or running) once ramped up."""
+    running: int = 256  # Sequences the trace keeps submitted (waiting or running) once ramped up.
     arrivals_per_step: int = 8
     prompt: tuple[int, int] = (16, 1200)
     output: tuple[int, int] = (32, 400)
     shared_prefix: float = 0.3
     """The share of prompts that begin with one of a few 512-token prefixes (prefix-cache hits)."""
-    eos_rate: float = 0.002
-    """Chance that a sampled token is the EOS token (a finish before max_tokens)."""
+    eos_rate: float = 0.002  # Chance that a sampled token is the EOS token (a finish before max_tokens).
     cfg: bool = False
     """Every request a CFG pair (cfg_scale > 1: a conditional and an unconditional sequence)."""
     steps: int = 200
@@ -209,30 +207,18 @@ def capture(runner: Any) -> None:
     blocks = -(-cfg.max_model_len // runner.block_size)
     runner.graph_bs = [1, 2, 4, 8, *range(16, max_bs + 1, 16)]
     with torch.inference_mode():  # as nano-vllm's capture_cudagraph: inference tensors
-        _fake_graph_vars(runner, cfg, max_bs, blocks)
+        i64, i32 = (torch.zeros(max_bs, dtype=d) for d in (torch.int64, torch.int32))
+        gv = {"input_ids": i64, "positions": i64.clone(), "slot_mapping": i32, "context_lens": i32.clone()}
+        gv["block_tables"] = torch.zeros(max_bs, blocks, dtype=torch.int32)
+        runner.graph_vars = gv | {"outputs": torch.zeros(max_bs, cfg.hf_config.hidden_size)}
     runner.graphs = {bs: _EagerGraph(runner, bs) for bs in runner.graph_bs}
-
-
-def _fake_graph_vars(runner: Any, cfg: Any, max_bs: int, blocks: int) -> None:
-    runner.graph_vars = {
-        "input_ids": torch.zeros(max_bs, dtype=torch.int64),
-        "positions": torch.zeros(max_bs, dtype=torch.int64),
-        "slot_mapping": torch.zeros(max_bs, dtype=torch.int32),
-        "context_lens": torch.zeros(max_bs, dtype=torch.int32),
-        "block_tables": torch.zeros(max_bs, blocks, dtype=torch.int32),
-        "outputs": torch.zeros(max_bs, cfg.hf_config.hidden_size),
-    }
 
 
 def make_runner(trace: Trace, setup: str, graphs: bool = False) -> Any:
     """A runner of ``setup`` ("own", or "stagebuf_<tier>", attached on that tier) for ``trace``."""
     import stagebuf.nanovllm as sn
 
-    cfg = (
-        replace(trace.config, enforce_eager=not graphs)
-        if graphs
-        else replace(trace.config, enforce_eager=True)
-    )
+    cfg = replace(trace.config, enforce_eager=not graphs)
     r = P.runner(cfg, StandIn(trace.nano, cfg.hf_config.hidden_size))
     if setup == "own":
         P.own_buffers(r)

@@ -33,8 +33,7 @@ import torch
 from . import fetch as F
 from .fetch import Unavailable  # noqa: F401  (this module's name too)
 
-VERSION = "20260210"
-"""The release every function here defaults to."""
+VERSION = "20260210"  # The release every function here defaults to.
 DIST = "nano-vllm-fork"
 ENV_DIR = "STAGEBUF_NANOVLLM_DIR"
 """Where the fetched wheel is unpacked (default: ``.cache/nanovllm-<version>`` in the checkout)."""

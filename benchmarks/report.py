@@ -336,14 +336,12 @@ def plot(report: dict[str, Any], path: str) -> list[Path]:
 WRITES_LENGTH = 8
 """The docs' staged-write and vs-vLLM tables show edits of this many elements (where the run has them)."""
 NA = {"cuda": "n/a (GPU only)", "cpu": "n/a (CPU only)"}
-MICRO_SIZES = (64, 32768)
-"""The micro table's columns, where the report has them (else every size it has)."""
+MICRO_SIZES = (64, 32768)  # The micro table's columns, where the report has them (else every size it has).
 OTHER_TIERS = ("_pinned", "_pageable")
 """Staged-write rows of these tiers are left out of the writes table (the vs-vLLM table has them)."""
 VS_VLLM_PEERS = ("vllm_uva", "stagebuf_uva", "vllm_nopin", "stagebuf_pageable")
 """The vs-vLLM table's columns, where the report has them (else every peer it has)."""
-VS_VLLM_LEFT_OUT = ("pool|k1", "backed|k1")
-"""vs-vLLM cases left out (the targets use the K=8 cases)."""
+VS_VLLM_LEFT_OUT = ("pool|k1", "backed|k1")  # vs-vLLM cases left out (the targets use the K=8 cases).
 
 
 def _docs_result(r: dict[str, Any]) -> str:

@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-REASON = "why"
-"""The field of a target holding the one-line reason shown when it is missed."""
+REASON = "why"  # The field of a target holding the one-line reason shown when it is missed.
 GENERIC = f"no reason was recorded for this target (its builder sets {REASON!r})"
 PART_KEYS = ("workload", "size", "numerator", "denominator", "numerator_us", "denominator_us", "measured",
              "passed", "skipped")  # fmt: skip
@@ -94,14 +93,12 @@ class Ratio(NamedTuple):
     """A target that is one ratio of two strategies' medians at one size (see :func:`ratio`)."""
 
     name: str
-    needs: str | None
-    """The device it is defined for: 'cuda', 'cpu' (tier HOST) or None (any)."""
+    needs: str | None  # The device it is defined for: 'cuda', 'cpu' (tier HOST) or None (any).
     description: str
     num: str
     den: str
     goal: float
-    why: str
-    """What a miss means, in one line."""
+    why: str  # What a miss means, in one line.
     metric: str = "staging"
     op: str = "<="
 

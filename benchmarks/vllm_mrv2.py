@@ -50,8 +50,7 @@ from .fetch import ENV_CACHE, Unavailable, cache_root  # noqa: F401  (this modul
 class Release:
     """What one vLLM release's MRV2 input path needs beyond :data:`FILES` (each field: which have it)."""
 
-    files: tuple[str, ...] = ()
-    """More files to fetch."""
+    files: tuple[str, ...] = ()  # More files to fetch.
     gather_masks_sliding_window: bool = True
     """``gather_block_tables(..., num_computed_tokens=...)`` nulls entries below a sliding window
     (0.33 on)."""
@@ -73,8 +72,7 @@ RELEASES: dict[str, Release] = {
 }  # fmt: skip
 """The vLLM releases the harness runs, oldest first: adding one is an entry here plus its differences."""
 NEWEST = tuple(RELEASES)[-1]
-OLDEST_CHECKED = "0.32.0"
-"""``newer_releases`` looks at releases from this one on."""
+OLDEST_CHECKED = "0.32.0"  # ``newer_releases`` looks at releases from this one on.
 
 FILES = tuple(
     f"vllm/{f}.py"

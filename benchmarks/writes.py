@@ -44,8 +44,7 @@ class WriteCell:
         return cls(int(e), int(ln or 1))
 
 
-RATIO_CELL = WriteCell(256, 1)
-"""staged_write_256_speedup's cell: 256 one-element edits."""
+RATIO_CELL = WriteCell(256, 1)  # staged_write_256_speedup's cell: 256 one-element edits.
 STAGE_ONLY_CELL = WriteCell(256, 8)
 """stage_write_8_ints_us: 256 stage_write calls of 8-int lists, then clear_staged_writes()."""
 
@@ -60,16 +59,12 @@ def write_shape(cell: WriteCell) -> tuple[int, int]:
 class WriteSets:
     """Two sets of the same E edits (rows, starts) with different values, applied alternately."""
 
-    rows: np.ndarray
-    """int64 [E], distinct."""
-    starts: np.ndarray
-    """int64 [E], each in [0, cols - L]."""
-    values: list[np.ndarray]
-    """Per set: int32 [E, L]."""
+    rows: np.ndarray  # int64 [E], distinct.
+    starts: np.ndarray  # int64 [E], each in [0, cols - L].
+    values: list[np.ndarray]  # Per set: int32 [E, L].
     lists: list[list[tuple[int, int, list[int]]]]
     """Per set, the same edits as Python ints and lists (what per-edit staging gets)."""
-    want: np.ndarray
-    """The table after the second set."""
+    want: np.ndarray  # The table after the second set.
 
 
 def write_sets(env: Env, cell: WriteCell) -> WriteSets:

@@ -1,4 +1,4 @@
-"""What the micro, decode and writes workloads compare stagebuf with, besides what they write themselves.
+"""What the micro and writes workloads compare stagebuf with, besides what they write themselves.
 
 * vLLM's own classes (``vllm_mrv2``; the release is ``release``, :data:`benchmarks.vllm_mrv2.NEWEST` by
   default), fetched at run time, never committed: Model Runner V2's ``UvaBufferPool`` with pinned memory
@@ -47,7 +47,7 @@ uva_pool_cached = RoundRobinPool
 
 
 class RowCopyTable:
-    """An engine's table: a host copy edited in place, one indexed row copy per edit (decode, writes)."""
+    """An engine's table: a host copy edited in place, one indexed row copy per edit (writes)."""
 
     def __init__(self, shape: tuple[int, int], device: torch.device, pinned: bool):
         self.cpu = torch.zeros(shape, dtype=torch.int32, pin_memory=pinned)

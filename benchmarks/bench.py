@@ -1,7 +1,7 @@
 """``python -m benchmarks``: every workload, timed in one process, with the targets' ratios.
 
-The micro, decode and writes workloads (:mod:`benchmarks.micro`, :mod:`benchmarks.decode`,
-:mod:`benchmarks.writes`) are lists of strategies, each run at each size. The cases of one size are built
+The micro and writes workloads (:mod:`benchmarks.micro`, :mod:`benchmarks.writes`) are lists of
+strategies, each run at each size. The cases of one size are built
 together, warmed up, then repeated in turns (a rotating order, so that a drift of the machine falls on
 every strategy a ratio compares); a repeat runs ``iters`` steps, chosen so that it lasts about
 ``--target-ms``. Host µs a step is the time to enqueue them, device-synchronised µs the time until
@@ -36,9 +36,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from stagebuf import Capabilities, Tier, capabilities
 
 from . import baselines as BL
-from . import decode, micro, vllm_mrv2, writes
 from . import engine as E
 from . import harness as H
+from . import micro, vllm_mrv2, writes
 from . import nanovllm_engine as NV
 from . import report as R
 from . import targets as T
@@ -60,12 +60,9 @@ class BenchConfig:
     edits: tuple[int, ...] = (1, 16, 256, 4096)  # writes: E, the edits per apply.
     lengths: tuple[int, ...] = (1, 8, 64)  # writes: L, the elements per edit (the sweep is every E x L).
     k: int = H.Env.k
-    batch: int = H.Env.batch
     repeats: int = 5
     iters: int = 2000
     target_ms: float = 150.0
-    check_every: int = H.Env.check_every
-    decode_steps: int = H.Env.decode_steps
     engine_steps: int = 150  # engine: steps of the trace per run (the first 30 are warm-up).
     engine_releases: tuple[str, ...] = tuple(reversed(list(vllm_mrv2.RELEASES)[-2:]))
     """engine: the vLLM releases whose own layer is the peer, the main one first (the newest; the one
@@ -81,7 +78,7 @@ class BenchConfig:
         base: dict[str, Any] = {"quick": quick}
         if quick:
             base.update(workloads=WORKLOADS, sizes=(64, 4096), edits=(1, 16, 256), lengths=(1, 8), repeats=3,
-                        iters=200, target_ms=8.0, decode_steps=20)  # fmt: skip
+                        iters=200, target_ms=8.0)  # fmt: skip
         base.update({k: v for k, v in given.items() if v is not None and v != ()})
         return cls(**base)
 
@@ -117,8 +114,7 @@ def detect(cfg: BenchConfig) -> Machine:
             if t < best:
                 unavailable[t] = f"tier {t.name} is not available on {dev}: {why}"
         unavailable[Tier.HOST] = f"tier HOST targets the CPU; the device is {dev}"
-    env = H.Env(dev, caps.device_type == "cuda", caps.pin_memory, caps.uva, cfg.k, cfg.batch, 16,
-                cfg.check_every, cfg.decode_steps, cfg.seed)  # fmt: skip
+    env = H.Env(dev, caps.device_type == "cuda", caps.pin_memory, caps.uva, cfg.k, cfg.seed)
     return Machine(caps, env, available, unavailable)
 
 
@@ -146,7 +142,7 @@ def _missing(s: H.Strategy, m: Machine) -> str | None:
 class Task:
     workload: str
     strategy: H.Strategy
-    size: int | writes.WriteCell  # micro N, decode batch, or a writes cell (``str()`` of it is the size key).
+    size: int | writes.WriteCell  # micro's N, or a writes cell (``str()`` of it is the size key)
     section: str = "results"
     """'results', 'guard' (guard-cost variants) or 'stage_only' (staged writes without the apply)."""
 
@@ -180,7 +176,6 @@ def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]
     ]
     at = micro.SIZE if micro.SIZE in cfg.sizes else min(cfg.sizes)
     add("micro", micro.guard_strategies(guard_tiers), [at], "guard")
-    add("decode", decode.strategies(tiers), [cfg.batch])
     cells = cfg.cells()
     add("writes", writes.strategies(tiers), cells)
     only = [*([writes.RATIO_CELL] if writes.RATIO_CELL in cells else []), writes.STAGE_ONLY_CELL]
@@ -226,7 +221,7 @@ def run_tasks(
                 prog.update(bar, description=f"{where}: warm-up {t.strategy.name}")
                 with _tier_env(t.strategy.tier):
                     case = t.strategy.build(m.env, size)
-                    live.append(_Live(t, case, H.prepare(case, sync, cfg.iters, cfg.target_ms / 1000)))
+                    live.append(_Live(t, case, H.prepare(case.step, sync, cfg.iters, cfg.target_ms / 1000)))
                 prog.advance(bar)
             for r in range(cfg.repeats):
                 prog.update(bar, description=f"{where}: repeat {r + 1}/{cfg.repeats}")
@@ -241,7 +236,7 @@ def run_tasks(
             for lv in live:
                 s = lv.task.strategy
                 with _tier_env(s.tier):
-                    row = {**asdict(H.summarise(lv.hs, lv.es, lv.iters)), **lv.case.finish()}
+                    row = {**H.summarise(lv.hs, lv.es, lv.iters), **lv.case.finish()}
                 if lv.task.section != "results":
                     sections[lv.task.section].setdefault(s.name, {})[str(size)] = row
                 else:
@@ -259,25 +254,21 @@ def _tier_env(tier: Tier | None) -> Any:
 
 
 def add_staging(results: dict[str, dict[str, Any]]) -> None:
-    """staging = strategy - floor, per size (micro and decode)."""
-    for wl in ("micro", "decode"):
-        floor = results.get(wl, {}).get("floor")
-        if not floor:
-            continue
-        for entry in results[wl].values():
-            for size, row in entry["sizes"].items():
-                f = floor["sizes"].get(size)
-                if f is not None:
-                    row["staging_host_us"] = round(row["host_us"] - f["host_us"], 3)
-                    row["staging_e2e_us"] = round(row["e2e_us"] - f["e2e_us"], 3)
+    """staging = strategy - floor, per size (micro)."""
+    floor = results.get("micro", {}).get("floor", {"sizes": {}})
+    for entry in results.get("micro", {}).values():
+        for size, row in entry["sizes"].items():
+            f = floor["sizes"].get(size)
+            if f is not None:
+                row["staging_host_us"] = round(row["host_us"] - f["host_us"], 3)
+                row["staging_e2e_us"] = round(row["e2e_us"] - f["e2e_us"], 3)
 
 
 def compute_ratios(
     results: dict[str, Any], stage_only: dict[str, Any], tiers_run: list[Tier], cfg: BenchConfig, device: str
 ) -> dict[str, Any]:
-    """The micro, decode and writes targets, settled for ``device`` (judged, or not, as ``cfg`` says)."""
-    out = {**micro.targets(results), **decode.targets(results, tiers_run, cfg.batch),
-           **writes.targets(results, stage_only, tiers_run, cfg.cells())}  # fmt: skip
+    """The micro and writes targets, settled for ``device`` (judged, or not, as ``cfg`` says)."""
+    out = {**micro.targets(results, tiers_run), **writes.targets(results, stage_only, tiers_run, cfg.cells())}
     info = T.not_judged(cfg.quick, device)
     for entry in out.values():
         entry["device"] = device
@@ -462,19 +453,12 @@ TIERS = click.Choice([t.name.lower() for t in Tier], case_sensitive=False)
     "--lengths", callback=_ints, help="staged writes: L, elements per edit [1,8,64]; every E x L runs."
 )
 @click.option("-k", "--arrays", "k", type=click.IntRange(1, 256), help="micro: arrays per step [8].")
-@click.option("--batch", type=click.IntRange(1, 65536), help="decode: requests per step [256].")
 @click.option("--repeats", type=click.IntRange(1, 1000), help="Timed repeats per case [5].")
 @click.option(
     "--iters", type=click.IntRange(2, 10_000_000), help="Most steps per repeat [2000] (see --target-ms)."
 )
 @click.option(
     "--target-ms", type=click.FloatRange(0.1, 60_000), help="Aim for repeats of about this long [150]."
-)
-@click.option(
-    "--decode-steps", type=click.IntRange(2, 10_000_000), help="decode: timed steps per repeat [500]."
-)
-@click.option(
-    "--check-every", type=click.IntRange(1, 1_000_000), help="decode: check the answer every N steps [50]."
 )
 @click.option("--device", help="Target device (default: current accelerator, else cpu).")
 @click.option(

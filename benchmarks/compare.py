@@ -174,7 +174,7 @@ def _load(paths: tuple[str, ...]) -> list[dict[str, Any]]:
     type=click.Choice(["e2e_us", "host_us"]),
     default="e2e_us",
     show_default=True,
-    help="Which time of the micro, decode and writes cells (the engine and vs-vLLM cells have one).",
+    help="Which time of the micro and writes cells (the engine and vs-vLLM cells have one).",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write cells and summary.")
 @click.option("--all", "show_all", is_flag=True, help="Print every cell, not only the 25 largest ratios.")

@@ -4,9 +4,9 @@ A step is timed on the host (``time.perf_counter`` around it). :func:`turns` tim
 turns in a rotating order, so that a drift of the machine falls on all of them alike, and gives each one's
 median; :class:`Lockstep` drives several engines through one trace the same way, the GPU idle (all queued
 work done before each timed step) or busy (a forward stand-in of :func:`sleep_cycles_for` per step, two
-steps in flight an engine). The micro, decode and writes workloads are lists of :class:`Strategy`, each
-building a :class:`Case` (one step to time, then a check) for an :class:`Env` and a size; :func:`measure`
-times one case as :mod:`benchmarks.bench` does (which interleaves the cases of a size instead).
+steps in flight an engine). The micro and writes workloads are lists of :class:`Strategy`, each building
+a :class:`Case` (one step to time, then a check) for an :class:`Env` and a size; :mod:`benchmarks.bench`
+warms each up (:func:`prepare`) and times repeats of it (:func:`time_repeat`).
 """
 
 from __future__ import annotations
@@ -164,22 +164,18 @@ def git(*args: str) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-# --- the micro, decode and writes workloads' form ---------------------------------------------------
+# --- the micro and writes workloads' form -----------------------------------------------------------
 
 
 @dataclass
 class Env:
-    """What a strategy is built for: the device and the workload parameters."""
+    """What a strategy is built for: the device, what it offers, and micro's arrays per step."""
 
     device: torch.device
     cuda: bool
     pin_memory: bool
     uva: bool
-    k: int = 8  # micro: arrays per step.
-    batch: int = 256  # decode: requests per step.
-    block_size: int = 16
-    check_every: int = 50
-    decode_steps: int = 500
+    k: int = 8
     seed: int = 0
 
 
@@ -189,20 +185,15 @@ class Case:
 
     step: Callable[[], object]
     finish: Callable[[], dict[str, Any]] = field(default=lambda: {})
-    min_warmup: int = 0
-    """Steps to run before timing, at least (the decode loop's first steps are all prefill)."""
-    fixed_iters: int | None = None
-    """Steps per repeat, when every strategy must time the same steps (the decode loop)."""
 
 
 @dataclass(frozen=True)
 class Strategy:
     name: str
     label: str
-    kind: str  # 'baseline', 'stagebuf' or 'floor'.
-    build: Callable[[Env, Any], Case]
-    """(env, size): size is an int (micro N, decode batch) or a ``writes.WriteCell``."""
-    tier: Tier | None = None  # The forced stagebuf tier (None: built with STAGEBUF_TIER unset).
+    kind: str  # 'baseline', 'stagebuf' or 'floor'
+    build: Callable[[Env, Any], Case]  # (env, size): micro's N, or a ``writes.WriteCell``
+    tier: Tier | None = None  # the forced stagebuf tier (None: built with STAGEBUF_TIER unset)
     needs: tuple[str, ...] = ()
     """What it needs of the machine: 'cuda', 'pinned', 'uva', 'triton', 'vllm' (vLLM's files, fetched)."""
 
@@ -211,35 +202,16 @@ class BenchCheckError(RuntimeError):
     """A strategy's device result differs from the host model: the run fails."""
 
 
-EXCLUDED_S = [0.0]
-"""Seconds the timed steps spent checking answers (the decode loop's device round trips and comparisons,
-work the floor does not do); :func:`time_repeat` leaves them out."""
-
-
-@dataclass
-class Measurement:
-    host_us: float
-    e2e_us: float
-    iters: int
-    repeats: int
-    host_samples_us: list[float] = field(default_factory=list)
-    e2e_samples_us: list[float] = field(default_factory=list)
-
-
-def prepare(case: Case, sync: Callable[[], None], max_iters: int, target_s: float) -> int:
-    """Warm ``case`` up; the steps per repeat.
-
-    Warm-up runs ``max(3, case.min_warmup)`` steps (compiles, first allocations, a decode loop's
-    prefill). Then, unless the case fixes its steps, a calibration of about 20% of ``target_s`` (at most
-    ``max_iters // 4 + 2`` steps) sets them so that a repeat lasts about ``target_s`` (2 .. ``max_iters``)."""
-    for _ in range(max(3, case.min_warmup)):
-        case.step()
+def prepare(step: Callable[[], object], sync: Callable[[], None], max_iters: int, target_s: float) -> int:
+    """Warm ``step`` up (3 steps: compiles, first allocations); the steps per repeat, from a calibration
+    of about 20% of ``target_s`` (at most ``max_iters // 4 + 2`` steps): a repeat lasts about
+    ``target_s`` (2 .. ``max_iters`` steps)."""
+    for _ in range(3):
+        step()
     sync()
-    if case.fixed_iters is not None:
-        return case.fixed_iters
     n, t0 = 0, time.perf_counter()
     while n < 2 or (n < max_iters // 4 + 2 and time.perf_counter() - t0 < 0.2 * target_s):
-        case.step()
+        step()
         n += 1
     sync()
     per = (time.perf_counter() - t0) / n
@@ -247,12 +219,10 @@ def prepare(case: Case, sync: Callable[[], None], max_iters: int, target_s: floa
 
 
 def time_repeat(step: Callable[[], object], sync: Callable[[], None], iters: int) -> tuple[float, float]:
-    """One repeat of ``iters`` steps, the garbage collector off: (host µs a step, synchronised µs a step),
-    less the time spent checking answers (:data:`EXCLUDED_S`)."""
+    """One repeat of ``iters`` steps, the garbage collector off: (host µs a step, synchronised µs a step)."""
     sync()
     was = gc.isenabled()
     gc.disable()
-    EXCLUDED_S[0] = 0.0
     try:
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -263,24 +233,11 @@ def time_repeat(step: Callable[[], object], sync: Callable[[], None], iters: int
     finally:
         if was:
             gc.enable()
-    skip = EXCLUDED_S[0]
-    return (t1 - t0 - skip) / iters * 1e6, (t2 - t0 - skip) / iters * 1e6
+    return (t1 - t0) / iters * 1e6, (t2 - t0) / iters * 1e6
 
 
-def summarise(hs: list[float], es: list[float], iters: int) -> Measurement:
-    return Measurement(round(statistics.median(hs), 3), round(statistics.median(es), 3), iters, len(hs),
-                       [round(h, 3) for h in hs], [round(e, 3) for e in es])  # fmt: skip
-
-
-def measure(
-    case: Case, sync: Callable[[], None], repeats: int, max_iters: int, target_s: float
-) -> Measurement:
-    """:func:`prepare`, then ``repeats`` repeats of one case."""
-    iters = prepare(case, sync, max_iters, target_s)
-    hs, es = [], []
-    for _ in range(repeats):
-        gc.collect()
-        h, e = time_repeat(case.step, sync, iters)
-        hs.append(h)
-        es.append(e)
-    return summarise(hs, es, iters)
+def summarise(hs: list[float], es: list[float], iters: int) -> dict[str, Any]:
+    """A case's row of the report: the medians of its repeats, and each repeat's time."""
+    return {"host_us": round(statistics.median(hs), 3), "e2e_us": round(statistics.median(es), 3),
+            "iters": iters, "repeats": len(hs), "host_samples_us": [round(h, 3) for h in hs],
+            "e2e_samples_us": [round(e, 3) for e in es]}  # fmt: skip

@@ -213,11 +213,26 @@ TARGETS = (
 )  # fmt: skip
 
 
-def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The micro targets: staging costs at N = :data:`SIZE`; against per-array pinned copies, also the
-    ratio to nano-vllm's flavour of them (``vs_pinned_tensor_per_array``, for reference)."""
+def targets(results: dict[str, Any], tiers_run: Sequence[Tier]) -> dict[str, dict[str, Any]]:
+    """The micro targets: staging costs at N = :data:`SIZE` (against per-array pinned copies, also the
+    ratio to nano-vllm's flavour of them, ``vs_pinned_tensor_per_array``, for reference), and each tier's
+    step time against a UVA pool's."""
     out = T.ratios(TARGETS, results, "micro", SIZE)
     for d in TARGETS[:2]:
         alt = T.ratio("", results, "micro", SIZE, d.num, "pinned_tensor_per_array", "staging", "<=", 0)
         out[d.name]["vs_pinned_tensor_per_array"] = alt.get("measured")
+    parts = []
+    for t in tiers_run:
+        what = f"micro: {t.name} StepStager / MRV2-style UVA pool"
+        parts.append(T.ratio(what, results, "micro", SIZE, f"stager_{t.name.lower()}", "uva_pool_per_array",
+                             "step", "<=", 1.10))  # fmt: skip
+    what = "every tier's StepStager step time / the MRV2-style UVA pool's (micro K=8 N=64); the worst"
+    worst = lambda p: f"micro {p['numerator']}"
+    e = out["no_tier_slower_than_uva_pool"] = T.worst_of(
+        what, parts, "step (e2e µs)", "<=", 1.10, "no stagebuf tier ran", worst
+    )
+    e["needs"] = "cuda"
+    if e["passed"] is False:
+        e[T.REASON] = ("a fallback tier's step (the worst part names it) costs more than MRV2's UVA pool: "
+                       "correct, but slower where UVA is missing")  # fmt: skip
     return out

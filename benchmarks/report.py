@@ -1,7 +1,7 @@
 """Every table the bench prints or writes, from a report: the console, Markdown, figures and the docs.
 
-A table is ``(title, header, rows)`` of strings. :func:`tables` gives a bench report's (micro, decode,
-writes, engine, vs vLLM, nano-vllm, stage only, guard cost); :func:`render` prints them with the targets,
+A table is ``(title, header, rows)`` of strings. :func:`tables` gives a bench report's (micro, writes,
+engine, vs vLLM, nano-vllm, stage only, guard cost); :func:`render` prints them with the targets,
 each miss's reason and what was skipped; :func:`markdown` writes the same; :func:`plot` draws one figure
 per workload. :func:`docs_tables` is the compact selection docs/BENCHMARKS.md shows (every current target
 and the columns a reader compares), :func:`e2e_markdown` and :func:`e2e_plot` the end-to-end report's.
@@ -16,8 +16,8 @@ from . import targets as T
 from .writes import WriteCell
 
 Table = tuple[str, list[str], list[list[str]]]
-WORKLOADS = ("micro", "decode", "writes")
-UNITS = {"micro": "µs per step", "decode": "µs per step", "writes": "µs per apply"}
+WORKLOADS = ("micro", "writes")
+UNITS = {"micro": "µs per step", "writes": "µs per apply"}
 SECTIONS = ("request_writes", "sampler_publish", "block_tables", "per_step_copies")
 """The parts of the engine workload's buffer work (``engine.SECTIONS``)."""
 PLOT_HINT = "--plot needs matplotlib: bash scripts/setup.sh bench (or pip install -r requirements/bench.txt)"
@@ -39,9 +39,8 @@ def _cells(data: dict[str, Any]) -> set[WriteCell]:
 
 
 def workload_tables(report: dict[str, Any], labels: bool = False) -> list[Table]:
-    """micro, decode and writes: a row per strategy (``labels``: with what it is), a column per size, each
-    cell host / synchronised µs (+ staging, where the workload has a floor); writes: a row per strategy
-    and L, a column per E."""
+    """micro and writes: a row per strategy (``labels``: with what it is), a column per N, each cell host /
+    synchronised µs (+ staging: minus the floor's); writes: a row per strategy and L, a column per E."""
     out: list[Table] = []
     for wl in WORKLOADS:
         data = report["results"].get(wl)
@@ -62,11 +61,9 @@ def workload_tables(report: dict[str, Any], labels: bool = False) -> list[Table]
                         )
         else:
             sizes = sorted({int(k) for e in data.values() for k in e["sizes"]})
-            head = [f"{T.SIZE_NAMES[wl]}={n}" for n in sizes] + (["checks"] if wl == "decode" else [])
+            head = [f"N={n}" for n in sizes]
             for n, e in data.items():
                 rows.append([n, *(_cell(e["sizes"].get(str(k)), staging and n != "floor") for k in sizes)])
-                if wl == "decode":
-                    rows[-1].append(str(next(iter(e["sizes"].values())).get("checks", "-")))
         if labels:
             head, rows = ["what", *head], [[r[0], data[r[0]].get("label", ""), *r[1:]] for r in rows]
         out.append((title, ["strategy", *head], rows))
@@ -278,9 +275,8 @@ def plot_paths(path: str, report: dict[str, Any]) -> list[Path]:
 
 
 def plot(report: dict[str, Any], path: str) -> list[Path]:
-    """One figure per workload, legible at a page's width: micro and writes as µs against size, a line per
-    strategy, log axes (writes: a panel per L, against E); decode as bars. Raises ImportError without
-    matplotlib."""
+    """One figure per workload, legible at a page's width: µs against size, a line per strategy, log axes
+    (writes: a panel per L, against E). Raises ImportError without matplotlib."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -289,26 +285,10 @@ def plot(report: dict[str, Any], path: str) -> list[Path]:
     for wl, file in zip([w for w in WORKLOADS if res.get(w)], out):
         data = res[wl]
         lens = sorted({c.length for c in _cells(data)}) if wl == "writes" else [None]
-        fig = Figure(
-            figsize=(8, 0.35 * len(data) + 1.4 if wl == "decode" else 3.6 * len(lens)), layout="constrained"
-        )
+        fig = Figure(figsize=(8, 3.6 * len(lens)), layout="constrained")
         FigureCanvasAgg(fig)
         for i, ln in enumerate(lens):
             ax = fig.add_subplot(len(lens), 1, i + 1)
-            if wl == "decode":
-                names = list(data)
-                vals = [next(iter(data[n]["sizes"].values()))["e2e_us"] for n in names]
-                colors = {"baseline": "0.6", "floor": "0.85"}
-                ax.barh(names, vals, color=[colors.get(data[n]["kind"], "C0") for n in names])
-                for y, v in enumerate(vals):
-                    ax.annotate(
-                        fmt(v), (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
-                    )
-                ax.set_xscale("log")
-                ax.set_xlabel(f"{UNITS[wl]} (device-synchronised, batch {report['config']['batch']})")
-                ax.tick_params(axis="y", labelsize=7)
-                ax.invert_yaxis()
-                continue
             for name, e in data.items():
                 cells = ((WriteCell.parse(k), r["e2e_us"]) for k, r in e["sizes"].items())
                 if ln is None:
@@ -357,26 +337,20 @@ def _docs_targets(report: dict[str, Any], current: set[str]) -> list[str]:
     return out + ([f"Left out: {gone} (not current targets of the bench).", ""] if gone else [])
 
 
-def _docs_staging(report: dict[str, Any], wl: str) -> list[str]:
-    """micro (at :data:`MICRO_SIZES`) or decode: each strategy's staging cost (the floor: its step time)."""
+def _docs_staging(report: dict[str, Any], wl: str = "micro") -> list[str]:
+    """micro (at :data:`MICRO_SIZES`): each strategy's staging cost (the floor: its step time)."""
     data, cfg = report.get("results", {}).get(wl), report.get("config", {})
     if not data:
         return []
     have = sorted({int(k) for e in data.values() for k in e["sizes"]})
-    sizes = ([n for n in have if n in MICRO_SIZES] or have) if wl == "micro" else have[:1]
+    sizes = [n for n in have if n in MICRO_SIZES] or have
     rows = []
     for name, e in data.items():
         key = "e2e_us" if name == "floor" else "staging_e2e_us"
         cells = [fmt(e["sizes"].get(str(n), {}).get(key)) for n in sizes]
         rows.append([f"`{name}`" + (" (its step time)" if name == "floor" else ""), *cells])
-    if wl == "micro":
-        title = f"micro: staging cost of K={cfg.get('k', '?')} int32 arrays of N, µs per step"
-        head = ["strategy", *(f"N={n}" for n in sizes)]
-    else:
-        title, head = (
-            f"decode loop, batch {cfg.get('batch', '?')}: staging cost, µs per step",
-            ["strategy", "staging"],
-        )
+    title = f"micro: staging cost of K={cfg.get('k', '?')} int32 arrays of N, µs per step"
+    head = ["strategy", *(f"N={n}" for n in sizes)]
     return [f"#### {title} (synchronised, minus the floor)", "", *md_table(head, rows, pipes=False)]
 
 
@@ -458,7 +432,6 @@ def docs_tables(report: dict[str, Any], current: set[str]) -> str:
         "",
         *_docs_targets(report, current),
         *_docs_staging(report, "micro"),
-        *_docs_staging(report, "decode"),
         *_docs_writes(report),
     ]
     for eng in [report.get("engine") or {}, *(report.get("engine_also") or {}).values()]:

@@ -85,8 +85,8 @@ def ratio(description: str, results: dict[str, Any], wl: str, size: Any, num: st
     return e
 
 
-SIZE_NAMES = {"micro": "N", "decode": "batch", "writes": "ExL"}
-"""How a workload's size keys read: N, the batch, or "ExL" (E edits of L elements, e.g. "256x8")."""
+SIZE_NAMES = {"micro": "N", "writes": "ExL"}
+"""How a workload's size keys read: N, or "ExL" (E edits of L elements, e.g. "256x8")."""
 
 
 class Ratio(NamedTuple):

@@ -48,7 +48,7 @@ def test_committed_tables_are_the_committed_reports() -> None:
 
 def test_results_live_outside_docs() -> None:
     assert R.REPORT.is_file()
-    for w in ("micro", "decode", "writes"):  # one figure per workload (bench.plot_paths)
+    for w in ("micro", "writes"):  # one figure per workload (report.plot_paths)
         assert R.REPORT.with_name(f"h200-{w}.png").is_file()
         assert f"](../benchmarks/results/h200-{w}.png)" in R.DOC.read_text()
     assert not sorted((ROOT / "docs").rglob("*.json")), "run data belongs in benchmarks/results/"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from benchmarks import bench as B
-from benchmarks import decode, micro, writes
+from benchmarks import micro, writes
 from benchmarks import render_docs as R
 from benchmarks import report as RP
 from benchmarks import targets as VD
@@ -32,7 +32,6 @@ def test_every_target_of_the_bench_has_a_reason_for_a_miss() -> None:
     res: dict[str, Any] = {}
     for wl, strategies, sizes in (
         ("micro", micro.strategies(tiers), ["64"]),
-        ("decode", decode.strategies(tiers), ["256"]),
         ("writes", writes.strategies(tiers), [str(c) for c in cfg.cells()]),
     ):
         for s in strategies:

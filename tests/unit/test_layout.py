@@ -198,3 +198,44 @@ def test_no_sys_path_edit_and_one_setattr() -> None:
             if isinstance(node, ast.FunctionDef) and node.name == "__setattr__":
                 setattrs.append(p.name)
     assert setattrs == ["sealed.py"]
+
+
+TIER_ROOMS = ("_common", "_device", "_tiers", "_bytes")
+"""Where the tier is decided and carried: every module above them asks a buffer (its flags, ``uva()``,
+``poison()``, ``fallback()``) instead of branching on the tier."""
+
+
+def _tier_branches(path: Path) -> list[str]:
+    """Tier members named (``Tier.HOST``), a tier's flags read (``x.tier.copies``), or a tier compared
+    (``x.tier is y``) in ``path``; reading ``x.tier.name`` for a report is not a branch."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            v = node.value
+            if isinstance(v, ast.Name) and v.id == "Tier" and node.attr.isupper():
+                found.append(f"{path.name}:{node.lineno} Tier.{node.attr}")
+            elif isinstance(v, ast.Attribute) and v.attr == "tier" and node.attr != "name":
+                found.append(f"{path.name}:{node.lineno} .tier.{node.attr}")
+        elif isinstance(node, ast.Compare):
+            sides = (node.left, *node.comparators)
+            if any(isinstance(x, ast.Attribute) and x.attr == "tier" for x in sides):
+                found.append(f"{path.name}:{node.lineno} compares a .tier")
+    return sorted(found)
+
+
+def test_only_the_tier_rooms_branch_on_the_tier() -> None:
+    bad = [b for m, p in _modules().items() if _room(m) not in TIER_ROOMS for b in _tier_branches(p)]
+    assert not bad, f"tier branches outside {TIER_ROOMS}: {bad}"
+
+
+def test_the_tier_branch_check_can_fail(tmp_path: Path) -> None:
+    p = tmp_path / "m.py"
+    p.write_text("if buf.tier is Tier.HOST or ring.tier.copies:\n    x = caps.tier.name\n")
+    assert _tier_branches(p) == ["m.py:1 .tier.copies", "m.py:1 Tier.HOST", "m.py:1 compares a .tier"]
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    """Stricter than the rooms: a name another module imports is that module's public name."""
+    mods = _modules()
+    bad = [f"{m} imports {t}.{nm}" for m, p in mods.items() for t, nm in _private_imports(m, p, set(mods))]
+    assert not bad, f"private names imported from another module: {bad}"

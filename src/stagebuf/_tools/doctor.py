@@ -25,8 +25,8 @@ from typing import Any, TextIO
 import torch
 
 from .. import __version__, nanovllm
+from .._bytes.buffers import tier_class
 from .._common.errors import SettingValueError, SetupError, UnknownDeviceError
-from .._common.tier import Tier
 from .._engines import vllm as _vllm
 from .._engines.vllm_check import REPLACED
 from .._rings.staged_write.kernel import triton_usable
@@ -117,8 +117,8 @@ def build_text(build: str) -> str:
 def kernel_in_use(caps: Capabilities) -> tuple[str, str | None]:
     """The staged-write kernel a tensor on ``caps.device`` would use, and why it is not the setting's."""
     setting = write_kernel()
-    if caps.tier is Tier.HOST:
-        why = "tier HOST: a staged write is one numpy assignment, no kernel"
+    if caps.device.type == "cpu" and not tier_class(caps.tier).copies:  # the target is the host memory
+        why = f"tier {caps.tier.name}: a staged write is one numpy assignment, no kernel"
         return "host", (why if setting == "triton" else None)
     if setting == "triton" and not triton_usable(caps.device):
         where = "the CPU without TRITON_INTERPRET=1" if caps.device.type == "cpu" else str(caps.device)

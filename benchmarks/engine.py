@@ -676,22 +676,28 @@ GOALS: dict[str, dict[str, float]] = {
 }  # fmt: skip
 """The engine goals that differ by the peer's release (else :data:`RATIOS`'); a release without an entry
 takes the newest entry's."""
-RATIOS = (  # name, numerator, denominator, goal, which time, what it compares
-    ("step_uva_vs_vllm_uva", "stagebuf_step_uva", "vllm_uva", 0.4, "buffer_us",
-     "step mode (STAGEBUF_VLLM=step) on UVA / vLLM's own layer on UVA"),
-    ("step_pageable_vs_vllm_uva", "stagebuf_step_pageable", "vllm_uva", 0.5, "buffer_us",
-     "step mode on PAGEABLE (no pinned memory) / vLLM's own layer on UVA (bare metal)"),
-    ("step_prep_vs_vllm_uva", "stagebuf_step_uva", "vllm_uva", 0.75, "prep_us",
-     "the whole host preparation, step mode on UVA / vLLM's own layer on UVA"),
-    ("dropin_uva_vs_vllm_uva", "stagebuf_dropin_uva", "vllm_uva", 0.7, "buffer_us",
-     "stagebuf's classes in vLLM's place (STAGEBUF_VLLM=1) on UVA / vLLM's own layer on UVA"),
-    ("own_uva_vs_vllm_uva", "stagebuf_own_uva", "vllm_uva", 0.5, "buffer_us",
-     "stagebuf's own API on UVA / vLLM's own layer on UVA"),
-    ("dropin_pageable_vs_vllm_nopin", "stagebuf_dropin_pageable", "vllm_nopin", 0.6, "buffer_us",
-     "stagebuf's classes on PAGEABLE / vLLM's NonUvaBuffer fallback (no pinned memory)"),
-    ("own_pageable_vs_vllm_uva", "stagebuf_own_pageable", "vllm_uva", 1.0, "buffer_us",
-     "stagebuf's own API on PAGEABLE (no pinned memory) / vLLM's own layer on UVA (bare metal)"),
-)  # fmt: skip
+RATIOS = {  # engine_<name>_g<groups>: stagebuf_<api>_<tier> / vllm_<peer> (step_prep: step_uva's), its goal
+    "step_uva_vs_vllm_uva": 0.4,
+    "step_pageable_vs_vllm_uva": 0.5,
+    "step_prep_vs_vllm_uva": 0.75,
+    "dropin_uva_vs_vllm_uva": 0.7,
+    "own_uva_vs_vllm_uva": 0.5,
+    "dropin_pageable_vs_vllm_nopin": 0.6,
+    "own_pageable_vs_vllm_uva": 1.0,
+}
+WHAT = {
+    "step_uva_vs_vllm_uva": "step mode (STAGEBUF_VLLM=step) on UVA / vLLM's own layer on UVA",
+    "step_pageable_vs_vllm_uva": "step mode on PAGEABLE (no pinned memory) / vLLM's own layer on UVA (bare "
+    "metal)",
+    "step_prep_vs_vllm_uva": "the whole host preparation, step mode on UVA / vLLM's own layer on UVA",
+    "dropin_uva_vs_vllm_uva": "stagebuf's classes in vLLM's place (STAGEBUF_VLLM=1) on UVA / vLLM's own "
+    "layer on UVA",
+    "own_uva_vs_vllm_uva": "stagebuf's own API on UVA / vLLM's own layer on UVA",
+    "dropin_pageable_vs_vllm_nopin": "stagebuf's classes on PAGEABLE / vLLM's NonUvaBuffer fallback (no "
+    "pinned memory)",
+    "own_pageable_vs_vllm_uva": "stagebuf's own API on PAGEABLE (no pinned memory) / vLLM's own layer on UVA "
+    "(bare metal)",
+}
 
 
 def _part_means(runs: dict[str, Any], setup: str, g: int, mode: str = "busy") -> dict[str, float]:
@@ -748,7 +754,9 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> 
             f"the part that grows most on the busy GPU ({worst[2]}, {worst[3]}g, last run, mean µs a step): "
             f"{part} {i.get(part, 0):.1f} -> {b.get(part, 0):.1f}; guard waits in its busy runs: {waits}"
         )
-    for name, num, den, goal, what, text in RATIOS:
+    for name, goal in RATIOS.items():
+        mine, den = name.replace("step_prep", "step_uva").split("_vs_")
+        num, what, text = f"stagebuf_{mine}", "prep_us" if "prep" in name else "buffer_us", WHAT[name]
         for g in groups:
             got = {m: round(v, 4) for m in ("idle", "busy") if (v := ratio(num, den, g, m, what)) is not None}
             kind = "buffer work" if what == "buffer_us" else "host preparation"

@@ -28,8 +28,6 @@ import torch
 import stagebuf
 from stagebuf import Tier
 
-HERE = Path(__file__).resolve().parent
-
 
 @contextmanager
 def env_var(name: str, value: str | None) -> Iterator[None]:

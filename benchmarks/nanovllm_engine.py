@@ -65,26 +65,19 @@ class Trace:
         self.nano = n = P.load()
         self.cfg = cfg
         self.config = P.config(
-            work / "model",
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len,
-            kvcache_block_size=cfg.block_size,
-            num_kvcache_blocks=cfg.num_kvcache_blocks,
-            eos=EOS,
-        )
+            work / "model", max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len, kvcache_block_size=cfg.block_size,
+            num_kvcache_blocks=cfg.num_kvcache_blocks, eos=EOS,
+        )  # fmt: skip
         n.sequence.Sequence.block_size = cfg.block_size  # as every nano-vllm run has it (256)
         self.scheduler = n.scheduler.Scheduler(self.config)
         self.rng = np.random.default_rng(cfg.seed)
         self.prefixes = [self.rng.integers(3, cfg.vocab, 512).tolist() for _ in range(3)]
-        self.submitted = 0
-        self.steps = 0
-        self.preempted = 0
-        self.finished = 0
-        self.prefill_steps = 0
-        self.prefix_hits = 0
+        self.submitted = self.steps = self.preempted = self.finished = 0
+        self.prefill_steps = self.prefix_hits = self.reprefills = (
+            0  # prefills that recompute generated tokens
+        )
         self.scheduler_error: str | None = None
-        self.reprefills = 0
         self._real_preempt = self.scheduler.preempt
         self.scheduler.preempt = self._preempt
 
@@ -95,13 +88,10 @@ class Trace:
     def _params(self) -> Any:
         r = self.rng
         return self.nano.sampling_params.SamplingParams(
-            temperature=float(r.choice([0.6, 1.0, 1.3])),
-            max_tokens=int(r.integers(*self.cfg.output)),
-            cfg_scale=float(r.choice([1.5, 3.0])) if self.cfg.cfg else 1.0,
-            top_k=[None, 20, 50][int(r.integers(3))],
-            top_p=[None, 0.9, 1.0][int(r.integers(3))],
-            repetition_penalty=[1.0, 1.1, 1.3][int(r.integers(3))],
-        )
+            temperature=float(r.choice([0.6, 1.0, 1.3])), max_tokens=int(r.integers(*self.cfg.output)),
+            cfg_scale=float(r.choice([1.5, 3.0])) if self.cfg.cfg else 1.0, top_k=[None, 20, 50][int(r.integers(3))],
+            top_p=[None, 0.9, 1.0][int(r.integers(3))], repetition_penalty=[1.0, 1.1, 1.3][int(r.integers(3))],
+        )  # fmt: skip
 
     def _prompt(self) -> list[int]:
         r = self.rng

@@ -70,61 +70,36 @@ def workload_tables(report: dict[str, Any], labels: bool = False) -> list[Table]
     return out
 
 
-def _busy_or_idle(runs: dict[str, Any], setup: str, g: int) -> list[dict[str, Any]]:
-    return runs.get(f"{setup}|g{g}|busy") or runs.get(f"{setup}|g{g}|idle") or []
-
-
-def engine_tables(eng: dict[str, Any]) -> list[Table]:
-    """One release's engine run: medians of each setup, its buffer work by part, and that above the floor."""
-    meds, runs = eng.get("medians", {}), eng.get("runs", {})
+def engine_table(eng: dict[str, Any]) -> list[Table]:
+    """One release's engine run: each setup's host preparation and buffer work (idle and busy GPU); the
+    report keeps each part's time too (``runs``; ``benchmarks.engine_profile`` profiles them)."""
+    meds, checks = eng.get("medians", {}), eng.get("checks", [])
     if not meds:
         return []
     groups = sorted({int(k.split("|")[1][1:]) for k in meds})
-    head = ["setup", *(f"{g}g {w} {m}" for g in groups for w in ("prep", "buffer") for m in ("idle", "busy"))]
-    rows = [[s, *(fmt(meds.get(f"{s}|g{g}|{m}", {}).get(w)) for g in groups for w in ("prep_us", "buffer_us")
-                  for m in ("idle", "busy"))] for s in eng.get("setups", [])]  # fmt: skip
-    checks = eng.get("checks", [])
+    cols = [(g, w, m) for g in groups for w in ("prep", "buffer") for m in ("idle", "busy")]
+    rows = [
+        [s, *(fmt(meds.get(f"{s}|g{g}|{m}", {}).get(f"{w}_us")) for g, w, m in cols)]
+        for s in eng.get("setups", [])
+    ]
     ok = sum(not c["mismatches"] for c in checks)
     title = (f"engine: vLLM {eng.get('vllm_version')} MRV2 input path, host µs per step (median of "
              f"{eng.get('repeats')} interleaved runs of {eng.get('steps', 0) - eng.get('warmup', 0)} steps); "
              f"identical inputs: {ok}/{len(checks)} checks")  # fmt: skip
-    parts, above = [], []
-    for s in eng.get("setups", []):
-        for g in groups:
-            mine, floor = _busy_or_idle(runs, s, g), _busy_or_idle(runs, "floor", g)
-            if mine:
-                sec = mine[-1]["sections_us"]
-                parts.append([f"{s}, {g}g", *(f"{sec.get(k, 0):.1f}" for k in SECTIONS)])
-            if mine and floor:
-                diff = [
-                    sec.get(k, 0) - (0 if s == "floor" else floor[-1]["sections_us"].get(k, 0))
-                    for k in SECTIONS
-                ]
-                above.append([f"{s}, {g}g", *(f"{x:.1f}" for x in diff), f"{sum(diff):.1f}"])
-    last = "mean µs per step (last run; busy GPU where run)"
-    return [
-        (title, head, rows),
-        (f"engine: buffer work by part, {last}", ["setup", *SECTIONS], parts),
-        (f"engine: buffer work above the floor (each part's bytes in one packed transfer plus one launch, "
-         f"same run), {last}; floor rows: the floor itself", ["setup", *SECTIONS, "total"], above),
-    ]  # fmt: skip
+    return [(title, ["setup", *(f"{g}g {w} {m}" for g, w, m in cols)], rows)]
 
 
 def vs_vllm_table(report: dict[str, Any]) -> list[Table]:
     res = report.get("vs_vllm") or {}
     med = res.get("median_us", {})
-    if not med:
-        return []
     peers = list(dict.fromkeys(p for d in med.values() for p in d))
-    rows = [[c, *(fmt(d.get(p)) for p in peers)] for c, d in med.items()]
     rel = res.get("vllm_version") or (report.get("engine") or {}).get("vllm_version")
-    return [
-        (
-            f"vs {f'vLLM {rel}' if rel else 'vLLM'}'s own classes: host µs per step, idle GPU",
-            ["case", *peers],
-            rows,
-        )
-    ]
+    title = f"vs {f'vLLM {rel}' if rel else 'vLLM'}'s own classes: host µs per step, idle GPU"
+    return (
+        [(title, ["case", *peers], [[c, *(fmt(d.get(p)) for p in peers)] for c, d in med.items()])]
+        if med
+        else []
+    )
 
 
 def nanovllm_tables(report: dict[str, Any]) -> list[Table]:
@@ -160,7 +135,7 @@ def tables(report: dict[str, Any], labels: bool = False) -> list[Table]:
     """Every table of a bench report but the targets, in the order printed."""
     out = workload_tables(report, labels)
     for eng in [report.get("engine") or {}, *(report.get("engine_also") or {}).values()]:
-        out += engine_tables(eng)
+        out += engine_table(eng)
     out += vs_vllm_table(report) + nanovllm_tables(report)
     so = [[n, k, fmt(r["host_us"]), f"{r['host_us'] / WriteCell.parse(k).edits:.3f}"]
           for n, by in report.get("staged_write_stage_only", {}).items() for k, r in by.items()]  # fmt: skip

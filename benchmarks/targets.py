@@ -11,8 +11,8 @@ with its gap and why, and the last line says the verdict and the exit status (0 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 REASON = "why"  # The field of a target holding the one-line reason shown when it is missed.
 GENERIC = f"no reason was recorded for this target (its builder sets {REASON!r})"
@@ -87,31 +87,6 @@ def ratio(description: str, results: dict[str, Any], wl: str, size: Any, num: st
 
 SIZE_NAMES = {"micro": "N", "writes": "ExL"}
 """How a workload's size keys read: N, or "ExL" (E edits of L elements, e.g. "256x8")."""
-
-
-class Ratio(NamedTuple):
-    """A target that is one ratio of two strategies' medians at one size (see :func:`ratio`)."""
-
-    name: str
-    needs: str | None  # The device it is defined for: 'cuda', 'cpu' (tier HOST) or None (any).
-    description: str
-    num: str
-    den: str
-    goal: float
-    why: str  # What a miss means, in one line.
-    metric: str = "staging"
-    op: str = "<="
-
-
-def ratios(defs: Sequence[Ratio], results: dict[str, Any], wl: str, size: Any) -> dict[str, dict[str, Any]]:
-    """The targets of ``defs``, each with its ``needs`` (and ``why`` where it missed)."""
-    out = {}
-    for d in defs:
-        e = out[d.name] = ratio(d.description, results, wl, size, d.num, d.den, d.metric, d.op, d.goal)
-        e["needs"] = d.needs
-        if e["passed"] is False:
-            e[REASON] = d.why
-    return out
 
 
 def worst_of(description: str, parts: list[dict[str, Any]], metric: str, op: str, goal: float, none_why: str,

@@ -17,7 +17,7 @@ also time a prefill step's floor (``floor_prefill``: its token lists into one ar
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -89,8 +89,9 @@ class Trace:
         r = self.rng
         return self.nano.sampling_params.SamplingParams(
             temperature=float(r.choice([0.6, 1.0, 1.3])), max_tokens=int(r.integers(*self.cfg.output)),
-            cfg_scale=float(r.choice([1.5, 3.0])) if self.cfg.cfg else 1.0, top_k=[None, 20, 50][int(r.integers(3))],
-            top_p=[None, 0.9, 1.0][int(r.integers(3))], repetition_penalty=[1.0, 1.1, 1.3][int(r.integers(3))],
+            cfg_scale=float(r.choice([1.5, 3.0])) if self.cfg.cfg else 1.0,
+            top_k=[None, 20, 50][int(r.integers(3))], top_p=[None, 0.9, 1.0][int(r.integers(3))],
+            repetition_penalty=[1.0, 1.1, 1.3][int(r.integers(3))],
         )  # fmt: skip
 
     def _prompt(self) -> list[int]:
@@ -131,6 +132,17 @@ class Trace:
             self.prefix_hits += sum(s.num_cached_tokens > 0 for s in seqs)
             self.reprefills += sum(s.num_completion_tokens > 0 for s in seqs)
         return seqs, is_prefill
+
+    def run(self, steps: int) -> Iterator[tuple[int, list[Any], bool]]:
+        """Up to ``steps`` steps: (i, sequences, is_prefill); after each, the attention context reset and
+        :meth:`post`."""
+        for i in range(steps):
+            step = self.next()
+            if step is None:
+                return
+            yield i, *step
+            self.nano.context.reset_context()
+            self.post(step[0])
 
     def post(self, seqs: list[Any]) -> None:
         """nano-vllm's postprocess with this step's "sampled" tokens (one per sequence, per pair in CFG)."""
@@ -236,31 +248,24 @@ FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "context_lens", "block
 SAMPLE = ("temperatures", "cfg_scales", "top_ks", "top_ps", "repetition_penalties")
 
 
-def snapshot(nano: Any, prepared: tuple[Any, ...]) -> dict[str, Any]:
-    """Every tensor the model and sampler get, and the attention context, copied to the host."""
+def inputs(nano: Any, prepared: tuple[Any, ...]) -> dict[str, Any]:
+    """Every tensor the model and sampler get, and the attention context (as they are: on the device)."""
     ids, pos, sample = prepared
     c = nano.context.get_context()
+    out = {"input_ids": ids, "positions": pos, "is_prefill": c.is_prefill, "max_seqlen_q": c.max_seqlen_q,
+           "max_seqlen_k": c.max_seqlen_k, **{k: getattr(c, k) for k in FIELDS}}  # fmt: skip
+    return out | dict(zip(SAMPLE, sample))
 
-    def host(t: Any) -> Any:
-        return None if t is None else (t.dtype, tuple(t.shape), t.cpu().clone())
 
-    out = {"input_ids": host(ids), "positions": host(pos), "is_prefill": c.is_prefill,
-           "max_seqlen_q": c.max_seqlen_q, "max_seqlen_k": c.max_seqlen_k}  # fmt: skip
-    out.update({k: host(getattr(c, k)) for k in FIELDS})
-    out.update({k: host(t) for k, t in zip(SAMPLE, sample)})
-    return out
+def snapshot(nano: Any, prepared: tuple[Any, ...]) -> dict[str, Any]:
+    """:func:`inputs`, each tensor copied to the host (its dtype, shape and values)."""
+    return {k: (t.dtype, tuple(t.shape), t.cpu().clone()) if isinstance(t, torch.Tensor) else t
+            for k, t in inputs(nano, prepared).items()}  # fmt: skip
 
 
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    bad = []
-    for k in a:
-        x, y = a[k], b[k]
-        if isinstance(x, tuple) and isinstance(y, tuple):
-            if x[:2] != y[:2] or not torch.equal(x[2], y[2]):
-                bad.append(k)
-        elif x != y:
-            bad.append(k)
-    return bad
+    same = lambda x, y: x[:2] == y[:2] and torch.equal(x[2], y[2]) if isinstance(x, tuple) else x == y
+    return [k for k in a if not (type(a[k]) is type(b[k]) and same(a[k], b[k]))]
 
 
 def check(
@@ -270,19 +275,15 @@ def check(
     graphs: bool = False,
     tamper: Callable[[Any, int], None] | None = None,
 ) -> dict[str, Any]:
-    """nano-vllm's own path and ``setup`` in lockstep on one trace; every input compared every step."""
+    """nano-vllm's own path and ``setup`` in lockstep on one trace; every input compared every step (with
+    ``graphs``: also the logits and the graphs' static inputs of ``run_model`` on captured graphs)."""
     trace = Trace(cfg, work)
     nano = trace.nano
-    own = make_runner(trace, "own", graphs)
-    mine = make_runner(trace, setup, graphs)
+    own, mine = make_runner(trace, "own", graphs), make_runner(trace, setup, graphs)
     mismatches: list[str] = []
     compared = 0
     with stagebuf_tier(setup.split("_", 1)[1]):
-        for i in range(cfg.steps):
-            step = trace.next()
-            if step is None:
-                break
-            seqs, pre = step
+        for i, seqs, pre in trace.run(cfg.steps):
             with own_context("own"):
                 a = snapshot(nano, prepared := prepare(own, seqs, pre))
                 out_a = _run(own, prepared, pre) if graphs else None
@@ -290,28 +291,31 @@ def check(
             b = snapshot(nano, prepared := prepare(mine, seqs, pre))
             if tamper is not None:
                 tamper(mine, i)
-                b = snapshot(nano, (prepared[0], prepared[1], prepared[2]))
-            out_b = _run(mine, prepared, pre) if graphs else None
-            nano.context.reset_context()
+                b = snapshot(nano, prepared)
             bad = differences(a, b)
             if graphs:
-                if not torch.equal(out_a.cpu(), out_b.cpu()):  # type: ignore[union-attr]
-                    bad.append("logits")
-                if not pre:
-                    for k in ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables"):
-                        if not torch.equal(own.graph_vars[k].cpu(), mine.graph_vars[k].cpu()):
-                            bad.append(f"graph_vars[{k}]")
+                bad += [] if torch.equal(out_a.cpu(), _run(mine, prepared, pre).cpu()) else ["logits"]  # type: ignore[union-attr]
+                gv = [k for k in (*FIELDS[2:], "input_ids", "positions") if not pre]
+                bad += [
+                    f"graph_vars[{k}]"
+                    for k in gv
+                    if not torch.equal(own.graph_vars[k].cpu(), mine.graph_vars[k].cpu())
+                ]
             mismatches += [f"step {i} ({'prefill' if pre else 'decode'}, {len(seqs)} seqs): {k}" for k in bad]
             compared += 1
-            trace.post(seqs)
             if len(mismatches) > 20:
                 break
-    return {"setup": setup, "steps": compared, "prefill_steps": trace.prefill_steps,
-            "prefix_hits": trace.prefix_hits,
-            "preempted": trace.preempted, "reprefills": trace.reprefills,
-            "scheduler_error": trace.scheduler_error, "finished": trace.finished,
-            "submitted": trace.submitted,
-            "graphs": graphs, "mismatches": mismatches}  # fmt: skip
+    counts = (
+        "prefill_steps",
+        "prefix_hits",
+        "preempted",
+        "reprefills",
+        "scheduler_error",
+        "finished",
+        "submitted",
+    )
+    return {"setup": setup, "steps": compared, **{k: getattr(trace, k) for k in counts}, "graphs": graphs,
+            "mismatches": mismatches}  # fmt: skip
 
 
 def _run(runner: Any, prepared: tuple[Any, ...], is_prefill: bool) -> torch.Tensor:
@@ -331,19 +335,20 @@ class GraphWrites(TorchDispatchMode):
         super().__init__()
         keys = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
         self.ptrs = {gv[k].untyped_storage().data_ptr() for k in keys}
-        self.copies = 0
-        self.fills = 0
+        self.copies = self.fills = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.__name__.split(".")[0]
-        if name in self.WRITES and isinstance(args[0], torch.Tensor):
-            dst = args[0]
-            if dst.untyped_storage().data_ptr() in self.ptrs:
-                if name == "copy_":
-                    src = args[1]
-                    self.copies += int(isinstance(src, torch.Tensor) and src.device == dst.device)
-                else:
-                    self.fills += 1
+        dst = args[0] if args else None
+        if (
+            name in self.WRITES
+            and isinstance(dst, torch.Tensor)
+            and dst.untyped_storage().data_ptr() in self.ptrs
+        ):
+            if name != "copy_":
+                self.fills += 1
+            elif isinstance(args[1], torch.Tensor) and args[1].device == dst.device:
+                self.copies += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -354,22 +359,14 @@ def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> d
     r = make_runner(trace, setup, graphs=True)
     copies, fills, n = 0, 0, 0
     with stagebuf_tier(None if setup == "own" else setup.split("_", 1)[1]), own_context(setup):
-        for _ in range(steps):
-            step = trace.next()
-            if step is None:
-                break
-            seqs, pre = step
+        for _, seqs, pre in trace.run(steps):
             if pre or len(seqs) > 512:
                 prepare(r, seqs, pre)
-                trace.nano.context.reset_context()
-                trace.post(seqs)
                 continue
             with GraphWrites(r.graph_vars) as w:
                 p = prepare(r, seqs, pre)
                 r.run_model(p[0], p[1], False)
-            trace.nano.context.reset_context()
             copies, fills, n = copies + w.copies, fills + w.fills, n + 1
-            trace.post(seqs)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return {"setup": setup, "decode_steps": n, "d2d_copies_per_step": copies / max(n, 1),
@@ -379,37 +376,27 @@ def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> d
 def check_in_flight(setup: str, cfg: TraceConfig, work: Path, busy_cycles: int) -> dict[str, Any]:
     """``setup`` with the device busy and two steps in flight, against nano-vllm's own path run alone.
 
-    Pass 1 runs nano-vllm's own path on the trace and keeps every step's inputs (it is not safe
-    with steps in flight: its pinned buffers are rewritten while their copies may be queued).
-    Pass 2 replays the same trace (seeded) on ``setup``: each step's forward stand-in sleeps
-    ``busy_cycles`` before a stand-in reads every input (into pinned host memory), and the
-    step is compared two steps later, once its own event is done.
+    Pass 1 runs nano-vllm's own path on the trace and keeps every step's inputs (it is not safe with steps
+    in flight: its pinned buffers are rewritten while their copies may be queued). Pass 2 replays the same
+    trace (seeded) on ``setup``: each step's forward stand-in sleeps ``busy_cycles`` before a stand-in reads
+    every input (into pinned host memory), and the step is compared two steps later, once its event is done.
     """
-    want: list[dict[str, Any]] = []
     trace = Trace(cfg, work)
     own = make_runner(trace, "own")
     with own_context("own"):
-        while len(want) < cfg.steps and (step := trace.next()) is not None:
-            want.append(snapshot(trace.nano, prepare(own, step[0], step[1])))
-            trace.nano.context.reset_context()
-            trace.post(step[0])
+        want = [snapshot(trace.nano, prepare(own, seqs, pre)) for _, seqs, pre in trace.run(cfg.steps)]
     trace = Trace(cfg, work)
     mine = make_runner(trace, setup)
     pending: list[tuple[int, Any, dict[str, Any]]] = []
     mismatches: list[str] = []
     cuda = torch.cuda.is_available()
 
-    def late_read(d: dict[str, Any]) -> dict[str, Any]:
-        """A device-side copy of each input, read after the stand-in forward, then to pinned memory."""
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            if isinstance(v, torch.Tensor):
-                host = torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda)
-                host.copy_(v.clone(), non_blocking=True)
-                out[k] = (v.dtype, tuple(v.shape), host)
-            else:
-                out[k] = v
-        return out
+    def late_read(t: Any) -> Any:
+        """A device-side copy of an input, read after the stand-in forward, then to pinned memory."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        return t.dtype, tuple(t.shape), host.copy_(t.clone(), non_blocking=True)
 
     def compare(i: int, ev: Any, got: dict[str, Any]) -> None:
         if ev is not None:
@@ -417,27 +404,17 @@ def check_in_flight(setup: str, cfg: TraceConfig, work: Path, busy_cycles: int) 
         mismatches.extend(f"step {i}: {k}" for k in differences(want[i], got))
 
     with stagebuf_tier(setup.split("_", 1)[1]):
-        for i in range(len(want)):
-            step = trace.next()
-            assert step is not None
-            ids, pos, sample = prepare(mine, step[0], step[1])
-            c = trace.nano.context.get_context()
-            raw: dict[str, Any] = {"input_ids": ids, "positions": pos, "is_prefill": c.is_prefill}
-            raw.update(max_seqlen_q=c.max_seqlen_q, max_seqlen_k=c.max_seqlen_k)
-            raw.update({k: getattr(c, k) for k in FIELDS})
-            raw.update(dict(zip(SAMPLE, sample)))
+        for i, seqs, pre in trace.run(len(want)):
+            raw = inputs(trace.nano, prepare(mine, seqs, pre))
             if cuda and busy_cycles:
                 torch.cuda._sleep(busy_cycles)
-            got = late_read(raw)
-            ev = None
-            if cuda:
-                ev = torch.cuda.Event()
+            got = {k: late_read(v) for k, v in raw.items()}
+            ev = torch.cuda.Event() if cuda else None
+            if ev is not None:
                 ev.record()
-            trace.nano.context.reset_context()
             pending.append((i, ev, got))
             if len(pending) > 2:
                 compare(*pending.pop(0))
-            trace.post(step[0])
         for p in pending:
             compare(*p)
     return {"setup": setup, "steps": len(want), "busy_cycles": busy_cycles, "mismatches": mismatches[:20]}
@@ -480,9 +457,7 @@ def run_lockstep(
         Lockstep(len(names), torch.device("cuda" if cuda else "cpu"), busy_cycles),
         time.perf_counter,
     )
-    i = 0
-    while i < cfg.steps and (step := trace.next()) is not None:
-        seqs, pre = step
+    for i, seqs, pre in trace.run(cfg.steps):
         kind = "prefill" if pre else "decode"
         for e in turns.order(i):
             turns.before()
@@ -503,8 +478,6 @@ def run_lockstep(
             floor_prefill(seqs)
             if i >= warmup:
                 times[FLOOR]["prefill"].append((clock() - t0) * 1e6)
-        trace.post(seqs)
-        i += 1
     if cuda:
         torch.cuda.synchronize()
     return {

@@ -1,19 +1,18 @@
 """``python -m benchmarks.ab --before REV``: is a change slower? The old and the new code in one process.
 
-``benchmarks.compare`` judges a change from separate bench runs, and a run moves as a whole
-(one process lands in a faster or slower state of a shared host), so a cell's noise is that
-of whole processes. Here three copies of the package build the same vs-vLLM cases
-(``benchmarks.vs_vllm``: pool, backed, writes and fused cells, on each tier) side by side in
-one process: *before* (``src/stagebuf`` at git revision ``REV``, imported as
-``stagebuf_before``), *after* (the ``stagebuf`` imported: the checkout's, with
-``PYTHONPATH=src``) and *control* (a second copy of after, ``stagebuf_control``). Their
-steps take turns, the order rotating every step, so drift falls on all three alike.
+``benchmarks.compare`` judges a change from separate bench runs, and a run moves as a whole (one process lands
+in a faster or slower state of a shared host), so a cell's noise is that of whole processes. Here three copies
+of the package build the same vs-vLLM cases (``benchmarks.vs_vllm``: pool, backed, writes and fused cells, on
+each tier) side by side in one process: *before* (``src/stagebuf`` at git revision ``REV``, imported as
+``stagebuf_before``), *after* (the ``stagebuf`` imported: the checkout's, with ``PYTHONPATH=src``) and
+*control* (a second copy of after, ``stagebuf_control``). Their steps take turns, the order rotating every
+step, so drift falls on all three alike.
 
-Per cell and round (each round builds fresh objects): a side's time is its median step, the
-ratio is after over before, and the cell's noise is how far control and after, the same
-code, lie apart (the largest over the rounds). A cell is SLOWER when in every round after is
-above before by more than that noise; faster likewise. ``--before HEAD`` (before, after and
-control all the same code) shows how often the method alone flags a cell (docs/BENCHMARKS.md).
+Per cell and round (each round builds fresh objects): a side's time is its median step, the ratio is after
+over before, and the cell's noise is how far control and after, the same code, lie apart (the largest over the
+rounds). A cell is SLOWER when in every round after is above before by more than that noise; faster likewise.
+``--before HEAD`` (before, after and control all the same code) shows how often the method alone flags a cell
+(docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -71,8 +70,8 @@ def as_buffer_utils(pkg: Any) -> Any:
 
 
 def cases(device: torch.device) -> list[tuple[str, Callable[[Any], Step]]]:
-    """The vs-vLLM cells: (name, a builder of one step from a ``buffer_utils``): pools, backed tensors,
-    writes and fused writes."""
+    """The vs-vLLM cells: (name, a builder of one step from a ``buffer_utils``): pools, backed tensors, writes
+    and fused writes."""
     return vs_vllm.cases(device, (1, 16, 256, 4096), (1, 8, 64))
 
 

@@ -3,10 +3,10 @@
 * vLLM's own classes (``vllm_mrv2``; the release is ``release``, :data:`benchmarks.vllm_mrv2.NEWEST` by
   default), fetched at run time, never committed: Model Runner V2's ``UvaBufferPool`` with pinned memory
   (``mrv2_uva_pool``) and without (``mrv2_fallback_pool``: its NonUvaBuffer fallback), its
-  ``StagedWriteTensor`` (``mrv2_staged_write``), and V1's ``CpuGpuBuffer`` (``cpu_gpu_buffer``: a fixed
-  pinned buffer and a fixed device buffer, one async copy per array).
-* ``uva_pool_cached``: MRV2's round-robin UVA pool on stagebuf's ``UvaBuffer`` (cached row views, no
-  guard): the strongest UVA-pool design, the floor for "no tier slower".
+  ``StagedWriteTensor`` (``mrv2_staged_write``), and V1's ``CpuGpuBuffer`` (``cpu_gpu_buffer``: a fixed pinned
+  buffer and a fixed device buffer, one async copy per array).
+* ``uva_pool_cached``: MRV2's round-robin UVA pool on stagebuf's ``UvaBuffer`` (cached row views, no guard):
+  the strongest UVA-pool design, the floor for "no tier slower".
 """
 
 from __future__ import annotations

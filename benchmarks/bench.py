@@ -1,13 +1,12 @@
 """``python -m benchmarks``: every workload, timed in one process, with the targets' ratios.
 
-The micro and writes workloads (:mod:`benchmarks.micro`, :mod:`benchmarks.writes`) are lists of
-strategies, each run at each size. The cases of one size are built
-together, warmed up, then repeated in turns (a rotating order, so that a drift of the machine falls on
-every strategy a ratio compares); a repeat runs ``iters`` steps, chosen so that it lasts about
-``--target-ms``. Host µs a step is the time to enqueue them, device-synchronised µs the time until
-``torch.cuda.synchronize()`` returned (equal on the CPU); the medians over repeats are reported, and the
-staging cost is a strategy's synchronised time minus the floor's. The engine workload
-(:mod:`benchmarks.engine`, with :mod:`benchmarks.vs_vllm`) and the nano-vllm workload
+The micro and writes workloads (:mod:`benchmarks.micro`, :mod:`benchmarks.writes`) are lists of strategies,
+each run at each size. The cases of one size are built together, warmed up, then repeated in turns (a rotating
+order, so that a drift of the machine falls on every strategy a ratio compares); a repeat runs ``iters``
+steps, chosen so that it lasts about ``--target-ms``. Host µs a step is the time to enqueue them,
+device-synchronised µs the time until ``torch.cuda.synchronize()`` returned (equal on the CPU); the medians
+over repeats are reported, and the staging cost is a strategy's synchronised time minus the floor's. The
+engine workload (:mod:`benchmarks.engine`, with :mod:`benchmarks.vs_vllm`) and the nano-vllm workload
 (:mod:`benchmarks.nanovllm_engine`) run after them. Each target is judged as :mod:`benchmarks.targets` says.
 """
 
@@ -302,9 +301,10 @@ def command_line() -> str:
             continue
         if isinstance(v, bool):
             words.append(p.opts[0] if v else p.secondary_opts[0])
-        else:
-            for x in v if isinstance(v, tuple) else (v,):
-                words += [p.opts[0], str(x)]
+        elif p.multiple:
+            words += [w for x in v for w in (p.opts[0], str(x))]
+        else:  # (a comma-separated list the option's callback made a tuple of)
+            words += [p.opts[0], ",".join(map(str, v)) if isinstance(v, tuple) else str(v)]
     return shlex.join(words)
 
 

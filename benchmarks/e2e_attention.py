@@ -246,9 +246,9 @@ def flash_attn_varlen_func(
     max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float | None = None, causal: bool = False,
     block_table: torch.Tensor | None = None, **kwargs: Any,
 ) -> torch.Tensor:  # fmt: skip
-    """Attention over packed sequences: ``q`` [total_q, H, D]; ``k``, ``v`` [total_k, H_kv, D] packed the
-    same way (``cu_seqlens_k``), or with ``block_table`` [B, max_blocks] the paged caches
-    [num_blocks, page, H_kv, D]. Returns [total_q, H, D] in ``q``'s dtype."""
+    """Attention over packed sequences: ``q`` [total_q, H, D]; ``k``, ``v`` [total_k, H_kv, D] packed the same
+    way (``cu_seqlens_k``), or with ``block_table`` [B, max_blocks] the paged caches [num_blocks, page, H_kv,
+    D]. Returns [total_q, H, D] in ``q``'s dtype."""
     paged = block_table is not None
     _check(q, k, v, (3, 4 if paged else 3), kwargs, "flash_attn_varlen_func")
     batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else -1

@@ -1,16 +1,15 @@
 """A Qwen3 model folder for nano-vllm's end-to-end run, written at run time with random weights.
 
 ``write_model(folder, shape, seed)`` writes what nano-vllm's ``LLM(folder, tokenizer=...)`` reads:
-``config.json`` (Qwen3-0.6B's published fields, or the same architecture tiny for CPU tests),
-``model.safetensors`` (Hugging Face Qwen3 names, bfloat16, tied embeddings) and a tokenizer built offline
-(a WordLevel vocabulary ``t0 t1 ...`` with Qwen's two special tokens at their ids); ``load_tokenizer``
-gives the adapter nano-vllm's engine takes as ``tokenizer=``. The weights are random because the GPU box
-has no network, and the engine's host path needs the model's shapes, dtype and cost, not its answers:
-each tensor is drawn from its own ``torch.Generator`` seeded from the seed and its name; linear and
-embedding weights normal with std ``INIT_STD`` (Qwen3's ``initializer_range``), RMSNorm weights 1. For 0.6B
-that gives attention scores of std about 1, a residual stream of RMS about 3 after 28 layers and tied-head
-logits of std about 0.64: finite in bfloat16, near-uniform after softmax (EOS about 6e-6 a step), so
-sequences end by ``max_tokens``. A folder is written into a temporary sibling and renamed into place; one
+``config.json`` (Qwen3-0.6B's published fields, or the same architecture tiny for CPU tests) and
+``model.safetensors`` (Hugging Face Qwen3 names, bfloat16, tied embeddings). The run hands the engine token
+ids, so its ``tokenizer=`` is :class:`TokenIds` (the config's EOS id; ids, not text). The weights are random
+because the GPU box has no network, and the engine's host path needs the model's shapes, dtype and cost, not
+its answers: each tensor is drawn from its own ``torch.Generator`` seeded from the seed and its name; linear
+and embedding weights normal with std ``INIT_STD`` (Qwen3's ``initializer_range``), RMSNorm weights 1. For
+0.6B that gives attention scores of std about 1, a residual stream of RMS about 3 after 28 layers and
+tied-head logits of std about 0.64: finite in bfloat16, near-uniform after softmax (EOS about 6e-6 a step),
+so sequences end by ``max_tokens``. A folder is written into a temporary sibling and renamed into place; one
 whose ``stagebuf-model.json`` manifest matches (writer version, shape, seed, config, files' sizes) is reused.
 """
 
@@ -22,22 +21,17 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .fetch import put
 
-if TYPE_CHECKING:
-    import tokenizers
-
-WRITER_VERSION = 2
+WRITER_VERSION = 3
 """Bumped whenever the files written for a (shape, seed) change: an older folder is rewritten."""
 INIT_STD = 0.02  # The std of every linear and embedding weight (Qwen3's ``initializer_range``); norms are 1.
 MANIFEST = "stagebuf-model.json"
 WEIGHTS = "model.safetensors"
-BOS_TOKEN = "<|endoftext|>"
-EOS_TOKEN = "<|im_end|>"
 
 _QWEN3_0_6B: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
@@ -57,14 +51,6 @@ SHAPES: dict[str, dict[str, Any]] = {
              "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 1000},
 }  # fmt: skip
 """``config.json`` of each shape: Qwen3-0.6B's published one, and the same architecture tiny."""
-
-NANOVLLM_FIELDS = (
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "attention_bias",
-    "hidden_act", "tie_word_embeddings", "torch_dtype",
-)  # fmt: skip
-"""The config.json fields nano-vllm 20260210 reads (``Config``, ``Qwen3ForCausalLM``, ``ModelRunner``);
-it also reads ``rope_scaling``, which must be absent or null."""
 
 
 def parameter_shapes(shape: str) -> dict[str, tuple[int, ...]]:
@@ -87,10 +73,6 @@ def parameter_shapes(shape: str) -> dict[str, tuple[int, ...]]:
     if not c["tie_word_embeddings"]:
         out["lm_head.weight"] = (vocab, hidden)
     return out
-
-
-def parameter_count(shape: str) -> int:
-    return sum(math.prod(s) for s in parameter_shapes(shape).values())
 
 
 # --- the weights ----------------------------------------------------------------------------------
@@ -135,65 +117,18 @@ def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], seed: int
               metadata={"format": "pt"})  # fmt: skip
 
 
-# --- the tokenizer --------------------------------------------------------------------------------
+class TokenIds:
+    """What nano-vllm's ``LLMEngine`` uses of a tokenizer (``LLM(model, tokenizer=...)``) when it is handed
+    token ids: ``eos_token_id`` (its ``config.eos``); text it neither encodes nor decodes here."""
 
-
-def _token_names(c: dict[str, Any]) -> list[str]:
-    names = [f"t{i}" for i in range(c["vocab_size"])]
-    names[c["bos_token_id"]] = BOS_TOKEN
-    names[c["eos_token_id"]] = EOS_TOKEN
-    return names
-
-
-def _write_tokenizer(folder: Path, c: dict[str, Any]) -> None:
-    from tokenizers import AddedToken, models, pre_tokenizers
-    from tokenizers import Tokenizer as RustTokenizer
-
-    vocab = {t: i for i, t in enumerate(_token_names(c))}
-    tok = RustTokenizer(models.WordLevel(vocab, unk_token=BOS_TOKEN))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(BOS_TOKEN, special=True), AddedToken(EOS_TOKEN, special=True)])
-    tok.save(str(folder / "tokenizer.json"))
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN,
-                  "eos_token": EOS_TOKEN, "pad_token": BOS_TOKEN, "unk_token": BOS_TOKEN,
-                  "model_max_length": c["max_position_embeddings"],
-                  "clean_up_tokenization_spaces": False}  # fmt: skip
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-
-
-class Tokenizer:
-    """What nano-vllm's ``LLMEngine`` uses of a tokenizer (``LLM(model, tokenizer=...)``): ``eos_token_id``,
-    ``encode`` (no special tokens added) and ``decode`` (special tokens kept, as transformers' default)."""
-
-    def __init__(self, inner: tokenizers.Tokenizer, eos_token: str = EOS_TOKEN):
-        eos = inner.token_to_id(eos_token)
-        if eos is None:
-            raise ValueError(f"the tokenizer has no {eos_token!r}")
-        self.inner = inner
-        self.eos_token = eos_token
-        self.eos_token_id: int = eos
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.inner.get_vocab_size(with_added_tokens=True))
+    def __init__(self, folder: str | os.PathLike[str]):
+        self.eos_token_id: int = json.loads((Path(folder) / "config.json").read_text())["eos_token_id"]
 
     def encode(self, text: str) -> list[int]:
-        return list(self.inner.encode(text, add_special_tokens=False).ids)
+        raise NotImplementedError("the end-to-end run hands nano-vllm token ids, not text")
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self.inner.decode(list(ids), skip_special_tokens=False))
-
-
-def load_tokenizer(folder: str | os.PathLike[str]) -> Tokenizer:
-    """The folder's ``tokenizer.json`` (its eos token from ``tokenizer_config.json``)."""
-    from tokenizers import Tokenizer as RustTokenizer
-
-    folder = Path(folder)
-    eos = EOS_TOKEN
-    cfg = folder / "tokenizer_config.json"
-    if cfg.is_file():
-        eos = json.loads(cfg.read_text()).get("eos_token") or EOS_TOKEN
-    return Tokenizer(RustTokenizer.from_file(str(folder / "tokenizer.json")), eos)
+        return " ".join(map(str, ids))
 
 
 # --- the folder -----------------------------------------------------------------------------------
@@ -220,11 +155,11 @@ def _matches(folder: Path, want: dict[str, Any]) -> bool:
 
 
 def write_model(folder: str | os.PathLike[str], shape: str = "qwen3-0.6b", seed: int = 0) -> Path:
-    """The model folder for ``shape`` with weights from ``seed``: reused where its manifest matches,
-    otherwise written whole (:func:`benchmarks.fetch.put`: into a sibling, then renamed into place).
+    """The model folder for ``shape`` with weights from ``seed``: reused where its manifest matches, otherwise
+    written whole (:func:`benchmarks.fetch.put`: into a sibling, then renamed into place).
 
-    An existing folder is replaced only when it is empty or holds a manifest (a folder this wrote);
-    anything else raises ``FileExistsError``.
+    An existing folder is replaced only when it is empty or holds a manifest (a folder this wrote); anything
+    else raises ``FileExistsError``.
     """
     if shape not in SHAPES:
         raise KeyError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
@@ -238,7 +173,6 @@ def write_model(folder: str | os.PathLike[str], shape: str = "qwen3-0.6b", seed:
     def fill(tmp: Path) -> None:
         c = SHAPES[shape]
         (tmp / "config.json").write_text(json.dumps(c, indent=2) + "\n")
-        _write_tokenizer(tmp, c)
         _write_safetensors(tmp / WEIGHTS, parameter_shapes(shape), seed)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps({**want, "files": files}, indent=2) + "\n")

@@ -1,22 +1,21 @@
 """The engine workload: vLLM's own MRV2 input path, step by step, on a scheduler-like trace.
 
-vLLM's modules of one release (``release``, default ``vllm_mrv2.NEWEST``): ``RequestState``,
-``BlockTables``, ``SamplingStates``, ``InputBuffers`` and the prepare, gather, slot-mapping and post-update
-kernels. Each step does what ``GPUModelRunner.execute_model`` and ``prepare_inputs`` do with them, in their
-order: remove finished requests, add new ones (from 0.34 a prompt arrives as a ``TokenBuffer``, made
-before the timing), apply the request and sampler writes, update the running requests, apply the block
-tables, copy ``idx_mapping`` and ``query_start_loc`` to the device and launch the kernels; then a stand-in
-forward pass (busy GPU) and ``post_update`` with deterministic "sampled" tokens.
+vLLM's modules of one release (``release``, default ``vllm_mrv2.NEWEST``): ``RequestState``, ``BlockTables``,
+``SamplingStates``, ``InputBuffers`` and the prepare, gather, slot-mapping and post-update kernels. Each step
+does what ``GPUModelRunner.execute_model`` and ``prepare_inputs`` do with them, in their order: remove
+finished requests, add new ones (from 0.34 a prompt arrives as a ``TokenBuffer``, made before the timing),
+apply the request and sampler writes, update the running requests, apply the block tables, copy
+``idx_mapping`` and ``query_start_loc`` to the device and launch the kernels; then a stand-in forward pass
+(busy GPU) and ``post_update`` with deterministic "sampled" tokens.
 
 Setups (:class:`Setup`): ``vllm`` (vLLM's own ``buffer_utils``; ``nopin``: its NonUvaBuffer fallback),
-``dropin`` (stagebuf's classes in its place, as the plugin's ``STAGEBUF_VLLM=1`` substitutes them, on a
-forced tier), ``step`` (the plugin's step mode), ``own`` (the step's buffer work on stagebuf's own API:
-every staged write in one ``FusedStagedWriter.apply``, the per-request parameters in one
-``DeviceParamTable``, the per-step arrays through one ``StepStager`` step) and ``floor``
-(:class:`FloorEngine`).
-Measured per step, on the host: the preparation (through the last kernel's launch) and the buffer work within
-it, by part (:data:`SECTIONS`). ``check()`` runs a setup in lockstep with vLLM's own layer and compares
-every device-visible input after every step.
+``dropin`` (stagebuf's classes in its place, as the plugin's ``STAGEBUF_VLLM=1`` substitutes them, on a forced
+tier), ``step`` (the plugin's step mode), ``own`` (the step's buffer work on stagebuf's own API: every staged
+write in one ``FusedStagedWriter.apply``, the per-request parameters in one ``DeviceParamTable``, the per-step
+arrays through one ``StepStager`` step) and ``floor`` (:class:`FloorEngine`). Measured per step, on the host:
+the preparation (through the last kernel's launch) and the buffer work within it, by part (:data:`SECTIONS`).
+``check()`` runs a setup in lockstep with vLLM's own layer and compares every device-visible input after every
+step.
 """
 
 from __future__ import annotations
@@ -68,8 +67,8 @@ class NewReq:
 
 
 def received(nr: NewReq, token_buffer: Any) -> Any:
-    """The prompt as vLLM's model runner gets it in ``scheduler_output.scheduled_new_reqs``: the list on
-    a release without ``TokenBuffer``; else a ``TokenBuffer`` of it, as vLLM's ``Request`` builds its
+    """The prompt as vLLM's model runner gets it in ``scheduler_output.scheduled_new_reqs``: the list on a
+    release without ``TokenBuffer``; else a ``TokenBuffer`` of it, as vLLM's ``Request`` builds its
     ``prompt_token_ids`` (kept on ``nr``: the engines of a lockstep run share one)."""
     if token_buffer is None:
         return nr.token_ids
@@ -494,9 +493,9 @@ def run_lockstep(
     setups_: list[Setup], cfg: TraceConfig, device: torch.device, plans: list[StepPlan], busy_cycles: int,
     warmup: int, before_step: Callable[[int, list[Any]], None] | None = None, release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """One timed run of the trace by every setup in :class:`benchmarks.harness.Lockstep`: step i of each,
-    in a rotating order. A stagebuf engine begins each step with ``stagebuf.begin_step()`` (timed): the
-    event per step a lone engine's first ring would record, kept per engine though they share a device."""
+    """One timed run of the trace by every setup in :class:`benchmarks.harness.Lockstep`: step i of each, in a
+    rotating order. A stagebuf engine begins each step with ``stagebuf.begin_step()`` (timed): the event per
+    step a lone engine's first ring would record, kept per engine though they share a device."""
     import stagebuf
 
     engines: list[Any] = []
@@ -554,8 +553,8 @@ def _guard_waits(eng: Engine) -> int:
 
 
 def _batch_waits(setup: Setup) -> int:
-    """Guard waits so far of the step batch a step-mode setup stages through (one per device and tier,
-    kept across runs: ``run_lockstep`` counts the difference)."""
+    """Guard waits so far of the step batch a step-mode setup stages through (one per device and tier, kept
+    across runs: ``run_lockstep`` counts the difference)."""
     if setup.layer != "step":
         return 0
     from stagebuf._engines.vllm_step_batch import BATCHES
@@ -576,8 +575,8 @@ def setups(tier_names: list[str], cuda: bool) -> list[Setup]:
 def part_bytes(plan: StepPlan, cfg: TraceConfig) -> tuple[int, int, int, int]:
     """The bytes each part of a step's buffer work must get to the device (``SECTIONS``' order): each new
     request's token ids and five lengths; its five sampling parameters (4 + 4 + 4 + 4 + 8 bytes); every new
-    block id and each edited request's block count per group; ``idx_mapping`` (int64) and
-    ``query_start_loc`` (int32, ``max_num_reqs + 1``)."""
+    block id and each edited request's block count per group; ``idx_mapping`` (int64) and ``query_start_loc``
+    (int32, ``max_num_reqs + 1``)."""
     g = len(cfg.block_sizes)
     blocks = [n.block_ids for n in plan.new] + [b for _, _, b in plan.cached if b is not None]
     req = sum(4 * (len(n.token_ids) + 5) for n in plan.new)
@@ -825,8 +824,8 @@ def plugin_vs_dropin(
     device: torch.device, tiers: tuple[str, ...], repeats: int = 3, steps: int = 150, busy_ms: float = 3.0,
     release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:  # fmt: skip
-    """stagebuf through its vLLM plugin against the direct substitution: identical inputs (each against
-    vLLM's own layer, 2 KV groups, busy GPU) and buffer-work timings in lockstep, busy GPU."""
+    """stagebuf through its vLLM plugin against the direct substitution: identical inputs (each against vLLM's
+    own layer, 2 KV groups, busy GPU) and buffer-work timings in lockstep, busy GPU."""
     cycles = sleep_cycles_for(busy_ms, device) if device.type == "cuda" else 0
     cfg = TraceConfig(block_sizes=BLOCK_SIZES[:2], steps=steps)
     plans = make_trace(cfg)

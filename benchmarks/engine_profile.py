@@ -1,11 +1,11 @@
 """``python -m benchmarks.engine_profile``: where each setup's buffer work goes, part by part, with calls.
 
 The engine workload (:mod:`benchmarks.engine`, ``--release``'s vLLM, default ``vllm_mrv2.NEWEST``), in one
-process: first the timed lockstep run of the chosen setups and the floor, as the bench runs it (µs per step
-of each part, unprofiled); then each setup again over the same trace under ``cProfile``, one profile per
-part (``engine.SECTIONS``): the functions with the most own time, with calls and µs per step. cProfile's
-overhead inflates Python functions; a C call (a launch, a copy, an event record) keeps about its own cost.
-The parts are the calls the bench times: ``RequestState``, ``SamplingStates`` and ``BlockTables``'
+process: first the timed lockstep run of the chosen setups and the floor, as the bench runs it (µs per step of
+each part, unprofiled); then each setup again over the same trace under ``cProfile``, one profile per part
+(``engine.SECTIONS``): the functions with the most own time, with calls and µs per step. cProfile's overhead
+inflates Python functions; a C call (a launch, a copy, an event record) keeps about its own cost. The parts
+are the calls the bench times: ``RequestState``, ``SamplingStates`` and ``BlockTables``'
 ``apply_staged_writes``, and the step's ``async_tensor_h2d`` copies (in step mode the last one flushes the
 step's batch). Own-API setups time other calls and are not profiled here.
 

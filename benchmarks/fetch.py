@@ -1,9 +1,9 @@
 """Peers' released code, fetched from the package registry at bench or test time (never committed).
 
-:mod:`benchmarks.vllm_mrv2` keeps a few files of each vLLM release's wheel, :mod:`benchmarks.nanovllm_pkg`
-the whole nano-vllm-fork wheel; both through :func:`wheel` (``pip download --no-deps``) and :func:`put`
-(a folder filled beside its place, then renamed into it: an interrupted fetch leaves nothing a later
-one would take as whole). A machine without network (the GPU box) gets the folders carried.
+:mod:`benchmarks.vllm_mrv2` keeps a few files of each vLLM release's wheel, :mod:`benchmarks.nanovllm_pkg` the
+whole nano-vllm-fork wheel; both through :func:`wheel` (``pip download --no-deps``) and :func:`put` (a folder
+filled beside its place, then renamed into it: an interrupted fetch leaves nothing a later one would take as
+whole). A machine without network (the GPU box) gets the folders carried.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """What every workload shares: a forced stagebuf tier, the clocks, the busy-GPU stand-in, a case's form.
 
-A step is timed on the host (``time.perf_counter`` around it). :func:`turns` times several steps taking
-turns in a rotating order, so that a drift of the machine falls on all of them alike, and gives each one's
-median; :class:`Lockstep` drives several engines through one trace the same way, the GPU idle (all queued
-work done before each timed step) or busy (a forward stand-in of :func:`sleep_cycles_for` per step, two
-steps in flight an engine). The micro and writes workloads are lists of :class:`Strategy`, each building
-a :class:`Case` (one step to time, then a check) for an :class:`Env` and a size; :mod:`benchmarks.bench`
-warms each up (:func:`prepare`) and times repeats of it (:func:`time_repeat`).
+A step is timed on the host (``time.perf_counter`` around it). :func:`turns` times several steps taking turns
+in a rotating order, so that a drift of the machine falls on all of them alike, and gives each one's median;
+:class:`Lockstep` drives several engines through one trace the same way, the GPU idle (all queued work done
+before each timed step) or busy (a forward stand-in of :func:`sleep_cycles_for` per step, two steps in flight
+an engine). The micro and writes workloads are lists of :class:`Strategy`, each building a :class:`Case` (one
+step to time, then a check) for an :class:`Env` and a size; :mod:`benchmarks.bench` warms each up
+(:func:`prepare`) and times repeats of it (:func:`time_repeat`).
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def sleep_cycles_for(ms: float, device: torch.device) -> int:
 
 
 def wait(ev: Any) -> None:
-    """Wait for a CUDA event by polling with short sleeps, the same way before every timed step (busy and
-    idle runs then differ in the GPU's state only, not in what the host thread did just before)."""
+    """Wait for a CUDA event by polling with short sleeps, the same way before every timed step (busy and idle
+    runs then differ in the GPU's state only, not in what the host thread did just before)."""
     while not ev.query():
         time.sleep(50e-6)
 

@@ -1,10 +1,10 @@
 """The micro workload: K int32 arrays of N staged per step, then one op reading them all.
 
-Measures what getting a step's small arrays to the device costs: per-array copies (a tensor from a list,
-a pinned tensor, vLLM's ``CpuGpuBuffer``), vLLM's ``UvaBufferPool`` (with and without pinned memory),
-a round-robin UVA pool without a guard, and stagebuf's ``UvaBufferPool`` and ``StepStager`` on each tier;
-the floor is the consumer alone, its data already on the device. Each case checks the device data after
-timing. The guard variants (``guard="wait"`` and ``"off"``) give the guard's cost (:func:`guard_cost`).
+Measures what getting a step's small arrays to the device costs: per-array copies (a tensor from a list, a
+pinned tensor, vLLM's ``CpuGpuBuffer``), vLLM's ``UvaBufferPool`` (with and without pinned memory), a
+round-robin UVA pool without a guard, and stagebuf's ``UvaBufferPool`` and ``StepStager`` on each tier; the
+floor is the consumer alone, its data already on the device. Each case checks the device data after timing.
+The guard variants (``guard="wait"`` and ``"off"``) give the guard's cost (:func:`guard_cost`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """The nano-vllm workload: nano-vllm's own input preparation against stagebuf's, on its own scheduler's trace.
 
-nano-vllm-fork (``nanovllm_pkg``) runs as released: its ``Scheduler`` and ``BlockManager`` schedule a
-seeded stream of ``Sequence`` arrivals (varied prompts, shared prefixes that hit the prefix cache, finishes
-by EOS or ``max_tokens``, preemption when the KV cache runs short; CFG pairs in a CFG trace), and each step
-its ``ModelRunner`` prepares the step as ``run`` does (``prepare_prefill`` or ``prepare_decode``, then
+nano-vllm-fork (``nanovllm_pkg``) runs as released: its ``Scheduler`` and ``BlockManager`` schedule a seeded
+stream of ``Sequence`` arrivals (varied prompts, shared prefixes that hit the prefix cache, finishes by EOS or
+``max_tokens``, preemption when the KV cache runs short; CFG pairs in a CFG trace), and each step its
+``ModelRunner`` prepares the step as ``run`` does (``prepare_prefill`` or ``prepare_decode``, then
 ``prepare_sample``). The forward pass is a stand-in (busy GPU: ``torch.cuda._sleep``); the "sampled" tokens
-are drawn from the trace's seed, so every setup sees the same trace. Setups: ``own`` (nano-vllm's code; on
-a machine without CUDA through ``nanovllm_pkg.own_path_on_cpu``) and ``stagebuf_<tier>`` (the same runner
-after ``stagebuf.nanovllm.attach``, on a forced tier). ``check()`` compares every tensor the runner hands
-the model and the sampler, and the attention context, every step; with ``graphs`` also ``run_model`` on
-captured graphs of a stand-in model (real CUDA graphs on a GPU, replayed eagerly on the CPU).
-``graph_writes()`` counts the device-side writes into the graphs' inputs per decode step. The timed runs
-also time a prefill step's floor (``floor_prefill``: its token lists into one array) as the row ``floor``.
+are drawn from the trace's seed, so every setup sees the same trace. Setups: ``own`` (nano-vllm's code; on a
+machine without CUDA through ``nanovllm_pkg.own_path_on_cpu``) and ``stagebuf_<tier>`` (the same runner after
+``stagebuf.nanovllm.attach``, on a forced tier). ``check()`` compares every tensor the runner hands the model
+and the sampler, and the attention context, every step; with ``graphs`` also ``run_model`` on captured graphs
+of a stand-in model (real CUDA graphs on a GPU, replayed eagerly on the CPU). ``graph_writes()`` counts the
+device-side writes into the graphs' inputs per decode step. The timed runs also time a prefill step's floor
+(``floor_prefill``: its token lists into one array) as the row ``floor``.
 """
 
 from __future__ import annotations
@@ -198,8 +198,8 @@ class _EagerGraph:
 
 
 def capture(runner: Any) -> None:
-    """Graphs of the runner's stand-in model: nano-vllm's ``capture_cudagraph`` on a GPU; on the CPU
-    the same static inputs, with graphs that replay eagerly."""
+    """Graphs of the runner's stand-in model: nano-vllm's ``capture_cudagraph`` on a GPU; on the CPU the same
+    static inputs, with graphs that replay eagerly."""
     if torch.cuda.is_available():
         with torch.device("cuda"):
             runner.capture_cudagraph()
@@ -353,8 +353,8 @@ class GraphWrites(TorchDispatchMode):
 
 
 def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> dict[str, Any]:
-    """Per graph-replayed decode step of ``setup``: device-to-device copies and fills into the graph
-    inputs (run_model's own; nano-vllm's transfers from host memory are not counted)."""
+    """Per graph-replayed decode step of ``setup``: device-to-device copies and fills into the graph inputs
+    (run_model's own; nano-vllm's transfers from host memory are not counted)."""
     trace = Trace(cfg, work)
     r = make_runner(trace, setup, graphs=True)
     copies, fills, n = 0, 0, 0
@@ -376,10 +376,10 @@ def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> d
 def check_in_flight(setup: str, cfg: TraceConfig, work: Path, busy_cycles: int) -> dict[str, Any]:
     """``setup`` with the device busy and two steps in flight, against nano-vllm's own path run alone.
 
-    Pass 1 runs nano-vllm's own path on the trace and keeps every step's inputs (it is not safe with steps
-    in flight: its pinned buffers are rewritten while their copies may be queued). Pass 2 replays the same
-    trace (seeded) on ``setup``: each step's forward stand-in sleeps ``busy_cycles`` before a stand-in reads
-    every input (into pinned host memory), and the step is compared two steps later, once its event is done.
+    Pass 1 runs nano-vllm's own path on the trace and keeps every step's inputs (it is not safe with steps in
+    flight: its pinned buffers are rewritten while their copies may be queued). Pass 2 replays the same trace
+    (seeded) on ``setup``: each step's forward stand-in sleeps ``busy_cycles`` before a stand-in reads every
+    input (into pinned host memory), and the step is compared two steps later, once its event is done.
     """
     trace = Trace(cfg, work)
     own = make_runner(trace, "own")
@@ -445,8 +445,8 @@ def run_lockstep(
     names: list[str], cfg: TraceConfig, work: Path, busy_cycles: int, warmup: int
 ) -> dict[str, Any]:
     """One timed run of the trace by every setup in lockstep (:class:`benchmarks.harness.Lockstep`): each
-    prepares the same batch (timed: prepare_prefill or prepare_decode, then prepare_sample), then its
-    forward stand-in. After the setups, a prefill step's floor is timed (``floor_prefill``) as ``floor``."""
+    prepares the same batch (timed: prepare_prefill or prepare_decode, then prepare_sample), then its forward
+    stand-in. After the setups, a prefill step's floor is timed (``floor_prefill``) as ``floor``."""
     import stagebuf
 
     trace = Trace(cfg, work)

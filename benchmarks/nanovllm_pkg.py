@@ -1,15 +1,15 @@
-"""nano-vllm-fork's released package, fetched at test or bench time and imported with stand-ins for what
-input preparation never uses.
+"""nano-vllm-fork's released package, fetched at test or bench time and imported with stand-ins for what input
+preparation never uses.
 
 ``fetch()`` keeps the wheel (``pip download --no-deps nano-vllm-fork==<version>``, pure Python) unpacked in
 ``cache_dir()`` (``.cache/nanovllm-<version>`` in the checkout, or ``$STAGEBUF_NANOVLLM_DIR``), with xxhash
 wheels for CPython 3.10-3.12 on x86-64 Linux beside it (its ``BlockManager`` hashes with xxhash; a machine
 without network gets the folder carried). An installed nano-vllm-fork of the version is used as it is.
 ``load()`` imports the real package: its ``Scheduler``, ``BlockManager``, ``Sequence``, ``SamplingParams``,
-``utils.context`` and ``ModelRunner`` run as released. Where a module that input preparation never reaches
-is missing here (``transformers``, ``flash_attn``, ``safetensors``, ``tqdm``, ``triton``), a stand-in
-takes its place during the import only. ``runner()`` builds a ``ModelRunner`` as its ``__init__`` does,
-less the process group, the model, the warm-up and the KV cache.
+``utils.context`` and ``ModelRunner`` run as released. Where a module that input preparation never reaches is
+missing here (``transformers``, ``flash_attn``, ``safetensors``, ``tqdm``, ``triton``), a stand-in takes its
+place during the import only. ``runner()`` builds a ``ModelRunner`` as its ``__init__`` does, less the process
+group, the model, the warm-up and the KV cache.
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def available() -> str | None:
 class AutoConfig:
     """transformers' ``AutoConfig`` as nano-vllm uses it: the folder's config.json, as written, as attributes.
 
-    The stand-in where transformers is missing, and the end-to-end bench's config everywhere: transformers
-    5 turns ``rope_scaling`` into a dict that nano-vllm 20260210's ``get_rope`` cannot take."""
+    The stand-in where transformers is missing, and the end-to-end bench's config everywhere: transformers 5
+    turns ``rope_scaling`` into a dict that nano-vllm 20260210's ``get_rope`` cannot take."""
 
     @staticmethod
     def from_pretrained(path: str, **_: Any) -> types.SimpleNamespace:

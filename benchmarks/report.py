@@ -1,10 +1,10 @@
 """Every table the bench prints or writes, from a report: the console, Markdown, figures and the docs.
 
-A table is ``(title, header, rows)`` of strings. :func:`tables` gives a bench report's (micro, writes,
-engine, vs vLLM, nano-vllm, stage only, guard cost); :func:`render` prints them with the targets,
-each miss's reason and what was skipped; :func:`markdown` writes the same; :func:`plot` draws one figure
-per workload. :func:`docs_tables` is the compact selection docs/BENCHMARKS.md shows (every current target
-and the columns a reader compares), :func:`e2e_markdown` and :func:`e2e_plot` the end-to-end report's.
+A table is ``(title, header, rows)`` of strings. :func:`tables` gives a bench report's (micro, writes, engine,
+vs vLLM, nano-vllm, stage only, guard cost); :func:`render` prints them with the targets, each miss's reason
+and what was skipped; :func:`markdown` writes the same; :func:`plot` draws one figure per workload.
+:func:`docs_tables` is the compact selection docs/BENCHMARKS.md shows (every current target and the columns a
+reader compares), :func:`e2e_markdown` and :func:`e2e_plot` the end-to-end report's.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def workload_tables(report: dict[str, Any], labels: bool = False) -> list[Table]
 
 
 def engine_table(eng: dict[str, Any]) -> list[Table]:
-    """One release's engine run: each setup's host preparation and buffer work (idle and busy GPU); the
-    report keeps each part's time too (``runs``; ``benchmarks.engine_profile`` profiles them)."""
+    """One release's engine run: each setup's host preparation and buffer work (idle and busy GPU); the report
+    keeps each part's time too (``runs``; ``benchmarks.engine_profile`` profiles them)."""
     meds, checks = eng.get("medians", {}), eng.get("checks", [])
     if not meds:
         return []
@@ -213,8 +213,8 @@ def render(report: dict[str, Any], console: Any) -> None:
 
 
 def md_table(head: list[str], rows: list[list[str]], pipes: bool = True) -> list[str]:
-    """A GitHub table; without ``pipes``, without the optional outer pipes (the docs' word budget counts
-    each pipe)."""
+    """A GitHub table; without ``pipes``, without the optional outer pipes (the docs' word budget counts each
+    pipe)."""
     if not pipes:
         return [" | ".join(head), "|".join("---" for _ in head), *(" | ".join(r) for r in rows), ""]
     return [f"| {' | '.join(head)} |", "|" + "---|" * len(head), *(f"| {' | '.join(r)} |" for r in rows), ""]
@@ -396,8 +396,8 @@ def _docs_guard(report: dict[str, Any]) -> list[str]:
 
 
 def docs_tables(report: dict[str, Any], current: set[str]) -> str:
-    """The Markdown docs/BENCHMARKS.md shows of one bench report: the run, the ``current`` targets (the
-    others named), and per workload the columns a reader compares."""
+    """The Markdown docs/BENCHMARKS.md shows of one bench report: the run, the ``current`` targets (the others
+    named), and per workload the columns a reader compares."""
     v = report.get("versions", {})
     dirty = " (dirty tree)" if report.get("dirty") else ""
     lines = [

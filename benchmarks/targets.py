@@ -1,12 +1,12 @@
 """The bench's targets: a measured ratio (or time) against a goal, how each is judged, and the verdict.
 
 A target is a dict in ``report["ratios"]``: ``description``, ``workload``, ``op`` and ``target`` (the goal),
-``measured``, ``passed`` and ``status``: 'pass' or 'fail' (judged), 'info' (measured and printed, not
-judged: a ``--quick`` run on a CPU, see :func:`not_judged`), 'skipped' (not measured in this run) or 'n/a'
-(defined for another device: ``needs``). A target made of parts (cells, tiers) measures its worst part.
-``why`` is the one line that says what a miss means; the printed report and ``--markdown`` list each miss
-with its gap and why, and the last line says the verdict and the exit status (0 on a miss unless
-``--strict``) and why they differ when they do.
+``measured``, ``passed`` and ``status``: 'pass' or 'fail' (judged), 'info' (measured and printed, not judged:
+a ``--quick`` run on a CPU, see :func:`not_judged`), 'skipped' (not measured in this run) or 'n/a' (defined
+for another device: ``needs``). A target made of parts (cells, tiers) measures its worst part. ``why`` is the
+one line that says what a miss means; the printed report and ``--markdown`` list each miss with its gap and
+why, and the last line says the verdict and the exit status (0 on a miss unless ``--strict``) and why they
+differ when they do.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ SIZE_NAMES = {"micro": "N", "writes": "ExL"}
 
 def worst_of(description: str, parts: list[dict[str, Any]], metric: str, op: str, goal: float, none_why: str,
              note: Callable[[dict[str, Any]], str]) -> dict[str, Any]:  # fmt: skip
-    """A target made of ``parts`` (each a target): the worst part is ``measured`` (``note`` of it the
-    tables' ``worst_note``), it passes if all measured parts pass; none measured: skipped."""
+    """A target made of ``parts`` (each a target): the worst part is ``measured`` (``note`` of it the tables'
+    ``worst_note``), it passes if all measured parts pass; none measured: skipped."""
     got = [p for p in parts if p.get("measured") is not None]
     w = (max if op == "<=" else min)(got, key=lambda p: p["measured"]) if got else None
     e: dict[str, Any] = {

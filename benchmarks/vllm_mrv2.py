@@ -2,18 +2,18 @@
 
 The releases run are :data:`RELEASES` (oldest first; :data:`NEWEST` is every function's default).
 ``fetch(release)`` keeps the few Python files the harness needs (:data:`FILES`) in ``cache_dir(release)``:
-from the installed vLLM where it is that release, else from its wheel (:mod:`benchmarks.fetch`).
-``load()`` executes them as private modules (``_vllm_mrv2_<n>.block_table``; no ``vllm`` module is made),
-their ``vllm.*`` imports resolved to vLLM's own code where the input path runs it (``buffer_utils``,
-``block_table``, ``states``, ``input_batch``, ``sample/states``, ``async_tensor_h2d``, ``TokenBuffer``;
-on the CPU the CPU worker's ``UvaBuffer`` and ``async_tensor_h2d``, as that worker patches them in), to
-small stand-ins for what vLLM's platform layer decides (pinned memory and UVA: the ``pin`` argument;
-confidential computing: :data:`CONFIDENTIAL_COMPUTE`; the compiled device view of pinned memory) and
-to stubs for sampler kernels the input path never calls. With ``layer="stagebuf"`` stagebuf's classes
-take ``buffer_utils``' place, as stagebuf's vLLM plugin substitutes them.
+from the installed vLLM where it is that release, else from its wheel (:mod:`benchmarks.fetch`). ``load()``
+executes them as private modules (``_vllm_mrv2_<n>.block_table``; no ``vllm`` module is made), their
+``vllm.*`` imports resolved to vLLM's own code where the input path runs it (``buffer_utils``,
+``block_table``, ``states``, ``input_batch``, ``sample/states``, ``async_tensor_h2d``, ``TokenBuffer``; on the
+CPU the CPU worker's ``UvaBuffer`` and ``async_tensor_h2d``, as that worker patches them in), to small
+stand-ins for what vLLM's platform layer decides (pinned memory and UVA: the ``pin`` argument; confidential
+computing: :data:`CONFIDENTIAL_COMPUTE`; the compiled device view of pinned memory) and to stubs for sampler
+kernels the input path never calls. With ``layer="stagebuf"`` stagebuf's classes take ``buffer_utils``' place,
+as stagebuf's vLLM plugin substitutes them.
 
-``python -m benchmarks.vllm_mrv2 --check-new`` asks the registry for releases newer than :data:`NEWEST`
-(exit 1 if there are: add them to :data:`RELEASES`); ``--fetch`` fetches every release.
+``python -m benchmarks.vllm_mrv2 --check-new`` asks the registry for releases newer than :data:`NEWEST` (exit
+1 if there are: add them to :data:`RELEASES`); ``--fetch`` fetches every release.
 """
 
 from __future__ import annotations
@@ -368,10 +368,10 @@ def load(layer: str = "vllm", pin: bool = True, device: torch.device | None = No
          release: str = NEWEST) -> Mrv2:  # fmt: skip
     """MRV2's modules of vLLM ``release`` on ``layer`` ("vllm" or "stagebuf"), loaded once per arguments.
 
-    ``pin`` is what vLLM's platform reports for pinned memory (False: its NonUvaBuffer fallback and
-    pageable ``async_tensor_h2d``); stagebuf's classes ask stagebuf's probe (``STAGEBUF_TIER``). ``uva``
-    overrides ``is_uva_available()`` (False on a CPU: NonUvaBuffer with the CPU as the device). Triton
-    reads ``TRITON_INTERPRET`` when the kernels are defined: a load stays compiled or interpreted."""
+    ``pin`` is what vLLM's platform reports for pinned memory (False: its NonUvaBuffer fallback and pageable
+    ``async_tensor_h2d``); stagebuf's classes ask stagebuf's probe (``STAGEBUF_TIER``). ``uva`` overrides
+    ``is_uva_available()`` (False on a CPU: NonUvaBuffer with the CPU as the device). Triton reads
+    ``TRITON_INTERPRET`` when the kernels are defined: a load stays compiled or interpreted."""
     if layer not in ("vllm", "stagebuf"):
         raise ValueError(f"layer={layer!r}; allowed: 'vllm', 'stagebuf'")
     spec(release)
@@ -552,8 +552,8 @@ class Installed:
         return None if mod is None else mod.TokenBuffer
 
     def load(self, name: str) -> Any:
-        """MRV2's ``vllm/v1/worker/gpu/<name>.py`` executed as ``vllm.v1.worker.gpu.<name>`` now (its
-        ``from vllm... import`` binds what ``sys.modules`` holds)."""
+        """MRV2's ``vllm/v1/worker/gpu/<name>.py`` executed as ``vllm.v1.worker.gpu.<name>`` now (its ``from
+        vllm... import`` binds what ``sys.modules`` holds)."""
         full = f"vllm.v1.worker.gpu.{name}"
         mod = _module(full, self._root / GPU / (name.replace(".", "/") + ".py"), self._imports, real=True)
         parent, _, child = full.rpartition(".")
@@ -574,8 +574,8 @@ def as_installed(
     Its real ``vllm/plugins/__init__.py`` (vLLM's plugin loader), MRV2's ``buffer_utils`` (and, where the
     release has them, ``vllm.v1.token_buffer`` and the stand-in ``vllm.v1.conf_compute_utils``) are put in
     ``sys.modules`` under their own names; ``Installed.load`` adds the MRV2 modules that use them.
-    ``vllm.__version__`` is ``release``; ``vllm.envs`` reads ``VLLM_PLUGINS`` as vLLM does; the model
-    runner is :func:`_runner_stand_in`'s. All is removed on exit; raises if a ``vllm`` is imported already.
+    ``vllm.__version__`` is ``release``; ``vllm.envs`` reads ``VLLM_PLUGINS`` as vLLM does; the model runner
+    is :func:`_runner_stand_in`'s. All is removed on exit; raises if a ``vllm`` is imported already.
     """
     if any(n in sys.modules for n in _INSTALLED):
         raise RuntimeError("a module named vllm is already imported; as_installed would shadow it")

@@ -1,15 +1,15 @@
 """Micro-benchmarks against vLLM's own buffer classes (``buffer_utils`` of ``--release``, default
 ``vllm_mrv2.NEWEST``), the engine workload's second part.
 
-Each case builds the same object from vLLM's module and from stagebuf's (on a forced tier) and times one
-step on the host, the GPU idle (synchronised between steps, outside the timing); medians over steps,
-then over interleaved repeats.
+Each case builds the same object from vLLM's module and from stagebuf's (on a forced tier) and times one step
+on the host, the GPU idle (synchronised between steps, outside the timing); medians over steps, then over
+interleaved repeats.
 
-* ``pool|kK``: ``UvaBufferPool.copy_to_uva`` of a numpy array of 256 int32, K pools a step (K=8: the
-  sampler's block of publishes; K=1: a pool alone, which pays stagebuf's slot-guard event every call).
+* ``pool|kK``: ``UvaBufferPool.copy_to_uva`` of a numpy array of 256 int32, K pools a step (K=8: the sampler's
+  block of publishes; K=1: a pool alone, which pays stagebuf's slot-guard event every call).
 * ``backed|kK``: ``UvaBackedTensor.copy_to_uva()`` of K tensors of 256, one value changed in each a step.
-* ``writes|ExL``: ``StagedWriteTensor``: E ``stage_write`` calls of L values on distinct rows of a
-  (max(4096, E), max(64, L)) int32 table, then ``apply_write``; ``stage|ExL``: the calls alone (E <= 256).
+* ``writes|ExL``: ``StagedWriteTensor``: E ``stage_write`` calls of L values on distinct rows of a (max(4096,
+  E), max(64, L)) int32 table, then ``apply_write``; ``stage|ExL``: the calls alone (E <= 256).
 * ``fused|ExL``: ``FusedStagedWriter.apply`` over two such tables (E/2 edits each), with vLLM's call shape.
 * ``prompt|KIND|N``: one prompt of N tokens staged and applied, as the model runner adds a request.
 
@@ -187,8 +187,8 @@ def run(
 
 
 def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """stagebuf UVA against vLLM's own classes on UVA: staged writes (the worst E x L cell), the pools'
-    and backed tensors' publishes (8 a step), a prompt (the worst kind and length)."""
+    """stagebuf UVA against vLLM's own classes on UVA: staged writes (the worst E x L cell), the pools' and
+    backed tensors' publishes (8 a step), a prompt (the worst kind and length)."""
     med = (res or {}).get("median_us", {})
     release = (res or {}).get("vllm_version") or vllm_mrv2.NEWEST
     peer, us, them = release.rpartition(".")[0], "stagebuf_uva", "vllm_uva"

@@ -1,11 +1,11 @@
 """The staged-writes workload: E edits of L elements (distinct rows) staged, then applied once per step.
 
-A sweep over every E x L (:class:`WriteCell`) of a 2-D int32 device table: per-row indexed copies (one
-host write and one copy per edit), vLLM MRV2's own ``StagedWriteTensor``, and stagebuf's
-``StagedWriteTensor`` on each tier, edit by edit from lists (``staged_write_*``) or all at once from
-arrays (``staged_writes_*``), on UVA also with each apply kernel forced. Steps alternate two sets of
-values; after timing the table must equal the numpy model. The stage-only runs time ``stage_write``
-calls alone (then ``clear_staged_writes``): what of a step is staging and what is the apply.
+A sweep over every E x L (:class:`WriteCell`) of a 2-D int32 device table: per-row indexed copies (one host
+write and one copy per edit), vLLM MRV2's own ``StagedWriteTensor``, and stagebuf's ``StagedWriteTensor`` on
+each tier, edit by edit from lists (``staged_write_*``) or all at once from arrays (``staged_writes_*``), on
+UVA also with each apply kernel forced. Steps alternate two sets of values; after timing the table must equal
+the numpy model. The stage-only runs time ``stage_write`` calls alone (then ``clear_staged_writes``): what of
+a step is staging and what is the apply.
 """
 
 from __future__ import annotations
@@ -268,8 +268,8 @@ NEEDS = {"staged_write_256_speedup": None, "stage_write_8_ints_us": None, "host_
 def targets(
     results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequence[Tier], cells: Sequence[WriteCell]
 ) -> dict[str, dict[str, Any]]:
-    """The writes targets: against per-row copies, against MRV2's StagedWriteTensor (:data:`PER_CELL`),
-    a ``stage_write`` call's host time, and one edit on the CPU."""
+    """The writes targets: against per-row copies, against MRV2's StagedWriteTensor (:data:`PER_CELL`), a
+    ``stage_write`` call's host time, and one edit on the CPU."""
     sw = f"staged_write_{tiers_run[0].name.lower()}" if tiers_run else "staged_write_uva"
     rc, n = str(RATIO_CELL), RATIO_CELL.edits
     what = (f"per-row indexed copies / StagedWriteTensor ({tiers_run[0].name if tiers_run else '-'}) for {n} "

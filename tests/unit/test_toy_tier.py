@@ -37,20 +37,30 @@ from stagebuf._tiers.settings import POISON
 CPU = torch.device("cpu")
 
 
-class BounceBuffer(StagingBuffer):
+class _Toy(StagingBuffer):
+    """A toy tier's storage: plain host memory, and the device side ``device_side()`` makes."""
+
+    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
+        super().__init__(size, dtype)
+        self.device = capabilities(device).device
+        self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
+        self.np = host_view(self.cpu, f"{type(self).__name__}.np")
+        self.dev = self.device_side()
+        self._freeze()
+
+    def device_side(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class BounceBuffer(_Toy):
     """PAGEABLE-like (its flags are its tier's: it states none): plain host memory and a device tensor of
     its own; ``uva(n)`` copies the first ``n`` rows into a fresh bounce tensor, then into ``dev``."""
 
     tier = Tier.PAGEABLE
     calls: ClassVar[Counter[str]] = Counter()
 
-    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
-        super().__init__(size, dtype)
-        self.device = capabilities(device).device
-        self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
-        self.np = host_view(self.cpu, "BounceBuffer.np")
-        self.dev = alloc_device(self.shape, self.dtype, self.device)
-        self._freeze()
+    def device_side(self) -> torch.Tensor:
+        return alloc_device(self.shape, self.dtype, self.device)
 
     def uva(self, n: int | None = None) -> torch.Tensor:
         k = check_rows(n, self.shape[0])
@@ -66,7 +76,7 @@ class BounceBuffer(StagingBuffer):
         self.calls["poison"] += 1
 
 
-class ReadsHostBuffer(StagingBuffer):
+class ReadsHostBuffer(_Toy):
     """Registered as PAGEABLE's class, stating the opposite of PAGEABLE's flags: ``dev`` is a view of the
     host memory (another tensor object: the device is not the host), read after the host call returned."""
 
@@ -75,13 +85,8 @@ class ReadsHostBuffer(StagingBuffer):
     async_host_reads = True
     calls: ClassVar[Counter[str]] = Counter()
 
-    def __init__(self, size: int | Sequence[int], dtype: DTypeLike, device: DeviceLike = None):
-        super().__init__(size, dtype)
-        self.device = capabilities(device).device
-        self.cpu = alloc_host(self.shape, self.dtype, pinned=False)
-        self.np = host_view(self.cpu, "ReadsHostBuffer.np")
-        self.dev = self.cpu.view(self.shape)
-        self._freeze()
+    def device_side(self) -> torch.Tensor:
+        return self.cpu.view(self.shape)
 
     def uva(self, n: int | None = None) -> torch.Tensor:
         self.calls["publish"] += 1

@@ -521,28 +521,28 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+PATH = click.Path(path_type=Path)
+
+
 @click.command("e2e")
 @click.option(
     "--shape", default="qwen3-0.6b", show_default=True, help="The model's shape (e2e_model.SHAPES)."
 )
 @click.option("--small", is_flag=True, help="The small workloads (for the tiny shape).")
-@click.option("--workload", "names", multiple=True, help="Only these workloads (decode, prefill, mixed).")
+@click.option("--workload", "names", multiple=True, type=click.Choice(list(WORKLOADS)), help="Only these.")
 @click.option("--rounds", type=click.IntRange(1, 50), default=3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--no-nopin", is_flag=True, help="Leave out the machine without pinned memory.")
-@click.option("--model-dir", type=click.Path(path_type=Path), default=None,
-              help="Where the model folder is written (default: a cache folder).")  # fmt: skip
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
-@click.option("--markdown", "md_path", type=click.Path(path_type=Path), default=None)
-@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None)
-@click.option("--from-json", type=click.Path(exists=True, path_type=Path), default=None,
-              help="Render (--markdown, --plot) a report made before, measuring nothing.")  # fmt: skip
+@click.option("--json", "json_path", type=PATH)
+@click.option("--markdown", "md_path", type=PATH)
+@click.option("--plot", "plot_path", type=PATH)
+@click.option("--from-json", type=click.Path(exists=True, path_type=Path), help="Render an earlier report.")
 def main(
     shape: str, small: bool, names: tuple[str, ...], rounds: int, seed: int, no_nopin: bool,
-    model_dir: Path | None, json_path: Path | None, md_path: Path | None, plot_path: Path | None,
-    from_json: Path | None,
+    json_path: Path | None, md_path: Path | None, plot_path: Path | None, from_json: Path | None,
 ) -> None:  # fmt: skip
-    """nano-vllm's real engine generating tokens, on its own input preparation and on stagebuf's."""
+    """nano-vllm's real engine generating tokens, on its own input preparation and on stagebuf's (its model
+    folder written under ``$STAGEBUF_CACHE_DIR``)."""
     from . import e2e_model as M
     from .bench import command_line
     from .fetch import cache_root
@@ -552,33 +552,21 @@ def main(
     else:
         if not torch.cuda.is_available():
             raise click.UsageError("the end-to-end workload runs nano-vllm's engine: it needs a CUDA device")
-        why = P.available()
-        if why:
-            raise click.UsageError(f"nano-vllm-fork {P.VERSION} is not available here: {why}")
-        pool = SMALL if small else WORKLOADS
-        unknown = sorted(set(names) - set(pool))
-        if unknown:
-            raise click.BadParameter(f"{unknown}; allowed: {', '.join(pool)}", param_hint="--workload")
-        workloads = {k: v for k, v in pool.items() if not names or k in names}
-        folder = model_dir or cache_root() / f"model-{shape}-{seed}"
-        M.write_model(folder, shape, seed)
+        if P.available():
+            raise click.UsageError(f"nano-vllm-fork {P.VERSION} is not available here: {P.available()}")
+        workloads = {k: v for k, v in (SMALL if small else WORKLOADS).items() if not names or k in names}
+        folder = M.write_model(cache_root() / f"model-{shape}-{seed}", shape, seed)
         t = time.perf_counter()
         measured = measure(folder, workloads, rounds, seed, nopin=not no_nopin)
         report = {
-            "command": command_line().replace("-m benchmarks ", "-m benchmarks.e2e ", 1),
-            "commit": commit(),
-            "nanovllm": f"{P.DIST} {P.VERSION}",
-            "device_name": torch.cuda.get_device_name(),
-            "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
-            "shape": shape,
-            "measured": measured,
-            "elapsed_s": round(time.perf_counter() - t, 1),
-        }
+            "command": command_line().replace("-m benchmarks ", "-m benchmarks.e2e ", 1), "commit": commit(),
+            "nanovllm": f"{P.DIST} {P.VERSION}", "device_name": torch.cuda.get_device_name(),
+            "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}, "shape": shape,
+            "measured": measured, "elapsed_s": round(time.perf_counter() - t, 1),
+        }  # fmt: skip
         report["summary"] = summarize(measured)
     text = R.e2e_markdown(report)
-    print(text)
-    for line in T.misses(report["summary"]):
-        print("missed:", line)
+    print(text.rstrip("\n"), *(f"missed: {line}" for line in T.misses(report["summary"])), sep="\n")
     print(T.verdict(report["summary"], strict=False))
     if json_path:
         json_path.write_text(json.dumps(report, indent=1) + "\n")

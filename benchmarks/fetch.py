@@ -35,18 +35,6 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "stagebuf"
 
 
-def installed(dist: str, version: str) -> Path | None:
-    """The site folder of the installed distribution ``dist``, if it is ``version``."""
-    from importlib import metadata
-
-    try:
-        if metadata.version(dist) != version:
-            return None
-        return Path(str(metadata.distribution(dist).locate_file("")))
-    except Exception:
-        return None
-
-
 @contextmanager
 def wheel(requirement: str, *pip_args: str, timeout: float = 900) -> Iterator[Path]:
     """The wheel of ``requirement`` (``pip download --no-deps``, more ``pip_args`` after), in a temporary

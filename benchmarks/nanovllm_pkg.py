@@ -4,7 +4,7 @@ preparation never uses.
 ``fetch()`` keeps the wheel (``pip download --no-deps nano-vllm-fork==<version>``, pure Python) unpacked in
 ``cache_dir()`` (``.cache/nanovllm-<version>`` in the checkout, or ``$STAGEBUF_NANOVLLM_DIR``), with xxhash
 wheels for CPython 3.10-3.12 on x86-64 Linux beside it (its ``BlockManager`` hashes with xxhash; a machine
-without network gets the folder carried). An installed nano-vllm-fork of the version is used as it is.
+without network gets the folder carried).
 ``load()`` imports the real package: its ``Scheduler``, ``BlockManager``, ``Sequence``, ``SamplingParams``,
 ``utils.context`` and ``ModelRunner`` run as released. Where a module that input preparation never reaches is
 missing here (``transformers``, ``flash_attn``, ``safetensors``, ``tqdm``, ``triton``), a stand-in takes its
@@ -175,7 +175,7 @@ def load() -> Nano:
     global _loaded
     if _loaded is not None:
         return _loaded
-    added = [] if F.installed(DIST, VERSION) else [str(fetch() / "pkg")]
+    added = [str(fetch() / "pkg")]
     if _missing("xxhash"):
         added.append(str(cache_dir() / f"xxhash-py{_py()}"))
     stand = {k: v for k, v in _stand_ins().items() if _missing(k.split(".")[0])}

@@ -2,7 +2,7 @@
 
 The releases run are :data:`RELEASES` (oldest first; :data:`NEWEST` is every function's default).
 ``fetch(release)`` keeps the few Python files the harness needs (:data:`FILES`) in ``cache_dir(release)``:
-from the installed vLLM where it is that release, else from its wheel (:mod:`benchmarks.fetch`). ``load()``
+from its wheel (:mod:`benchmarks.fetch`). ``load()``
 executes them as private modules (``_vllm_mrv2_<n>.block_table``; no ``vllm`` module is made), their
 ``vllm.*`` imports resolved to vLLM's own code where the input path runs it (``buffer_utils``,
 ``block_table``, ``states``, ``input_batch``, ``sample/states``, ``async_tensor_h2d``, ``TokenBuffer``; on the
@@ -26,7 +26,6 @@ import functools
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 import types
@@ -146,27 +145,12 @@ def _have(root: Path, release: str) -> bool:
     return all((root / f).is_file() for f in files(release))
 
 
-def _installed_root(release: str) -> Path | None:
-    """The installed vLLM's site folder, if it is version ``release`` and holds the files."""
-    root = F.installed("vllm", release)
-    return root if root is not None and _have(root, release) else None
-
-
 def fetch(release: str = NEWEST, quiet: bool = True) -> Path:
     """The folder holding vLLM ``release``'s :func:`files`, fetched if needed; raises Unavailable."""
     root = cache_dir(release)
     if _have(root, release):
         return root
-    src = _installed_root(release)
-
-    def fill(dest: Path) -> None:
-        if src is None:
-            return _from_wheel(release, dest)
-        for f in files(release):
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / f, dest / f)
-
-    F.put(root, fill)
+    F.put(root, lambda dest: _from_wheel(release, dest))
     if not _have(root, release):
         raise Unavailable(f"vLLM {release}'s files are not all in {root} after fetching them")
     if not quiet:

@@ -21,10 +21,10 @@ def triton_interpreted() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def vllm_interpreted() -> Iterator[None]:
-    """The newest release's files fetched (``vllm_mrv2.fetch``: the installed vLLM of that version, or its
-    wheel from the package index; the module's tests skip, saying why, where that fails) and
-    ``TRITON_INTERPRET=1``, read when vLLM's kernels are decorated: before they load. (A test that takes
-    ``vllm_release`` fetches each release in turn, and skips that release alone where it cannot.)"""
+    """The newest release's files fetched (``vllm_mrv2.fetch``: from its wheel on the package index; the
+    module's tests skip, saying why, where that fails) and ``TRITON_INTERPRET=1``, read when vLLM's kernels
+    are decorated: before they load. (A test that takes ``vllm_release`` fetches each release in turn, and
+    skips that release alone where it cannot.)"""
     pytest.importorskip("triton", reason="vLLM's MRV2 kernels are Triton kernels")
     try:
         vllm_mrv2.fetch()

@@ -1,8 +1,8 @@
 """The engine workload's identical-inputs check on the CPU: vLLM's own MRV2 modules on stagebuf, on every
 release of ``benchmarks.vllm_mrv2.RELEASES`` (the ``vllm_release`` fixture: ids ``v0.32.0`` ...).
 
-vLLM's released files are fetched (``benchmarks.vllm_mrv2.fetch``: the installed vLLM of that version, or
-its wheel from the package index); where that fails a release's tests skip and say why. vLLM's Triton
+vLLM's released files are fetched (``benchmarks.vllm_mrv2.fetch``: its wheel from the package
+index); where that fails a release's tests skip and say why. vLLM's Triton
 kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``), as vLLM's CPU worker runs them.
 """
 

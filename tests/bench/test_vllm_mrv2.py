@@ -155,7 +155,6 @@ def test_an_interrupted_fetch_leaves_no_part_of_a_release(
         pytest.skip(f"needs vLLM {r}'s files: {V.available(r)}")
     have = V.fetch(r)
     monkeypatch.setenv(V.ENV_DIR, str(tmp_path))
-    monkeypatch.setattr(V, "_installed_root", lambda release: None)
     monkeypatch.setattr(V, "_from_wheel", _fake_wheel(have, fail_after=3))
     with pytest.raises(KeyboardInterrupt):
         V.fetch(r)
@@ -170,23 +169,6 @@ def test_an_interrupted_fetch_leaves_no_part_of_a_release(
         have / "vllm/v1/worker/gpu/buffer_utils.py"
     ).read_bytes()
     assert [p.name for p in tmp_path.iterdir()] == [f"vllm-{r}"]
-
-
-def test_an_installed_vllm_serves_only_its_own_release(monkeypatch: pytest.MonkeyPatch) -> None:
-    older, newest = list(V.RELEASES)[-2], V.NEWEST
-    if V.available(older):
-        pytest.skip(f"needs vLLM {older}'s files: {V.available(older)}")
-    site = V.fetch(older)  # stands in for the site folder of an installed vLLM
-    from importlib import metadata
-
-    class Dist:
-        def locate_file(self, name: str) -> Path:
-            return site / name
-
-    monkeypatch.setattr(metadata, "version", lambda name: older)
-    monkeypatch.setattr(metadata, "distribution", lambda name: Dist())
-    assert V._installed_root(older) == site
-    assert V._installed_root(newest) is None
 
 
 # --- what differs by release -------------------------------------------------------------------------

@@ -33,15 +33,13 @@ from typing import Any
 import click
 import numpy as np
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from . import vllm_mrv2, vs_vllm
+from .compare import show
 from .harness import stagebuf_tier, tiers, turns
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("before", "after", "control")
-Step = Callable[[int], None]
 
 
 def load_copy(source: str, name: str, where: Path) -> Any:
@@ -64,80 +62,52 @@ def load_copy(source: str, name: str, where: Path) -> Any:
     return importlib.import_module(name)
 
 
-def as_buffer_utils(pkg: Any) -> Any:
-    """A stand-in for vLLM's ``buffer_utils`` whose classes are ``pkg``'s (what the vs-vLLM cases build)."""
-    return types.SimpleNamespace(**{n: getattr(pkg, n) for n in vllm_mrv2.SUBSTITUTED})
-
-
-def cases(device: torch.device) -> list[tuple[str, Callable[[Any], Step]]]:
-    """The vs-vLLM cells: (name, a builder of one step from a ``buffer_utils``): pools, backed tensors, writes
-    and fused writes."""
-    return vs_vllm.cases(device, (1, 16, 256, 4096), (1, 8, 64))
-
-
 def verdict(rounds: list[list[float]]) -> dict[str, Any]:
     """A cell from its rounds' (before, after, control) medians: ratio (geometric mean over the rounds of
     after/before), noise (the largest |control/after - 1|), and whether it is slower or faster."""
     ratios = [a / b for b, a, _ in rounds]
     noise = max(abs(c / a - 1) for _, a, c in rounds)
-    return {
-        "ratio": float(np.exp(np.mean(np.log(ratios)))),
-        "round_ratios": ratios,
-        "noise": noise,
-        "slower": all(r > 1 + noise for r in ratios),
-        "faster": all(1 / r > 1 + noise for r in ratios),
-    }
+    slower, faster = all(r > 1 + noise for r in ratios), all(1 / r > 1 + noise for r in ratios)
+    return {"ratio": float(np.exp(np.mean(np.log(ratios)))), "round_ratios": ratios, "noise": noise,
+            "slower": slower, "faster": faster}  # fmt: skip
 
 
 def run(
     rev: str, device: torch.device, rounds: int = 3, steps: int = 60, warmup: int = 10,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:  # fmt: skip
-    """Every cell on every tier the machine has (not HOST on a GPU), ``rounds`` times."""
+    """Every vs-vLLM cell (pools, backed tensors, writes and fused writes) on every tier the machine has (not
+    HOST on a GPU), ``rounds`` times, each side's classes standing in for vLLM's ``buffer_utils``."""
     import stagebuf
 
     with tempfile.TemporaryDirectory() as tmp:
-        where = Path(tmp)
         here = str(Path(stagebuf.__file__).resolve().parent.parent)  # the after side's own source
-        pkgs = (
-            load_copy(rev, "stagebuf_before", where),
-            stagebuf,
-            load_copy(here, "stagebuf_control", where),
-        )
-        sides = [as_buffer_utils(p) for p in pkgs]
+        pkgs = (load_copy(rev, "stagebuf_before", Path(tmp)), stagebuf,
+                load_copy(here, "stagebuf_control", Path(tmp)))  # fmt: skip
+        sides = [types.SimpleNamespace(**{n: getattr(p, n) for n in vllm_mrv2.SUBSTITUTED}) for p in pkgs]
         medians: dict[str, list[list[float]]] = {}
         for r in range(rounds):
-            for name, make in cases(device):
+            for name, make in vs_vllm.cases(device, (1, 16, 256, 4096), (1, 8, 64)):
                 for t in tiers(device):
                     with stagebuf_tier(t, pkgs[0], pkgs[2]):
                         order = sides[r % 3 :] + sides[: r % 3]  # which side builds (and starts) first
                         built = {id(s): make(s) for s in order}
-                        got = turns(
-                            [built[id(s)] for s in sides], device, vs_vllm.steps_of(name, steps), warmup
-                        )
+                        steps_ = [built[id(s)] for s in sides]
+                        got = turns(steps_, device, vs_vllm.steps_of(name, steps), warmup)
                     medians.setdefault(f"{name} {t}", []).append(got)
             log(f"ab round {r + 1}/{rounds} done")
     cells = [{"cell": k, "medians_us": m, **verdict(m)} for k, m in medians.items()]
-    return {
-        "before": rev,
-        "device": str(device),
-        "rounds": rounds,
-        "steps": steps,
-        "sides": SIDES,
-        "cells": cells,
-    }
+    return {"before": rev, "device": str(device), "rounds": rounds, "steps": steps, "sides": SIDES,
+            "cells": cells}  # fmt: skip
 
 
 @click.command()
-@click.option(
-    "--before", "rev", required=True,
-    help="The old code: a git revision, or a directory holding its stagebuf package.",
-)  # fmt: skip
+@click.option("--before", "rev", required=True,
+              help="The old code: a git revision, or a directory holding its stagebuf package.")  # fmt: skip
 @click.option("--rounds", default=3, show_default=True, help="Rounds over every cell, fresh objects each.")
 @click.option("--steps", default=60, show_default=True, help="Timed steps a side per cell and round.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every cell.")
-@click.option("--all", "show_all", is_flag=True, help="Print every cell, not only the 25 largest ratios.")
-def main(rev: str, rounds: int, steps: int, json_path: str | None, show_all: bool) -> None:
+def main(rev: str, rounds: int, steps: int, json_path: str | None) -> None:
     """Time the vs-vLLM cells of the code at REV and of the checkout in one process, in turns."""
     if rounds < 2:
         raise click.BadParameter("needs 2 or more (the noise is judged across rounds)", param_hint="--rounds")
@@ -145,20 +115,12 @@ def main(rev: str, rounds: int, steps: int, json_path: str | None, show_all: boo
     if device.type == "cpu":
         torch.set_num_threads(1)  # as the bench's CPU runs: one thread, an engine's host thread
     res = run(rev, device, rounds, steps, log=lambda s: click.echo(s, err=True))
-    table = Table("cell", "before µs", "after µs", "after/before", "noise", "verdict")
-    shown = sorted(res["cells"], key=lambda c: -c["ratio"])
-    for c in shown if show_all else shown[:25]:
-        b = float(np.median([m[0] for m in c["medians_us"]]))
-        a = float(np.median([m[1] for m in c["medians_us"]]))
-        v = "SLOWER" if c["slower"] else "faster" if c["faster"] else ""
-        table.add_row(c["cell"], f"{b:.1f}", f"{a:.1f}", f"{c['ratio']:.3f}", f"{c['noise']:.3f}", v)
-    Console(width=None if Console().is_terminal else 140).print(table)
     cells = res["cells"]
-    mid = np.median([c["ratio"] for c in cells])
-    click.echo(
-        f"{len(cells)} cells against {rev}: median after/before {mid:.3f}; "
-        f"slower beyond noise {sum(c['slower'] for c in cells)}, faster {sum(c['faster'] for c in cells)}"
-    )
+    side = lambda c, i: float(np.median([m[i] for m in c["medians_us"]]))
+    show([c | {"before": side(c, 0), "after": side(c, 1)} for c in cells], 140)
+    mid, slower = np.median([c["ratio"] for c in cells]), sum(c["slower"] for c in cells)
+    click.echo(f"{len(cells)} cells against {rev}: median after/before {mid:.3f}; slower beyond noise "
+               f"{slower}, faster {sum(c['faster'] for c in cells)}")  # fmt: skip
     if json_path:
         Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
 

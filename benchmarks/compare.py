@@ -155,12 +155,20 @@ ONE_RUN_WARNING = (
 )
 
 
-def _join(xs: list[float]) -> str:
-    return ", ".join(f"{x:.3f}" for x in xs)
-
-
-def _load(paths: tuple[str, ...]) -> list[dict[str, Any]]:
-    return [json.loads(Path(p).read_text()) for p in paths]
+def show(rows: list[dict[str, Any]], width: int) -> None:
+    """The 25 largest ratios of ``rows`` (each: cell, before and after µs, ratio, noise, slower, faster, and
+    ``ours`` where known) as a table (``python -m benchmarks.ab`` prints its cells so too)."""
+    ours = any("ours" in r for r in rows)
+    table = Table(
+        "cell", *(["ours"] if ours else []), "before µs", "after µs", "after/before", "noise", "verdict"
+    )
+    for r in sorted(rows, key=lambda r: -r["ratio"])[:25]:
+        noise = "-" if r["noise"] is None else f"{r['noise']:.3f}"
+        verdict = "SLOWER" if r["slower"] else "faster" if r["faster"] else ""
+        mark = ["yes" if r["ours"] else ""] if ours else []
+        table.add_row(r["cell"], *mark, f"{r['before']:.1f}", f"{r['after']:.1f}", f"{r['ratio']:.3f}", noise,
+                      verdict)  # fmt: skip
+    Console(width=None if Console().is_terminal else width).print(table)
 
 
 @click.command()
@@ -174,68 +182,38 @@ def _load(paths: tuple[str, ...]) -> list[dict[str, Any]]:
     help="Which time of the micro and writes cells (the engine and vs-vLLM cells have one).",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write cells and summary.")
-@click.option("--all", "show_all", is_flag=True, help="Print every cell, not only the 25 largest ratios.")
 @click.option("--drift", is_flag=True, help="Divide each run's samples by its drift factor (see above).")
 def main(
-    before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path: str | None, show_all: bool,
-    drift: bool,
-) -> None:  # fmt: skip
+    before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path: str | None, drift: bool
+) -> None:
     """Compare bench reports of the code before and after a change, cell by cell."""
-    b, a = _load(before), _load(after)
+    b, a = ([json.loads(Path(p).read_text()) for p in side] for side in (before, after))
     cells = pair(b, a, metric)
     if not cells:
         raise click.ClickException("no cell is in every report")
     factors = drift_factors(cells) if drift else None
     if factors:
         cells = pair(b, a, metric, factors)
-    console = Console(width=None if Console().is_terminal else 160)
-    if factors:
-        console.print(f"per-run drift factors, divided out (before, then after): {_join(factors)}")
+        click.echo(
+            "per-run drift factors, divided out (before, then after): "
+            + ", ".join(f"{x:.3f}" for x in factors)
+        )
     if len(b) < 2 and len(a) < 2:
         click.echo(ONE_RUN_WARNING, err=True)
-    table = Table("cell", "ours", "before µs", "after µs", "after/before", "noise", "verdict")
-    shown = sorted(cells, key=lambda c: -c.ratio)
-    for c in shown if show_all else shown[:25]:
-        verdict = "SLOWER" if c.slower else "faster" if c.faster else ""
-        table.add_row(
-            c.key,
-            "yes" if c.ours else "",
-            f"{_center(c.before):.1f}",
-            f"{_center(c.after):.1f}",
-            f"{c.ratio:.3f}",
-            "-" if c.noise is None else f"{c.noise:.3f}",
-            verdict,
-        )
-    console.print(table)
+    rows = [{"cell": c.key, "ours": c.ours, "before_medians_us": _medians(c.before),
+             "after_medians_us": _medians(c.after), "ratio": round(c.ratio, 4),
+             "noise": None if c.noise is None else round(c.noise, 4), "slower": c.slower, "faster": c.faster}
+            for c in cells]  # fmt: skip
+    show([r | {"before": _center(c.before), "after": _center(c.after)} for r, c in zip(rows, cells)], 160)
     s = summary(cells)
     for name, g in s.items():
-        console.print(
-            f"{name}: {g['cells']} cells, median after/before {g['median_ratio']}, geometric mean "
-            f"{g['geomean_ratio']}; slower beyond noise {len(g['slower_beyond_noise'])}, "
-            f"faster {len(g['faster_beyond_noise'])}",
-            highlight=False,
-        )
+        click.echo(f"{name}: {g['cells']} cells, median after/before {g['median_ratio']}, geometric mean "
+                   f"{g['geomean_ratio']}; slower beyond noise {len(g['slower_beyond_noise'])}, "
+                   f"faster {len(g['faster_beyond_noise'])}")  # fmt: skip
     if json_path:
-        data = {
-            "before": [{"commit": r.get("commit"), "started_utc": r.get("started_utc")} for r in b],
-            "after": [{"commit": r.get("commit"), "started_utc": r.get("started_utc")} for r in a],
-            "metric": metric,
-            "drift_factors": factors and [round(x, 4) for x in factors],
-            "summary": s,
-            "cells": [
-                {
-                    "cell": c.key,
-                    "ours": c.ours,
-                    "before_medians_us": _medians(c.before),
-                    "after_medians_us": _medians(c.after),
-                    "ratio": round(c.ratio, 4),
-                    "noise": None if c.noise is None else round(c.noise, 4),
-                    "slower": c.slower,
-                    "faster": c.faster,
-                }
-                for c in cells
-            ],
-        }
+        runs = lambda rs: [{"commit": r.get("commit"), "started_utc": r.get("started_utc")} for r in rs]
+        data = {"before": runs(b), "after": runs(a), "metric": metric, "summary": s, "cells": rows,
+                "drift_factors": factors and [round(x, 4) for x in factors]}  # fmt: skip
         Path(json_path).write_text(json.dumps(data, indent=1) + "\n")
 
 

@@ -177,8 +177,7 @@ def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]
     add("micro", micro.guard_strategies(guard_tiers), [at], "guard")
     cells = cfg.cells()
     add("writes", writes.strategies(tiers), cells)
-    only = [*([writes.RATIO_CELL] if writes.RATIO_CELL in cells else []), writes.STAGE_ONLY_CELL]
-    add("writes", writes.stage_only_strategies(tiers), only, "stage_only")
+    add("writes", writes.stage_only_strategies(tiers), [writes.STAGE_ONLY_CELL], "stage_only")
 
     def order(t: Task) -> tuple[Any, ...]:  # by (workload, size), which run_tasks interleaves; floors first
         size = (t.size,) if isinstance(t.size, int) else (t.size.edits, t.size.length)

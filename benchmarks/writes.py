@@ -124,26 +124,24 @@ def row_copy(env: Env, cell: WriteCell) -> Case:
     ws = write_sets(env, cell)
     t = BL.RowCopyTable(write_shape(cell), env.device, pinned=env.pin_memory and env.cuda)
     memory = {"host_memory": "pinned" if t.non_blocking else "pageable"}
-    return case(
-        "row_copy_per_edit", cell, ws, per_edit(t.write, ws), lambda: None, lambda: t.dev, lambda: memory
-    )
+    stage = per_edit(t.write, ws)
+    return case("row_copy_per_edit", cell, ws, stage, lambda: None, lambda: t.dev, lambda: memory)
 
 
-def staged(env: Env, cell: WriteCell, kernel: str | None = None) -> Case:
-    """StagedWriteTensor: one ``stage_write(row, start, list)`` per edit, then ``apply_write()``."""
+def staged(env: Env, cell: WriteCell, kernel: str | None = None, batched: bool = False) -> Case:
+    """StagedWriteTensor: one ``stage_write(row, start, list)`` per edit (``batched``: one
+    ``stage_writes(rows, starts, values[E, L])`` from numpy), then ``apply_write()``."""
     ws = write_sets(env, cell)
     sw = staged_write_tensor(write_shape(cell), env.device, kernel)
+    stage = per_edit(sw.stage_write, ws)
+    if batched:
+        stage = lambda k: sw.stage_writes(ws.rows, ws.starts, ws.values[k])
     facts = lambda: {"kernel": sw.kernel, "stats": sw.stats()}
-    return case("staged_write", cell, ws, per_edit(sw.stage_write, ws), sw.apply_write, lambda: sw.gpu, facts)
+    name = "staged_writes" if batched else "staged_write"
+    return case(name, cell, ws, stage, sw.apply_write, lambda: sw.gpu, facts)
 
 
-def staged_batched(env: Env, cell: WriteCell, kernel: str | None = None) -> Case:
-    """StagedWriteTensor: one ``stage_writes(rows, starts, values[E, L])`` from numpy, then apply."""
-    ws = write_sets(env, cell)
-    sw = staged_write_tensor(write_shape(cell), env.device, kernel)
-    stage = lambda k: sw.stage_writes(ws.rows, ws.starts, ws.values[k])
-    facts = lambda: {"kernel": sw.kernel, "stats": sw.stats()}
-    return case("staged_writes", cell, ws, stage, sw.apply_write, lambda: sw.gpu, facts)
+staged_batched = functools.partial(staged, batched=True)
 
 
 def mrv2(env: Env, cell: WriteCell) -> Case:
@@ -193,16 +191,8 @@ def strategies(tiers: Sequence[Tier]) -> list[Strategy]:
 
 
 def stage_only_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
-    return [
-        Strategy(
-            f"staged_write_{t.name.lower()}.stage_only",
-            "stage_write x E, no apply",
-            "stagebuf",
-            stage_only,
-            t,
-        )
-        for t in tiers
-    ]
+    name = lambda t: f"staged_write_{t.name.lower()}.stage_only"
+    return [Strategy(name(t), "stage_write x E, no apply", "stagebuf", stage_only, t) for t in tiers]
 
 
 def _stage_write_us(stage_only: dict[str, Any], tiers_run: Sequence[Tier], goal: float) -> dict[str, Any]:
@@ -210,22 +200,10 @@ def _stage_write_us(stage_only: dict[str, Any], tiers_run: Sequence[Tier], goal:
     cell, parts = STAGE_ONLY_CELL, []
     for t in tiers_run:
         name = f"staged_write_{t.name.lower()}.stage_only"
-        part: dict[str, Any] = {
-            "workload": "writes",
-            "size": str(cell),
-            "numerator": name,
-            "denominator": None,
-        }
-        row = stage_only.get(name, {}).get(str(cell))
-        if row is None:
-            miss = f"writes {name} at ExL={cell}"
-            part.update(
-                measured=None, passed=None, missing=[miss], skipped=f"not measured in this run: {miss}"
-            )
-        else:
-            us = row["host_us"] / cell.edits
-            part.update(numerator_us=row["host_us"], measured=round(us, 4), passed=us <= goal)
-        parts.append(part)
+        row, miss = stage_only.get(name, {}).get(str(cell)), f"writes {name} at ExL={cell}"
+        part = T.target(name, "writes", row and row["host_us"] / cell.edits, "<=", goal, missing=miss)
+        part |= {"size": str(cell), "numerator": name, "numerator_us": row and row["host_us"]}
+        parts.append(part if row else part | {"missing": [miss]})
     what = (f"StagedWriteTensor.stage_write of a list of {cell.length} ints: host µs per call ({cell.edits} "
             "calls, then clear_staged_writes(); no apply); measured is the worst tier")  # fmt: skip
     tier = lambda p: p["numerator"].split(".")[0].rsplit("_", 1)[1].upper()
@@ -279,16 +257,6 @@ def targets(
             what, results, "writes", rc, "row_copy_per_edit", sw, "step", ">=", 20
         )
     }
-    so, full = stage_only.get(f"{sw}.stage_only", {}).get(rc), T._value(results, "writes", sw, rc, "e2e_us")
-    copies = T._value(results, "writes", "row_copy_per_edit", rc, "e2e_us")
-    if so is not None and full is not None and copies is not None:
-        apply_us = full - so["e2e_us"]
-        out["staged_write_256_speedup"]["breakdown"] = {
-            "stage_write_x_edits_e2e_us": so["e2e_us"],
-            "apply_e2e_us": round(apply_us, 3),
-            "row_copies_e2e_us": copies,
-            "ratio_apply_only": round(copies / apply_us, 3) if apply_us > 0 else None,
-        }
     which = {"E <= 16": lambda c: c.edits <= 16, "E >= 256": lambda c: c.edits >= 256, "any cell": bool}
     mrv2 = "mrv2_staged_write"
     for name, what, num, where, goal in PER_CELL:

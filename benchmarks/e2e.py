@@ -153,56 +153,43 @@ class Recorder:
     PREP = ("prepare_prefill", "prepare_decode", "prepare_sample")
 
     def __init__(self, runner: Any):
-        self.runner = runner
-        self.steps: list[Step] = []
-        self.prep_s = 0.0
-        self.events: list[Any] = []
-        self._saved: dict[str, Any] = {}
+        self.runner, self.steps, self.prep_s, self.events = runner, [], 0.0, []
 
     def __enter__(self) -> Recorder:
         r = self.runner
-        for name in (*self.PREP, "run_model"):
-            self._saved[name] = r.__dict__.get(name)
-            r.__dict__[name] = self._wrap(name, getattr(r, name))
-        self._saved["sampler"] = r.sampler
-        r.sampler = _TimedSampler(r.sampler, self)
+        self._saved = {n: r.__dict__.get(n) for n in (*self.PREP, "run_model", "sampler")}
+        for n in self._saved:
+            r.__dict__[n] = self._wrap(getattr(r, n), "prep" if n in self.PREP else n)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        r = self.runner
-        r.sampler = self._saved.pop("sampler")
-        for name, f in self._saved.items():
+        for n, f in self._saved.items():
             if f is None:
-                r.__dict__.pop(name, None)
+                self.runner.__dict__.pop(n)
             else:
-                r.__dict__[name] = f
-        self._saved.clear()
+                self.runner.__dict__[n] = f
 
     def _event(self) -> None:
         if torch.cuda.is_available():
-            e = torch.cuda.Event(enable_timing=True)
+            self.events.append(e := torch.cuda.Event(enable_timing=True))
             e.record()
-            self.events.append(e)
 
-    def _wrap(self, name: str, f: Callable[..., Any]) -> Callable[..., Any]:
-        if name == "run_model":
+    def _wrap(self, f: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        """``f`` timed on the host ("prep"), or with a CUDA event before and after it ("run_model") or after
+        it ("sampler")."""
 
-            def forward(*a: Any, **k: Any) -> Any:
-                self._event()
-                out = f(*a, **k)
-                self._event()
-                return out
-
-            return forward
-
-        def timed(*a: Any, **k: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
+            if kind == "run_model":
+                self._event()
+            out = f(*a, **k)
+            if kind == "prep":
                 self.prep_s += time.perf_counter() - t
+            else:
+                self._event()
+            return out
 
-        return timed
+        return wrapped
 
     def step(self, engine: Any) -> tuple[list[tuple[int, list[int]]], int]:
         self.prep_s, self.events = 0.0, []
@@ -212,16 +199,6 @@ class Recorder:
         ev = tuple(self.events) if len(self.events) == 3 else None
         self.steps.append(Step(num > 0, abs(num), wall, self.prep_s, ev))  # type: ignore[arg-type]
         return out, num
-
-
-class _TimedSampler:
-    def __init__(self, sampler: Any, rec: Recorder):
-        self.sampler, self.rec = sampler, rec
-
-    def __call__(self, *a: Any, **k: Any) -> Any:
-        out = self.sampler(*a, **k)
-        self.rec._event()
-        return out
 
 
 def parts(steps: list[Step]) -> dict[str, float]:
@@ -236,18 +213,11 @@ def parts(steps: list[Step]) -> dict[str, float]:
             e0, e1, e2 = s.events
             fwd += e0.elapsed_time(e1) / 1e3
             smp += e1.elapsed_time(e2) / 1e3
-    n = len(steps)
-    return {
-        "steps": n,
-        "tokens": sum(s.tokens for s in steps),
-        "tokens_per_s": sum(s.tokens for s in steps) / wall if wall else 0.0,
-        "step_ms": 1e3 * wall / n,
-        "prep_ms": 1e3 * prep / n,
-        "forward_ms": 1e3 * fwd / n,
-        "sample_ms": 1e3 * smp / n,
-        "rest_ms": 1e3 * (wall - prep - fwd - smp) / n,
-        "prep_share": prep / wall if wall else 0.0,
-    }
+    n, tokens = len(steps), sum(s.tokens for s in steps)
+    per = lambda x: 1e3 * x / n  # ms a step
+    return {"steps": n, "tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
+            "step_ms": per(wall), "prep_ms": per(prep), "forward_ms": per(fwd), "sample_ms": per(smp),
+            "rest_ms": per(wall - prep - fwd - smp), "prep_share": prep / wall if wall else 0.0}  # fmt: skip
 
 
 # --- running an engine -----------------------------------------------------------------------------
@@ -268,10 +238,8 @@ def generate(engine: Any, w: Workload, seed: int, vocab: int, rec: Recorder | No
             if not pending:
                 break
             i = pending.pop(0)
-            sp = nano.sampling_params.SamplingParams(
-                temperature=TEMPERATURE, max_tokens=lens[i], ignore_eos=True
-            )
-            engine.add_request(ps[i], sp)
+            sp = nano.sampling_params.SamplingParams
+            engine.add_request(ps[i], sp(temperature=TEMPERATURE, max_tokens=lens[i], ignore_eos=True))
             index[engine.scheduler.waiting[-1].seq_id] = i
         out, _ = rec.step(engine) if rec is not None else engine.step()
         for sid, toks in out:
@@ -280,13 +248,9 @@ def generate(engine: Any, w: Workload, seed: int, vocab: int, rec: Recorder | No
     return [outputs[i] for i in range(len(ps))], wall
 
 
-def engine_kwargs(cfg: EngineConfig, tokenizer: Any) -> dict[str, Any]:
-    return {**asdict(cfg), "tokenizer": tokenizer}
-
-
 def start(model_dir: Path, cfg: EngineConfig, tokenizer: Any) -> Any:
     """nano-vllm's ``LLM`` on ``model_dir`` (its exit is ours to call: :func:`stop`)."""
-    llm = P.load().nanovllm.LLM(str(model_dir), **engine_kwargs(cfg, tokenizer))
+    llm = P.load().nanovllm.LLM(str(model_dir), **asdict(cfg), tokenizer=tokenizer)
     atexit.unregister(llm.exit)
     return llm
 
@@ -295,13 +259,6 @@ def stop(llm: Any) -> None:
     llm.exit()
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def _drop_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -385,10 +342,8 @@ def measure(
         """An engine started, every round of every workload on each of its setups, the engine stopped."""
         t0 = time.perf_counter()
         llm = start(model_dir, cfg, tok)
-        started[key], blocks[key] = (
-            round(time.perf_counter() - t0, 1),
-            llm.model_runner.config.num_kvcache_blocks,
-        )
+        started[key] = round(time.perf_counter() - t0, 1)
+        blocks[key] = llm.model_runner.config.num_kvcache_blocks
         log(f"engine started in {started[key]} s, {blocks[key]} KV-cache blocks; attention: {attention}")
         try:
             for rnd in range(rounds):
@@ -396,9 +351,7 @@ def measure(
                     for setup in setups(rnd):
                         with as_setup(llm, setup) if setup != NOPIN else contextlib.nullcontext():
                             r = run_one(llm, setup, name, w, seed, vocab, rnd)
-                        r.identical = r.tokens == ref.setdefault(
-                            name, r.tokens
-                        )  # own's first run: the reference
+                        r.identical = r.tokens == ref.setdefault(name, r.tokens)  # the first run: reference
                         log(_said(r))
                         r.tokens = []
                         runs.append(r)
@@ -416,7 +369,8 @@ def measure(
                 no_pin["own_error"] = None
             except Exception as e:  # the expected outcome: its own buffers are pinned
                 no_pin["own_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                _drop_process_group()
+                if torch.distributed.is_available() and torch.distributed.is_initialized():
+                    torch.distributed.destroy_process_group()
                 gc.collect()
                 torch.cuda.empty_cache()
             sn.attach(nano.model_runner.ModelRunner)  # started attached, as the README says
@@ -491,8 +445,10 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
                     if vals:
                         row[f"{kind}_{key}"] = float(statistics.median(vals))
 
+    row = lambda w, s: table.get(w, {}).get(s, {})
+
     def ratio(w: str, num: str) -> float | None:
-        x, y = (table.get(w, {}).get(s, {}).get(f"{w}_tokens_per_s") for s in (num, "own"))
+        x, y = (row(w, s).get(f"{w}_tokens_per_s") for s in (num, "own"))
         return x / y if x and y else None
 
     values = {
@@ -500,25 +456,18 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
         "e2e_nanovllm_decode_pageable_vs_own": ratio("decode", "stagebuf_pageable"),
         "e2e_nanovllm_decode_nopin_vs_own": ratio("decode", NOPIN),
         "e2e_nanovllm_prefill_uva_vs_own": ratio("prefill", "stagebuf_uva"),
-        "e2e_nanovllm_prep_share_uva": table.get("decode", {})
-        .get("stagebuf_uva", {})
-        .get("decode_prep_share"),
-        "e2e_nanovllm_tokens_identical": sum(bool(r["identical"]) for r in runs) / len(runs)
-        if runs
-        else None,
-    }
+        "e2e_nanovllm_prep_share_uva": row("decode", "stagebuf_uva").get("decode_prep_share"),
+        "e2e_nanovllm_tokens_identical": statistics.mean(bool(r["identical"]) for r in runs) if runs else None,
+    }  # fmt: skip
     ratios = {}
     for name, (op, goal) in GOALS.items():
         w = "all" if name.endswith("identical") else "prefill" if "prefill" in name else "decode"
         r = ratios[name] = T.target(WHAT[name], f"e2e {w}", values[name], op, goal, why=WHY[name])
         r["status"] = T.status(r)
         r.pop("skipped", None)
-    return {
-        "table": table,
-        "ratios": ratios,
-        "own_decode_prep_share": table.get("decode", {}).get("own", {}).get("decode_prep_share"),
-        "own_fails_without_pinning": measured.get("no_pin", {}).get("own_error"),
-    }
+    return {"table": table, "ratios": ratios,
+            "own_decode_prep_share": row("decode", "own").get("decode_prep_share"),
+            "own_fails_without_pinning": measured.get("no_pin", {}).get("own_error")}  # fmt: skip
 
 
 PATH = click.Path(path_type=Path)

@@ -73,10 +73,8 @@ class Trace:
         self.scheduler = n.scheduler.Scheduler(self.config)
         self.rng = np.random.default_rng(cfg.seed)
         self.prefixes = [self.rng.integers(3, cfg.vocab, 512).tolist() for _ in range(3)]
-        self.submitted = self.steps = self.preempted = self.finished = 0
-        self.prefill_steps = self.prefix_hits = self.reprefills = (
-            0  # prefills that recompute generated tokens
-        )
+        self.submitted = self.steps = self.preempted = self.finished = self.prefill_steps = 0
+        self.prefix_hits = self.reprefills = 0  # reprefills: prefills that recompute generated tokens
         self.scheduler_error: str | None = None
         self._real_preempt = self.scheduler.preempt
         self.scheduler.preempt = self._preempt
@@ -228,9 +226,14 @@ def make_runner(trace: Trace, setup: str, graphs: bool = False) -> Any:
         with own_context(setup):
             capture(r)
     if setup != "own":
-        with stagebuf_tier(setup.split("_", 1)[1]):
+        with stagebuf_tier(tier_of(setup)):
             sn.attach(r)  # builds its stagers on the forced tier
     return r
+
+
+def tier_of(setup: str) -> str | None:
+    """The tier a setup forces: ``stagebuf_uva``'s uva; None for nano-vllm's own."""
+    return None if setup == "own" else setup.split("_", 1)[1]
 
 
 def own_context(setup: str) -> Any:
@@ -282,7 +285,7 @@ def check(
     own, mine = make_runner(trace, "own", graphs), make_runner(trace, setup, graphs)
     mismatches: list[str] = []
     compared = 0
-    with stagebuf_tier(setup.split("_", 1)[1]):
+    with stagebuf_tier(tier_of(setup)):
         for i, seqs, pre in trace.run(cfg.steps):
             with own_context("own"):
                 a = snapshot(nano, prepared := prepare(own, seqs, pre))
@@ -295,25 +298,15 @@ def check(
             bad = differences(a, b)
             if graphs:
                 bad += [] if torch.equal(out_a.cpu(), _run(mine, prepared, pre).cpu()) else ["logits"]  # type: ignore[union-attr]
-                gv = [k for k in (*FIELDS[2:], "input_ids", "positions") if not pre]
-                bad += [
-                    f"graph_vars[{k}]"
-                    for k in gv
-                    if not torch.equal(own.graph_vars[k].cpu(), mine.graph_vars[k].cpu())
-                ]
+                gv = (*FIELDS[2:], "input_ids", "positions") if not pre else ()
+                same = lambda k: torch.equal(own.graph_vars[k].cpu(), mine.graph_vars[k].cpu())
+                bad += [f"graph_vars[{k}]" for k in gv if not same(k)]
             mismatches += [f"step {i} ({'prefill' if pre else 'decode'}, {len(seqs)} seqs): {k}" for k in bad]
             compared += 1
             if len(mismatches) > 20:
                 break
-    counts = (
-        "prefill_steps",
-        "prefix_hits",
-        "preempted",
-        "reprefills",
-        "scheduler_error",
-        "finished",
-        "submitted",
-    )
+    counts = ("prefill_steps", "prefix_hits", "preempted", "reprefills", "scheduler_error", "finished",
+              "submitted")  # fmt: skip
     return {"setup": setup, "steps": compared, **{k: getattr(trace, k) for k in counts}, "graphs": graphs,
             "mismatches": mismatches}  # fmt: skip
 
@@ -338,13 +331,9 @@ class GraphWrites(TorchDispatchMode):
         self.copies = self.fills = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func.__name__.split(".")[0]
-        dst = args[0] if args else None
-        if (
-            name in self.WRITES
-            and isinstance(dst, torch.Tensor)
-            and dst.untyped_storage().data_ptr() in self.ptrs
-        ):
+        name, dst = func.__name__.split(".")[0], args[0] if args else None
+        ptr = dst.untyped_storage().data_ptr() if isinstance(dst, torch.Tensor) else None
+        if name in self.WRITES and ptr in self.ptrs:
             if name != "copy_":
                 self.fills += 1
             elif isinstance(args[1], torch.Tensor) and args[1].device == dst.device:
@@ -358,7 +347,7 @@ def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> d
     trace = Trace(cfg, work)
     r = make_runner(trace, setup, graphs=True)
     copies, fills, n = 0, 0, 0
-    with stagebuf_tier(None if setup == "own" else setup.split("_", 1)[1]), own_context(setup):
+    with stagebuf_tier(tier_of(setup)), own_context(setup):
         for _, seqs, pre in trace.run(steps):
             if pre or len(seqs) > 512:
                 prepare(r, seqs, pre)
@@ -403,7 +392,7 @@ def check_in_flight(setup: str, cfg: TraceConfig, work: Path, busy_cycles: int) 
             ev.synchronize()
         mismatches.extend(f"step {i}: {k}" for k in differences(want[i], got))
 
-    with stagebuf_tier(setup.split("_", 1)[1]):
+    with stagebuf_tier(tier_of(setup)):
         for i, seqs, pre in trace.run(len(want)):
             raw = inputs(trace.nano, prepare(mine, seqs, pre))
             if cuda and busy_cycles:
@@ -453,10 +442,8 @@ def run_lockstep(
     runners = [make_runner(trace, s) for s in names]
     cuda = torch.cuda.is_available()
     times: dict[str, dict[str, list[float]]] = {s: {"prefill": [], "decode": []} for s in [*names, FLOOR]}
-    turns, clock = (
-        Lockstep(len(names), torch.device("cuda" if cuda else "cpu"), busy_cycles),
-        time.perf_counter,
-    )
+    turns = Lockstep(len(names), torch.device("cuda" if cuda else "cpu"), busy_cycles)
+    clock = time.perf_counter
     for i, seqs, pre in trace.run(cfg.steps):
         kind = "prefill" if pre else "decode"
         for e in turns.order(i):
@@ -480,11 +467,8 @@ def run_lockstep(
                 times[FLOOR]["prefill"].append((clock() - t0) * 1e6)
     if cuda:
         torch.cuda.synchronize()
-    return {
-        s: {f"{k}_us": float(np.median(v)) if v else None for k, v in d.items()}
-        | {f"{k}_steps": len(v) for k, v in d.items()}
-        for s, d in times.items()
-    }
+    return {s: {f"{k}_us": float(np.median(v)) if v else None for k, v in d.items()}
+            | {f"{k}_steps": len(v) for k, v in d.items()} for s, d in times.items()}  # fmt: skip
 
 
 def bench(
@@ -517,9 +501,8 @@ def bench(
                     said = f"{r['steps']} steps, {len(r['mismatches'])} mismatches"
                     log(f"nanovllm check {s} graphs={graphs}: {said}")
                 if cuda:
-                    out["checks"].append(
-                        r := check_in_flight(s, small, work, cycles) | {"graphs": "in flight"}
-                    )
+                    r = check_in_flight(s, small, work, cycles) | {"graphs": "in flight"}
+                    out["checks"].append(r)
                     log(f"nanovllm in-flight check {s}: {len(r['mismatches'])} mismatches")
             for s in names:
                 out["graph_writes"][s] = graph_writes(s, replace(cfg, steps=60), work)

@@ -446,6 +446,7 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
                         row[f"{kind}_{key}"] = float(statistics.median(vals))
 
     row = lambda w, s: table.get(w, {}).get(s, {})
+    same = [bool(r["identical"]) for r in runs]
 
     def ratio(w: str, num: str) -> float | None:
         x, y = (row(w, s).get(f"{w}_tokens_per_s") for s in (num, "own"))
@@ -457,7 +458,7 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
         "e2e_nanovllm_decode_nopin_vs_own": ratio("decode", NOPIN),
         "e2e_nanovllm_prefill_uva_vs_own": ratio("prefill", "stagebuf_uva"),
         "e2e_nanovllm_prep_share_uva": row("decode", "stagebuf_uva").get("decode_prep_share"),
-        "e2e_nanovllm_tokens_identical": statistics.mean(bool(r["identical"]) for r in runs) if runs else None,
+        "e2e_nanovllm_tokens_identical": sum(same) / len(same) if same else None,
     }  # fmt: skip
     ratios = {}
     for name, (op, goal) in GOALS.items():

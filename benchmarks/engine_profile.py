@@ -60,12 +60,8 @@ def top(prof: cProfile.Profile, steps: int, k: int) -> dict[str, Any]:
     prof.create_stats()  # (pstats.Stats refuses a profile that never ran: a part with no calls)
     st = {key: v for key, v in prof.stats.items() if "_lsprof.Profiler" not in key[2]}  # type: ignore[attr-defined]
     rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:k]
-    return {
-        "profiled_us": sum(v[2] for v in st.values()) / steps * 1e6,
-        "top": [
-            {"function": _name(key), "calls": v[1] / steps, "own_us": v[2] / steps * 1e6} for key, v in rows
-        ],
-    }
+    top = [{"function": _name(key), "calls": v[1] / steps, "own_us": v[2] / steps * 1e6} for key, v in rows]
+    return {"profiled_us": sum(v[2] for v in st.values()) / steps * 1e6, "top": top}
 
 
 def profile_setup(
@@ -101,22 +97,16 @@ def run(
         raise click.BadParameter(f"{', '.join(unknown)}; allowed: {', '.join(known)}", param_hint="--setups")
     chosen = [known[n] for n in names]
     cycles = E.sleep_cycles_for(busy_ms, device) if cuda else 0
-    out: dict[str, Any] = {
-        "steps": steps,
-        "warmup": warmup,
-        "setups": names,
-        "vllm_version": release,
-        "runs": {},
-    }
+    out: dict[str, Any] = {"steps": steps, "warmup": warmup, "setups": names, "vllm_version": release}
+    out["runs"] = {}
     try:
         for g in groups:
             cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:g], **{**(trace or {}), "steps": steps})
             plans = E.make_trace(cfg)
             for busy in modes:
                 floor = E.Setup("floor", "floor")
-                timed = E.run_lockstep(
-                    [*chosen, floor], cfg, device, plans, cycles * busy, warmup, release=release
-                )
+                timed = E.run_lockstep([*chosen, floor], cfg, device, plans, cycles * busy, warmup,
+                                       release=release)  # fmt: skip
                 for s in chosen:
                     out["runs"][f"{s.name}|g{g}|{'busy' if busy else 'idle'}"] = {
                         "sections_us": timed[s.name]["sections_us"],
@@ -149,14 +139,10 @@ def main(
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise click.UsageError("on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1")
     if warmup >= steps:
-        raise click.BadParameter(
-            f"{warmup} >= --steps {steps}; allowed: fewer than --steps", param_hint="--warmup"
-        )
+        raise click.BadParameter(f"{warmup} >= --steps {steps}: fewer, please", param_hint="--warmup")
     modes = {"both": (False, True), "busy": (True,), "idle": (False,)}[mode]
     names = [n.strip() for n in (setups or DEFAULT_SETUPS[device.type]).split(",") if n.strip()]
-    report = run(
-        device, names, tuple(int(g) for g in groups.split(",")), modes, steps, warmup, k, release=release
-    )
+    report = run(device, names, tuple(map(int, groups.split(","))), modes, steps, warmup, k, release=release)
     report["commit"] = commit() or "unknown"
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     Path(json_path).write_text(json.dumps(report, indent=1))

@@ -123,18 +123,11 @@ def cases(device: torch.device, edits: tuple[int, ...], lengths: tuple[int, ...]
     p = functools.partial
     out = [(f"{kind}|k{k}", p(make, device=device, k=k)) for k in (1, 8)
            for kind, make in (("pool", pool_case), ("backed", backed_case))]  # fmt: skip
-    for e in edits:
-        for ln in lengths:
-            out.append((f"writes|{e}x{ln}", p(writes_case, device=device, e=e, ln=ln, fused=False)))
-            if stage and e <= 256:
-                out.append(
-                    (
-                        f"stage|{e}x{ln}",
-                        p(writes_case, device=device, e=e, ln=ln, fused=False, stage_only=True),
-                    )
-                )
-            if e >= 2:
-                out.append((f"fused|{e}x{ln}", p(writes_case, device=device, e=e, ln=ln, fused=True)))
+    for e, ln in ((e, ln) for e in edits for ln in lengths):
+        w = p(writes_case, device=device, e=e, ln=ln)
+        out.append((f"writes|{e}x{ln}", p(w, fused=False)))
+        out += [(f"stage|{e}x{ln}", p(w, fused=False, stage_only=True))] if stage and e <= 256 else []
+        out += [(f"fused|{e}x{ln}", p(w, fused=True))] if e >= 2 else []
     if release is not None:
         out += [(f"prompt|{kind}|{n}", p(prompt_case, device=device, kind=kind, n=n, release=release))
                 for kind in PROMPT_KINDS for n in PROMPT_LENGTHS]  # fmt: skip
@@ -154,16 +147,10 @@ def run(
     """Every case on vLLM ``release``'s layer (UVA; on a GPU also its NonUvaBuffer fallback) and stagebuf's
     tiers (UVA also with the Triton kernel forced, for the writes)."""
     cuda = device.type == "cuda"
-    vllm_uva = vllm_mrv2.load("vllm", pin=True, device=device, release=release).buffer_utils
+    vllm = lambda pin: vllm_mrv2.load("vllm", pin=pin, device=device, release=release).buffer_utils
+    vllm_uva = vllm(True)
     peers: list[tuple[str, Any, str | None]] = [("vllm_uva", vllm_uva, None)]
-    if cuda:
-        peers.append(
-            (
-                "vllm_nopin",
-                vllm_mrv2.load("vllm", pin=False, device=device, release=release).buffer_utils,
-                None,
-            )
-        )
+    peers += [("vllm_nopin", vllm(False), None)] if cuda else []
     sb, ts = vllm_mrv2.stagebuf_buffer_utils(vllm_uva, release), tiers(device)
     peers += [(f"stagebuf_{t}", sb, t) for t in ts]
     if cuda and ts[:1] == ["uva"]:
@@ -228,10 +215,9 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
                 "vLLM's has no guard"
             )
     cell, r = worst("prompt|")
-    what = (
-        f"StagedWriteTensor.stage_write of one prompt + apply_write (as vLLM {peer} passes it, an ndarray "
-        f"or a list; 16 to 131 072 tokens): stagebuf UVA / vLLM {peer}'s on UVA, worst cell"
-    )
+    what = (f"StagedWriteTensor.stage_write of one prompt + apply_write (as vLLM {peer} passes it, an "
+            f"ndarray or a list; 16 to 131 072 tokens): stagebuf UVA / vLLM {peer}'s on UVA, worst "
+            "cell")  # fmt: skip
     e = out[f"vllm_stage_prompt{release_suffix(release)}"] = T.target(what, "engine", r, "<=", 1.0, cell, gpu)
     if e["passed"] is False:
         d = med[f"prompt|{cell}"]

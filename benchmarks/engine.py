@@ -122,12 +122,8 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
                 budget -= n
         new: list[NewReq] = []
         arrived = 0
-        while (
-            len(running) < cfg.running
-            and arrived < cfg.arrivals_per_step
-            and budget > 0
-            and len(running) < cfg.max_num_reqs
-        ):
+        most = min(cfg.running, cfg.max_num_reqs)
+        while len(running) < most and arrived < cfg.arrivals_per_step and budget > 0:
             p = int(rng.integers(cfg.prompt[0], cfg.prompt[1] + 1))
             o = int(rng.integers(cfg.output[0], cfg.output[1] + 1))
             o = min(o, cfg.max_model_len - p - 1)
@@ -290,12 +286,8 @@ class Engine:
 
             self.stager = stagebuf.StepStager(device, capacity=1 << 16)
             rs = self.req_states
-            self.own_writes = [
-                *self.block_tables.block_tables,
-                rs.total_len,
-                rs.all_token_ids,
-                rs.num_computed_tokens,
-            ]
+            self.own_writes = [*self.block_tables.block_tables, rs.total_len, rs.all_token_ids,
+                               rs.num_computed_tokens]  # fmt: skip
             self.writer = stagebuf.FusedStagedWriter(device, max_writes=g * cfg.max_num_reqs + 3 * 64)
             # the per-request parameters (the sampler's five, prompt and prefill lengths) in one table:
             # one copy per step where any changed, in place of seven publishes
@@ -465,11 +457,8 @@ def check(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             a, b = ref.inputs(), eng.inputs()
-            mismatches += [
-                f"step {i}: {k}"
-                for k in a
-                if a[k].shape != b[k].shape or not torch.equal(a[k].cpu(), b[k].cpu())
-            ]
+            same = lambda k: a[k].shape == b[k].shape and torch.equal(a[k].cpu(), b[k].cpu())  # noqa: B023
+            mismatches += [f"step {i}: {k}" for k in a if not same(k)]
             for e in (ref, eng):
                 e.finish(plan, busy_cycles)
             if len(mismatches) > 20:
@@ -501,9 +490,8 @@ def run_lockstep(
     engines: list[Any] = []
     for s in setups_:
         with stagebuf_tier(_tier_of(s)):
-            engines.append(
-                FloorEngine(cfg, device) if s.layer == "floor" else Engine(s, cfg, device, release)
-            )
+            eng = FloorEngine(cfg, device) if s.layer == "floor" else Engine(s, cfg, device, release)
+            engines.append(eng)
     stagebuf.capabilities(device)  # cached with no tier forced: begin_step() asks it per step
     waits0 = [_batch_waits(eng.setup) for eng in engines]
     prep: list[list[float]] = [[] for _ in engines]
@@ -546,9 +534,7 @@ def run_lockstep(
 def _guard_waits(eng: Engine) -> int:
     """Waits of the slot guard over every stagebuf object of an engine (0 for vLLM's layer)."""
     objs: list[Any] = [eng.stager, eng.writer, getattr(eng, "params", None), eng.block_tables.num_blocks]
-    objs += eng.block_tables.block_tables + [
-        v for x in (eng.req_states, eng.sampling) for v in vars(x).values()
-    ]
+    objs += [*eng.block_tables.block_tables, *vars(eng.req_states).values(), *vars(eng.sampling).values()]
     return sum(int(o.stats().get("guard_waits", 0)) for o in objs if callable(getattr(o, "stats", None)))
 
 
@@ -559,9 +545,8 @@ def _batch_waits(setup: Setup) -> int:
         return 0
     from stagebuf._engines.vllm_step_batch import BATCHES
 
-    return sum(
-        b.stager.stats()["guard_waits"] for (_, t), b in BATCHES.items() if t.name.lower() == setup.tier
-    )
+    waits = [b.stager.stats()["guard_waits"] for (_, t), b in BATCHES.items() if t.name.lower() == setup.tier]
+    return sum(waits)
 
 
 def setups(tier_names: list[str], cuda: bool) -> list[Setup]:
@@ -644,16 +629,13 @@ def bench(
             plans = make_trace(cfg)
             for s in all_setups:
                 for busy in modes if s.name not in ("vllm_uva", "floor") else ():
-                    r = check(
-                        s, cfg, device, cycles if busy else 0, trace=plans[:check_steps], release=release
-                    )
+                    r = check(s, cfg, device, cycles * busy, trace=plans[:check_steps], release=release)
                     out["checks"].append(r | {"groups": g, "busy": busy})
                     log(f"check {s.name} groups={g} busy={busy}: {len(r['mismatches'])} mismatches")
             for rep in range(repeats):
                 for busy in modes:
-                    res = run_lockstep(
-                        all_setups, cfg, device, plans[:steps], cycles * busy, warmup, release=release
-                    )
+                    res = run_lockstep(all_setups, cfg, device, plans[:steps], cycles * busy, warmup,
+                                       release=release)  # fmt: skip
                     for name, r in res.items():
                         out["runs"].setdefault(f"{name}|g{g}|{'busy' if busy else 'idle'}", []).append(r)
                 log(f"engine groups={g}: repeat {rep + 1}/{repeats} done")
@@ -770,13 +752,9 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> 
                 e[T.REASON] = (f"most above the floor: {part} {mine.get(part, 0):.1f} µs against "
                                f"{f.get(part, 0):.1f} µs ({num}, {g}g)")  # fmt: skip
             a, b = _part_means(runs, num, g), _part_means(runs, den, g)
-            slower = "; ".join(
-                f"{k} {a[k]:.1f} µs against {b[k]:.1f}" for k in SECTIONS if b[k] and a[k] > 1.05 * b[k]
-            )
+            slower = [f"{k} {a[k]:.1f} µs against {b[k]:.1f}" for k in SECTIONS if a[k] > 1.05 * b[k] > 0]
             if name == "dropin_uva_vs_vllm_uva" and e.get("passed") and release in GOALS and slower:
-                e.update(
-                    passed=False, why=f"slower than vLLM's own in {slower}"
-                )  # the goal adds: no part slower
+                e.update(passed=False, why=f"slower than vLLM's own in {'; '.join(slower)}")  # no part slower
     steps = [(v, f"{s}, {g} KV groups, {m}") for g in groups for s in sb if s.startswith("stagebuf_step_")
              for m in ("idle", "busy") if (v := ratio(s, "floor", g, m)) is not None]  # fmt: skip
     w = max(steps, default=None)

@@ -14,7 +14,8 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,6 +52,30 @@ def wheel(requirement: str, *pip_args: str, timeout: float = 900) -> Iterator[Pa
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel"]
             raise Unavailable(f"{why}: {tail[0][:300]}")
         yield wheels[0]
+
+
+def unpacked(requirement: str, *pip_args: str, members: Iterable[str] | None = None,
+             timeout: float = 900) -> Callable[[Path], None]:  # fmt: skip
+    """A :func:`put` filler: the wheel of ``requirement`` unpacked (only ``members``, where given)."""
+
+    def fill(dest: Path) -> None:
+        with wheel(requirement, *pip_args, timeout=timeout) as whl:
+            try:
+                with zipfile.ZipFile(whl) as z:
+                    z.extractall(dest, members)
+            except (KeyError, zipfile.BadZipFile) as e:
+                raise Unavailable(f"{requirement}'s wheel lacks a file the bench needs: {e}") from e
+
+    return fill
+
+
+def kept(root: Path, complete: Callable[[Path], bool], fill: Callable[[Path], None]) -> Path:
+    """``root`` where ``complete(root)``, else made anew by ``fill`` (:func:`put`); raises Unavailable."""
+    if not complete(root):
+        put(root, fill)
+        if not complete(root):
+            raise Unavailable(f"{root} is not complete after fetching it")
+    return root
 
 
 def put(root: Path, fill: Callable[[Path], None]) -> Path:

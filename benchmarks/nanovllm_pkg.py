@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import types
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,33 +48,19 @@ def _py() -> str:
     return f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
-def _unzip(requirement: str, *pip_args: str) -> Any:
-    """A ``fetch.put`` filler: the wheel of ``requirement``, unpacked."""
-
-    def fill(dest: Path) -> None:
-        with F.wheel(requirement, *pip_args, timeout=300) as whl, zipfile.ZipFile(whl) as z:
-            z.extractall(dest)
-
-    return fill
-
-
-def fetch(version: str = VERSION, quiet: bool = True) -> Path:
+def fetch(version: str = VERSION) -> Path:
     """The folder holding nano-vllm (``pkg/nanovllm``) and xxhash; fetched once; raises Unavailable."""
     root = cache_dir(version)
-    if not (root / "pkg/nanovllm/engine/model_runner.py").is_file():
-        F.put(root / "pkg", _unzip(f"{DIST}=={version}"))
+    whole = lambda pkg: (pkg / "nanovllm/engine/model_runner.py").is_file()
+    F.kept(root / "pkg", whole, F.unpacked(f"{DIST}=={version}", timeout=300))
     for py in XXHASH_PYTHONS:
-        if (root / f"xxhash-py{py}/xxhash").is_dir():
-            continue
         args = ("--only-binary=:all:", "--python-version", py, "--implementation", "cp", "--platform",
                 "manylinux2014_x86_64")  # fmt: skip
         try:
-            F.put(root / f"xxhash-py{py}", _unzip("xxhash", *args))
+            F.kept(root / f"xxhash-py{py}", lambda d: (d / "xxhash").is_dir(), F.unpacked("xxhash", *args))
         except Unavailable:
             if importlib.util.find_spec("xxhash") is None and py == _py():
                 raise
-    if not quiet:
-        print(f"nanovllm_pkg: {DIST} {version} is in {root}", file=sys.stderr)
     return root
 
 

@@ -31,7 +31,6 @@ import sys
 import types
 import uuid
 import weakref
-import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -145,31 +144,16 @@ def _have(root: Path, release: str) -> bool:
     return all((root / f).is_file() for f in files(release))
 
 
-def fetch(release: str = NEWEST, quiet: bool = True) -> Path:
+def fetch(release: str = NEWEST) -> Path:
     """The folder holding vLLM ``release``'s :func:`files`, fetched if needed; raises Unavailable."""
-    root = cache_dir(release)
-    if _have(root, release):
-        return root
-    F.put(root, lambda dest: _from_wheel(release, dest))
-    if not _have(root, release):
-        raise Unavailable(f"vLLM {release}'s files are not all in {root} after fetching them")
-    if not quiet:
-        print(f"vllm_mrv2: vLLM {release}'s files are in {root}", file=sys.stderr)
-    return root
+    return F.kept(cache_dir(release), lambda root: _have(root, release), _filler(release))
 
 
-def _from_wheel(release: str, dest: Path) -> None:
+def _filler(release: str) -> Callable[[Path], None]:
     """``files(release)`` from the release's wheel (only Python files: any platform's wheel will do)."""
     args = ("--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "--python-version", "3.12",
             "--implementation", "cp")  # fmt: skip
-    with F.wheel(f"vllm=={release}", *args) as whl:
-        try:
-            with zipfile.ZipFile(whl) as z:
-                for f in files(release):
-                    (dest / f).parent.mkdir(parents=True, exist_ok=True)
-                    (dest / f).write_bytes(z.read(f))
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise Unavailable(f"vLLM {release}'s wheel lacks a file the harness needs: {e}") from e
+    return F.unpacked(f"vllm=={release}", *args, members=files(release))
 
 
 # --- newer releases on the registry ----------------------------------------------------------

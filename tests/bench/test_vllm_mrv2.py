@@ -135,16 +135,19 @@ def test_the_cache_is_per_user_outside_the_checkout(monkeypatch: pytest.MonkeyPa
 
 
 def _fake_wheel(source: Path, fail_after: int | None = None) -> Any:
-    """A ``_from_wheel`` copying a fetched release's files (``fail_after`` files, then interrupted)."""
+    """A ``_filler`` copying a fetched release's files (``fail_after`` files, then interrupted)."""
 
-    def from_wheel(release: str, dest: Path) -> None:
-        for i, f in enumerate(V.files(release)):
-            if fail_after is not None and i == fail_after:
-                raise KeyboardInterrupt
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            (dest / f).write_bytes((source / f).read_bytes())
+    def filler(release: str) -> Any:
+        def fill(dest: Path) -> None:
+            for i, f in enumerate(V.files(release)):
+                if fail_after is not None and i == fail_after:
+                    raise KeyboardInterrupt
+                (dest / f).parent.mkdir(parents=True, exist_ok=True)
+                (dest / f).write_bytes((source / f).read_bytes())
 
-    return from_wheel
+        return fill
+
+    return filler
 
 
 def test_an_interrupted_fetch_leaves_no_part_of_a_release(
@@ -155,7 +158,7 @@ def test_an_interrupted_fetch_leaves_no_part_of_a_release(
         pytest.skip(f"needs vLLM {r}'s files: {V.available(r)}")
     have = V.fetch(r)
     monkeypatch.setenv(V.ENV_DIR, str(tmp_path))
-    monkeypatch.setattr(V, "_from_wheel", _fake_wheel(have, fail_after=3))
+    monkeypatch.setattr(V, "_filler", _fake_wheel(have, fail_after=3))
     with pytest.raises(KeyboardInterrupt):
         V.fetch(r)
     assert list(tmp_path.iterdir()) == []  # neither the release's folder nor the temporary one
@@ -163,7 +166,7 @@ def test_an_interrupted_fetch_leaves_no_part_of_a_release(
     old = tmp_path / f"vllm-{r}"
     (old / "vllm/v1/worker/gpu").mkdir(parents=True)
     (old / "vllm/v1/worker/gpu/buffer_utils.py").write_text("# partial\n")
-    monkeypatch.setattr(V, "_from_wheel", _fake_wheel(have))
+    monkeypatch.setattr(V, "_filler", _fake_wheel(have))
     assert V.fetch(r) == old and V._have(old, r)
     assert (old / "vllm/v1/worker/gpu/buffer_utils.py").read_bytes() == (
         have / "vllm/v1/worker/gpu/buffer_utils.py"

@@ -66,8 +66,6 @@ class BenchConfig:
     engine_releases: tuple[str, ...] = tuple(reversed(list(vllm_mrv2.RELEASES)[-2:]))
     """engine: the vLLM releases whose own layer is the peer, the main one first (the newest; the one
     before it is the second column, with fewer repeats and no micro-benchmarks)."""
-    threads: int | None = None
-    """torch intra-op threads during the run (None: 1 when the device is the CPU, else torch's)."""
     seed: int = 0
 
     @classmethod
@@ -170,9 +168,8 @@ def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]
                 skipped.append({"workload": wl, "strategy": s.name, "reason": why})
 
     add("micro", micro.strategies(tiers), list(cfg.sizes))
-    guard_tiers = [t for t in tiers if t in (Tier.UVA, Tier.PINNED)] or [
-        t for t in tiers if t is Tier.PAGEABLE
-    ]
+    uva_or_pinned = [t for t in tiers if t in (Tier.UVA, Tier.PINNED)]
+    guard_tiers = uva_or_pinned or [t for t in tiers if t is Tier.PAGEABLE]
     at = micro.SIZE if micro.SIZE in cfg.sizes else min(cfg.sizes)
     add("micro", micro.guard_strategies(guard_tiers), [at], "guard")
     cells = cfg.cells()
@@ -312,9 +309,8 @@ def metadata(m: Machine, cfg: BenchConfig) -> dict[str, Any]:
     if m.env.cuda:
         smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
         with contextlib.suppress(Exception):  # no nvidia-smi, or it said nothing
-            versions["driver"] = subprocess.run(
-                smi, capture_output=True, text=True, timeout=10
-            ).stdout.split()[0]
+            out = subprocess.run(smi, capture_output=True, text=True, timeout=10)
+            versions["driver"] = out.stdout.split()[0]
     named = os.environ.get("STAGEBUF_BENCH_COMMIT")  # a copied tree's .git may not be what was copied
     status = None if named else H.git("status", "--porcelain", "--untracked-files=no")
     return {
@@ -341,9 +337,9 @@ def run(cfg: BenchConfig, console: Console | None = None, progress: bool | None 
     report["tiers"] = {"available": [t.name for t in m.available], "measured": [t.name for t in tiers]}
     # On the CPU, torch's parallel ops stall for a scheduler slice whenever another process holds a
     # core; one thread (an engine's host thread) keeps CPU numbers stable.
-    threads, old = cfg.threads or (1 if m.env.device.type == "cpu" else None), torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    old = torch.get_num_threads()
+    if m.env.device.type == "cpu":
+        torch.set_num_threads(1)
     report["torch_threads"] = torch.get_num_threads()
     try:
         out = run_tasks(cfg, m, tasks, console, console.is_terminal if progress is None else progress)
@@ -437,36 +433,21 @@ TIERS = click.Choice([t.name.lower() for t in Tier], case_sensitive=False)
 @click.command("bench")
 @click.option("--quick", is_flag=True, help="Small sizes and short repeats: a CPU-only CI run (< 60 s).")
 @click.option("--json", "json_path", type=PATH, help="Write the report (medians, samples, ratios, versions).")
-@click.option(
-    "--plot", "plot_path", type=PATH, help="Write one PNG per workload: PATH's stem + -micro and so on."
-)
+@click.option("--plot", "plot_path", type=PATH, help="Write one PNG per workload: PATH's stem + -micro, ...")
 @click.option("--markdown", "md_path", type=PATH, help="Write the tables as Markdown.")
 @click.option("--from-json", type=click.Path(exists=True), help="Run nothing: show an earlier --json run.")
 @click.option("--tier", "tiers", multiple=True, type=TIERS, help="Only these stagebuf tiers (repeatable).")
 @click.option("--workload", "workloads", multiple=True, type=click.Choice(ALL_WORKLOADS), help="Only these.")
 @click.option("--sizes", callback=_ints, help="micro: N values, comma-separated [64,512,4096,32768].")
-@click.option(
-    "--edits", callback=_ints, help="staged writes: E, edits per apply, comma-separated [1,16,256,4096]."
-)
-@click.option(
-    "--lengths", callback=_ints, help="staged writes: L, elements per edit [1,8,64]; every E x L runs."
-)
+@click.option("--edits", callback=_ints, help="staged writes: E, edits per apply [1,16,256,4096].")
+@click.option("--lengths", callback=_ints, help="staged writes: L, elements per edit [1,8,64]; every E x L.")
 @click.option("-k", "--arrays", "k", type=click.IntRange(1, 256), help="micro: arrays per step [8].")
 @click.option("--repeats", type=click.IntRange(1, 1000), help="Timed repeats per case [5].")
-@click.option(
-    "--iters", type=click.IntRange(2, 10_000_000), help="Most steps per repeat [2000] (see --target-ms)."
-)
-@click.option(
-    "--target-ms", type=click.FloatRange(0.1, 60_000), help="Aim for repeats of about this long [150]."
-)
+@click.option("--iters", type=click.IntRange(2, 10**7), help="Most steps per repeat [2000]; see --target-ms.")
+@click.option("--target-ms", type=click.FloatRange(0.1, 60_000), help="Aim for repeats this long [150].")
 @click.option("--device", help="Target device (default: current accelerator, else cpu).")
-@click.option(
-    "--threads", type=click.IntRange(1, 1024), help="torch threads [1 on a CPU device, else torch's]."
-)
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
-@click.option(
-    "--strict", is_flag=True, help="Exit 3 when a judged target fails (--quick on a CPU judges none)."
-)
+@click.option("--strict", is_flag=True, help="Exit 3 when a judged target fails (--quick on a CPU: none).")
 def bench(json_path: str | None, plot_path: str | None, md_path: str | None, from_json: str | None,
           progress: bool | None, strict: bool, **opts: Any) -> None:  # fmt: skip
     """Time every staging strategy (baselines, stagebuf per tier, the floor) and the targets' ratios."""

@@ -95,11 +95,8 @@ def vs_vllm_table(report: dict[str, Any]) -> list[Table]:
     peers = list(dict.fromkeys(p for d in med.values() for p in d))
     rel = res.get("vllm_version") or (report.get("engine") or {}).get("vllm_version")
     title = f"vs {f'vLLM {rel}' if rel else 'vLLM'}'s own classes: host µs per step, idle GPU"
-    return (
-        [(title, ["case", *peers], [[c, *(fmt(d.get(p)) for p in peers)] for c, d in med.items()])]
-        if med
-        else []
-    )
+    rows = [[c, *(fmt(d.get(p)) for p in peers)] for c, d in med.items()]
+    return [(title, ["case", *peers], rows)] if med else []
 
 
 def nanovllm_tables(report: dict[str, Any]) -> list[Table]:
@@ -139,20 +136,16 @@ def tables(report: dict[str, Any], labels: bool = False) -> list[Table]:
     out += vs_vllm_table(report) + nanovllm_tables(report)
     so = [[n, k, fmt(r["host_us"]), f"{r['host_us'] / WriteCell.parse(k).edits:.3f}"]
           for n, by in report.get("staged_write_stage_only", {}).items() for k, r in by.items()]  # fmt: skip
-    if so:
-        title = (
-            "stage only: stage_write x E from Python lists, then clear_staged_writes() (no apply), host µs"
-        )
-        out.append((title, ["strategy", "ExL", "per step", "per call"], so))
+    title = "stage only: stage_write x E from Python lists, then clear_staged_writes() (no apply), host µs"
+    out += [(title, ["strategy", "ExL", "per step", "per call"], so)] if so else []
     guard = []
     for by in (report.get("guard_cost") or {}).values():
         for n, g in by.items():
             costs = [fmt(g["wait_e2e_us"]), fmt(g["off_e2e_us"]), f"{g['delta_e2e_us']:+.2f}"]
             guard.append([g["structure"], g["tier"], n, *costs, str(g["guard_waits"])])
-    if guard:
-        title = "guard cost: guard='wait' minus guard='off', µs per step (device-synchronised)"
-        out.append((title, ["structure", "tier", "N", "wait", "off", "delta", "waits"], guard))
-    return out
+    title = "guard cost: guard='wait' minus guard='off', µs per step (device-synchronised)"
+    head = ["structure", "tier", "N", "wait", "off", "delta", "waits"]
+    return out + ([(title, head, guard)] if guard else [])
 
 
 def measured(r: dict[str, Any]) -> str:
@@ -443,9 +436,8 @@ def e2e_markdown(report: dict[str, Any]) -> str:
     ]
     for w, rows in s["table"].items():
         for setup, row in rows.items():
-            split = " / ".join(
-                f"{row.get(f'decode_{k}_ms', 0):.2f}" for k in ("prep", "forward", "sample", "rest")
-            )
+            ms = [row.get(f"decode_{k}_ms", 0) for k in ("prep", "forward", "sample", "rest")]
+            split = " / ".join(f"{v:.2f}" for v in ms)
             lines.append(
                 f"| {w} | {setup} | {row.get('tier') or '-'} | {row.get('decode_tokens_per_s', 0):,.0f} | "
                 f"{row.get('prefill_tokens_per_s', 0):,.0f} | {row.get('decode_step_ms', 0):.2f} ({split}) | "
@@ -497,12 +489,8 @@ def profile_markdown(report: dict[str, Any], k: int = 6) -> str:
     its floor, and its top functions."""
     lines = []
     for key, r in report["runs"].items():
-        lines += [
-            f"#### {key}",
-            "",
-            "part | µs | floor µs | top functions (calls, own µs per step)",
-            "---|---|---|---",
-        ]
+        head = "part | µs | floor µs | top functions (calls, own µs per step)"
+        lines += [f"#### {key}", "", head, "---|---|---|---"]
         for part in SECTIONS:
             fns = "; ".join(
                 f"`{t['function']}` {t['calls']:.1f}, {t['own_us']:.1f}" for t in r["parts"][part]["top"][:k]

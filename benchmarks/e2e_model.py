@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 
 from .fetch import put
 
-WRITER_VERSION = 3
+WRITER_VERSION = 4
 """Bumped whenever the files written for a (shape, seed) change: an older folder is rewritten."""
 INIT_STD = 0.02  # The std of every linear and embedding weight (Qwen3's ``initializer_range``); norms are 1.
 MANIFEST = "stagebuf-model.json"
@@ -77,36 +76,15 @@ def parameter_shapes(shape: str) -> dict[str, tuple[int, ...]]:
 
 # --- the weights ----------------------------------------------------------------------------------
 
-_CHUNK_ELEMS = 1 << 22  # Elements drawn (and held, as float32) at a time: 16 MiB.
-
-
-def _generator(seed: int, name: str) -> torch.Generator:
-    digest = hashlib.sha256(f"stagebuf-e2e-model/{seed}/{name}".encode()).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-
-def _is_norm(name: str) -> bool:
-    return name.endswith("norm.weight")
-
-
-def tensor_chunks(name: str, shape: tuple[int, ...], seed: int) -> Iterator[torch.Tensor]:
-    """The bfloat16 values of one tensor, as consecutive slices of whole rows (concatenated: the tensor)."""
-    rows = shape[0]
-    row = math.prod(shape[1:])
-    step = max(1, _CHUNK_ELEMS // max(row, 1))
-    g = None if _is_norm(name) else _generator(seed, name)
-    for start in range(0, rows, step):
-        n = min(step, rows - start)
-        if g is None:
-            yield torch.ones((n, *shape[1:]), dtype=torch.bfloat16)
-        else:
-            part = torch.randn((n, *shape[1:]), generator=g, dtype=torch.float32)
-            yield part.mul_(INIT_STD).to(torch.bfloat16)
-
 
 def draw_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """One tensor as ``write_model`` writes it (whole, in memory)."""
-    return torch.cat(list(tensor_chunks(name, shape, seed)))
+    """One bfloat16 tensor as ``write_model`` writes it: RMSNorm weights 1, others normal (std ``INIT_STD``)
+    from a generator seeded by ``seed`` and ``name``."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    digest = hashlib.sha256(f"stagebuf-e2e-model/{seed}/{name}".encode()).digest()
+    g = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.randn(shape, generator=g, dtype=torch.float32).mul_(INIT_STD).to(torch.bfloat16)
 
 
 def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> None:
@@ -139,19 +117,13 @@ def _manifest(shape: str, seed: int) -> dict[str, Any]:
 
 
 def _matches(folder: Path, want: dict[str, Any]) -> bool:
-    try:
+    try:  # (a manifest that is not a dict, or whose files are not, is no match)
         have = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+        files = have.get("files") or {}
+        sizes = all((folder / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, AttributeError):
         return False
-    if not isinstance(have, dict) or {k: have.get(k) for k in want} != want:
-        return False
-    files = have.get("files")
-    if not isinstance(files, dict) or WEIGHTS not in files:
-        return False
-    try:
-        return all((folder / name).stat().st_size == size for name, size in files.items())
-    except OSError:
-        return False
+    return {k: have.get(k) for k in want} == want and WEIGHTS in files and sizes
 
 
 def write_model(folder: str | os.PathLike[str], shape: str = "qwen3-0.6b", seed: int = 0) -> Path:

@@ -30,9 +30,9 @@ KERNELS = ("scatter", "triton", "auto")
 ROWS, COLS = 4096, 64
 
 
-def writer(device: torch.device, targets: int, edits: int, length: int, kernel: str) -> tuple[Any, Any]:
-    """(stage(i), the writer) of one side of the cell, made with ``kernel`` forced: a StagedWriteTensor, or
-    (FusedStagedWriter, its tensors, their addresses, their row strides)."""
+def writer(device: torch.device, targets: int, edits: int, length: int, kernel: str) -> tuple[Any, ...]:
+    """(stage(i), apply(i), the target tensors, the writer) of one side of the cell, made with ``kernel``
+    forced: a StagedWriteTensor for one target, else a FusedStagedWriter."""
     import stagebuf
 
     rng = np.random.default_rng(edits * 100 + length)
@@ -51,38 +51,22 @@ def writer(device: torch.device, targets: int, edits: int, length: int, kernel: 
                 sw(r, 0, v)
 
     if fused is None:
-        return stage, ts[0]
+        return stage, lambda i: ts[0].apply_write(), ts, ts[0]
     ptrs = torch.tensor([t.gpu.data_ptr() for t in ts], dtype=torch.uint64, device=device)
     strides = torch.tensor([t.gpu.stride(0) for t in ts], dtype=torch.int64, device=device)
-    return stage, (fused, ts, ptrs, strides)
+    return stage, lambda i: fused.apply(ts, ptrs, strides), ts, fused
 
 
 def cell(device: torch.device, targets: int, edits: int, length: int, steps: int) -> dict[str, Any]:
     """The median apply (µs) of each kernel (:func:`benchmarks.harness.turns`: the staging untimed, each
     apply on an idle device), and the kernel ``auto`` ran."""
-    sides = [writer(device, targets, edits, length, k) for k in KERNELS]
-    applies: list[Callable[[int], None]] = []
-    for _, w in sides:
-        if isinstance(w, tuple):
-            fused, ts, ptrs, strides = w
-            applies.append(lambda i, f=fused, t=ts, p=ptrs, s=strides: f.apply(t, p, s))
-        else:
-            applies.append(lambda i, w=w: w.apply_write())
-    us = turns(applies, device, steps, 10, prep=[stage for stage, _ in sides])
-    auto = sides[2][1]
-    ran = (auto[0] if isinstance(auto, tuple) else auto).kernel
-    return {
-        "targets": targets,
-        "edits": edits,
-        "length": length,
-        "us": dict(zip(KERNELS, us)),
-        "auto_ran": ran,
-    }
+    stages, applies, _, writers = zip(*(writer(device, targets, edits, length, k) for k in KERNELS))
+    us = turns(list(applies), device, steps, 10, prep=list(stages))
+    return {"targets": targets, "edits": edits, "length": length, "us": dict(zip(KERNELS, us)),
+            "auto_ran": writers[2].kernel}  # fmt: skip
 
 
-def run(
-    device: torch.device, tiers: list[str], steps: int, log: Callable[[str], None] = print
-) -> list[dict[str, Any]]:
+def run(device: torch.device, tiers: list[str], steps: int, log: Callable[[str], None] = print) -> list[dict]:
     out = []
     for tier in tiers:
         with stagebuf_tier(tier):

@@ -14,12 +14,12 @@ from benchmarks.harness import stagebuf_tier
 def test_a_sides_writer_applies_every_edit_its_step_stages(targets: int, edits: int, length: int) -> None:
     dev = torch.device("cpu")
     with stagebuf_tier("pageable"):
-        stage, w = kernels.writer(dev, targets, edits, length, "scatter")
-        ts = [w] if targets == 1 else w[1]
+        stage, apply, ts, w = kernels.writer(dev, targets, edits, length, "scatter")
+        assert type(w).__name__ == ("StagedWriteTensor" if targets == 1 else "FusedStagedWriter")
         before = [t.gpu.clone() for t in ts]
         stage(3)
         assert sum(t.num_staged for t in ts) == edits
-        w.apply_write() if targets == 1 else w[0].apply(*w[1:])
+        apply(3)
         changed = [(t.gpu != b).any(dim=1) for t, b in zip(ts, before)]
         assert sum(int(c.sum()) for c in changed) == edits  # one row an edit, none twice
         for t, c in zip(ts, changed):

@@ -72,10 +72,8 @@ def verdict(rounds: list[list[float]]) -> dict[str, Any]:
             "slower": slower, "faster": faster}  # fmt: skip
 
 
-def run(
-    rev: str, device: torch.device, rounds: int = 3, steps: int = 60, warmup: int = 10,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:  # fmt: skip
+def run(rev: str, device: torch.device, rounds: int = 3, steps: int = 60, warmup: int = 10,
+        log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Every vs-vLLM cell (pools, backed tensors, writes and fused writes) on every tier the machine has (not
     HOST on a GPU), ``rounds`` times, each side's classes standing in for vLLM's ``buffer_utils``."""
     import stagebuf

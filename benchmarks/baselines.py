@@ -66,9 +66,8 @@ def _vllm(device: torch.device, pin: bool, uva: bool | None = None, release: str
     return vllm_mrv2.load("vllm", pin=pin, device=device, uva=uva, release=release)
 
 
-def mrv2_uva_pool(
-    size: int, dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
-) -> Any:
+def mrv2_uva_pool(size: int, dtype: torch.dtype, device: torch.device,
+                  release: str = vllm_mrv2.NEWEST) -> Any:  # fmt: skip
     """vLLM's own UvaBufferPool with pinned memory: device views of pinned slots, round robin."""
     if device.type != "cuda":
         raise ValueError(f"vLLM's UVA pool needs a CUDA device; got {device}")
@@ -90,9 +89,8 @@ def mrv2_staged_write(shape: tuple[int, int], dtype: torch.dtype, device: torch.
     )
 
 
-def cpu_gpu_buffer(
-    size: int, dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
-) -> Any:
+def cpu_gpu_buffer(size: int, dtype: torch.dtype, device: torch.device,
+                   release: str = vllm_mrv2.NEWEST) -> Any:  # fmt: skip
     """vLLM V1's own CpuGpuBuffer: one async copy per ``copy_to_gpu(n)``."""
     return _vllm(device, True, release=release).CpuGpuBuffer(size, dtype=dtype, device=device)
 

@@ -195,9 +195,8 @@ class _Live:
     es: list[float] = field(default_factory=list)
 
 
-def run_tasks(
-    cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console, progress: bool
-) -> dict[str, Any]:
+def run_tasks(cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console,
+              progress: bool) -> dict[str, Any]:  # fmt: skip
     """Time ``tasks``: the cases of one (workload, size) are built together and their repeats interleaved."""
     results: dict[str, dict[str, Any]] = {w: {} for w in cfg.workloads if w in WORKLOADS}
     sections: dict[str, dict[str, Any]] = {"guard": {}, "stage_only": {}}
@@ -259,9 +258,8 @@ def add_staging(results: dict[str, dict[str, Any]]) -> None:
                 row["staging_e2e_us"] = round(row["e2e_us"] - f["e2e_us"], 3)
 
 
-def compute_ratios(
-    results: dict[str, Any], stage_only: dict[str, Any], tiers_run: list[Tier], cfg: BenchConfig, device: str
-) -> dict[str, Any]:
+def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: list[Tier],
+                   cfg: BenchConfig, device: str) -> dict[str, Any]:  # fmt: skip
     """The micro and writes targets, settled for ``device`` (judged, or not, as ``cfg`` says)."""
     out = {**micro.targets(results, tiers_run), **writes.targets(results, stage_only, tiers_run, cfg.cells())}
     info = T.not_judged(cfg.quick, device)

@@ -101,9 +101,8 @@ def cells_of(report: dict[str, Any], metric: str) -> Iterator[tuple[str, bool, S
                 yield f"vs_vllm {cell} {name}", name.startswith("stagebuf"), list(samples)
 
 
-def pair(
-    before: list[dict[str, Any]], after: list[dict[str, Any]], metric: str, drift: list[float] | None = None
-) -> list[Cell]:
+def pair(before: list[dict[str, Any]], after: list[dict[str, Any]], metric: str,
+         drift: list[float] | None = None) -> list[Cell]:  # fmt: skip
     """The cells every report of both sets measured, in the first report's order; with ``drift`` (one
     factor per report, before then after: see ``drift_factors``), each run's samples divided by its own."""
     sides: list[list[dict[str, tuple[bool, Samples]]]] = [
@@ -183,9 +182,8 @@ def show(rows: list[dict[str, Any]], width: int) -> None:
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write cells and summary.")
 @click.option("--drift", is_flag=True, help="Divide each run's samples by its drift factor (see above).")
-def main(
-    before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path: str | None, drift: bool
-) -> None:
+def main(before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path: str | None,
+         drift: bool) -> None:  # fmt: skip
     """Compare bench reports of the code before and after a change, cell by cell."""
     b, a = ([json.loads(Path(p).read_text()) for p in side] for side in (before, after))
     cells = pair(b, a, metric)

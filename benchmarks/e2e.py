@@ -317,10 +317,9 @@ def _said(r: Run) -> str:
             f"{d.get('forward_ms', 0):.2f}, sample {d.get('sample_ms', 0):.2f})")  # fmt: skip
 
 
-def measure(
-    model_dir: Path, workloads: dict[str, Workload], rounds: int, seed: int = 0,
-    cfg: EngineConfig = EngineConfig(), nopin: bool = True, log: Callable[[str], None] = print,  # noqa: B008
-) -> dict[str, Any]:  # fmt: skip
+def measure(model_dir: Path, workloads: dict[str, Workload], rounds: int, seed: int = 0,
+            cfg: EngineConfig = EngineConfig(), nopin: bool = True,
+            log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Every setup's runs (:class:`Run` as dicts, tokens dropped after the check) and the no-pin start."""
     import stagebuf
     import stagebuf.nanovllm as sn
@@ -487,10 +486,9 @@ PATH = click.Path(path_type=Path)
 @click.option("--markdown", "md_path", type=PATH)
 @click.option("--plot", "plot_path", type=PATH)
 @click.option("--from-json", type=click.Path(exists=True, path_type=Path), help="Render an earlier report.")
-def main(
-    shape: str, small: bool, names: tuple[str, ...], rounds: int, seed: int, no_nopin: bool,
-    json_path: Path | None, md_path: Path | None, plot_path: Path | None, from_json: Path | None,
-) -> None:  # fmt: skip
+def main(shape: str, small: bool, names: tuple[str, ...], rounds: int, seed: int, no_nopin: bool,
+         json_path: Path | None, md_path: Path | None, plot_path: Path | None,
+         from_json: Path | None) -> None:  # fmt: skip
     """nano-vllm's real engine generating tokens, on its own input preparation and on stagebuf's (its model
     folder written under ``$STAGEBUF_CACHE_DIR``)."""
     from . import e2e_model as M

@@ -48,20 +48,12 @@ Strides = tuple[int, ...]
 
 
 # Triton reads a kernel's parameter annotations (they select its specialisation): leave them off.
-def _attention_kernel(  # type: ignore[no-untyped-def]
-    Q, K, V, Out, cu_q, cu_k, seqlens_k, table,
-    qk_scale,  # softmax_scale * log2(e): the softmax runs in base 2
-    seqlen_q_decode,  # DECODE: queries per sequence
-    stride_qb, stride_qt, stride_qh,
-    stride_ob, stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_tb,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DECODE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
+def _attention_kernel(Q, K, V, Out, cu_q, cu_k, seqlens_k, table, qk_scale, seqlen_q_decode, stride_qb,
+                      stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
+                      stride_vb, stride_vt, stride_vh, stride_tb, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
+                      PAGED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                      INTERPRET: tl.constexpr):  # fmt: skip
     # Program (m, b, x). DECODE (flash_attn_with_kvcache): x is a key head; row r of the program's rows is
     # query position r // GROUP of sequence b for query head x * GROUP + r % GROUP (the group shares its
     # keys, read once); seqlen_k is seqlens_k[b]. Else (varlen): x is a query head, rows are the query
@@ -280,11 +272,10 @@ def flash_attn_varlen_func(
     return out
 
 
-def flash_attn_with_kvcache(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-    cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-    softmax_scale: float | None = None, causal: bool = False, **kwargs: Any,
-) -> torch.Tensor:  # fmt: skip
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                            cache_seqlens: torch.Tensor | None = None,
+                            block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
+                            causal: bool = False, **kwargs: Any) -> torch.Tensor:  # fmt: skip
     """Attention of ``q`` [B, S, H, D] over a cache: ``k_cache``, ``v_cache`` [num_blocks, page, H_kv, D]
     through ``block_table`` [B, max_blocks], or [B, max_len, H_kv, D] without one; sequence ``b`` has
     ``cache_seqlens[b]`` keys (int32 [B]). Returns [B, S, H, D] in ``q``'s dtype. Graph-capturable."""
@@ -319,12 +310,11 @@ def _scale(softmax_scale: float | None, d: int) -> float:
     return float(d**-0.5 if softmax_scale is None else softmax_scale)
 
 
-def _launch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_q: torch.Tensor,
-    seqlens_k: torch.Tensor, table: torch.Tensor, grid: tuple[int, ...], scale: float, seqlen_q_decode: int,
-    q_strides: Strides, o_strides: Strides, k_strides: Strides, v_strides: Strides, stride_tb: int, *,
-    group: int, page: int, block_m: int, block_n: int, decode: bool, paged: bool, causal: bool,
-) -> None:  # fmt: skip
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_q: torch.Tensor,
+            seqlens_k: torch.Tensor, table: torch.Tensor, grid: tuple[int, ...], scale: float,
+            seqlen_q_decode: int, q_strides: Strides, o_strides: Strides, k_strides: Strides,
+            v_strides: Strides, stride_tb: int, *, group: int, page: int, block_m: int, block_n: int,
+            decode: bool, paged: bool, causal: bool) -> None:  # fmt: skip
     """The kernel on ``grid``; ``seqlens_k`` is ``cu_seqlens_k`` (varlen) or ``cache_seqlens`` (decode)."""
     interpret = q.device.type != "cuda"
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":

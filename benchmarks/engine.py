@@ -435,11 +435,10 @@ def _tier_of(setup: Setup) -> str | None:
     return None if setup.layer == "vllm" else setup.tier
 
 
-def check(
-    setup: Setup, cfg: TraceConfig, device: torch.device, busy_cycles: int = 0,
-    reference: Setup | None = None, trace: list[StepPlan] | None = None,
-    tamper: Callable[[Engine, int], None] | None = None, release: str = vllm_mrv2.NEWEST,
-) -> dict[str, Any]:  # fmt: skip
+def check(setup: Setup, cfg: TraceConfig, device: torch.device, busy_cycles: int = 0,
+          reference: Setup | None = None, trace: list[StepPlan] | None = None,
+          tamper: Callable[[Engine, int], None] | None = None,
+          release: str = vllm_mrv2.NEWEST) -> dict[str, Any]:  # fmt: skip
     """Run ``setup`` and vLLM's own layer in lockstep, both on vLLM ``release``'s modules; compare every
     device-visible input each step: ``{"steps": n, "mismatches": ["step i: input", ...], ...}``."""
     ref_setup = reference or Setup("vllm", "uva")
@@ -478,10 +477,9 @@ PARAMS = ("temperature", "top_k", "top_p", "min_p", "seeds")
 """SamplingStates' per-request parameters (UvaBackedTensors published every step)."""
 
 
-def run_lockstep(
-    setups_: list[Setup], cfg: TraceConfig, device: torch.device, plans: list[StepPlan], busy_cycles: int,
-    warmup: int, before_step: Callable[[int, list[Any]], None] | None = None, release: str = vllm_mrv2.NEWEST,
-) -> dict[str, dict[str, Any]]:  # fmt: skip
+def run_lockstep(setups_: list[Setup], cfg: TraceConfig, device: torch.device, plans: list[StepPlan],
+                 busy_cycles: int, warmup: int, before_step: Callable[[int, list[Any]], None] | None = None,
+                 release: str = vllm_mrv2.NEWEST) -> dict[str, dict[str, Any]]:  # fmt: skip
     """One timed run of the trace by every setup in :class:`benchmarks.harness.Lockstep`: step i of each, in a
     rotating order. A stagebuf engine begins each step with ``stagebuf.begin_step()`` (timed): the event per
     step a lone engine's first ring would record, kept per engine though they share a device."""
@@ -605,11 +603,9 @@ BLOCK_SIZES = (16, 32, 16, 64)
 """KV-cache groups' block sizes: group 0 full attention, group 1 e.g. a sliding-window group."""
 
 
-def bench(
-    device: torch.device, groups: tuple[int, ...] = (1, 2), repeats: int = 3, steps: int = 150,
-    warmup: int = 30, busy_ms: float = 3.0, check_steps: int = 150, log: Callable[[str], None] = print,
-    release: str = vllm_mrv2.NEWEST,
-) -> dict[str, Any]:  # fmt: skip
+def bench(device: torch.device, groups: tuple[int, ...] = (1, 2), repeats: int = 3, steps: int = 150,
+          warmup: int = 30, busy_ms: float = 3.0, check_steps: int = 150, log: Callable[[str], None] = print,
+          release: str = vllm_mrv2.NEWEST) -> dict[str, Any]:  # fmt: skip
     """The whole engine workload on vLLM ``release``: identical-inputs checks of every setup (idle and busy
     GPU), then interleaved timed repeats."""
     cuda = device.type == "cuda"
@@ -765,10 +761,8 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> 
     return out
 
 
-def sync_check(
-    setup: Setup, cfg: TraceConfig, device: torch.device, warmup: int = 20, busy_cycles: int = 0,
-    release: str = vllm_mrv2.NEWEST,
-) -> str | None:  # fmt: skip
+def sync_check(setup: Setup, cfg: TraceConfig, device: torch.device, warmup: int = 20, busy_cycles: int = 0,
+               release: str = vllm_mrv2.NEWEST) -> str | None:  # fmt: skip
     """Run the trace with ``torch.cuda.set_sync_debug_mode("error")`` after ``warmup`` steps: None, or the
     error of the first synchronising call (with the step it happened in)."""
     with stagebuf_tier(_tier_of(setup)):
@@ -798,10 +792,8 @@ def sync_check(
     return None
 
 
-def plugin_vs_dropin(
-    device: torch.device, tiers: tuple[str, ...], repeats: int = 3, steps: int = 150, busy_ms: float = 3.0,
-    release: str = vllm_mrv2.NEWEST,
-) -> dict[str, Any]:  # fmt: skip
+def plugin_vs_dropin(device: torch.device, tiers: tuple[str, ...], repeats: int = 3, steps: int = 150,
+                     busy_ms: float = 3.0, release: str = vllm_mrv2.NEWEST) -> dict[str, Any]:  # fmt: skip
     """stagebuf through its vLLM plugin against the direct substitution: identical inputs (each against vLLM's
     own layer, 2 KV groups, busy GPU) and buffer-work timings in lockstep, busy GPU."""
     cycles = sleep_cycles_for(busy_ms, device) if device.type == "cuda" else 0

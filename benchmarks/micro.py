@@ -88,9 +88,8 @@ def pinned_buffer(env: Env, n: int) -> Case:
     return case("pinned_buffer_per_array", srcs, run)
 
 
-def baseline_pool(
-    make: Callable[[int, torch.dtype, torch.device], Any], name: str
-) -> Callable[[Env, int], Case]:
+def baseline_pool(make: Callable[[int, torch.dtype, torch.device], Any],
+                  name: str) -> Callable[[Env, int], Case]:  # fmt: skip
     def build(env: Env, n: int) -> Case:
         srcs = sources(env, n)
         pools = [make(n, torch.int32, env.device) for _ in srcs]

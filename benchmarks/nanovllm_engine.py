@@ -271,13 +271,8 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [k for k in a if not (type(a[k]) is type(b[k]) and same(a[k], b[k]))]
 
 
-def check(
-    setup: str,
-    cfg: TraceConfig,
-    work: Path,
-    graphs: bool = False,
-    tamper: Callable[[Any, int], None] | None = None,
-) -> dict[str, Any]:
+def check(setup: str, cfg: TraceConfig, work: Path, graphs: bool = False,
+          tamper: Callable[[Any, int], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """nano-vllm's own path and ``setup`` in lockstep on one trace; every input compared every step (with
     ``graphs``: also the logits and the graphs' static inputs of ``run_model`` on captured graphs)."""
     trace = Trace(cfg, work)
@@ -430,9 +425,8 @@ def floor_prefill(seqs: list[Any]) -> np.ndarray:
     return np.fromiter(ids, np.int64, len(ids))
 
 
-def run_lockstep(
-    names: list[str], cfg: TraceConfig, work: Path, busy_cycles: int, warmup: int
-) -> dict[str, Any]:
+def run_lockstep(names: list[str], cfg: TraceConfig, work: Path, busy_cycles: int,
+                 warmup: int) -> dict[str, Any]:  # fmt: skip
     """One timed run of the trace by every setup in lockstep (:class:`benchmarks.harness.Lockstep`): each
     prepares the same batch (timed: prepare_prefill or prepare_decode, then prepare_sample), then its forward
     stand-in. After the setups, a prefill step's floor is timed (``floor_prefill``) as ``floor``."""
@@ -471,10 +465,8 @@ def run_lockstep(
             | {f"{k}_steps": len(v) for k, v in d.items()} for s, d in times.items()}  # fmt: skip
 
 
-def bench(
-    repeats: int = 3, steps: int = 200, warmup: int = 30, busy_ms: float = 3.0,
-    cfg: TraceConfig | None = None, log: Callable[[str], None] = print,
-) -> dict[str, Any]:  # fmt: skip
+def bench(repeats: int = 3, steps: int = 200, warmup: int = 30, busy_ms: float = 3.0,
+          cfg: TraceConfig | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """The whole workload: identical-input checks (lockstep, graphs, in flight), graph-input writes, then
     interleaved timed repeats, idle and busy (busy on a GPU only)."""
     import tempfile

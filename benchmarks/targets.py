@@ -34,10 +34,8 @@ def meets(value: float, op: str, goal: float) -> bool:
     return value <= goal if op == "<=" else value == goal if op == "==" else value >= goal
 
 
-def target(
-    description: str, workload: str, value: float | None, op: str, goal: float, note: str | None = None,
-    missing: str = "", why: str = "",
-) -> dict[str, Any]:  # fmt: skip
+def target(description: str, workload: str, value: float | None, op: str, goal: float,
+           note: str | None = None, missing: str = "", why: str = "") -> dict[str, Any]:  # fmt: skip
     """A target from one measured value (None, or NaN: not measured in this run, ``missing`` says what it
     needs); ``note`` names the worst part, ``why`` what a miss means."""
     e: dict[str, Any] = {"description": description, "workload": workload, "op": op, "target": goal}

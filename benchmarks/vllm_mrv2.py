@@ -534,9 +534,8 @@ def _cpu_uva_buffer(root: Path, imports: Any) -> Any:
 
 
 @contextmanager
-def as_installed(
-    device: torch.device | None = None, pin: bool = True, release: str = NEWEST
-) -> Iterator[Installed]:
+def as_installed(device: torch.device | None = None, pin: bool = True,
+                 release: str = NEWEST) -> Iterator[Installed]:  # fmt: skip
     """vLLM ``release`` importable as ``vllm``, for the tests of stagebuf's vLLM plugin.
 
     Its real ``vllm/plugins/__init__.py`` (vLLM's plugin loader), MRV2's ``buffer_utils`` (and, where the

@@ -44,9 +44,8 @@ PROMPT_KINDS = ("tokens", "ndarray", "list")
 PROMPT_LENGTHS = (16, 1024, 16384, 131072)
 
 
-def writes_case(
-    bu: Any, device: torch.device, e: int, ln: int, fused: bool, stage_only: bool = False
-) -> Step:
+def writes_case(bu: Any, device: torch.device, e: int, ln: int, fused: bool,
+                stage_only: bool = False) -> Step:  # fmt: skip
     rows, cols = max(4096, e), max(64, ln)
     rng = np.random.default_rng(e * 100 + ln)
     rows_sel = rng.permutation(rows)[:e].tolist()
@@ -139,11 +138,9 @@ def steps_of(cell: str, steps: int) -> int:
     return max(10, steps // 4) if cell.endswith("4096x64") else steps
 
 
-def run(
-    device: torch.device, edits: tuple[int, ...] = (1, 16, 256, 4096), lengths: tuple[int, ...] = (1, 8, 64),
-    repeats: int = 3, steps: int = 60, warmup: int = 10, log: Callable[[str], None] = print,
-    release: str = vllm_mrv2.NEWEST,
-) -> dict[str, Any]:  # fmt: skip
+def run(device: torch.device, edits: tuple[int, ...] = (1, 16, 256, 4096),
+        lengths: tuple[int, ...] = (1, 8, 64), repeats: int = 3, steps: int = 60, warmup: int = 10,
+        log: Callable[[str], None] = print, release: str = vllm_mrv2.NEWEST) -> dict[str, Any]:  # fmt: skip
     """Every case on vLLM ``release``'s layer (UVA; on a GPU also its NonUvaBuffer fallback) and stagebuf's
     tiers (UVA also with the Triton kernel forced, for the writes)."""
     cuda = device.type == "cuda"

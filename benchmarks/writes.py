@@ -243,9 +243,8 @@ NEEDS = {"staged_write_256_speedup": None, "stage_write_8_ints_us": None, "host_
 """The device each target is defined for where it is not 'cuda'."""
 
 
-def targets(
-    results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequence[Tier], cells: Sequence[WriteCell]
-) -> dict[str, dict[str, Any]]:
+def targets(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequence[Tier],
+            cells: Sequence[WriteCell]) -> dict[str, dict[str, Any]]:  # fmt: skip
     """The writes targets: against per-row copies, against MRV2's StagedWriteTensor (:data:`PER_CELL`), a
     ``stage_write`` call's host time, and one edit on the CPU."""
     sw = f"staged_write_{tiers_run[0].name.lower()}" if tiers_run else "staged_write_uva"

@@ -261,9 +261,7 @@ class _Logger:
            "vLLM's classes, not stagebuf's]")  # fmt: skip
 
     def __init__(self, name: str, release: str = NEWEST):
-        self._log = logging.getLogger(name)
-        self._once: set[str] = set()
-        self.release = release
+        self._log, self._once, self.release = logging.getLogger(name), set[str](), release
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._log, attr)
@@ -301,11 +299,6 @@ def _stub(what: str) -> Callable[..., Any]:
         raise NotImplementedError(f"vllm_mrv2: {what} is a stub (the input path never calls it)")
 
     return f
-
-
-def _register_inplace_h2d_target(t: torch.Tensor) -> None:
-    """vLLM's confidential-computing copy patch (never installed here): records the tensor, weakly."""
-    INPLACE_H2D_TARGETS.append(weakref.ref(t))
 
 
 @dataclass
@@ -401,10 +394,8 @@ def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None, relea
         "vllm.logger": ns(init_logger=functools.partial(_Logger, release=release)),
         "vllm.triton_utils": ns(triton=triton, tl=tl, HAS_TRITON=True),
         # vLLM: is_uva_available() = pinned memory available, or the CPU platform
-        "vllm.utils.platform_utils": ns(
-            is_uva_available=lambda: (pinned or cpu) if uva is None else uva,
-            is_pin_memory_available=pin_memory_available,
-        ),
+        "vllm.utils.platform_utils": ns(is_uva_available=lambda: (pinned or cpu) if uva is None else uva,
+                                        is_pin_memory_available=pin_memory_available),
         "vllm.utils.torch_utils": torch_utils,
         "vllm.utils.math_utils": _module("vllm_mrv2.math_utils", f / "utils/math_utils.py", {}),
         "vllm.utils": ns(random_uuid=lambda: f"{uuid.uuid4().int & (2**64 - 1):016x}"),
@@ -415,10 +406,11 @@ def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None, relea
         "vllm.v1.worker.gpu.sample.gumbel": ns(apply_temperature=_stub("temperature")),
         "vllm.v1.worker.gpu.sample.min_p": ns(apply_min_p=_stub("min-p")),
         "_CpuGpuBuffer": _functions(f / "v1/utils.py", ("CpuGpuBuffer",), env, release)["CpuGpuBuffer"],
-    }
+    }  # fmt: skip
     if rel.confidential_compute:
         imports["vllm.v1.conf_compute_utils"] = cc = types.ModuleType("vllm.v1.conf_compute_utils")
-        cc.register_inplace_h2d_target = _register_inplace_h2d_target  # type: ignore[attr-defined]
+        # vLLM's confidential-computing copy patch (never installed here): records the tensor, weakly
+        cc.register_inplace_h2d_target = lambda t: INPLACE_H2D_TARGETS.append(weakref.ref(t))  # type: ignore
     tb = _token_buffer_module(root, release)
     if tb is not None:
         imports["vllm.v1.token_buffer"] = tb

@@ -24,7 +24,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -95,7 +95,6 @@ class _Req:
     output_len: int
     computed: int = 0
     generated: int = 0
-    blocks: list[int] = field(default_factory=list)
 
 
 def make_trace(cfg: TraceConfig) -> list[StepPlan]:
@@ -111,15 +110,11 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
         running = [r for r in running if r.generated < r.output_len]
         budget = cfg.max_num_batched_tokens
         sched: dict[str, int] = {}
-        for r in running:  # decodes first, then prefill chunks, as a token budget allows
-            if r.computed >= r.prompt_len and budget > 0:
-                sched[r.rid] = 1
-                budget -= 1
-        for r in running:
-            if r.computed < r.prompt_len and budget > 0:
-                n = min(r.prompt_len - r.computed, budget)
-                sched[r.rid] = n
-                budget -= n
+        for decode in (True, False):  # decodes first, then prefill chunks, as a token budget allows
+            for r in running:
+                if (r.computed >= r.prompt_len) == decode and budget > 0:
+                    sched[r.rid] = n = 1 if decode else min(r.prompt_len - r.computed, budget)
+                    budget -= n
         new: list[NewReq] = []
         arrived = 0
         most = min(cfg.running, cfg.max_num_reqs)
@@ -130,8 +125,7 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
             r = _Req(f"req-{serial}", p, o)
             serial += 1
             running.append(r)
-            n = min(p, budget)
-            sched[r.rid] = n
+            sched[r.rid] = n = min(p, budget)
             budget -= n
             arrived += 1
             tokens = rng.integers(0, cfg.vocab, p).tolist()
@@ -157,14 +151,10 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
                 cached.append((r.rid, r.computed, tuple(per_group) if any_new else None))
         for nr in new:
             nr.block_ids = block_ids_of[nr.req_id]
-            nr.params = SimpleNamespace(
-                temperature=float(rng.choice([0.0, 0.7, 1.0])),
-                top_k=int(rng.choice([0, 50])),
-                top_p=float(rng.choice([1.0, 0.9])),
-                min_p=0.0,
-                seed=int(rng.integers(0, 2**31)),
-                logprobs=None,
-            )
+            nr.params = SimpleNamespace(temperature=float(rng.choice([0.0, 0.7, 1.0])),
+                                        top_k=int(rng.choice([0, 50])), top_p=float(rng.choice([1.0, 0.9])),
+                                        min_p=0.0, seed=int(rng.integers(0, 2**31)),
+                                        logprobs=None)  # fmt: skip
         order = [r.rid for r in running if r.rid in sched]
         num_sched = np.array([sched[rid] for rid in order], np.int32)
         by_id = {r.rid: r for r in running}
@@ -172,8 +162,7 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
         has_prefill = False
         for k, rid in enumerate(order):
             r = by_id[rid]
-            if r.computed < r.prompt_len:
-                has_prefill = True
+            has_prefill |= r.computed < r.prompt_len
             r.computed += sched[rid]
             if r.computed >= r.prompt_len:
                 r.generated += 1
@@ -197,11 +186,7 @@ class Setup:
     def name(self) -> str:
         if self.layer in ("vllm", "floor"):
             return f"{self.layer}_{self.tier}" if self.layer == "vllm" else "floor"
-        if self.layer == "plugin":
-            return f"stagebuf_plugin_{self.tier}"
-        if self.layer == "step":
-            return f"stagebuf_step_{self.tier}"
-        return f"stagebuf_{self.api}_{self.tier}"
+        return f"stagebuf_{self.api if self.layer == 'stagebuf' else self.layer}_{self.tier}"
 
 
 def modules(setup: Setup, device: torch.device, release: str = vllm_mrv2.NEWEST) -> vllm_mrv2.Mrv2:
@@ -222,12 +207,10 @@ def plugin_modules(device: torch.device, mode: str = "1", release: str = vllm_mr
 
     from stagebuf._engines import vllm as _vllm
 
-    got = _PLUGIN.get("mods")
+    got, want = _PLUGIN.get("mods"), (str(device), mode, release)
     if got is not None:
-        if got[1:] != (str(device), mode, release):
-            raise ValueError(
-                f"the plugin's modules are loaded for {got[1:]}, not {(str(device), mode, release)}"
-            )
+        if got[1:] != want:
+            raise ValueError(f"the plugin's modules are loaded for {got[1:]}, not {want}")
         return got[0]  # type: ignore[no-any-return]
     cm = vllm_mrv2.as_installed(device, release=release)
     inst = cm.__enter__()
@@ -249,8 +232,7 @@ def plugin_modules(device: torch.device, mode: str = "1", release: str = vllm_mr
     h2d = inst._imports["vllm.utils.torch_utils"].async_tensor_h2d
     m = vllm_mrv2.Mrv2(bu, *(mods[n] for n in ("block_table", "states", "input_batch", "sample.states")), h2d,
                        inst._imports["_CpuGpuBuffer"], "plugin", True, release, inst.TokenBuffer)  # fmt: skip
-    _PLUGIN["mods"] = (m, str(device), mode, release)
-    _PLUGIN["cm"] = cm
+    _PLUGIN.update(mods=(m, *want), cm=cm)
     return m
 
 
@@ -278,9 +260,7 @@ class Engine:
         self.block_tables = m.block_table.BlockTables(list(cfg.block_sizes), reqs, tokens, blocks, device)
         self.sampling = m.sample_states.SamplingStates(cfg.max_num_reqs, cfg.vocab)
         self.buffers = m.input_batch.InputBuffers(cfg.max_num_reqs, cfg.max_num_batched_tokens, device)
-        self.own = setup.api == "own"
-        self.stager: Any = None
-        self.writer: Any = None
+        self.own, self.stager, self.writer, self.runner = setup.api == "own", None, None, None
         if self.own:
             import stagebuf
 
@@ -299,7 +279,6 @@ class Engine:
                 setattr(o, n, self.params[n])  # vLLM's code writes .np and reads .gpu, as before
             self.params.sync()
         self.qsl_np = np.zeros(cfg.max_num_reqs + 1, np.int32)
-        self.runner: Any = None
         self.h2d = m.async_tensor_h2d
         if setup.layer == "step":  # vLLM's model runner, as the plugin patched it
             mr = sys.modules["vllm.v1.worker.gpu.model_runner"]

@@ -1,10 +1,10 @@
 """Every table the bench prints or writes, from a report: the console, Markdown, figures and the docs.
 
-A table is ``(title, header, rows)`` of strings. :func:`tables` gives a bench report's (micro, writes, engine,
-vs vLLM, nano-vllm, stage only, guard cost); :func:`render` prints them with the targets, each miss's reason
-and what was skipped; :func:`markdown` writes the same; :func:`plot` draws one figure per workload.
-:func:`docs_tables` is the compact selection docs/BENCHMARKS.md shows (every current target and the columns a
-reader compares), :func:`e2e_markdown` and :func:`e2e_plot` the end-to-end report's.
+A table is ``(title, header, rows)`` of Markdown cells. :func:`tables` gives a bench report's (micro, writes,
+engine, nano-vllm, vs vLLM, guard cost): every size and GPU state it has, or (``every=False``) the selection
+docs/BENCHMARKS.md shows (:func:`docs_tables`, with every current target). :func:`render` prints them with the
+targets, each miss's reason and what was skipped; :func:`markdown` writes the same; :func:`plot` draws one
+figure per workload; :func:`e2e_markdown` and :func:`e2e_plot` are the end-to-end report's.
 """
 
 from __future__ import annotations
@@ -27,76 +27,102 @@ def fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"
 
 
-def _cell(row: dict[str, Any] | None, staging: bool) -> str:
-    if row is None:
-        return "-"
-    staged = f" (+{fmt(row['staging_e2e_us'])})" if staging and "staging_e2e_us" in row else ""
-    return f"{fmt(row['host_us'])} / {fmt(row['e2e_us'])}{staged}"
-
-
 def _cells(data: dict[str, Any]) -> set[WriteCell]:
     return {WriteCell.parse(s) for e in data.values() for s in e["sizes"]}
 
 
-def workload_tables(report: dict[str, Any], labels: bool = False) -> list[Table]:
-    """micro and writes: a row per strategy (``labels``: with what it is), a column per N, each cell host /
-    synchronised µs (+ staging: minus the floor's); writes: a row per strategy and L, a column per E."""
-    out: list[Table] = []
-    for wl in WORKLOADS:
-        data = report["results"].get(wl)
-        if not data:
-            continue
-        staging = wl != "writes" and "floor" in data
-        title = f"{wl}: {UNITS[wl]}, median host / device-synchronised"
-        title += " (+ staging = synchronised minus the floor)" if staging else ""
+def _micro(report: dict[str, Any], every: bool) -> list[Table]:
+    """micro: each strategy's staging cost (the floor: its step time), at :data:`MICRO_SIZES` (``every``:
+    at every N the run has)."""
+    data, cfg = report.get("results", {}).get("micro"), report.get("config", {})
+    if not data:
+        return []
+    have = sorted({int(k) for e in data.values() for k in e["sizes"]})
+    sizes = have if every else [n for n in have if n in MICRO_SIZES] or have
+    rows = []
+    for name, e in data.items():
+        key = "e2e_us" if name == "floor" else "staging_e2e_us"
+        cells = [fmt(e["sizes"].get(str(n), {}).get(key)) for n in sizes]
+        rows.append([f"`{name}`" + (" (its step time)" if name == "floor" else ""), *cells])
+    k = cfg.get("k", "?")
+    title = f"micro: staging cost of K={k} int32 arrays of N, µs per step (synchronised, minus the floor)"
+    return [(title, ["strategy", *(f"N={n}" for n in sizes)], rows)]
+
+
+def _writes(report: dict[str, Any], every: bool) -> list[Table]:
+    """writes: µs per apply of each strategy, a column per E, for L = :data:`WRITES_LENGTH` less the other
+    tiers' per-edit rows (``every``: a table per L, every row)."""
+    data = report.get("results", {}).get("writes")
+    if not data:
+        return []
+    lengths = sorted({c.length for c in _cells(data)})
+    out = []
+    chosen = WRITES_LENGTH if WRITES_LENGTH in lengths else lengths[len(lengths) // 2]
+    for ln in lengths if every else [chosen]:
+        es = sorted({c.edits for c in _cells(data) if c.length == ln})
         rows = []
-        if wl == "writes":
-            es = sorted({c.edits for c in _cells(data)})
-            head = ["L", *(f"E={e}" for e in es)]
-            for ln in sorted({c.length for c in _cells(data)}):
-                for n, e in data.items():
-                    if any(WriteCell.parse(k).length == ln for k in e["sizes"]):
-                        rows.append(
-                            [n, str(ln), *(_cell(e["sizes"].get(str(WriteCell(x, ln))), False) for x in es)]
-                        )
-        else:
-            sizes = sorted({int(k) for e in data.values() for k in e["sizes"]})
-            head = [f"N={n}" for n in sizes]
-            for n, e in data.items():
-                rows.append([n, *(_cell(e["sizes"].get(str(k)), staging and n != "floor") for k in sizes)])
-        if labels:
-            head, rows = ["what", *head], [[r[0], data[r[0]].get("label", ""), *r[1:]] for r in rows]
-        out.append((title, ["strategy", *head], rows))
+        for name, e in data.items():
+            got = [e["sizes"].get(str(WriteCell(x, ln))) for x in es]
+            other = name.startswith("staged_write") and name.split(".")[0].endswith(OTHER_TIERS)
+            if any(got) and (every or not other):
+                rows.append([f"`{name}`", *(fmt(g["e2e_us"]) if g else "-" for g in got)])
+        title = f"staged writes: E edits of L={ln} elements, µs per apply (synchronised)"
+        out.append((title, ["strategy", *(f"E={x}" for x in es)], rows))
     return out
 
 
-def engine_table(eng: dict[str, Any]) -> list[Table]:
-    """One release's engine run: each setup's host preparation and buffer work (idle and busy GPU); the report
-    keeps each part's time too (``runs``; ``benchmarks.engine_profile`` profiles them)."""
+def _engine(eng: dict[str, Any], every: bool) -> list[Table]:
+    """One release's engine run: each setup's host preparation and buffer work, µs per step on the busy GPU
+    (``every``: the idle GPU too); the report keeps each part's time too (``benchmarks.engine_profile``
+    profiles them)."""
     meds, checks = eng.get("medians", {}), eng.get("checks", [])
     if not meds:
         return []
     groups = sorted({int(k.split("|")[1][1:]) for k in meds})
-    cols = [(g, w, m) for g in groups for w in ("prep", "buffer") for m in ("idle", "busy")]
-    rows = [
-        [s, *(fmt(meds.get(f"{s}|g{g}|{m}", {}).get(f"{w}_us")) for g, w, m in cols)]
-        for s in eng.get("setups", [])
+    cols = [
+        (g, w, m)
+        for g in groups
+        for w in ("prep", "buffer")
+        for m in (("idle", "busy") if every else ("busy",))
     ]
-    ok = sum(not c["mismatches"] for c in checks)
-    title = (f"engine: vLLM {eng.get('vllm_version')} MRV2 input path, host µs per step (median of "
-             f"{eng.get('repeats')} interleaved runs of {eng.get('steps', 0) - eng.get('warmup', 0)} steps); "
-             f"identical inputs: {ok}/{len(checks)} checks")  # fmt: skip
-    return [(title, ["setup", *(f"{g}g {w} {m}" for g, w, m in cols)], rows)]
+    cell = lambda v: "-" if v is None else f"{v:.0f}"
+    rows = [[f"`{s}`", *(cell(meds.get(f"{s}|g{g}|{m}", {}).get(f"{w}_us")) for g, w, m in cols)]
+            for s in eng.get("setups", [])]  # fmt: skip
+    ok, gpu = sum(not c["mismatches"] for c in checks), "idle and busy GPU" if every else "busy GPU"
+    title = (f"engine: vLLM {eng.get('vllm_version', '?')}'s MRV2 input path, {gpu}, host µs per step "
+             f"(identical inputs: {ok} of {len(checks)} checks)")  # fmt: skip
+    return [(title, ["setup", *(f"{g}g {w}" + (f" {m}" if every else "") for g, w, m in cols)], rows)]
 
 
-def vs_vllm_table(report: dict[str, Any]) -> list[Table]:
-    res = report.get("vs_vllm") or {}
-    med = res.get("median_us", {})
+def _length(case: str) -> int | None:
+    """L of a vs-vLLM case named ``kind|ExL`` (None for ``pool|k8`` and the like)."""
+    try:
+        return WriteCell.parse(case.split("|", 1)[-1]).length
+    except (ValueError, TypeError):
+        return None
+
+
+def _vs_vllm(report: dict[str, Any], every: bool) -> list[Table]:
+    """The vs-vLLM cells: :data:`VS_VLLM_PEERS`' columns, edits of L = :data:`WRITES_LENGTH` (``every``:
+    all)."""
+    med = (report.get("vs_vllm") or {}).get("median_us", {})
+    if not med:
+        return []
     peers = list(dict.fromkeys(p for d in med.values() for p in d))
-    rel = res.get("vllm_version") or (report.get("engine") or {}).get("vllm_version")
-    title = f"vs {f'vLLM {rel}' if rel else 'vLLM'}'s own classes: host µs per step, idle GPU"
-    rows = [[c, *(fmt(d.get(p)) for p in peers)] for c, d in med.items()]
-    return [(title, ["case", *peers], rows)] if med else []
+    peers = peers if every else [p for p in peers if p in VS_VLLM_PEERS] or peers
+    lengths = {_length(c) for c in med} - {None}
+    ln = WRITES_LENGTH if WRITES_LENGTH in lengths or not lengths else sorted(lengths)[len(lengths) // 2]  # type: ignore[type-var]
+    shown = [c for c in med if every or (_length(c) in (None, ln) and c not in VS_VLLM_LEFT_OUT)]
+    rows = [[f"`{c}`".replace("|", "\\|"), *(fmt(med[c].get(p)) for p in peers)] for c in shown]
+    title = "vs vLLM's own classes: host µs per step, idle GPU" + ("" if every else f" (edits of L={ln})")
+    return [(title, ["case", *peers], rows)]
+
+
+def _guard(report: dict[str, Any]) -> list[Table]:
+    rows = [[g["structure"], g["tier"], str(n), f"{g['delta_e2e_us']:+.1f}", str(g["guard_waits"])]
+            for by in (report.get("guard_cost") or {}).values() for n, g in by.items()]  # fmt: skip
+    title = 'guard cost: `guard="wait"` minus `"off"`, µs per step (synchronised)'
+    return [(title, ["structure", "tier", "N", "cost", "waits"], rows)] if rows else []
 
 
 def nanovllm_tables(report: dict[str, Any]) -> list[Table]:
@@ -111,15 +137,15 @@ def nanovllm_tables(report: dict[str, Any]) -> list[Table]:
     rows = []
     for s in shown:
         got = [meds.get(f"{s}|{m}", {}).get(k) for k in ("prefill_us", "decode_us") for m in modes]
-        rows.append([s if s != "floor" else "floor (token lists into one array)",
+        rows.append([f"`{s}`" if s != "floor" else "`floor (token lists into one array)`",
                      *("-" if v is None or v != v else f"{v:.1f}" for v in got)])  # fmt: skip
     checks = res.get("checks", [])
     title = (f"nanovllm: {res.get('nanovllm_version')} input preparation, host µs per step (median of "
              f"{res.get('repeats')} interleaved runs of {res.get('steps', 0) - res.get('warmup', 0)} steps); "
              f"identical inputs: {sum(not c['mismatches'] for c in checks)}/{len(checks)} checks, "
              f"{sum(c['steps'] for c in checks)} steps")  # fmt: skip
-    graphs = [[s, f"{v['decode_steps']}", f"{v['d2d_copies_per_step']:.1f}", f"{v['fills_per_step']:.1f}",
-               "CUDA graphs" if v.get("real_graphs") else "replayed eagerly (CPU)"]
+    graphs = [[f"`{s}`", str(v["decode_steps"]), f"{v['d2d_copies_per_step']:.1f}",
+               f"{v['fills_per_step']:.1f}", "CUDA graphs" if v.get("real_graphs") else "eagerly (CPU)"]
               for s, v in res.get("graph_writes", {}).items()]  # fmt: skip
     return [
         (title, ["setup", *(f"{k} {m}" for k in ("prefill", "decode") for m in modes)], rows),
@@ -128,24 +154,13 @@ def nanovllm_tables(report: dict[str, Any]) -> list[Table]:
     ]  # fmt: skip
 
 
-def tables(report: dict[str, Any], labels: bool = False) -> list[Table]:
-    """Every table of a bench report but the targets, in the order printed."""
-    out = workload_tables(report, labels)
+def tables(report: dict[str, Any], every: bool = True) -> list[Table]:
+    """Every table of a bench report but the targets, in the order shown (``every``: every size, length, case
+    and GPU state the report has; else the selection docs/BENCHMARKS.md shows)."""
+    out = _micro(report, every) + _writes(report, every)
     for eng in [report.get("engine") or {}, *(report.get("engine_also") or {}).values()]:
-        out += engine_table(eng)
-    out += vs_vllm_table(report) + nanovllm_tables(report)
-    so = [[n, k, fmt(r["host_us"]), f"{r['host_us'] / WriteCell.parse(k).edits:.3f}"]
-          for n, by in report.get("staged_write_stage_only", {}).items() for k, r in by.items()]  # fmt: skip
-    title = "stage only: stage_write x E from Python lists, then clear_staged_writes() (no apply), host µs"
-    out += [(title, ["strategy", "ExL", "per step", "per call"], so)] if so else []
-    guard = []
-    for by in (report.get("guard_cost") or {}).values():
-        for n, g in by.items():
-            costs = [fmt(g["wait_e2e_us"]), fmt(g["off_e2e_us"]), f"{g['delta_e2e_us']:+.2f}"]
-            guard.append([g["structure"], g["tier"], n, *costs, str(g["guard_waits"])])
-    title = "guard cost: guard='wait' minus guard='off', µs per step (device-synchronised)"
-    head = ["structure", "tier", "N", "wait", "off", "delta", "waits"]
-    return out + ([(title, head, guard)] if guard else [])
+        out += _engine(eng, every)
+    return out + nanovllm_tables(report) + _vs_vllm(report, every) + _guard(report)
 
 
 def measured(r: dict[str, Any]) -> str:
@@ -182,12 +197,13 @@ def render(report: dict[str, Any], console: Any) -> None:
     from rich.markup import escape
     from rich.table import Table as Rich
 
+    plain = lambda text: text.replace("`", "").replace("\\|", "|")  # the Markdown marks out
     for title, head, rows in tables(report):
-        tab = Rich(*head, title=title, title_justify="left")
+        tab = Rich(*head, title=plain(title), title_justify="left")
         for i, c in enumerate(tab.columns):
             c.justify, c.no_wrap = ("left" if i == 0 else "right"), True
         for cells in rows:
-            tab.add_row(*cells)
+            tab.add_row(*map(plain, cells))
         console.print(tab)
     caption = "measured: a ratio of e2e µs; (…): the worst part of a target made of parts"
     tab = Rich("target", "measured", "goal", "result", title=f"targets (device {report['device']})",
@@ -226,8 +242,8 @@ def markdown(report: dict[str, Any]) -> str:
         ["python / torch threads", f"{v.get('python', '?')} / {r.get('torch_threads', '?')}"],
         ["started (UTC) / total", f"{r.get('started_utc', '?')} / {r.get('elapsed_s', '?')} s"],
     ])  # fmt: skip
-    for title, head, rows in tables(report, labels=True):
-        lines += [f"#### {title}", "", *md_table(head, [[f"`{c[0]}`", *c[1:]] for c in rows])]
+    for title, head, rows in tables(report):
+        lines += [f"#### {title}", "", *md_table(head, rows)]
     marks = {"pass": "pass", "fail": "**FAIL**", "info": "info (not judged)"}
     rows = [[f"`{n}`", t.get("description", ""), measured(t), goal(t), marks.get(T.status(t)) or result(t)]
             for n, t in report["ratios"].items()]  # fmt: skip
@@ -305,89 +321,6 @@ def _docs_targets(report: dict[str, Any], current: set[str]) -> list[str]:
     return out + ([f"Left out: {gone} (not current targets of the bench).", ""] if gone else [])
 
 
-def _docs_staging(report: dict[str, Any], wl: str = "micro") -> list[str]:
-    """micro (at :data:`MICRO_SIZES`): each strategy's staging cost (the floor: its step time)."""
-    data, cfg = report.get("results", {}).get(wl), report.get("config", {})
-    if not data:
-        return []
-    have = sorted({int(k) for e in data.values() for k in e["sizes"]})
-    sizes = [n for n in have if n in MICRO_SIZES] or have
-    rows = []
-    for name, e in data.items():
-        key = "e2e_us" if name == "floor" else "staging_e2e_us"
-        cells = [fmt(e["sizes"].get(str(n), {}).get(key)) for n in sizes]
-        rows.append([f"`{name}`" + (" (its step time)" if name == "floor" else ""), *cells])
-    title = f"micro: staging cost of K={cfg.get('k', '?')} int32 arrays of N, µs per step"
-    head = ["strategy", *(f"N={n}" for n in sizes)]
-    return [f"#### {title} (synchronised, minus the floor)", "", *md_table(head, rows, pipes=False)]
-
-
-def _docs_writes(report: dict[str, Any]) -> list[str]:
-    data = report.get("results", {}).get("writes")
-    if not data:
-        return []
-    lengths = sorted({c.length for c in _cells(data)})
-    ln = WRITES_LENGTH if WRITES_LENGTH in lengths else lengths[len(lengths) // 2]
-    es = sorted({c.edits for c in _cells(data) if c.length == ln})
-    rows = []
-    for name, e in data.items():
-        got = [e["sizes"].get(str(WriteCell(x, ln))) for x in es]
-        if any(got) and not (name.startswith("staged_write") and name.split(".")[0].endswith(OTHER_TIERS)):
-            rows.append([f"`{name}`", *(fmt(g["e2e_us"]) if g else "-" for g in got)])
-    head = ["strategy", *(f"E={x}" for x in es)]
-    title = f"#### staged writes: E edits of L={ln} elements, µs per apply (synchronised)"
-    return [title, "", *md_table(head, rows, pipes=False)]
-
-
-def _docs_engine(eng: dict[str, Any]) -> list[str]:
-    """One release's engine run: prep and buffer µs per step on the busy GPU."""
-    meds = eng.get("medians", {})
-    if not meds:
-        return [f"Engine workload: not run ({eng['skipped']}).", ""] if eng.get("skipped") else []
-    groups = sorted({int(k.split("|")[1][1:]) for k in meds})
-    head = ["setup", *(f"{g}g {w}" for g in groups for w in ("prep", "buffer"))]
-    rows = []
-    for s in eng.get("setups", []):
-        got = [meds.get(f"{s}|g{g}|busy", {}).get(f"{w}_us") for g in groups for w in ("prep", "buffer")]
-        rows.append([f"`{s}`", *("-" if v is None else f"{v:.0f}" for v in got)])
-    checks = eng.get("checks", [])
-    ok = sum(1 for c in checks if not c["mismatches"])
-    title = (f"#### engine: vLLM {eng.get('vllm_version', '?')}'s MRV2 input path, busy GPU, host µs per "
-             f"step (identical inputs: {ok} of {len(checks)} checks)")  # fmt: skip
-    return [title, "", *md_table(head, rows, pipes=False)]
-
-
-def _length(case: str) -> int | None:
-    """L of a vs-vLLM case named ``kind|ExL`` (None for ``pool|k8`` and the like)."""
-    try:
-        return WriteCell.parse(case.split("|", 1)[-1]).length
-    except (ValueError, TypeError):
-        return None
-
-
-def _docs_vs_vllm(report: dict[str, Any]) -> list[str]:
-    med = (report.get("vs_vllm") or {}).get("median_us", {})
-    if not med:
-        return []
-    peers = list(dict.fromkeys(p for d in med.values() for p in d))
-    peers = [p for p in peers if p in VS_VLLM_PEERS] or peers
-    lengths = {_length(c) for c in med} - {None}
-    ln = WRITES_LENGTH if WRITES_LENGTH in lengths or not lengths else sorted(lengths)[len(lengths) // 2]  # type: ignore[type-var]
-    rows = [[f"`{c}`".replace("|", "\\|"), *(fmt(d.get(p)) for p in peers)]
-            for c, d in med.items() if _length(c) in (None, ln) and c not in VS_VLLM_LEFT_OUT]  # fmt: skip
-    title = f"#### vs vLLM's own classes: host µs per step, idle GPU (edits of L={ln})"
-    return [title, "", *md_table(["case", *peers], rows, pipes=False)]
-
-
-def _docs_guard(report: dict[str, Any]) -> list[str]:
-    rows = [[g["structure"], g["tier"], str(n), f"{g['delta_e2e_us']:+.1f}", str(g["guard_waits"])]
-            for by in (report.get("guard_cost") or {}).values() for n, g in by.items()]  # fmt: skip
-    if not rows:
-        return []
-    title = '#### guard cost: `guard="wait"` minus `"off"`, µs per step (synchronised)'
-    return [title, "", *md_table(["structure", "tier", "N", "cost", "waits"], rows, pipes=False)]
-
-
 def docs_tables(report: dict[str, Any], current: set[str]) -> str:
     """The Markdown docs/BENCHMARKS.md shows of one bench report: the run, the ``current`` targets (the others
     named), and per workload the columns a reader compares."""
@@ -399,14 +332,9 @@ def docs_tables(report: dict[str, Any], current: set[str]) -> str:
         f"torch {v.get('torch', '?')}, driver {v.get('driver') or '-'}, Triton {v.get('triton') or '-'}.",
         "",
         *_docs_targets(report, current),
-        *_docs_staging(report, "micro"),
-        *_docs_writes(report),
     ]
-    for eng in [report.get("engine") or {}, *(report.get("engine_also") or {}).values()]:
-        lines += _docs_engine(eng)
-    for title, head, rows in nanovllm_tables(report):
-        lines += [f"#### {title}", "", *md_table(head, [[f"`{r[0]}`", *r[1:]] for r in rows], pipes=False)]
-    lines += _docs_vs_vllm(report) + _docs_guard(report)
+    for title, head, rows in tables(report, every=False):
+        lines += [f"#### {title}", "", *md_table(head, rows, pipes=False)]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -148,7 +148,7 @@ def test_markdown_and_plot_from_an_earlier_json(quick: dict[str, Any], tmp_path:
     text = md.read_text()
     for part in (
         "#### micro",
-        "#### writes",
+        "#### staged writes",
         "#### targets",
         "`stager_pageable`",
         "staged_write_256_speedup",
@@ -532,7 +532,8 @@ def test_quick_writes_keys_and_stage_only(quick: dict[str, Any]) -> None:
     host = next(p for p in r["parts"] if p["numerator"] == "staged_write_host.stage_only")
     assert host["measured"] == pytest.approx(so["host_us"] / 256, rel=1e-3)
     assert r["measured"] == max(p["measured"] for p in r["parts"])
-    assert "stage only" in quick["output"] and "per call" in quick["output"]
+    said = quick["output"]
+    assert "stage_write_8_ints_us" in said and "staged writes: E edits of L=1 elements" in said
 
 
 def test_quick_targets_that_need_a_gpu_are_na_on_cpu(quick: dict[str, Any]) -> None:

@@ -65,7 +65,7 @@ def test_tables_render(report: dict) -> None:
     assert titles[0].startswith("nanovllm: nano-vllm-fork 20260210") and "4/4 checks" in titles[0]
     md = R.tables(report)
     assert "#### nanovllm: nano-vllm-fork 20260210" in md and "`stagebuf_pageable`" in md
-    assert [r[0] for r in RP.nanovllm_tables(report)[0][2]][-1] == "floor (token lists into one array)"
+    assert [r[0] for r in RP.nanovllm_tables(report)[0][2]][-1] == "`floor (token lists into one array)`"
 
 
 def test_a_missed_ratio_gives_its_reason_from_the_worse_gpu_state() -> None:

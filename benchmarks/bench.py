@@ -144,20 +144,15 @@ class Task:
     """'results', 'guard' (guard-cost variants) or 'stage_only' (staged writes without the apply)."""
 
 
-def tiers_to_run(cfg: BenchConfig, m: Machine) -> tuple[list[Tier], list[dict[str, str]]]:
-    """The stagebuf tiers to measure, and an entry for each wanted tier that cannot run here."""
+def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]], list[Tier]]:
+    """The tasks, in the order they run; what was skipped (each wanted tier that cannot run here, each
+    strategy that needs what the machine lacks), and why; the stagebuf tiers measured."""
     want = [Tier.parse(t) for t in cfg.tiers] if cfg.tiers else list(Tier)
-    skipped = []
+    skipped, tasks, tiers = [], [], [t for t in m.available if t in want]
     for t in (t for t in want if t not in m.available):
         n = t.name.lower()
         names = f"pool_{n}, stager_{n}, staged_write_{n}, staged_writes_{n}"
         skipped.append({"workload": "*", "strategy": names, "reason": m.unavailable.get(t, "not available")})
-    return [t for t in m.available if t in want], skipped
-
-
-def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]]:
-    tiers, skipped = tiers_to_run(cfg, m)
-    tasks: list[Task] = []
 
     def add(wl: str, strategies: list[H.Strategy], sizes: list[Any], section: str = "results") -> None:
         for s in strategies if wl in cfg.workloads else []:
@@ -180,7 +175,7 @@ def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]
         size = (t.size,) if isinstance(t.size, int) else (t.size.edits, t.size.length)
         return WORKLOADS.index(t.workload), size, t.section != "results", t.strategy.kind != "floor"
 
-    return sorted(tasks, key=order), skipped
+    return sorted(tasks, key=order), skipped, tiers
 
 
 # --- running ------------------------------------------------------------------------------------
@@ -329,8 +324,7 @@ def run(cfg: BenchConfig, console: Console | None = None, progress: bool | None 
     console = console or Console()
     t0 = time.perf_counter()
     m = detect(cfg)
-    tiers, _ = tiers_to_run(cfg, m)
-    tasks, skipped = plan(cfg, m)
+    tasks, skipped, tiers = plan(cfg, m)
     report = metadata(m, cfg)
     report["tiers"] = {"available": [t.name for t in m.available], "measured": [t.name for t in tiers]}
     # On the CPU, torch's parallel ops stall for a scheduler slice whenever another process holds a

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -196,9 +196,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: tuple[int, i
            fn: str) -> None:  # fmt: skip
     """Shapes and dtypes flash-attn takes, and no argument it would take that the stand-in does not."""
     if kwargs:
-        raise NotImplementedError(
-            f"{fn}: {', '.join(kwargs)} (the stand-in takes flash-attn's defaults only)"
-        )
+        raise NotImplementedError(f"{fn}: {', '.join(kwargs)} (the stand-in takes flash-attn's defaults)")
     for name, t, n in (("q", q, dims[0]), ("k", k, dims[1]), ("v", v, dims[1])):
         if not isinstance(t, torch.Tensor) or t.dim() != n:
             raise ValueError(f"{name} must be a tensor of {n} dims")
@@ -254,13 +252,8 @@ def flash_attn_varlen_func(
         return out.zero_()
     block_n = _block_n(d, k.shape[1] if paged else None)
     if block_table is not None:
-        table, stride_tb, page, kb, vb = (
-            block_table,
-            block_table.stride(0),
-            k.shape[1],
-            k.stride(),
-            v.stride(),
-        )
+        table, stride_tb, page = block_table, block_table.stride(0), k.shape[1]
+        kb, vb = k.stride(), v.stride()
     else:
         table, stride_tb, page, kb, vb = cu_seqlens_k, 0, block_n, (0, *k.stride()), (0, *v.stride())
     _launch(
@@ -318,9 +311,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     """The kernel on ``grid``; ``seqlens_k`` is ``cu_seqlens_k`` (varlen) or ``cache_seqlens`` (decode)."""
     interpret = q.device.type != "cuda"
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        raise NotImplementedError(
-            f"the stand-in on {q.device} runs in Triton's interpreter: set TRITON_INTERPRET=1"
-        )
+        why = f"the stand-in on {q.device} runs in Triton's interpreter: set TRITON_INTERPRET=1"
+        raise NotImplementedError(why)
     args = (q, k, v, out, cu_q, seqlens_k, seqlens_k, table, scale * _LOG2E, seqlen_q_decode, *q_strides,
             *o_strides, *k_strides, *v_strides, stride_tb)  # fmt: skip
     precision = "ieee" if q.dtype == torch.float32 or interpret else "tf32"
@@ -337,37 +329,31 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
 # ---------------------------------------------------------------------------------------- binding
 
 
+NAMES = ("flash_attn_varlen_func", "flash_attn_with_kvcache")
+
+
 def _flash_attn() -> ModuleType | None:
     """The real ``flash_attn`` with both functions, or None (missing, broken, or a stand-in stub)."""
     try:
         mod = importlib.import_module("flash_attn")
     except Exception:  # not installed, or built for another torch/CUDA
         return None
-    if getattr(mod, STAND_IN_MARK, False):
-        return None
-    if not (hasattr(mod, "flash_attn_varlen_func") and hasattr(mod, "flash_attn_with_kvcache")):
-        return None
-    return mod
+    real = not getattr(mod, STAND_IN_MARK, False) and all(hasattr(mod, n) for n in NAMES)
+    return mod if real else None
 
 
 def backend() -> str:
     """``"flash-attn <version>"`` where the real ``flash_attn`` imports (a module without
     ``__stagebuf_stand_in__``), else ``"triton stand-in"``."""
     mod = _flash_attn()
-    if mod is None:
-        return "triton stand-in"
-    return f"flash-attn {getattr(mod, '__version__', '?')}"
+    return "triton stand-in" if mod is None else f"flash-attn {getattr(mod, '__version__', '?')}"
 
 
 def install(module: ModuleType) -> str:
     """Bind ``module.flash_attn_varlen_func`` and ``module.flash_attn_with_kvcache`` (nano-vllm's
     ``nanovllm.layers.attention``) to flash-attn's where it imports, else to the stand-ins; returns
     ``backend()``."""
-    mod = _flash_attn()
-    varlen: Callable[..., Any] = flash_attn_varlen_func
-    kvcache: Callable[..., Any] = flash_attn_with_kvcache
-    if mod is not None:
-        varlen, kvcache = mod.flash_attn_varlen_func, mod.flash_attn_with_kvcache
-    module.flash_attn_varlen_func = varlen  # type: ignore[attr-defined]
-    module.flash_attn_with_kvcache = kvcache  # type: ignore[attr-defined]
+    source = _flash_attn() or sys.modules[__name__]
+    for n in NAMES:
+        setattr(module, n, getattr(source, n))
     return backend()

@@ -510,7 +510,7 @@ def test_plan_sweeps_every_edit_count_and_length() -> None:
     for quick in (True, False):
         cfg = B.BenchConfig.make(quick, device="cpu")
         m = B.detect(cfg)
-        tasks, _ = B.plan(cfg, m)
+        tasks, _, _ = B.plan(cfg, m)
         cells = {str(t.size) for t in tasks if t.workload == "writes" and t.section == "results"}
         assert cells == {f"{e}x{ln}" for e in cfg.edits for ln in cfg.lengths}
         only = {(t.strategy.name, str(t.size)) for t in tasks if t.section == "stage_only"}

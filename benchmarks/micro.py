@@ -46,10 +46,8 @@ def case(name: str, srcs: list[np.ndarray], run: Callable[[], list[torch.Tensor]
             got = g.cpu().numpy()
             if got.shape != w.shape or not np.array_equal(got, w):
                 bad = int(np.count_nonzero(got != w)) if got.shape == w.shape else -1
-                raise BenchCheckError(
-                    f"{name}: array {i} on the device differs from the host source "
-                    f"({bad} of {w.size} elements differ; shape {got.shape} vs {w.shape})"
-                )
+                why = f"{bad} of {w.size} elements differ; shape {got.shape} vs {w.shape}"
+                raise BenchCheckError(f"{name}: array {i} on the device differs from the host source ({why})")
         return {"verified": True, **stats()}
 
     return Case(step, finish)
@@ -58,22 +56,16 @@ def case(name: str, srcs: list[np.ndarray], run: Callable[[], list[torch.Tensor]
 def list_tensor(env: Env, n: int) -> Case:
     srcs = sources(env, n)
     lists = [s.tolist() for s in srcs]
-    return case(
-        "list_tensor", srcs, lambda: [torch.tensor(x, dtype=torch.int32, device=env.device) for x in lists]
-    )
+    run = lambda: [torch.tensor(x, dtype=torch.int32, device=env.device) for x in lists]
+    return case("list_tensor", srcs, run)
 
 
 def pinned_tensor(env: Env, n: int) -> Case:
     srcs = sources(env, n)
     lists = [s.tolist() for s in srcs]
 
-    def run() -> list[torch.Tensor]:
-        return [
-            torch.tensor(x, dtype=torch.int32, pin_memory=True).to(env.device, non_blocking=True)
-            for x in lists
-        ]
-
-    return case("pinned_tensor_per_array", srcs, run)
+    pinned = lambda x: torch.tensor(x, dtype=torch.int32, pin_memory=True).to(env.device, non_blocking=True)
+    return case("pinned_tensor_per_array", srcs, lambda: [pinned(x) for x in lists])
 
 
 def pinned_buffer(env: Env, n: int) -> Case:
@@ -160,14 +152,10 @@ def strategies(tiers: Sequence[Tier]) -> list[Strategy]:
 
 def guard_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
     """StepStager and per-array pools with the guard forced to wait and to off (for :func:`guard_cost`)."""
-    return [
-        Strategy(
-            f"{what}_{t.name.lower()}.guard_{g}", f"{label} [{t.name}] guard={g}", "stagebuf", make(g), t
-        )
-        for t in tiers
-        for g in ("wait", "off")
-        for what, label, make in (("stager", "StepStager", stager), ("pool", "UvaBufferPool per array", pool))
-    ]
+    kinds = (("stager", "StepStager", stager), ("pool", "UvaBufferPool per array", pool))
+    return [Strategy(f"{what}_{t.name.lower()}.guard_{g}", f"{label} [{t.name}] guard={g}", "stagebuf",
+                     make(g), t) for t in tiers for g in ("wait", "off")
+            for what, label, make in kinds]  # fmt: skip
 
 
 def guard_cost(raw: dict[str, Any]) -> dict[str, Any]:
@@ -181,16 +169,13 @@ def guard_cost(raw: dict[str, Any]) -> dict[str, Any]:
             if mode != "wait" or o is None:
                 continue
             what, _, tier = base.partition("_")
-            out.setdefault(base, {})[size] = {
-                "structure": {"stager": "StepStager", "pool": "UvaBufferPool per array"}.get(what, what),
-                "tier": tier.upper(),
-                **{
-                    f"{m}_{k}_us": r[f"{k}_us"] for m, r in (("wait", w), ("off", o)) for k in ("host", "e2e")
-                },
-                **{f"delta_{k}_us": round(w[f"{k}_us"] - o[f"{k}_us"], 3) for k in ("host", "e2e")},
-                "guard_waits": w.get("guard_waits", 0),
-                "guard_active": w.get("guard") == "wait" if "guard" in w else None,
-            }
+            row = {"structure": {"stager": "StepStager", "pool": "UvaBufferPool per array"}.get(what, what),
+                   "tier": tier.upper(), "guard_waits": w.get("guard_waits", 0),
+                   "guard_active": w.get("guard") == "wait" if "guard" in w else None}  # fmt: skip
+            for k in ("host", "e2e"):
+                row |= {f"wait_{k}_us": w[f"{k}_us"], f"off_{k}_us": o[f"{k}_us"]}
+                row[f"delta_{k}_us"] = round(w[f"{k}_us"] - o[f"{k}_us"], 3)
+            out.setdefault(base, {})[size] = row
     return out
 
 
@@ -229,9 +214,8 @@ def targets(results: dict[str, Any], tiers_run: Sequence[Tier]) -> dict[str, dic
     UVA pool's."""
     out = {}
     for name, (needs, num, den, goal) in TARGETS.items():
-        out[name] = T.ratio(WHAT[name], results, "micro", SIZE, num, den, "staging", "<=", goal) | {
-            "needs": needs
-        }
+        out[name] = T.ratio(WHAT[name], results, "micro", SIZE, num, den, "staging", "<=", goal)
+        out[name]["needs"] = needs
         if den == "pinned_buffer_per_array":
             alt = T.ratio("", results, "micro", SIZE, num, "pinned_tensor_per_array", "staging", "<=", 0)
             out[name]["vs_pinned_tensor_per_array"] = alt.get("measured")
@@ -242,9 +226,9 @@ def targets(results: dict[str, Any], tiers_run: Sequence[Tier]) -> dict[str, dic
                              "step", "<=", 1.10))  # fmt: skip
     what = "every tier's StepStager step time / the MRV2-style UVA pool's (micro K=8 N=64); the worst"
     worst = lambda p: f"micro {p['numerator']}"
-    out["no_tier_slower_than_uva_pool"] = T.worst_of(
-        what, parts, "step (e2e µs)", "<=", 1.10, "no stagebuf tier ran", worst
-    ) | {"needs": "cuda"}
+    e = out["no_tier_slower_than_uva_pool"] = T.worst_of(what, parts, "step (e2e µs)", "<=", 1.10,
+                                                         "no stagebuf tier ran", worst)  # fmt: skip
+    e["needs"] = "cuda"
     for name, e in out.items():
         if e["passed"] is False:
             e[T.REASON] = WHY[name]

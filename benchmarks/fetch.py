@@ -54,6 +54,21 @@ def wheel(requirement: str, *pip_args: str, timeout: float = 900) -> Iterator[Pa
         yield wheels[0]
 
 
+_WHY: dict[str, str] = {}
+
+
+def why_not(key: str, attempt: Callable[[], object]) -> str | None:
+    """Why ``attempt()`` (getting a peer's code and loading it) fails here, tried once per ``key``; None:
+    it succeeds. It fails by raising Unavailable, or ImportError for something the code needs."""
+    if key not in _WHY:
+        try:
+            attempt()
+            _WHY[key] = ""
+        except (Unavailable, ImportError) as e:
+            _WHY[key] = f"{key}: needs {e.name} ({e})" if isinstance(e, ImportError) else str(e)
+    return _WHY[key] or None
+
+
 def unpacked(requirement: str, *pip_args: str, members: Iterable[str] | None = None,
              timeout: float = 900) -> Callable[[Path], None]:  # fmt: skip
     """A :func:`put` filler: the wheel of ``requirement`` unpacked (only ``members``, where given)."""

@@ -64,19 +64,9 @@ def fetch(version: str = VERSION) -> Path:
     return root
 
 
-_why: str | None = None
-
-
 def available() -> str | None:
     """Why nano-vllm cannot be loaded here (None: it can); fetches once."""
-    global _why
-    if _why is None:
-        try:
-            load()
-            _why = ""
-        except Unavailable as e:
-            _why = str(e)
-    return _why or None
+    return F.why_not(f"{DIST} {VERSION}", load)
 
 
 # --- importing it ---------------------------------------------------------------------------------

@@ -71,12 +71,8 @@ def ratio(description: str, results: dict[str, Any], wl: str, size: Any, num: st
         return {**e, "measured": None, "passed": None, "missing": missing,
                 "skipped": f"not measured in this run: {', '.join(missing)}"}  # fmt: skip
     if dv <= 0:
-        return {
-            **e,
-            "measured": None,
-            "passed": None,
-            "skipped": f"{den} is not above the floor ({dv} µs): no ratio",
-        }
+        why = f"{den} is not above the floor ({dv} µs): no ratio"
+        return {**e, "measured": None, "passed": None, "skipped": why}
     e["measured"] = round(nv / dv, 4)
     e["measured_host"] = round(nh / dh, 4) if nh is not None and dh and dh > 0 else None
     e["passed"] = meets(nv / dv, op, goal)

@@ -23,6 +23,7 @@ import ast
 import builtins
 import collections
 import functools
+import importlib
 import logging
 import os
 import re
@@ -115,22 +116,11 @@ def files(release: str = NEWEST) -> tuple[str, ...]:
     return FILES + spec(release).files
 
 
-_why: dict[str, str] = {}
-
-
 def available(release: str = NEWEST) -> str | None:
-    """Why vLLM ``release``'s MRV2 modules cannot be loaded here (None: they can); fetches once."""
-    if release not in _why:
-        try:
-            fetch(release)
-            import triton  # noqa: F401  (MRV2's buffer_utils defines a Triton kernel at import)
-
-            _why[release] = ""
-        except Unavailable as e:
-            _why[release] = str(e)
-        except ImportError as e:
-            _why[release] = f"vLLM {release}'s MRV2 modules need Triton ({e})"
-    return _why[release] or None
+    """Why vLLM ``release``'s MRV2 modules cannot be loaded here (None: they can; MRV2's buffer_utils defines
+    a Triton kernel at import); fetches once."""
+    need = lambda: (fetch(release), importlib.import_module("triton"))
+    return F.why_not(f"vLLM {release}'s MRV2 modules", need)
 
 
 def cache_dir(release: str = NEWEST) -> Path:

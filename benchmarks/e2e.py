@@ -43,7 +43,7 @@ import torch
 from . import nanovllm_pkg as P
 from . import report as R
 from . import targets as T
-from .harness import commit, stagebuf_tier
+from .harness import commit, patched, stagebuf_tier
 
 SETUPS = ("own", "stagebuf_uva", "stagebuf_pinned", "stagebuf_pageable")
 """The setups run on one engine, back to back per workload, in an order rotated by round."""
@@ -109,8 +109,6 @@ NO_PIN = "CUDA error: out of memory (simulated: no pinned memory on this machine
 def refuse_pinning() -> Iterator[None]:
     """What torch does on a machine without pinned memory, for the block: ``pin_memory=True`` (in
     ``torch.tensor``, ``torch.zeros``, ``torch.empty``) and ``Tensor.pin_memory()`` raise RuntimeError."""
-    real = {n: getattr(torch, n) for n in ("tensor", "zeros", "empty")}
-    real_pin = torch.Tensor.pin_memory
 
     def refusing(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def g(*a: Any, pin_memory: bool = False, **k: Any) -> torch.Tensor:
@@ -123,15 +121,9 @@ def refuse_pinning() -> Iterator[None]:
     def pin(self: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
         raise RuntimeError(NO_PIN)
 
-    for n, f in real.items():
-        setattr(torch, n, refusing(f))
-    torch.Tensor.pin_memory = pin  # type: ignore[method-assign]
-    try:
+    refused = {n: refusing(getattr(torch, n)) for n in ("tensor", "zeros", "empty")}
+    with patched(torch, **refused), patched(torch.Tensor, pin_memory=pin):
         yield
-    finally:
-        for n, f in real.items():
-            setattr(torch, n, f)
-        torch.Tensor.pin_memory = real_pin  # type: ignore[method-assign]
 
 
 # --- timing an engine's steps ----------------------------------------------------------------------

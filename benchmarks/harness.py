@@ -48,6 +48,19 @@ def _set(name: str, value: str | None) -> None:
 
 
 @contextmanager
+def patched(obj: Any, **attrs: Any) -> Iterator[None]:
+    """``obj``'s attributes set to ``attrs`` for the block, then restored."""
+    old = {k: getattr(obj, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(obj, k, v)
+
+
+@contextmanager
 def stagebuf_tier(tier: str | None, *others: Any) -> Iterator[None]:
     """``STAGEBUF_TIER=tier`` (None: unset) for the block, the probe forgotten before and after (also by
     ``others``: more copies of the package, as ``benchmarks.ab`` loads them)."""

@@ -31,6 +31,7 @@ import torch
 
 from . import fetch as F
 from .fetch import Unavailable  # noqa: F401  (this module's name too)
+from .harness import patched
 
 VERSION = "20260210"  # The release every function here defaults to.
 DIST = "nano-vllm-fork"
@@ -211,22 +212,10 @@ def own_path_on_cpu() -> Iterator[None]:
     Its own path cannot run there (``pin_memory=True`` raises, ``.cuda()`` asserts): in this block
     ``torch.tensor`` and ``torch.zeros`` ignore ``pin_memory=True`` and ``Tensor.cuda()`` returns a CPU copy.
     Every value is still nano-vllm's; only the transfer is replaced. It patches torch for the block."""
-    real_tensor, real_zeros, real_cuda = torch.tensor, torch.zeros, torch.Tensor.cuda
-
-    def tensor(*a: Any, pin_memory: bool = False, **k: Any) -> torch.Tensor:
-        return real_tensor(*a, **k)
-
-    def zeros(*a: Any, pin_memory: bool = False, **k: Any) -> torch.Tensor:
-        return real_zeros(*a, **k)
-
-    def cuda(self: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
-        return self.clone()
-
-    torch.tensor, torch.zeros, torch.Tensor.cuda = tensor, zeros, cuda  # type: ignore[assignment]
-    try:
+    unpinned = lambda f: lambda *a, pin_memory=False, **k: f(*a, **k)
+    free = {n: unpinned(getattr(torch, n)) for n in ("tensor", "zeros")}
+    with patched(torch, **free), patched(torch.Tensor, cuda=lambda self, *a, **k: self.clone()):
         yield
-    finally:
-        torch.tensor, torch.zeros, torch.Tensor.cuda = real_tensor, real_zeros, real_cuda  # type: ignore[assignment]
 
 
 def own_buffers(r: Any) -> None:

@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -271,20 +271,10 @@ def as_setup(llm: Any, setup: str) -> Iterator[None]:
 
 
 @dataclass
-class Run:
-    setup: str
-    workload: str
-    round: int
-    wall_s: float
-    generated: int
-    decode: dict[str, float]
-    prefill: dict[str, float]
-    identical: bool | None = None
-    tier: str | None = None
-    tokens: list[list[int]] = field(default_factory=list, repr=False)
-
-
-def run_one(llm: Any, setup: str, name: str, w: Workload, seed: int, vocab: int, rnd: int) -> Run:
+def run_one(llm: Any, setup: str, name: str, w: Workload, seed: int, vocab: int,
+            rnd: int) -> tuple[dict[str, Any], list[list[int]]]:  # fmt: skip
+    """Round ``rnd`` of workload ``name`` on ``setup``: its record (tokens/s and the step split of the decode
+    and the prefill steps, :func:`parts`; the tier), and the token ids generated per request."""
     import stagebuf.nanovllm as sn
 
     warm = Workload(min(8, w.requests), w.prompt, (2, 2), w.arrivals_per_step, w.shared_prefix, w.prefix_len)
@@ -293,26 +283,26 @@ def run_one(llm: Any, setup: str, name: str, w: Workload, seed: int, vocab: int,
     with Recorder(llm.model_runner) as rec:
         toks, wall = generate(llm, w, seed, vocab, rec)
         torch.cuda.synchronize()
-    st = sn.stats(llm) if sn.is_attached(llm) else {}
-    return Run(
-        setup, name, rnd, wall, sum(map(len, toks)),
-        parts([s for s in rec.steps if not s.prefill]), parts([s for s in rec.steps if s.prefill]),
-        tier=st.get("tier"), tokens=toks,
-    )  # fmt: skip
+    tier = (sn.stats(llm) if sn.is_attached(llm) else {}).get("tier")
+    steps = lambda prefill: parts([s for s in rec.steps if s.prefill == prefill])
+    run = {"setup": setup, "workload": name, "round": rnd, "wall_s": wall, "generated": sum(map(len, toks)),
+           "decode": steps(False), "prefill": steps(True), "identical": None, "tier": tier}  # fmt: skip
+    return run, toks
 
 
-def _said(r: Run) -> str:
-    d = r.decode
-    return (f"  {r.setup:18} {r.workload:8} round {r.round}: decode {d.get('tokens_per_s', 0):9.0f} tok/s, "
-            f"prefill {r.prefill.get('tokens_per_s', 0):9.0f} tok/s, identical={r.identical}, decode step ms "
-            f"{d.get('step_ms', 0):.2f} (prep {d.get('prep_ms', 0):.2f}, forward "
+def _said(r: dict[str, Any]) -> str:
+    d, p = r["decode"], r["prefill"]
+    return (f"  {r['setup']:18} {r['workload']:8} round {r['round']}: decode {d.get('tokens_per_s', 0):9.0f} "
+            f"tok/s, prefill {p.get('tokens_per_s', 0):9.0f} tok/s, identical={r['identical']}, decode step "
+            f"ms {d.get('step_ms', 0):.2f} (prep {d.get('prep_ms', 0):.2f}, forward "
             f"{d.get('forward_ms', 0):.2f}, sample {d.get('sample_ms', 0):.2f})")  # fmt: skip
 
 
 def measure(model_dir: Path, workloads: dict[str, Workload], rounds: int, seed: int = 0,
             cfg: EngineConfig = EngineConfig(), nopin: bool = True,
             log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
-    """Every setup's runs (:class:`Run` as dicts, tokens dropped after the check) and the no-pin start."""
+    """Every setup's runs (:func:`run_one`'s records, each with whether its tokens are the first run's) and
+    the no-pin start."""
     import stagebuf
     import stagebuf.nanovllm as sn
 
@@ -324,7 +314,7 @@ def measure(model_dir: Path, workloads: dict[str, Workload], rounds: int, seed: 
     nano.config.AutoConfig = P.AutoConfig  # config.json as written (see P.AutoConfig)
     tok = M.TokenIds(model_dir)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    runs: list[Run] = []
+    runs: list[dict[str, Any]] = []
     ref: dict[str, list[list[int]]] = {}
     started: dict[str, float] = {}
     blocks: dict[str, int] = {}
@@ -341,10 +331,9 @@ def measure(model_dir: Path, workloads: dict[str, Workload], rounds: int, seed: 
                 for name, w in workloads.items():
                     for setup in setups(rnd):
                         with as_setup(llm, setup) if setup != NOPIN else contextlib.nullcontext():
-                            r = run_one(llm, setup, name, w, seed, vocab, rnd)
-                        r.identical = r.tokens == ref.setdefault(name, r.tokens)  # the first run: reference
+                            r, toks = run_one(llm, setup, name, w, seed, vocab, rnd)
+                        r["identical"] = toks == ref.setdefault(name, toks)  # the first run: the reference
                         log(_said(r))
-                        r.tokens = []
                         runs.append(r)
         finally:
             stop(llm)
@@ -374,7 +363,7 @@ def measure(model_dir: Path, workloads: dict[str, Workload], rounds: int, seed: 
         "attention": attention, "engine": asdict(cfg),
         "workloads": {k: asdict(w) for k, w in workloads.items()},
         "rounds": rounds, "seed": seed, "started_s": started, "kv_cache_blocks": blocks, "no_pin": no_pin,
-        "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs],
+        "runs": runs,
     }  # fmt: skip
 
 

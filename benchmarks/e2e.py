@@ -270,7 +270,6 @@ def as_setup(llm: Any, setup: str) -> Iterator[None]:
             sn.detach(llm)
 
 
-@dataclass
 def run_one(llm: Any, setup: str, name: str, w: Workload, seed: int, vocab: int,
             rnd: int) -> tuple[dict[str, Any], list[list[int]]]:  # fmt: skip
     """Round ``rnd`` of workload ``name`` on ``setup``: its record (tokens/s and the step split of the decode

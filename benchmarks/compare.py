@@ -55,20 +55,17 @@ class Cell:
         spreads = [max(m) / min(m) - 1 for m in (_medians(self.before), _medians(self.after)) if len(m) > 1]
         return max(spreads) if spreads else None
 
-    @property
-    def slower(self) -> bool:
-        """Every after run above every before run, by more than the cell's noise (never without one)."""
-        if self.noise is None:
-            return False  # one run a side: nothing says how far the same code moves
-        separated = min(_medians(self.after)) > max(_medians(self.before)) * _TIE
-        return separated and self.ratio > (1 + self.noise) * _TIE
-
-    @property
-    def faster(self) -> bool:
+    def _beyond(self, up: bool) -> bool:
+        """Every run of one side above every run of the other (after above before: ``up``), by more than the
+        cell's noise; never without one (one run a side: nothing says how far the same code moves)."""
         if self.noise is None:
             return False
-        separated = max(_medians(self.after)) * _TIE < min(_medians(self.before))
-        return separated and 1 / self.ratio > (1 + self.noise) * _TIE
+        low, high = (self.before, self.after) if up else (self.after, self.before)
+        separated = min(_medians(high)) > max(_medians(low)) * _TIE
+        return separated and (self.ratio if up else 1 / self.ratio) > (1 + self.noise) * _TIE
+
+    slower = property(lambda self: self._beyond(True))
+    faster = property(lambda self: self._beyond(False))
 
 
 def _medians(runs: list[Samples]) -> list[float]:

@@ -134,13 +134,10 @@ def summary(cells: list[Cell]) -> dict[str, Any]:
         if not group:
             continue
         ratios = [c.ratio for c in group]
-        out[name] = {
-            "cells": len(group),
-            "median_ratio": round(statistics.median(ratios), 3),
-            "geomean_ratio": round(statistics.geometric_mean(ratios), 3),
-            "slower_beyond_noise": [c.key for c in group if c.slower],
-            "faster_beyond_noise": [c.key for c in group if c.faster],
-        }
+        out[name] = {"cells": len(group), "median_ratio": round(statistics.median(ratios), 3),
+                     "geomean_ratio": round(statistics.geometric_mean(ratios), 3),
+                     "slower_beyond_noise": [c.key for c in group if c.slower],
+                     "faster_beyond_noise": [c.key for c in group if c.faster]}  # fmt: skip
     return out
 
 

@@ -369,13 +369,10 @@ def measure(model_dir: Path, workloads: dict[str, Workload], rounds: int, seed: 
 # --- the report ------------------------------------------------------------------------------------
 
 GOALS: dict[str, tuple[str, float]] = {  # name: (op, goal)
-    "e2e_nanovllm_decode_uva_vs_own": (">=", 1.7),
-    "e2e_nanovllm_decode_pageable_vs_own": (">=", 1.6),
-    "e2e_nanovllm_decode_nopin_vs_own": (">=", 1.5),
-    "e2e_nanovllm_prefill_uva_vs_own": (">=", 1.05),
-    "e2e_nanovllm_prep_share_uva": ("<=", 0.1),
-    "e2e_nanovllm_tokens_identical": (">=", 1.0),
-}
+    "e2e_nanovllm_decode_uva_vs_own": (">=", 1.7), "e2e_nanovllm_decode_pageable_vs_own": (">=", 1.6),
+    "e2e_nanovllm_decode_nopin_vs_own": (">=", 1.5), "e2e_nanovllm_prefill_uva_vs_own": (">=", 1.05),
+    "e2e_nanovllm_prep_share_uva": ("<=", 0.1), "e2e_nanovllm_tokens_identical": (">=", 1.0),
+}  # fmt: skip
 WHAT = {
     "e2e_nanovllm_decode_uva_vs_own": "decode tok/s, attached UVA / own",
     "e2e_nanovllm_decode_pageable_vs_own": "decode tok/s, attached PAGEABLE / own with pinned memory",

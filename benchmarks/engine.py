@@ -633,14 +633,10 @@ GOALS: dict[str, dict[str, float]] = {
 """The engine goals that differ by the peer's release (else :data:`RATIOS`'); a release without an entry
 takes the newest entry's."""
 RATIOS = {  # engine_<name>_g<groups>: stagebuf_<api>_<tier> / vllm_<peer> (step_prep: step_uva's), its goal
-    "step_uva_vs_vllm_uva": 0.4,
-    "step_pageable_vs_vllm_uva": 0.5,
-    "step_prep_vs_vllm_uva": 0.75,
-    "dropin_uva_vs_vllm_uva": 0.7,
-    "own_uva_vs_vllm_uva": 0.5,
-    "dropin_pageable_vs_vllm_nopin": 0.6,
+    "step_uva_vs_vllm_uva": 0.4, "step_pageable_vs_vllm_uva": 0.5, "step_prep_vs_vllm_uva": 0.75,
+    "dropin_uva_vs_vllm_uva": 0.7, "own_uva_vs_vllm_uva": 0.5, "dropin_pageable_vs_vllm_nopin": 0.6,
     "own_pageable_vs_vllm_uva": 1.0,
-}
+}  # fmt: skip
 WHAT = {
     "step_uva_vs_vllm_uva": "step mode (STAGEBUF_VLLM=step) on UVA / vLLM's own layer on UVA",
     "step_pageable_vs_vllm_uva": "step mode on PAGEABLE (no pinned memory) / vLLM's own layer on UVA (bare "

@@ -79,12 +79,8 @@ def _engine(eng: dict[str, Any], every: bool) -> list[Table]:
     if not meds:
         return []
     groups = sorted({int(k.split("|")[1][1:]) for k in meds})
-    cols = [
-        (g, w, m)
-        for g in groups
-        for w in ("prep", "buffer")
-        for m in (("idle", "busy") if every else ("busy",))
-    ]
+    modes = ("idle", "busy") if every else ("busy",)
+    cols = [(g, w, m) for g in groups for w in ("prep", "buffer") for m in modes]
     cell = lambda v: "-" if v is None else f"{v:.0f}"
     rows = [[f"`{s}`", *(cell(meds.get(f"{s}|g{g}|{m}", {}).get(f"{w}_us")) for g, w, m in cols)]
             for s in eng.get("setups", [])]  # fmt: skip

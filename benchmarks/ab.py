@@ -1,18 +1,13 @@
 """``python -m benchmarks.ab --before REV``: is a change slower? The old and the new code in one process.
 
-``benchmarks.compare`` judges a change from separate bench runs, and a run moves as a whole (one process lands
-in a faster or slower state of a shared host), so a cell's noise is that of whole processes. Here three copies
-of the package build the same vs-vLLM cases (``benchmarks.vs_vllm``: pool, backed, writes and fused cells, on
-each tier) side by side in one process: *before* (``src/stagebuf`` at git revision ``REV``, imported as
-``stagebuf_before``), *after* (the ``stagebuf`` imported: the checkout's, with ``PYTHONPATH=src``) and
-*control* (a second copy of after, ``stagebuf_control``). Their steps take turns, the order rotating every
-step, so drift falls on all three alike.
-
-Per cell and round (each round builds fresh objects): a side's time is its median step, the ratio is after
-over before, and the cell's noise is how far control and after, the same code, lie apart (the largest over the
-rounds). A cell is SLOWER when in every round after is above before by more than that noise; faster likewise.
-``--before HEAD`` (before, after and control all the same code) shows how often the method alone flags a cell
-(docs/BENCHMARKS.md).
+``benchmarks.compare`` judges separate runs, whose noise is that of whole processes. Here three copies of the
+package build the same vs-vLLM cells (:mod:`benchmarks.vs_vllm`: pool, backed, writes and fused, on each tier)
+side by side: *before* (``src/stagebuf`` at revision ``REV``, or a folder holding a ``stagebuf``), *after*
+(the checkout's ``stagebuf``) and *control* (a second copy of after). Their steps take turns, the order
+rotating every step. Per cell and round (fresh objects each round) a side's time is its median step, the ratio
+after over before, the noise how far control and after lie apart; a cell is SLOWER when after is above before
+by more than the noise in every round, faster likewise. ``--before HEAD`` shows how often the method alone
+flags a cell.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """``python -m benchmarks.compare``: is a change slower than the noise? Bench reports, cell by cell.
 
-Give the reports of the code before a change and after it, run on one machine and interleaved (before, after,
-before, after: drift then falls on both sides). Per cell (a strategy at a size, an engine setup's prep or
-buffer time, a vs-vLLM cell) a side's time is the geometric mean of its runs' medians (a run moves as a whole:
-one process lands in a faster or slower state of the machine), and the ratio is after over before. The noise
-of a cell is how far the same code moved between its own runs: the largest ratio of two run medians on one
-side (needs two runs of a side: with one run a side there is no noise to judge by, so the command warns and
-flags no cell).
-
-A cell is *slower beyond noise* when every after run's median is above every before run's median and the ratio
-exceeds 1 plus the cell's noise. Peers (vLLM's classes, the baselines, the floor) run the same code on both
-sides, so their count of such cells is the rate at which noise alone flags a cell.
-
-A run's drift: where the machine as a whole got faster or slower from one run to the next (runs minutes apart
-on a shared host), every cell of that run moves with it. ``--drift`` divides each run's samples by its drift
-factor, the median over the peers' cells of that run's median over the cell's geometric mean across all runs
-(printed); the peers' flags still say how often noise alone flags a cell.
+Give the reports of the code before and after a change, run on one machine and interleaved (before, after,
+before, after). Per cell (a strategy at a size, an engine setup's prep or buffer time, a vs-vLLM cell) a
+side's time is the geometric mean of its runs' medians (a run moves as a whole), the ratio after over before,
+and the noise how far the same code moved between its own runs (the largest ratio of two run medians of one
+side; with one run a side there is none: the command warns and flags no cell). A cell is *slower beyond noise*
+when every after run is above every before run and the ratio exceeds 1 plus the noise. Peers (vLLM's classes,
+the baselines, the floor) run the same code on both sides: their flags are the rate at which noise alone flags
+a cell. ``--drift`` divides each run's samples by its drift factor (the median over the peers' cells of that
+run's median over the cell's geometric mean across all runs): the machine as a whole moving between runs.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """End to end: nano-vllm's real ``LLM`` generating tokens, on its own input preparation and on stagebuf's.
 
-    python -m benchmarks.e2e [--shape qwen3-0.6b] [--rounds 3] [--json out.json] [--plot out.png]
-
-nano-vllm-fork (:mod:`benchmarks.nanovllm_pkg`) runs as released: ``LLM(...)`` builds its ``ModelRunner``
-(model, warm-up, KV cache, CUDA graphs), its ``Scheduler`` and ``BlockManager`` schedule, its ``Sampler``
-samples. The model is a Qwen3 of the chosen shape with random weights (:mod:`benchmarks.e2e_model`); attention
-is flash-attn where it imports, else the bench's Triton stand-in (:mod:`benchmarks.e2e_attention`). Prompts
-are token ids drawn from a seed; sampling is near-greedy (temperature 0.01) with ``ignore_eos`` and a torch
-seed per run, so a setup that hands the model the same inputs generates the same token ids. nano-vllm's
-``Config`` reads ``config.json`` as written (:class:`benchmarks.nanovllm_pkg.AutoConfig`).
-
-Workloads (:data:`WORKLOADS`): ``decode`` (many sequences, short prompts, long outputs), ``prefill`` (long
-prompts, four new tokens) and ``mixed`` (arrivals every step, prompts of varied length, half behind one of
-four shared prefixes: hits of nano-vllm's prefix cache). Setups (:data:`SETUPS`), on one engine attached and
-detached, back to back per workload in an order rotated by round: ``own`` (nano-vllm's own preparation, pinned
-memory) and ``stagebuf_<tier>`` (``stagebuf.nanovllm.attach`` on a forced tier); then a machine without pinned
-memory (:func:`refuse_pinning`): nano-vllm's own engine is started and fails, and a second engine, started
-attached as the README says, runs the workloads as ``stagebuf_nopin``. Per setup and workload: tokens/s
-(prefill and decode steps apart), the step split into host input preparation (``prepare_*``), forward and
-sampling (device time between CUDA events) and the rest, and whether every generated token id equals the own
-engine's first round. :func:`summarize` gives medians and the targets.
+nano-vllm-fork runs as released (its ``ModelRunner`` with CUDA graphs, ``Scheduler``, ``Sampler``) on a Qwen3
+of the chosen shape with random weights (:mod:`benchmarks.e2e_model`); attention is flash-attn where it
+imports, else the Triton stand-in (:mod:`benchmarks.e2e_attention`). Prompts are seeded token ids, sampling
+near-greedy with ``ignore_eos`` and a torch seed per run, so a setup that hands the model the same inputs
+generates the same tokens. Workloads (:data:`WORKLOADS`): ``decode``, ``prefill`` and ``mixed`` (arrivals
+every step, half the prompts behind shared prefixes). Setups (:data:`SETUPS`), on one engine, back to back per
+workload in an order rotated by round: ``own`` (pinned memory) and ``stagebuf_<tier>`` (``attach`` on a forced
+tier); then, on a machine without pinned memory (:func:`refuse_pinning`), nano-vllm's own engine fails to
+start and one started attached runs as ``stagebuf_nopin``. Per setup and workload: tokens/s (prefill and
+decode steps apart), the step split into host preparation, forward, sampling (CUDA events) and the rest, and
+whether every token equals the own engine's first round; :func:`summarize` gives medians and the targets.
 """
 
 from __future__ import annotations

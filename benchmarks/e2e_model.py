@@ -1,16 +1,12 @@
 """A Qwen3 model folder for nano-vllm's end-to-end run, written at run time with random weights.
 
-``write_model(folder, shape, seed)`` writes what nano-vllm's ``LLM(folder, tokenizer=...)`` reads:
-``config.json`` (Qwen3-0.6B's published fields, or the same architecture tiny for CPU tests) and
-``model.safetensors`` (Hugging Face Qwen3 names, bfloat16, tied embeddings). The run hands the engine token
-ids, so its ``tokenizer=`` is :class:`TokenIds` (the config's EOS id; ids, not text). The weights are random
-because the GPU box has no network, and the engine's host path needs the model's shapes, dtype and cost, not
-its answers: each tensor is drawn from its own ``torch.Generator`` seeded from the seed and its name; linear
-and embedding weights normal with std ``INIT_STD`` (Qwen3's ``initializer_range``), RMSNorm weights 1. For
-0.6B that gives attention scores of std about 1, a residual stream of RMS about 3 after 28 layers and
-tied-head logits of std about 0.64: finite in bfloat16, near-uniform after softmax (EOS about 6e-6 a step),
-so sequences end by ``max_tokens``. A folder is written into a temporary sibling and renamed into place; one
-whose ``stagebuf-model.json`` manifest matches (writer version, shape, seed, config, files' sizes) is reused.
+``write_model(folder, shape, seed)`` writes ``config.json`` (Qwen3-0.6B's published fields, or the same
+architecture tiny for CPU tests) and ``model.safetensors`` (Hugging Face names, bfloat16, tied embeddings).
+The run hands the engine token ids: its tokenizer is :class:`TokenIds`. The weights are random (the GPU box
+has no network; the host path needs the model's shapes, dtype and cost, not its answers), each tensor from a
+generator seeded by the seed and its name: normal with Qwen3's ``initializer_range`` (norms 1), finite in
+bfloat16 and near-uniform after softmax, so sequences end by ``max_tokens``. A folder whose
+``stagebuf-model.json`` manifest matches (writer version, shape, seed, config, file sizes) is reused.
 """
 
 from __future__ import annotations

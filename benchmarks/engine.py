@@ -1,21 +1,16 @@
 """The engine workload: vLLM's own MRV2 input path, step by step, on a scheduler-like trace.
 
-vLLM's modules of one release (``release``, default ``vllm_mrv2.NEWEST``): ``RequestState``, ``BlockTables``,
-``SamplingStates``, ``InputBuffers`` and the prepare, gather, slot-mapping and post-update kernels. Each step
-does what ``GPUModelRunner.execute_model`` and ``prepare_inputs`` do with them, in their order: remove
-finished requests, add new ones (from 0.34 a prompt arrives as a ``TokenBuffer``, made before the timing),
-apply the request and sampler writes, update the running requests, apply the block tables, copy
-``idx_mapping`` and ``query_start_loc`` to the device and launch the kernels; then a stand-in forward pass
-(busy GPU) and ``post_update`` with deterministic "sampled" tokens.
-
-Setups (:class:`Setup`): ``vllm`` (vLLM's own ``buffer_utils``; ``nopin``: its NonUvaBuffer fallback),
-``dropin`` (stagebuf's classes in its place, as the plugin's ``STAGEBUF_VLLM=1`` substitutes them, on a forced
-tier), ``step`` (the plugin's step mode), ``own`` (the step's buffer work on stagebuf's own API: every staged
-write in one ``FusedStagedWriter.apply``, the per-request parameters in one ``DeviceParamTable``, the per-step
-arrays through one ``StepStager`` step) and ``floor`` (:class:`FloorEngine`). Measured per step, on the host:
-the preparation (through the last kernel's launch) and the buffer work within it, by part (:data:`SECTIONS`).
-``check()`` runs a setup in lockstep with vLLM's own layer and compares every device-visible input after every
-step.
+vLLM's modules of one release (``RequestState``, ``BlockTables``, ``SamplingStates``, ``InputBuffers`` and the
+prepare, gather, slot-mapping and post-update kernels), driven as ``GPUModelRunner.execute_model`` drives
+them: remove finished requests, add new ones, apply the request, sampler and block-table writes, copy
+``idx_mapping`` and ``query_start_loc`` to the device, launch the kernels; then a stand-in forward pass (busy
+GPU) and ``post_update`` with deterministic "sampled" tokens. Setups (:class:`Setup`): ``vllm`` (its own
+``buffer_utils``; ``nopin``: its NonUvaBuffer fallback), ``dropin`` (stagebuf's classes in their place, as the
+plugin's ``STAGEBUF_VLLM=1``), ``step`` (the plugin's step mode), ``own`` (the buffer work on stagebuf's own
+API: one ``FusedStagedWriter.apply``, one ``DeviceParamTable``, one ``StepStager`` step) and ``floor``
+(:class:`FloorEngine`), each stagebuf setup on a forced tier. Measured per step, on the host: the preparation
+(through the last launch) and the buffer work within it, by part (:data:`SECTIONS`). ``check()`` compares
+every device-visible input with vLLM's own layer's after every step.
 """
 
 from __future__ import annotations

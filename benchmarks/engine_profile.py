@@ -1,15 +1,11 @@
 """``python -m benchmarks.engine_profile``: where each setup's buffer work goes, part by part, with calls.
 
-The engine workload (:mod:`benchmarks.engine`, ``--release``'s vLLM, default ``vllm_mrv2.NEWEST``), in one
-process: first the timed lockstep run of the chosen setups and the floor, as the bench runs it (µs per step of
-each part, unprofiled); then each setup again over the same trace under ``cProfile``, one profile per part
-(``engine.SECTIONS``): the functions with the most own time, with calls and µs per step. cProfile's overhead
-inflates Python functions; a C call (a launch, a copy, an event record) keeps about its own cost. The parts
-are the calls the bench times: ``RequestState``, ``SamplingStates`` and ``BlockTables``'
-``apply_staged_writes``, and the step's ``async_tensor_h2d`` copies (in step mode the last one flushes the
-step's batch). Own-API setups time other calls and are not profiled here.
-
-    PYTHONPATH=src:. python -m benchmarks.engine_profile --json out/profile.json  # a CPU: TRITON_INTERPRET=1
+The engine workload (:mod:`benchmarks.engine`) in one process: the timed lockstep run of the chosen setups and
+the floor, as the bench runs it (µs per step of each part, unprofiled); then each setup again under
+``cProfile``, one profile per part (``engine.SECTIONS``: ``RequestState``, ``SamplingStates`` and
+``BlockTables``' ``apply_staged_writes``, and the step's ``async_tensor_h2d`` copies): the functions with the
+most own time, calls and µs per step. cProfile inflates Python functions; a C call keeps about its cost.
+Own-API setups time other calls and are not profiled here. On a CPU it needs ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations

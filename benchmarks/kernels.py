@@ -1,14 +1,10 @@
 """``python -m benchmarks.kernels``: which staged-write kernel is cheaper per shape; what ``auto`` costs.
 
-A cell is T targets (int32 tables of 4096 x 64) and E edits of L values each, spread evenly over the targets,
-applied by one writer: a ``StagedWriteTensor`` for one target, a ``FusedStagedWriter`` for more. Three writers
-of the cell take turns, the order rotating each step: the kernel forced to ``scatter``, forced to ``triton``
-(``STAGEBUF_WRITE_KERNEL``) and left to ``auto``. A step stages the edits (not timed), then times the apply on
-the host and waits for the device, so every apply starts on an idle GPU. A side's time is its median apply
-(µs).
-
-The table gives triton/scatter, the kernel ``auto`` ran, and auto over the faster forced kernel; the last
-line, in how many cells ``auto`` ran the faster kernel and what it cost at worst.
+A cell is T targets (int32 tables of 4096 x 64) and E edits of L values spread over them, applied by one
+writer (a ``StagedWriteTensor``, or a ``FusedStagedWriter`` for more targets). Three writers take turns, the
+order rotating each step: the kernel forced to ``scatter``, to ``triton`` (``STAGEBUF_WRITE_KERNEL``) and left
+to ``auto``. A step stages the edits untimed, then times the apply on an idle GPU; a side's time is its median
+apply. The table gives triton/scatter, the kernel ``auto`` ran and auto over the faster forced kernel.
 """
 
 from __future__ import annotations

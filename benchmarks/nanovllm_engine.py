@@ -1,17 +1,14 @@
 """The nano-vllm workload: nano-vllm's own input preparation against stagebuf's, on its own scheduler's trace.
 
-nano-vllm-fork (``nanovllm_pkg``) runs as released: its ``Scheduler`` and ``BlockManager`` schedule a seeded
-stream of ``Sequence`` arrivals (varied prompts, shared prefixes that hit the prefix cache, finishes by EOS or
-``max_tokens``, preemption when the KV cache runs short; CFG pairs in a CFG trace), and each step its
-``ModelRunner`` prepares the step as ``run`` does (``prepare_prefill`` or ``prepare_decode``, then
-``prepare_sample``). The forward pass is a stand-in (busy GPU: ``torch.cuda._sleep``); the "sampled" tokens
-are drawn from the trace's seed, so every setup sees the same trace. Setups: ``own`` (nano-vllm's code; on a
-machine without CUDA through ``nanovllm_pkg.own_path_on_cpu``) and ``stagebuf_<tier>`` (the same runner after
-``stagebuf.nanovllm.attach``, on a forced tier). ``check()`` compares every tensor the runner hands the model
-and the sampler, and the attention context, every step; with ``graphs`` also ``run_model`` on captured graphs
-of a stand-in model (real CUDA graphs on a GPU, replayed eagerly on the CPU). ``graph_writes()`` counts the
-device-side writes into the graphs' inputs per decode step. The timed runs also time a prefill step's floor
-(``floor_prefill``: its token lists into one array) as the row ``floor``.
+nano-vllm-fork runs as released: its ``Scheduler`` and ``BlockManager`` schedule a seeded stream of requests
+(varied prompts, shared prefixes that hit the prefix cache, finishes by EOS or ``max_tokens``, preemption; CFG
+pairs in a CFG trace), and its ``ModelRunner`` prepares each step as ``run`` does (``prepare_prefill`` or
+``prepare_decode``, then ``prepare_sample``); the forward pass is a stand-in. Setups: ``own`` (nano-vllm's
+code; on a CPU through ``nanovllm_pkg.own_path_on_cpu``) and ``stagebuf_<tier>`` (after
+``stagebuf.nanovllm.attach``, on a forced tier). ``check()`` compares every tensor the model and sampler get
+every step (with ``graphs``: also ``run_model`` on captured graphs); ``graph_writes()`` counts the device-side
+writes into the graphs' inputs per decode step; the timed runs also time a prefill step's floor
+(``floor_prefill``) as ``floor``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """nano-vllm-fork's released package, fetched at test or bench time and imported with stand-ins for what input
 preparation never uses.
 
-``fetch()`` keeps the wheel (``pip download --no-deps nano-vllm-fork==<version>``, pure Python) unpacked in
-``cache_dir()`` (``.cache/nanovllm-<version>`` in the checkout, or ``$STAGEBUF_NANOVLLM_DIR``), with xxhash
-wheels for CPython 3.10-3.12 on x86-64 Linux beside it (its ``BlockManager`` hashes with xxhash; a machine
-without network gets the folder carried).
-``load()`` imports the real package: its ``Scheduler``, ``BlockManager``, ``Sequence``, ``SamplingParams``,
-``utils.context`` and ``ModelRunner`` run as released. Where a module that input preparation never reaches is
-missing here (``transformers``, ``flash_attn``, ``safetensors``, ``tqdm``, ``triton``), a stand-in takes its
-place during the import only. ``runner()`` builds a ``ModelRunner`` as its ``__init__`` does, less the process
-group, the model, the warm-up and the KV cache.
+``fetch()`` keeps the wheel unpacked in ``cache_dir()`` (``.cache/nanovllm-<version>``, or
+``$STAGEBUF_NANOVLLM_DIR``), with xxhash wheels for CPython 3.10-3.12 beside it (its ``BlockManager`` hashes
+with xxhash). ``load()`` imports the real package (its ``Scheduler``, ``BlockManager``, ``Sequence``,
+``ModelRunner`` run as released), stand-ins taking the place of missing modules input preparation never
+reaches (``transformers``, ``flash_attn``, ``safetensors``, ``tqdm``, ``triton``) during the import only.
+``runner()`` builds a ``ModelRunner`` as its ``__init__`` does, less the process group, model, warm-up and KV
+cache.
 """
 
 from __future__ import annotations

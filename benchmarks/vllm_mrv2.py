@@ -1,19 +1,14 @@
 """vLLM's own MRV2 input-side modules of one release, loaded unmodified, on vLLM's buffer layer or stagebuf's.
 
-The releases run are :data:`RELEASES` (oldest first; :data:`NEWEST` is every function's default).
-``fetch(release)`` keeps the few Python files the harness needs (:data:`FILES`) in ``cache_dir(release)``:
-from its wheel (:mod:`benchmarks.fetch`). ``load()``
-executes them as private modules (``_vllm_mrv2_<n>.block_table``; no ``vllm`` module is made), their
-``vllm.*`` imports resolved to vLLM's own code where the input path runs it (``buffer_utils``,
-``block_table``, ``states``, ``input_batch``, ``sample/states``, ``async_tensor_h2d``, ``TokenBuffer``; on the
-CPU the CPU worker's ``UvaBuffer`` and ``async_tensor_h2d``, as that worker patches them in), to small
-stand-ins for what vLLM's platform layer decides (pinned memory and UVA: the ``pin`` argument; confidential
-computing: :data:`CONFIDENTIAL_COMPUTE`; the compiled device view of pinned memory) and to stubs for sampler
-kernels the input path never calls. With ``layer="stagebuf"`` stagebuf's classes take ``buffer_utils``' place,
-as stagebuf's vLLM plugin substitutes them.
-
-``python -m benchmarks.vllm_mrv2 --check-new`` asks the registry for releases newer than :data:`NEWEST` (exit
-1 if there are: add them to :data:`RELEASES`); ``--fetch`` fetches every release.
+``fetch(release)`` keeps the few files the harness needs (:data:`FILES`) from the release's wheel; ``load()``
+executes them as private modules (no ``vllm`` module is made), their ``vllm.*`` imports resolved to vLLM's own
+code where the input path runs it (on the CPU, the CPU worker's ``UvaBuffer`` and ``async_tensor_h2d``), to
+stand-ins for what vLLM's platform layer decides (pinned memory and UVA: ``pin``; confidential computing) and
+to stubs for sampler kernels never called; ``layer="stagebuf"`` puts stagebuf's classes in ``buffer_utils``'
+place, as stagebuf's vLLM plugin does. ``as_installed`` makes a release importable as ``vllm`` (the plugin's
+tests and step mode). :data:`RELEASES` are the releases run, :data:`NEWEST` every function's default. ``python
+-m benchmarks.vllm_mrv2 --check-new`` asks the registry for newer releases (exit 1 if there are); ``--fetch``
+fetches every release.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
-"""Micro-benchmarks against vLLM's own buffer classes (``buffer_utils`` of ``--release``, default
-``vllm_mrv2.NEWEST``), the engine workload's second part.
+"""Micro-benchmarks against vLLM's own buffer classes (``buffer_utils`` of ``--release``), the engine
+workload's second part: each case builds the same object from vLLM's module and from stagebuf's (on a forced
+tier) and times one step on the host, the GPU idle; medians over steps, then over interleaved repeats.
 
-Each case builds the same object from vLLM's module and from stagebuf's (on a forced tier) and times one step
-on the host, the GPU idle (synchronised between steps, outside the timing); medians over steps, then over
-interleaved repeats.
-
-* ``pool|kK``: ``UvaBufferPool.copy_to_uva`` of a numpy array of 256 int32, K pools a step (K=8: the sampler's
-  block of publishes; K=1: a pool alone, which pays stagebuf's slot-guard event every call).
+* ``pool|kK``: ``UvaBufferPool.copy_to_uva`` of 256 int32, K pools a step (K=1 pays the slot guard each call).
 * ``backed|kK``: ``UvaBackedTensor.copy_to_uva()`` of K tensors of 256, one value changed in each a step.
-* ``writes|ExL``: ``StagedWriteTensor``: E ``stage_write`` calls of L values on distinct rows of a (max(4096,
-  E), max(64, L)) int32 table, then ``apply_write``; ``stage|ExL``: the calls alone (E <= 256).
-* ``fused|ExL``: ``FusedStagedWriter.apply`` over two such tables (E/2 edits each), with vLLM's call shape.
+* ``writes|ExL``: E ``stage_write`` calls of L values on distinct rows, then ``apply_write``; ``stage|ExL``:
+  the calls alone (E <= 256); ``fused|ExL``: ``FusedStagedWriter.apply`` over two such tables.
 * ``prompt|KIND|N``: one prompt of N tokens staged and applied, as the model runner adds a request.
 
-``python -m benchmarks.vs_vllm --json FILE`` runs these cells alone (half a minute on an H200) and writes a
-report that ``benchmarks.compare`` reads: one side's run of ``scripts/gpu.sh compare``.
+``python -m benchmarks.vs_vllm --json FILE`` runs these cells alone: one side's run of ``scripts/gpu.sh
+compare``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """What the micro and writes workloads compare stagebuf with, besides what they write themselves.
 
-* vLLM's own classes (``vllm_mrv2``; the release is ``release``, :data:`benchmarks.vllm_mrv2.NEWEST` by
-  default), fetched at run time, never committed: Model Runner V2's ``UvaBufferPool`` with pinned memory
-  (``mrv2_uva_pool``) and without (``mrv2_fallback_pool``: its NonUvaBuffer fallback), its
-  ``StagedWriteTensor`` (``mrv2_staged_write``), and V1's ``CpuGpuBuffer`` (``cpu_gpu_buffer``: a fixed pinned
-  buffer and a fixed device buffer, one async copy per array).
-* ``uva_pool_cached``: MRV2's round-robin UVA pool on stagebuf's ``UvaBuffer`` (cached row views, no guard):
-  the strongest UVA-pool design, the floor for "no tier slower".
+* vLLM's own classes (:mod:`benchmarks.vllm_mrv2`, of ``release``), fetched at run time: MRV2's
+  ``UvaBufferPool`` with pinned memory and without (its NonUvaBuffer fallback), its ``StagedWriteTensor``, and
+  V1's ``CpuGpuBuffer`` (a fixed pinned buffer, one async copy per array).
+* ``uva_pool_cached``: MRV2's round-robin UVA pool on stagebuf's ``UvaBuffer`` (cached views, no guard): the
+  floor for "no tier slower".
 """
 
 from __future__ import annotations

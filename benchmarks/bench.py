@@ -1,13 +1,12 @@
 """``python -m benchmarks``: every workload, timed in one process, with the targets' ratios.
 
-The micro and writes workloads (:mod:`benchmarks.micro`, :mod:`benchmarks.writes`) are lists of strategies,
-each run at each size. The cases of one size are built together, warmed up, then repeated in turns (a rotating
-order, so that a drift of the machine falls on every strategy a ratio compares); a repeat runs ``iters``
-steps, chosen so that it lasts about ``--target-ms``. Host µs a step is the time to enqueue them,
-device-synchronised µs the time until ``torch.cuda.synchronize()`` returned (equal on the CPU); the medians
-over repeats are reported, and the staging cost is a strategy's synchronised time minus the floor's. The
-engine workload (:mod:`benchmarks.engine`, with :mod:`benchmarks.vs_vllm`) and the nano-vllm workload
-(:mod:`benchmarks.nanovllm_engine`) run after them. Each target is judged as :mod:`benchmarks.targets` says.
+The micro and writes workloads (:mod:`benchmarks.micro`, :mod:`benchmarks.writes`) are strategies run at each
+size: the cases of one size built together, warmed up, then repeated in a rotating order (a drift of the
+machine falls on every strategy a ratio compares), each repeat lasting about ``--target-ms``. Host µs a step
+is the time to enqueue, synchronised µs the time until ``torch.cuda.synchronize()`` returned; medians over
+repeats are reported, the staging cost is the synchronised time minus the floor's. The engine workload
+(:mod:`benchmarks.engine`, :mod:`benchmarks.vs_vllm`) and the nano-vllm one
+(:mod:`benchmarks.nanovllm_engine`) run after them; :mod:`benchmarks.targets` judges.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Stand-ins for flash-attn's ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` as nano-vllm calls
-them, for the end-to-end benchmark on machines where flash-attn does not install.
+them, for the end-to-end benchmark where flash-attn does not install.
 
-Both take flash-attn's keyword names and follow its documented semantics: grouped-query attention, a
-bottom-right aligned causal mask (a query that sees no key gives zeros), ``softmax_scale`` defaulting to
-``D ** -0.5``, softmax in float32, the output in the query's dtype; any other flash-attn argument raises
-``NotImplementedError``. They run one Triton kernel that reads no device value on the host and sizes its
-grid from shapes alone, so a decode call can be captured in a CUDA graph; a padded row (``cache_seqlens ==
-0``, its block table row ``-1``) reads nothing and gives zeros. On the CPU the kernel runs in Triton's
-interpreter (``TRITON_INTERPRET=1``). ``install(module)`` binds flash-attn's own functions where it imports,
-else these; ``backend()`` names which.
+Both take flash-attn's keyword names and follow its semantics (grouped-query attention, a bottom-right aligned
+causal mask, ``softmax_scale`` defaulting to ``D ** -0.5``, softmax in float32); any other argument raises
+``NotImplementedError``. One Triton kernel reads no device value on the host and sizes its grid from shapes,
+so a decode call can be captured in a CUDA graph; a padded row (``cache_seqlens == 0``) gives zeros. On the
+CPU it runs in Triton's interpreter (``TRITON_INTERPRET=1``). ``install(module)`` binds flash-attn's own
+functions where it imports, else these; ``backend()`` names which.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """What every workload shares: a forced stagebuf tier, the clocks, the busy-GPU stand-in, a case's form.
 
-A step is timed on the host (``time.perf_counter`` around it). :func:`turns` times several steps taking turns
-in a rotating order, so that a drift of the machine falls on all of them alike, and gives each one's median;
-:class:`Lockstep` drives several engines through one trace the same way, the GPU idle (all queued work done
-before each timed step) or busy (a forward stand-in of :func:`sleep_cycles_for` per step, two steps in flight
-an engine). The micro and writes workloads are lists of :class:`Strategy`, each building a :class:`Case` (one
-step to time, then a check) for an :class:`Env` and a size; :mod:`benchmarks.bench` warms each up
-(:func:`prepare`) and times repeats of it (:func:`time_repeat`).
+A step is timed on the host. :func:`turns` times several steps taking turns in a rotating order (a drift of
+the machine falls on all alike); :class:`Lockstep` drives several engines through one trace so, the GPU idle
+or busy (a forward stand-in per step, two steps in flight an engine). The micro and writes workloads are lists
+of :class:`Strategy`, each building a :class:`Case` (a step to time, then a check), warmed up by
+:func:`prepare` and timed by :func:`time_repeat`.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
     python -m benchmarks.render_docs [REPORT] [--doc PATH] [--e2e REPORT] [--check]
 
-REPORT defaults to ``benchmarks/results/h200.json``; its tables replace what lies between ``<!-- tables:begin
--->`` and ``<!-- tables:end -->`` in the doc, and the end-to-end report's (default
-``benchmarks/results/h200-e2e.json``, where it exists) what lies between ``<!-- e2e:begin -->`` and ``<!--
-e2e:end -->``. ``--check`` changes nothing and exits 1 when the doc's tables are not the reports'. ``python -m
-benchmarks --from-json REPORT --markdown out.md`` writes every table of a report.
+REPORT (default ``benchmarks/results/h200.json``) fills the doc between ``<!-- tables:begin -->`` and ``<!--
+tables:end -->``, the end-to-end report (``h200-e2e.json``) between ``<!-- e2e:begin -->`` and ``<!-- e2e:end
+-->``. ``--check`` changes nothing and exits 1 when the doc's tables are not the reports'.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The bench's targets: a measured ratio (or time) against a goal, how each is judged, and the verdict.
 
 A target is a dict in ``report["ratios"]``: ``description``, ``workload``, ``op`` and ``target`` (the goal),
-``measured``, ``passed`` and ``status``: 'pass' or 'fail' (judged), 'info' (measured and printed, not judged:
-a ``--quick`` run on a CPU, see :func:`not_judged`), 'skipped' (not measured in this run) or 'n/a' (defined
-for another device: ``needs``). A target made of parts (cells, tiers) measures its worst part. ``why`` is the
-one line that says what a miss means; the printed report and ``--markdown`` list each miss with its gap and
-why, and the last line says the verdict and the exit status (0 on a miss unless ``--strict``) and why they
-differ when they do.
+``measured``, ``passed`` and ``status``: 'pass' or 'fail', 'info' (printed, not judged: a ``--quick`` run on a
+CPU), 'skipped' (not measured) or 'n/a' (defined for another device: ``needs``). A target made of parts
+measures its worst part; ``why`` says what a miss means. The last line says the verdict and the exit status (0
+on a miss unless ``--strict``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import os
 import sys
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,22 +115,8 @@ def _stand_ins() -> dict[str, types.ModuleType]:
     }
 
 
-@dataclass
-class Nano:
-    """nano-vllm's modules, as imported."""
-
-    root: Path
-    nanovllm: Any
-    config: Any
-    sequence: Any
-    sampling_params: Any
-    block_manager: Any
-    scheduler: Any
-    model_runner: Any
-    context: Any
-    llm_engine: Any
-
-
+Nano = types.SimpleNamespace
+"""nano-vllm's modules, as imported: ``root``, ``nanovllm`` and each of :data:`MODULES` by its last name."""
 MODULES = ("config", "engine.sequence", "sampling_params", "engine.block_manager", "engine.scheduler",
            "engine.model_runner", "utils.context", "engine.llm_engine")  # fmt: skip
 _loaded: Nano | None = None
@@ -168,7 +153,8 @@ def load() -> Nano:
         for p in added:
             if p in sys.path and p.endswith("pkg"):
                 sys.path.remove(p)
-    _loaded = Nano(Path(top.__file__).parents[1], top, *mods)
+    named = {n.rpartition(".")[2]: m for n, m in zip(MODULES, mods)}
+    _loaded = Nano(root=Path(top.__file__).parents[1], nanovllm=top, **named)
     return _loaded
 
 

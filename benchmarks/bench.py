@@ -20,7 +20,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -180,15 +180,6 @@ def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]
 # --- running ------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Live:
-    task: Task
-    case: H.Case
-    iters: int
-    hs: list[float] = field(default_factory=list)
-    es: list[float] = field(default_factory=list)
-
-
 def run_tasks(cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console,
               progress: bool) -> dict[str, Any]:  # fmt: skip
     """Time ``tasks``: the cases of one (workload, size) are built together and their repeats interleaved."""
@@ -204,29 +195,30 @@ def run_tasks(cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console,
         bar = prog.add_task("bench", total=len(tasks) * (cfg.repeats + 2))
         for (wl, size), group in groups.items():
             where = f"{wl} {T.SIZE_NAMES[wl]}={size}"
-            live: list[_Live] = []
+            live: list[tuple[Task, H.Case, int, list[float], list[float]]] = []  # (iters, host, sync µs)
             for t in group:
                 prog.update(bar, description=f"{where}: warm-up {t.strategy.name}")
                 with _tier_env(t.strategy.tier):
                     case = t.strategy.build(m.env, size)
-                    live.append(_Live(t, case, H.prepare(case.step, sync, cfg.iters, cfg.target_ms / 1000)))
+                    iters = H.prepare(case.step, sync, cfg.iters, cfg.target_ms / 1000)
+                    live.append((t, case, iters, [], []))
                 prog.advance(bar)
             for r in range(cfg.repeats):
                 prog.update(bar, description=f"{where}: repeat {r + 1}/{cfg.repeats}")
                 gc.collect()
-                for lv in live[r % len(live) :] + live[: r % len(live)]:
-                    with _tier_env(lv.task.strategy.tier):
+                for t, case, iters, hs, es in live[r % len(live) :] + live[: r % len(live)]:
+                    with _tier_env(t.strategy.tier):
                         capabilities(m.env.device)  # probed now, never inside the timed steps
-                        h, e = H.time_repeat(lv.case.step, sync, lv.iters)
-                    lv.hs.append(h)
-                    lv.es.append(e)
+                        h, e = H.time_repeat(case.step, sync, iters)
+                    hs.append(h)
+                    es.append(e)
                     prog.advance(bar)
-            for lv in live:
-                s = lv.task.strategy
+            for t, case, iters, hs, es in live:
+                s = t.strategy
                 with _tier_env(s.tier):
-                    row = {**H.summarise(lv.hs, lv.es, lv.iters), **lv.case.finish()}
-                if lv.task.section != "results":
-                    sections[lv.task.section].setdefault(s.name, {})[str(size)] = row
+                    row = {**H.summarise(hs, es, iters), **case.finish()}
+                if t.section != "results":
+                    sections[t.section].setdefault(s.name, {})[str(size)] = row
                 else:
                     tier = s.tier.name if s.tier is not None else None
                     entry = {"label": s.label, "kind": s.kind, "tier": tier, "sizes": {}}

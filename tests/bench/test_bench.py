@@ -30,6 +30,9 @@ HAS_CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[2]
 
 
+QUICK_MICRO = ["--quick", "--no-progress", "--workload", "micro", "--sizes", "64"]  # micro alone, at N=64
+
+
 def main(args: list[str]) -> int:
     """``python -m benchmarks ARGS``, in this process (click's standalone mode exits with the status)."""
     B.bench.main(args=args, prog_name="python -m benchmarks")
@@ -321,18 +324,7 @@ def test_writes_cases_catch_a_wrong_table() -> None:
 
 def test_tier_restriction_and_unavailable_tier(tmp_path: Path) -> None:
     js = tmp_path / "r.json"
-    args = [
-        "--quick",
-        "--no-progress",
-        "--workload",
-        "micro",
-        "--sizes",
-        "64",
-        "--tier",
-        "pageable",
-        "--json",
-        str(js),
-    ]
+    args = [*QUICK_MICRO, "--tier", "pageable", "--json", str(js)]
     if not HAS_CUDA:
         args += ["--tier", "uva"]
     res = invoke(main, args)
@@ -744,23 +736,7 @@ def test_plot_without_matplotlib_writes_the_rest_then_says_what_to_install(
         monkeypatch.setitem(sys.modules, mod, None)  # makes ``import matplotlib...`` raise ImportError
     js, md, png = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.png"
     res = invoke(
-        main,
-        [
-            "--quick",
-            "--no-progress",
-            "--workload",
-            "micro",
-            "--sizes",
-            "64",
-            "--tier",
-            "host",
-            "--json",
-            str(js),
-            "--markdown",
-            str(md),
-            "--plot",
-            str(png),
-        ],
+        main, [*QUICK_MICRO, "--tier", "host", "--json", str(js), "--markdown", str(md), "--plot", str(png)]
     )
     assert res.exit_code == 1, res.output
     assert "bash scripts/setup.sh bench" in res.output and "requirements/bench.txt" in res.output

@@ -63,9 +63,8 @@ def _rand(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, devi
     return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
 
 
-def _paged(
-    keys: list[torch.Tensor], values: list[torch.Tensor], page: int, gen: torch.Generator, spare: int
-) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+def _paged(keys: list[torch.Tensor], values: list[torch.Tensor], page: int, gen: torch.Generator,
+           spare: int) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:  # fmt: skip
     """The sequences' keys and values in NaN-filled paged caches, on randomly permuted pages (``spare``
     pages left unused): the two caches and each sequence's pages."""
     need = [-(-k.shape[0] // page) for k in keys]
@@ -97,16 +96,11 @@ def _cu(lens: list[int], device: str) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
-def _sequences(
-    seed: int,
-    seqlens_q: list[int],
-    seqlens_k: list[int],
-    h_kv: int,
-    group: int,
-    d: int,
-    dtype: torch.dtype,
-    device: str,
-) -> tuple[torch.Generator, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+Sequences = tuple[torch.Generator, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+
+def _sequences(seed: int, seqlens_q: list[int], seqlens_k: list[int], h_kv: int, group: int, d: int,
+               dtype: torch.dtype, device: str) -> Sequences:  # fmt: skip
     """Each sequence's random queries [n_q, H, D], keys and values [n_k, H_kv, D], from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     queries = [_rand(gen, (n, h_kv * group, d), dtype, device) for n in seqlens_q]
@@ -115,18 +109,8 @@ def _sequences(
     return gen, queries, keys, values
 
 
-def varlen_case(
-    seqlens_q: list[int],
-    seqlens_k: list[int],
-    h_kv: int,
-    group: int,
-    d: int,
-    dtype: torch.dtype,
-    page: int | None,
-    seed: int,
-    causal: bool = True,
-    device: str = "cpu",
-) -> Case:
+def varlen_case(seqlens_q: list[int], seqlens_k: list[int], h_kv: int, group: int, d: int, dtype: torch.dtype,
+                page: int | None, seed: int, causal: bool = True, device: str = "cpu") -> Case:  # fmt: skip
     """A ``flash_attn_varlen_func`` call: packed keys (three NaN rows past the last), or with ``page``
     the paged caches and a block table."""
     gen, queries, keys, values = _sequences(seed, seqlens_q, seqlens_k, h_kv, group, d, dtype, device)
@@ -148,17 +132,8 @@ def varlen_case(
     return Case(kwargs, queries, keys, values, decode=False)
 
 
-def kvcache_case(
-    seqlens_k: list[int],
-    s: int,
-    h_kv: int,
-    group: int,
-    d: int,
-    dtype: torch.dtype,
-    page: int | None,
-    seed: int,
-    device: str = "cpu",
-) -> Case:
+def kvcache_case(seqlens_k: list[int], s: int, h_kv: int, group: int, d: int, dtype: torch.dtype,
+                 page: int | None, seed: int, device: str = "cpu") -> Case:  # fmt: skip
     """A ``flash_attn_with_kvcache`` call of ``s`` queries a sequence: paged caches and a block table
     (rows of sequences without keys all -1), or without ``page`` a [B, longest + 2] NaN-padded cache."""
     gen, queries, keys, values = _sequences(

@@ -94,16 +94,11 @@ def _stand_ins() -> dict[str, types.ModuleType]:
 
         return f
 
-    class Unused:
-        from_pretrained = staticmethod(unused("transformers.AutoTokenizer"))
-
-        def __init__(self, *a: Any, **k: Any):
-            raise NotImplementedError("nanovllm_pkg: a transformers stand-in")
-
     fa = {f"flash_attn_{n}": unused(f"flash_attn_{n}") for n in ("varlen_func", "with_kvcache")}
     tl = module("triton.language", constexpr=int)
     tqdm = module("tqdm.auto", tqdm=unused("tqdm"))
-    hf = {"AutoConfig": AutoConfig, "AutoTokenizer": Unused, "Qwen3Config": Unused}
+    tokenizer = types.SimpleNamespace(from_pretrained=unused("transformers.AutoTokenizer"))
+    hf = {"AutoConfig": AutoConfig, "AutoTokenizer": tokenizer, "Qwen3Config": unused("Qwen3Config")}
     return {
         "transformers": module("transformers", **hf),
         "flash_attn": module("flash_attn", **fa),

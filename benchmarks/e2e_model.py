@@ -123,12 +123,9 @@ def _matches(folder: Path, want: dict[str, Any]) -> bool:
 
 
 def write_model(folder: str | os.PathLike[str], shape: str = "qwen3-0.6b", seed: int = 0) -> Path:
-    """The model folder for ``shape`` with weights from ``seed``: reused where its manifest matches, otherwise
-    written whole (:func:`benchmarks.fetch.put`: into a sibling, then renamed into place).
-
-    An existing folder is replaced only when it is empty or holds a manifest (a folder this wrote); anything
-    else raises ``FileExistsError``.
-    """
+    """The model folder for ``shape`` with weights from ``seed``: reused where its manifest matches, else
+    written whole (:func:`benchmarks.fetch.put`). A folder that is neither empty nor one this wrote (a
+    manifest) raises ``FileExistsError``."""
     if shape not in SHAPES:
         raise KeyError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
     folder = Path(folder)

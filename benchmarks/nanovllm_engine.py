@@ -355,13 +355,10 @@ def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> d
 
 
 def check_in_flight(setup: str, cfg: TraceConfig, work: Path, busy_cycles: int) -> dict[str, Any]:
-    """``setup`` with the device busy and two steps in flight, against nano-vllm's own path run alone.
-
-    Pass 1 runs nano-vllm's own path on the trace and keeps every step's inputs (it is not safe with steps in
-    flight: its pinned buffers are rewritten while their copies may be queued). Pass 2 replays the same trace
-    (seeded) on ``setup``: each step's forward stand-in sleeps ``busy_cycles`` before a stand-in reads every
-    input (into pinned host memory), and the step is compared two steps later, once its event is done.
-    """
+    """``setup`` with the device busy and two steps in flight, against nano-vllm's own path run alone (its
+    pinned buffers are not safe with steps in flight), which keeps every step's inputs. Each of ``setup``'s
+    steps sleeps ``busy_cycles`` on the device before a stand-in reads every input (into pinned memory); the
+    step is compared two steps later, once its event is done."""
     trace = Trace(cfg, work)
     own = make_runner(trace, "own")
     with own_context("own"):

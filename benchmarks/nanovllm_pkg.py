@@ -186,11 +186,9 @@ def runner(cfg: Any, model: Any = None) -> Any:
 
 @contextlib.contextmanager
 def own_path_on_cpu() -> Iterator[None]:
-    """nano-vllm's own code on a machine without CUDA: the reference of the CPU tests and bench.
-
-    Its own path cannot run there (``pin_memory=True`` raises, ``.cuda()`` asserts): in this block
-    ``torch.tensor`` and ``torch.zeros`` ignore ``pin_memory=True`` and ``Tensor.cuda()`` returns a CPU copy.
-    Every value is still nano-vllm's; only the transfer is replaced. It patches torch for the block."""
+    """nano-vllm's own code on a machine without CUDA (the CPU tests' and bench's reference): in the block
+    ``torch.tensor`` and ``torch.zeros`` ignore ``pin_memory=True`` and ``Tensor.cuda()`` returns a CPU copy;
+    every value is still nano-vllm's, only the transfer is replaced."""
     unpinned = lambda f: lambda *a, pin_memory=False, **k: f(*a, **k)
     free = {n: unpinned(getattr(torch, n)) for n in ("tensor", "zeros")}
     with patched(torch, **free), patched(torch.Tensor, cuda=lambda self, *a, **k: self.clone()):

@@ -446,11 +446,10 @@ _INSTALLED = (*_PACKAGES, "vllm.envs", "vllm.plugins", "vllm.v1.conf_compute_uti
 
 
 def _runner_stand_in(h2d: Callable[..., torch.Tensor], root: Path) -> types.ModuleType:
-    """``vllm.v1.worker.gpu.model_runner`` for the harness: vLLM's ``async_tensor_h2d`` bound as the model
-    runner binds it, and a ``GPUModelRunner`` with vLLM's ``execute_model`` signature that runs
-    ``scheduler_output()`` (the harness passes its step, ``engine.Engine.prepare``, so stagebuf's
-    step-mode wrapper runs around it as around vLLM's). Its ``__file__`` is the release's real
-    ``model_runner.py``: what reads the runner's source through its module reads vLLM's own."""
+    """``vllm.v1.worker.gpu.model_runner`` for the harness: vLLM's ``async_tensor_h2d``, and a
+    ``GPUModelRunner`` whose ``execute_model`` (vLLM's signature) runs ``scheduler_output()``, the harness's
+    step, so stagebuf's step-mode wrapper runs around it as around vLLM's. Its ``__file__`` is the release's
+    ``model_runner.py`` (what reads the runner's source reads vLLM's own)."""
     mod = types.ModuleType("vllm.v1.worker.gpu.model_runner")
     mod.__file__ = str(root / GPU / "model_runner.py")
 
@@ -513,14 +512,11 @@ def _cpu_uva_buffer(root: Path, imports: Any) -> Any:
 @contextmanager
 def as_installed(device: torch.device | None = None, pin: bool = True,
                  release: str = NEWEST) -> Iterator[Installed]:  # fmt: skip
-    """vLLM ``release`` importable as ``vllm``, for the tests of stagebuf's vLLM plugin.
-
-    Its real ``vllm/plugins/__init__.py`` (vLLM's plugin loader), MRV2's ``buffer_utils`` (and, where the
-    release has them, ``vllm.v1.token_buffer`` and the stand-in ``vllm.v1.conf_compute_utils``) are put in
-    ``sys.modules`` under their own names; ``Installed.load`` adds the MRV2 modules that use them.
-    ``vllm.__version__`` is ``release``; ``vllm.envs`` reads ``VLLM_PLUGINS`` as vLLM does; the model runner
-    is :func:`_runner_stand_in`'s. All is removed on exit; raises if a ``vllm`` is imported already.
-    """
+    """vLLM ``release`` importable as ``vllm`` (stagebuf's plugin: its tests, step mode): its plugin loader,
+    MRV2's ``buffer_utils`` (and the release's ``token_buffer``, a ``conf_compute_utils`` stand-in) under
+    their own names, ``vllm.__version__``, ``vllm.envs.VLLM_PLUGINS`` and :func:`_runner_stand_in`'s model
+    runner; ``Installed.load`` adds MRV2's modules. All removed on exit; raises if a ``vllm`` is imported
+    already."""
     if any(n in sys.modules for n in _INSTALLED):
         raise RuntimeError("a module named vllm is already imported; as_installed would shadow it")
     root = fetch(release)

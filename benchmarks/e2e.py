@@ -442,9 +442,7 @@ PATH = click.Path(path_type=Path)
 
 
 @click.command("e2e")
-@click.option(
-    "--shape", default="qwen3-0.6b", show_default=True, help="The model's shape (e2e_model.SHAPES)."
-)
+@click.option("--shape", default="qwen3-0.6b", show_default=True, help="The model (e2e_model.SHAPES).")
 @click.option("--small", is_flag=True, help="The small workloads (for the tiny shape).")
 @click.option("--workload", "names", multiple=True, type=click.Choice(list(WORKLOADS)), help="Only these.")
 @click.option("--rounds", type=click.IntRange(1, 50), default=3, show_default=True)

@@ -179,10 +179,8 @@ def main(before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path
     factors = drift_factors(cells) if drift else None
     if factors:
         cells = pair(b, a, metric, factors)
-        click.echo(
-            "per-run drift factors, divided out (before, then after): "
-            + ", ".join(f"{x:.3f}" for x in factors)
-        )
+        listed = ", ".join(f"{x:.3f}" for x in factors)
+        click.echo(f"per-run drift factors, divided out (before, then after): {listed}")
     if len(b) < 2 and len(a) < 2:
         click.echo(ONE_RUN_WARNING, err=True)
     rows = [{"cell": c.key, "ours": c.ours, "before_medians_us": _medians(c.before),

@@ -96,11 +96,8 @@ def _attention_kernel(Q, K, V, Out, cu_q, cu_k, seqlens_k, table, qk_scale, seql
     if pid_m * BLOCK_M >= n_rows:
         return
     row_ok = offs_m < n_rows
-    q = tl.load(
-        Q + q_base + pos[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q = tl.load(Q + q_base + pos[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)  # fmt: skip
     if INTERPRET:
         q = q.to(tl.float32)
     # Keys past the block's last row's causal limit are masked for every row: the loop stops before them.
@@ -149,11 +146,8 @@ def _attention_kernel(Q, K, V, Out, cu_q, cu_k, seqlens_k, table, qk_scale, seql
         acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        Out + o_base + pos[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
+    tl.store(Out + o_base + pos[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
 
 
 _kernels: dict[bool, Any] = {}

@@ -175,11 +175,8 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
 
     def worst(kind: str) -> tuple[str, float] | tuple[None, None]:
         """The cell of ``kind`` where stagebuf UVA / vLLM UVA is largest: (its size, the ratio)."""
-        got = [
-            (c.split("|", 1)[1], d[us] / d[them])
-            for c, d in med.items()
-            if c.startswith(kind) and d.get(them)
-        ]
+        cells = [(c, d) for c, d in med.items() if c.startswith(kind) and d.get(them)]
+        got = [(c.split("|", 1)[1], d[us] / d[them]) for c, d in cells]
         return max(got, key=lambda x: x[1], default=(None, None))
 
     out = {}

@@ -177,10 +177,8 @@ def strategies(tiers: Sequence[Tier]) -> list[Strategy]:
             ("staged_writes", "StagedWriteTensor: stage_writes (numpy) + apply", "stage_writes (numpy)",
              staged_batched))  # fmt: skip
     for t in tiers:
-        out += [
-            Strategy(f"{n}_{t.name.lower()}", f"{what} [{t.name}]", "stagebuf", b, t)
-            for n, what, _, b in ways
-        ]
+        out += [Strategy(f"{n}_{t.name.lower()}", f"{what} [{t.name}]", "stagebuf", b, t)
+                for n, what, _, b in ways]  # fmt: skip
     if Tier.UVA in tiers:  # the two apply kernels forced, to show where 'auto' switches
         for k in ("scatter", "triton"):
             for n, _, what, b in ways:
@@ -251,19 +249,13 @@ def targets(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequ
     rc, n = str(RATIO_CELL), RATIO_CELL.edits
     what = (f"per-row indexed copies / StagedWriteTensor ({tiers_run[0].name if tiers_run else '-'}) for {n} "
             f"one-element edits (stage_write x {n} + apply_write)")  # fmt: skip
-    out = {
-        "staged_write_256_speedup": T.ratio(
-            what, results, "writes", rc, "row_copy_per_edit", sw, "step", ">=", 20
-        )
-    }
+    speedup = T.ratio(what, results, "writes", rc, "row_copy_per_edit", sw, "step", ">=", 20)
+    out = {"staged_write_256_speedup": speedup}
     which = {"E <= 16": lambda c: c.edits <= 16, "E >= 256": lambda c: c.edits >= 256, "any cell": bool}
     mrv2 = "mrv2_staged_write"
     for name, what, num, where, goal in PER_CELL:
-        parts = [
-            T.ratio(f"writes {c}: {num} / {mrv2}", results, "writes", str(c), num, mrv2, "step", "<=", goal)
-            for c in cells
-            if which[where](c)
-        ]
+        parts = [T.ratio(f"writes {c}: {num} / {mrv2}", results, "writes", str(c), num, mrv2, "step", "<=",
+                         goal) for c in cells if which[where](c)]  # fmt: skip
         what, why_none = (
             f"{what}; measured is the worst cell",
             f"no cell of this run's writes sweep has {where}",

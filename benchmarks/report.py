@@ -270,11 +270,8 @@ def plot(report: dict[str, Any], path: str) -> list[Path]:
         for i, ln in enumerate(lens):
             ax = fig.add_subplot(len(lens), 1, i + 1)
             for name, e in data.items():
-                cells = ((WriteCell.parse(k), r["e2e_us"]) for k, r in e["sizes"].items())
-                if ln is None:
-                    pts = sorted((int(k), r["e2e_us"]) for k, r in e["sizes"].items())
-                else:
-                    pts = sorted((c.edits, us) for c, us in cells if c.length == ln)
+                cells = ((WriteCell.parse(k), r["e2e_us"]) for k, r in e["sizes"].items())  # micro's N: "Nx1"
+                pts = sorted((c.edits, us) for c, us in cells if ln in (None, c.length))
                 style = {"baseline": "--", "floor": ":"}.get(e["kind"], "-")
                 if pts:
                     ax.plot(*zip(*pts), style, marker="o", markersize=3, label=name)

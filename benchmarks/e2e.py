@@ -188,14 +188,10 @@ def parts(steps: list[Step]) -> dict[str, float]:
     """Tokens/s and the mean step split (ms) of some steps; device times read from their events."""
     if not steps:
         return {}
-    wall = sum(s.wall_s for s in steps)
-    prep = sum(s.prep_s for s in steps)
-    fwd = smp = 0.0
-    for s in steps:
-        if s.events is not None:
-            e0, e1, e2 = s.events
-            fwd += e0.elapsed_time(e1) / 1e3
-            smp += e1.elapsed_time(e2) / 1e3
+    wall, prep = sum(s.wall_s for s in steps), sum(s.prep_s for s in steps)
+    timed = [s.events for s in steps if s.events is not None]
+    fwd = sum(e0.elapsed_time(e1) for e0, e1, _ in timed) / 1e3  # (ms between the events)
+    smp = sum(e1.elapsed_time(e2) for _, e1, e2 in timed) / 1e3
     n, tokens = len(steps), sum(s.tokens for s in steps)
     per = lambda x: 1e3 * x / n  # ms a step
     return {"steps": n, "tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
@@ -217,13 +213,12 @@ def generate(engine: Any, w: Workload, seed: int, vocab: int, rec: Recorder | No
     outputs: dict[int, list[int]] = {}
     t = time.perf_counter()
     while pending or not engine.is_finished():
-        for _ in range(w.arrivals_per_step or len(pending)):
-            if not pending:
-                break
-            i = pending.pop(0)
+        n = w.arrivals_per_step or len(pending)
+        for i in pending[:n]:
             sp = nano.sampling_params.SamplingParams
             engine.add_request(ps[i], sp(temperature=TEMPERATURE, max_tokens=lens[i], ignore_eos=True))
             index[engine.scheduler.waiting[-1].seq_id] = i
+        del pending[:n]
         out, _ = rec.step(engine) if rec is not None else engine.step()
         for sid, toks in out:
             outputs[index[sid]] = list(toks)

@@ -573,12 +573,9 @@ def main(argv: list[str] | None = None) -> int:
         except Unavailable as e:
             print(f"cannot check for newer vLLM releases: {e}", file=sys.stderr)
             return 2
-        if new:
-            print(f"vLLM releases newer than {NEWEST}: {', '.join(new)} (add them to RELEASES in "
-                  "benchmarks/vllm_mrv2.py)")  # fmt: skip
-            return 1
-        print(f"no vLLM release newer than {NEWEST}")
-        return 0
+        print(f"vLLM releases newer than {NEWEST}: {', '.join(new)} (add them to RELEASES in benchmarks/"
+              "vllm_mrv2.py)" if new else f"no vLLM release newer than {NEWEST}")  # fmt: skip
+        return 1 if new else 0
     bad = 0
     for r in a.fetch or list(RELEASES):
         try:

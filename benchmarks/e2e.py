@@ -190,7 +190,7 @@ def parts(steps: list[Step]) -> dict[str, float]:
         return {}
     wall, prep = sum(s.wall_s for s in steps), sum(s.prep_s for s in steps)
     timed = [s.events for s in steps if s.events is not None]
-    fwd = sum(e0.elapsed_time(e1) for e0, e1, _ in timed) / 1e3  # (ms between the events)
+    fwd = sum(e0.elapsed_time(e1) for e0, e1, _ in timed) / 1e3  # s (elapsed_time: ms)
     smp = sum(e1.elapsed_time(e2) for _, e1, e2 in timed) / 1e3
     n, tokens = len(steps), sum(s.tokens for s in steps)
     per = lambda x: 1e3 * x / n  # ms a step

@@ -346,8 +346,7 @@ def _token_buffer_module(root: Path, release: str) -> Any:
 
 def token_buffer(release: str = NEWEST) -> Any:
     """vLLM ``release``'s ``TokenBuffer`` class (fetching its files), or None where it has none."""
-    mod = _token_buffer_module(fetch(release), release) if spec(release).token_buffer else None
-    return None if mod is None else mod.TokenBuffer
+    return getattr(_token_buffer_module(fetch(release), release), "TokenBuffer", None)
 
 
 def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None, release: str) -> dict[str, Any]:

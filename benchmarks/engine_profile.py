@@ -35,20 +35,17 @@ DEFAULT_SETUPS = {
 def _profiled(f: Callable[..., Any], prof: cProfile.Profile) -> Callable[..., Any]:
     @functools.wraps(f)
     def call(*args: Any, **kwargs: Any) -> Any:
-        prof.enable()
-        try:
+        with prof:  # enabled for the call
             return f(*args, **kwargs)
-        finally:
-            prof.disable()
 
     return call
 
 
 def _name(key: tuple[str, int, str]) -> str:
+    """A function's name: a C function's as cProfile gives it ("<built-in method ...>"), else the file's last
+    three path parts, the line and the name."""
     file, line, func = key
-    if file == "~":  # a C function: cProfile names it "<built-in method ...>" or "<method ... of ...>"
-        return func
-    return f"{'/'.join(Path(file).parts[-3:])}:{line}({func})"  # the file's last three path parts
+    return func if file == "~" else f"{'/'.join(Path(file).parts[-3:])}:{line}({func})"
 
 
 def top(prof: cProfile.Profile, steps: int, k: int) -> dict[str, Any]:

@@ -13,12 +13,10 @@ flags a cell.
 from __future__ import annotations
 
 import importlib
-import io
 import json
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import types
 from collections.abc import Callable
@@ -47,10 +45,8 @@ def load_copy(source: str, name: str, where: Path) -> Any:
     else:
         git = ["git", "-C", str(ROOT), "archive", source, "src/stagebuf"]
         blob = subprocess.run(git, check=True, capture_output=True).stdout
-        unpacked = where / f"{name}.tree"
-        with tarfile.open(fileobj=io.BytesIO(blob)) as t:
-            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            t.extractall(unpacked, **safe)  # type: ignore[arg-type]
+        (unpacked := where / f"{name}.tree").mkdir()
+        subprocess.run(["tar", "-x", "-C", str(unpacked)], input=blob, check=True)
         (unpacked / "src" / "stagebuf").rename(dest)
     if str(where) not in sys.path:
         sys.path.insert(0, str(where))

@@ -45,17 +45,10 @@ class Release:
     """What one vLLM release's MRV2 input path needs beyond :data:`FILES` (each field: which have it)."""
 
     files: tuple[str, ...] = ()  # More files to fetch.
-    gather_masks_sliding_window: bool = True
-    """``gather_block_tables(..., num_computed_tokens=...)`` nulls entries below a sliding window
-    (0.33 on)."""
-    array_typecodes: bool = False
-    """``buffer_utils`` imports ``TORCH_DTYPE_TO_ARRAY_TYPECODE`` from ``torch_utils`` (0.34 on)."""
-    confidential_compute: bool = False
-    """``buffer_utils`` imports ``register_inplace_h2d_target`` and asks ``is_confidential_compute()``
-    (0.34 on)."""
-    token_buffer: bool = False
-    """``vllm/v1/token_buffer.py``: a new request's prompt reaches ``RequestState.add_request`` as a
-    ``TokenBuffer``, an ``array.array('i')`` (0.34 on)."""
+    gather_masks_sliding_window: bool = True  # gather_block_tables(num_computed_tokens=) (0.33 on)
+    array_typecodes: bool = False  # buffer_utils imports TORCH_DTYPE_TO_ARRAY_TYPECODE (0.34 on)
+    confidential_compute: bool = False  # buffer_utils asks is_confidential_compute() (0.34 on)
+    token_buffer: bool = False  # a new request's prompt is a TokenBuffer (vllm/v1/token_buffer.py; 0.34 on)
 
 
 RELEASES: dict[str, Release] = {

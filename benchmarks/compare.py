@@ -160,13 +160,8 @@ def show(rows: list[dict[str, Any]], width: int) -> None:
 @click.command()
 @click.option("--before", "before", multiple=True, required=True, help="An old-code report (repeatable).")
 @click.option("--after", "after", multiple=True, required=True, help="A new-code report (repeatable).")
-@click.option(
-    "--metric",
-    type=click.Choice(["e2e_us", "host_us"]),
-    default="e2e_us",
-    show_default=True,
-    help="Which time of the micro and writes cells (the engine and vs-vLLM cells have one).",
-)
+@click.option("--metric", type=click.Choice(["e2e_us", "host_us"]), default="e2e_us", show_default=True,
+              help="The micro and writes cells' time (the engine and vs-vLLM cells have one).")  # fmt: skip
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write cells and summary.")
 @click.option("--drift", is_flag=True, help="Divide each run's samples by its drift factor (see above).")
 def main(before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path: str | None,

@@ -82,9 +82,8 @@ def mrv2_fallback_pool(size: int, dtype: torch.dtype, device: torch.device,
 def mrv2_staged_write(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
                       release: str = vllm_mrv2.NEWEST) -> Any:  # fmt: skip
     """vLLM's own StagedWriteTensor (pinned memory and UVA where the device has them)."""
-    return _vllm(device, device.type == "cuda", release=release).buffer_utils.StagedWriteTensor(
-        shape, dtype, device
-    )
+    bu = _vllm(device, device.type == "cuda", release=release).buffer_utils
+    return bu.StagedWriteTensor(shape, dtype, device)
 
 
 def cpu_gpu_buffer(size: int, dtype: torch.dtype, device: torch.device,

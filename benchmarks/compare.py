@@ -95,9 +95,7 @@ def pair(before: list[dict[str, Any]], after: list[dict[str, Any]], metric: str,
          drift: list[float] | None = None) -> list[Cell]:  # fmt: skip
     """The cells every report of both sets measured, in the first report's order; with ``drift`` (one
     factor per report, before then after: see ``drift_factors``), each run's samples divided by its own."""
-    sides: list[list[dict[str, tuple[bool, Samples]]]] = [
-        [{k: (o, s) for k, o, s in cells_of(r, metric)} for r in reports] for reports in (before, after)
-    ]
+    sides = [[{k: (o, s) for k, o, s in cells_of(r, metric)} for r in reports] for reports in (before, after)]
     first = sides[0][0]
     common = [k for k in first if all(k in run for side in sides for run in side)]
     f = drift or [1.0] * (len(before) + len(after))
@@ -145,9 +143,8 @@ def show(rows: list[dict[str, Any]], width: int) -> None:
     """The 25 largest ratios of ``rows`` (each: cell, before and after µs, ratio, noise, slower, faster, and
     ``ours`` where known) as a table (``python -m benchmarks.ab`` prints its cells so too)."""
     ours = any("ours" in r for r in rows)
-    table = Table(
-        "cell", *(["ours"] if ours else []), "before µs", "after µs", "after/before", "noise", "verdict"
-    )
+    head = ["cell", *(["ours"] if ours else []), "before µs", "after µs", "after/before", "noise", "verdict"]
+    table = Table(*head)
     for r in sorted(rows, key=lambda r: -r["ratio"])[:25]:
         noise = "-" if r["noise"] is None else f"{r['noise']:.3f}"
         verdict = "SLOWER" if r["slower"] else "faster" if r["faster"] else ""

@@ -98,11 +98,10 @@ def run(device: torch.device, names: list[str], groups: tuple[int, ...], modes: 
                 timed = E.run_lockstep([*chosen, floor], cfg, device, plans, cycles * busy, warmup,
                                        release=release)  # fmt: skip
                 for s in chosen:
+                    parts = profile_setup(s, cfg, device, plans, cycles * busy, warmup, k, release)
                     out["runs"][f"{s.name}|g{g}|{'busy' if busy else 'idle'}"] = {
-                        "sections_us": timed[s.name]["sections_us"],
-                        "floor_us": timed["floor"]["sections_us"],
-                        "parts": profile_setup(s, cfg, device, plans, cycles * busy, warmup, k, release),
-                    }
+                        "sections_us": timed[s.name]["sections_us"], "parts": parts,
+                        "floor_us": timed["floor"]["sections_us"]}  # fmt: skip
     finally:
         E.close_plugin_modules()
     return out

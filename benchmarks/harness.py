@@ -165,9 +165,8 @@ def commit() -> str | None:
 
 def git(*args: str) -> str | None:
     try:
-        r = subprocess.run(
-            ["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
-        )
+        here = Path(__file__).parent
+        r = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=here)
     except Exception:
         return None
     return r.stdout.strip() if r.returncode == 0 else None

@@ -535,9 +535,8 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
         e = out[name] = T.target(what, "nanovllm", max(rs.values()) if rs else None, "<=", goal, missing=gpu)
         if e["passed"] is False:  # both medians of the worse GPU state, and the prefill floor
             m = max(rs, key=rs.__getitem__)
-            e[T.REASON] = (
-                f"{num} {meds[f'{num}|{m}'][key]:.1f} µs against own {meds[f'own|{m}'][key]:.1f} µs ({m} GPU)"
-            )
+            mine, own = meds[f"{num}|{m}"][key], meds[f"own|{m}"][key]
+            e[T.REASON] = f"{num} {mine:.1f} µs against own {own:.1f} µs ({m} GPU)"
             floor = meds.get(f"{FLOOR}|{m}", {}).get(key)
             if kind == "prefill" and floor is not None and floor == floor:
                 e[T.REASON] += f"; the floor (token lists into one array) {floor:.1f} µs"

@@ -53,9 +53,7 @@ def render(doc: str, report: dict[str, Any], e2e: dict[str, Any] | None = None) 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.render_docs", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "report", nargs="?", default=str(REPORT), help="a bench report (--json); default: %(default)s"
-    )
+    p.add_argument("report", nargs="?", default=str(REPORT), help="a bench report (--json) [%(default)s]")
     p.add_argument("--doc", default=str(DOC), help="the Markdown file to rewrite; default: %(default)s")
     p.add_argument("--e2e", default=str(E2E_REPORT), help="an end-to-end report; default: %(default)s")
     p.add_argument("--check", action="store_true", help="exit 1 if the doc's tables are stale; write nothing")
@@ -67,9 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     new = render(old, report, e2e)
     if a.check:
         if new != old:
-            print(
-                f"{doc}: tables differ from {a.report}; run python -m benchmarks.render_docs", file=sys.stderr
-            )
+            print(f"{doc}: tables differ from {a.report}; run python -m benchmarks.render_docs",
+                  file=sys.stderr)  # fmt: skip
         return int(new != old)
     if new != old:
         doc.write_text(new)

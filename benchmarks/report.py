@@ -413,9 +413,8 @@ def profile_markdown(report: dict[str, Any], k: int = 6) -> str:
         head = "part | µs | floor µs | top functions (calls, own µs per step)"
         lines += [f"#### {key}", "", head, "---|---|---|---"]
         for part in SECTIONS:
-            fns = "; ".join(
-                f"`{t['function']}` {t['calls']:.1f}, {t['own_us']:.1f}" for t in r["parts"][part]["top"][:k]
-            )
+            top = r["parts"][part]["top"][:k]
+            fns = "; ".join(f"`{t['function']}` {t['calls']:.1f}, {t['own_us']:.1f}" for t in top)
             lines.append(f"{part} | {r['sections_us'][part]:.1f} | {r['floor_us'][part]:.1f} | {fns}")
         lines.append("")
     return "\n".join(lines)

@@ -182,9 +182,8 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     out = {}
     cell, r = worst("writes|")
     what = f"StagedWriteTensor, E stage_write calls of L values + apply_write: stagebuf UVA / vLLM {peer}'s"
-    e = out["vllm_staged_write_per_cell"] = T.target(
-        f"{what} on UVA, worst E x L cell", "engine", r, "<=", 0.6, f"E x L = {cell}", gpu
-    )
+    what += " on UVA, worst E x L cell"
+    e = out["vllm_staged_write_per_cell"] = T.target(what, "engine", r, "<=", 0.6, f"E x L = {cell}", gpu)
     if e["passed"] is False:
         d, st = med[f"writes|{cell}"], med.get(f"stage|{cell}", {})
         parts = []

@@ -205,9 +205,8 @@ def _stage_write_us(stage_only: dict[str, Any], tiers_run: Sequence[Tier], goal:
     what = (f"StagedWriteTensor.stage_write of a list of {cell.length} ints: host µs per call ({cell.edits} "
             "calls, then clear_staged_writes(); no apply); measured is the worst tier")  # fmt: skip
     tier = lambda p: p["numerator"].split(".")[0].rsplit("_", 1)[1].upper()
-    return T.worst_of(what, parts, "host µs per call", "<=", goal, "no stagebuf tier ran", tier) | {
-        "unit": "µs"
-    }
+    e = T.worst_of(what, parts, "host µs per call", "<=", goal, "no stagebuf tier ran", tier)
+    return e | {"unit": "µs"}
 
 
 PER_CELL = (  # name, description, stagebuf's strategy, which cells, goal
@@ -256,18 +255,14 @@ def targets(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequ
     for name, what, num, where, goal in PER_CELL:
         parts = [T.ratio(f"writes {c}: {num} / {mrv2}", results, "writes", str(c), num, mrv2, "step", "<=",
                          goal) for c in cells if which[where](c)]  # fmt: skip
-        what, why_none = (
-            f"{what}; measured is the worst cell",
-            f"no cell of this run's writes sweep has {where}",
-        )
+        what, why_none = f"{what}; measured is the worst cell", f"no cell of the writes sweep has {where}"
         cell = lambda p: f"E x L = {p['size']}"
         out[name] = T.worst_of(what, parts, "step (e2e µs), per cell", "<=", goal, why_none, cell)
     out["stage_write_8_ints_us"] = _stage_write_us(stage_only, tiers_run, 1.0)
     what = "one one-element edit on the CPU: HOST StagedWriteTensor stage_write + apply_write / one row copy"
     one = str(WriteCell(1, 1))
-    out["host_one_edit_vs_row_copy"] = T.ratio(
-        what, results, "writes", one, "staged_write_host", "row_copy_per_edit", "step", "<=", 2.0
-    )
+    out["host_one_edit_vs_row_copy"] = T.ratio(what, results, "writes", one, "staged_write_host",
+                                               "row_copy_per_edit", "step", "<=", 2.0)  # fmt: skip
     for name, e in out.items():
         e["needs"] = NEEDS.get(name, "cuda")
         if e["passed"] is False:

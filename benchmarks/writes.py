@@ -255,7 +255,8 @@ def targets(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequ
     for name, what, num, where, goal in PER_CELL:
         parts = [T.ratio(f"writes {c}: {num} / {mrv2}", results, "writes", str(c), num, mrv2, "step", "<=",
                          goal) for c in cells if which[where](c)]  # fmt: skip
-        what, why_none = f"{what}; measured is the worst cell", f"no cell of the writes sweep has {where}"
+        why_none = f"no cell of this run's writes sweep has {where}"
+        what = f"{what}; measured is the worst cell"
         cell = lambda p: f"E x L = {p['size']}"
         out[name] = T.worst_of(what, parts, "step (e2e µs), per cell", "<=", goal, why_none, cell)
     out["stage_write_8_ints_us"] = _stage_write_us(stage_only, tiers_run, 1.0)

@@ -83,14 +83,6 @@ def draw_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float32).mul_(INIT_STD).to(torch.bfloat16)
 
 
-def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> None:
-    """Every tensor drawn (about 1.2 GB at the 0.6B shape), then written by safetensors itself."""
-    from safetensors.torch import save_file
-
-    save_file({name: draw_tensor(name, shape, seed) for name, shape in shapes.items()}, str(path),
-              metadata={"format": "pt"})  # fmt: skip
-
-
 class TokenIds:
     """What nano-vllm's ``LLMEngine`` uses of a tokenizer (``LLM(model, tokenizer=...)``) when it is handed
     token ids: ``eos_token_id`` (its ``config.eos``); text it neither encodes nor decodes here."""
@@ -106,10 +98,6 @@ class TokenIds:
 
 
 # --- the folder -----------------------------------------------------------------------------------
-
-
-def _manifest(shape: str, seed: int) -> dict[str, Any]:
-    return {"writer": WRITER_VERSION, "shape": shape, "seed": seed, "config": SHAPES[shape]}
 
 
 def _matches(folder: Path, want: dict[str, Any]) -> bool:
@@ -129,7 +117,7 @@ def write_model(folder: str | os.PathLike[str], shape: str = "qwen3-0.6b", seed:
     if shape not in SHAPES:
         raise KeyError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
     folder = Path(folder)
-    want = _manifest(shape, seed)
+    want = {"writer": WRITER_VERSION, "shape": shape, "seed": seed, "config": SHAPES[shape]}
     if _matches(folder, want):
         return folder
     if folder.exists() and any(folder.iterdir()) and not (folder / MANIFEST).exists():
@@ -138,7 +126,10 @@ def write_model(folder: str | os.PathLike[str], shape: str = "qwen3-0.6b", seed:
     def fill(tmp: Path) -> None:
         c = SHAPES[shape]
         (tmp / "config.json").write_text(json.dumps(c, indent=2) + "\n")
-        _write_safetensors(tmp / WEIGHTS, parameter_shapes(shape), seed)
+        from safetensors.torch import save_file  # every tensor drawn (1.2 GB at 0.6B), then written
+
+        weights = {name: draw_tensor(name, s, seed) for name, s in parameter_shapes(shape).items()}
+        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps({**want, "files": files}, indent=2) + "\n")
 

@@ -466,9 +466,7 @@ def run_lockstep(setups_: list[Setup], cfg: TraceConfig, device: torch.device, p
             engines.append(eng)
     stagebuf.capabilities(device)  # cached with no tier forced: begin_step() asks it per step
     waits0 = [_batch_waits(eng.setup) for eng in engines]
-    prep: list[list[float]] = [[] for _ in engines]
-    bufw: list[list[float]] = [[] for _ in engines]
-    secs: list[list[tuple[float, ...]]] = [[] for _ in engines]
+    timed: list[list[tuple[float, float, tuple[float, ...]]]] = [[] for _ in engines]  # prep, buffer, parts
     turns, clock = Lockstep(len(engines), device, busy_cycles), time.perf_counter
     for i, plan in enumerate(plans):
         if before_step is not None:  # (engine_profile: hooks the engines' parts after the warm-up)
@@ -484,20 +482,18 @@ def run_lockstep(setups_: list[Setup], cfg: TraceConfig, device: torch.device, p
             eng.finish(plan, busy_cycles)
             turns.after(e)
             if i >= warmup:
-                prep[e].append(p + (t1 - t0) * 1e6)
-                bufw[e].append(b)
-                secs[e].append(eng.sections)
+                timed[e].append((p + (t1 - t0) * 1e6, b, eng.sections))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     out = {}
     for e, eng in enumerate(engines):
+        prep, bufw, secs = (np.array(x) for x in zip(*timed[e]))
         waits = 0 if isinstance(eng, FloorEngine) else _guard_waits(eng) + _batch_waits(eng.setup) - waits0[e]
         out[eng.setup.name] = {
-            "prep_us": float(np.median(prep[e])), "buffer_us": float(np.median(bufw[e])),
-            "prep_mean_us": float(np.mean(prep[e])), "buffer_mean_us": float(np.mean(bufw[e])),
-            "steps": len(prep[e]),
+            "prep_us": float(np.median(prep)), "buffer_us": float(np.median(bufw)),
+            "prep_mean_us": float(np.mean(prep)), "buffer_mean_us": float(np.mean(bufw)), "steps": len(prep),
             # mean µs per step of each part of the buffer work
-            "sections_us": dict(zip(SECTIONS, (float(x) * 1e6 for x in np.mean(np.array(secs[e]), axis=0)))),
+            "sections_us": dict(zip(SECTIONS, (float(x) * 1e6 for x in secs.mean(axis=0)))),
             "guard_waits": waits,
         }  # fmt: skip
     return out

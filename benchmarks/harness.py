@@ -62,15 +62,13 @@ def patched(obj: Any, **attrs: Any) -> Iterator[None]:
 def stagebuf_tier(tier: str | None, *others: Any) -> Iterator[None]:
     """``STAGEBUF_TIER=tier`` (None: unset) for the block, the probe forgotten before and after (also by
     ``others``: more copies of the package, as ``benchmarks.ab`` loads them)."""
-    pkgs = (stagebuf, *others)
+    forget = lambda: [p.reset_capabilities() for p in (stagebuf, *others)]
     with env_var("STAGEBUF_TIER", tier):
-        for p in pkgs:
-            p.reset_capabilities()
+        forget()
         try:
             yield
         finally:
-            for p in pkgs:
-                p.reset_capabilities()
+            forget()
 
 
 def tiers(device: torch.device) -> list[str]:

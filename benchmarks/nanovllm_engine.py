@@ -499,11 +499,9 @@ def bench(repeats: int = 3, steps: int = 200, warmup: int = 30, busy_ms: float =
                 log(f"nanovllm: repeat {rep + 1}/{repeats} done")
     finally:
         torch.set_num_threads(threads)
-    out["medians"] = {
-        k: {m: float(np.median([r[m] for r in v if r[m] is not None] or [float("nan")]))
-            for m in ("prefill_us", "decode_us")}
-        for k, v in out["runs"].items()
-    }  # fmt: skip
+    med = lambda xs: float(np.median(xs)) if xs else float("nan")
+    out["medians"] = {k: {m: med([r[m] for r in v if r[m] is not None]) for m in ("prefill_us", "decode_us")}
+                      for k, v in out["runs"].items()}  # fmt: skip
     out["identical_inputs"] = all(not c["mismatches"] for c in out["checks"])
     return out
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagebuf
-from helpers import use_events
+from helpers import force_tier, use_events
 from stagebuf import SlotInFlightError, StepStager, Tier
 
 DTYPES = [np.int8, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_]
@@ -307,3 +307,16 @@ def test_a_tier_that_cannot_work_or_names_none_is_refused_naming_the_allowed(tie
     with pytest.raises(stagebuf.StagebufError, match="pageable|PAGEABLE") as e:
         StepStager("cpu", capacity=64, tier=tier)  # type: ignore[arg-type]
     assert "tier" in str(e.value).lower()
+
+
+def test_an_empty_array_past_the_arena_does_not_grow_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the H200 fuzz: a zero-byte stage whose aligned offset passes the capacity grew the arena, and
+    the step's one transfer (on a copy tier) went uncounted; an empty array fits anywhere."""
+    force_tier(monkeypatch, "pageable")
+    stager = StepStager("cpu", capacity=200)
+    parts = [np.arange(80, dtype=np.int16).reshape(20, 4), np.arange(7, dtype=np.int32), np.ones(1, bool)]
+    with stager.step() as s:
+        got = [s.stage(a) for a in parts]
+        empty = s.stage(np.ones(0, bool))
+    assert [g.numpy().tolist() for g in got] == [a.tolist() for a in parts] and empty.shape == (0,)
+    assert stager.stats()["growths"] == 0 and stager.stats()["transfers"] == 1

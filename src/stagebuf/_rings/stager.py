@@ -240,6 +240,8 @@ class Step(Sealed):
         s, slot = self._s, self._slot
         used = s.used
         off = (used + ALIGN - 1) & -ALIGN
+        if not nbytes:  # an empty array fits anywhere: no growth (it would leave the step nothing to publish)
+            return min(off, slot.cap)
         if off + nbytes > slot.cap:
             old = (slot.buf, slot.host, used)
             slot.grow(nbytes, used, self._seq)  # (raising, it leaves the slot and the step as they were)

@@ -59,20 +59,34 @@ def verdict(rounds: list[list[float]]) -> dict[str, Any]:
     ratios = [a / b for b, a, _ in rounds]
     noise = max(abs(c / a - 1) for _, a, c in rounds)
     slower, faster = all(r > 1 + noise for r in ratios), all(1 / r > 1 + noise for r in ratios)
-    return {"ratio": float(np.exp(np.mean(np.log(ratios)))), "round_ratios": ratios, "noise": noise,
-            "slower": slower, "faster": faster}  # fmt: skip
+    return {
+        "ratio": float(np.exp(np.mean(np.log(ratios)))),
+        "round_ratios": ratios,
+        "noise": noise,
+        "slower": slower,
+        "faster": faster,
+    }
 
 
-def run(rev: str, device: torch.device, rounds: int = 3, steps: int = 60, warmup: int = 10,
-        log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def run(
+    rev: str,
+    device: torch.device,
+    rounds: int = 3,
+    steps: int = 60,
+    warmup: int = 10,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Every vs-vLLM cell (pools, backed tensors, writes and fused writes) on every tier the machine has (not
     HOST on a GPU), ``rounds`` times, each side's classes standing in for vLLM's ``buffer_utils``."""
     import stagebuf
 
     with tempfile.TemporaryDirectory() as tmp:
         here = str(Path(stagebuf.__file__).resolve().parent.parent)  # the after side's own source
-        pkgs = (load_copy(rev, "stagebuf_before", Path(tmp)), stagebuf,
-                load_copy(here, "stagebuf_control", Path(tmp)))  # fmt: skip
+        pkgs = (
+            load_copy(rev, "stagebuf_before", Path(tmp)),
+            stagebuf,
+            load_copy(here, "stagebuf_control", Path(tmp)),
+        )
         sides = [types.SimpleNamespace(**{n: getattr(p, n) for n in vllm_mrv2.SUBSTITUTED}) for p in pkgs]
         medians: dict[str, list[list[float]]] = {}
         for r in range(rounds):
@@ -86,13 +100,23 @@ def run(rev: str, device: torch.device, rounds: int = 3, steps: int = 60, warmup
                     medians.setdefault(f"{name} {t}", []).append(got)
             log(f"ab round {r + 1}/{rounds} done")
     cells = [{"cell": k, "medians_us": m, **verdict(m)} for k, m in medians.items()]
-    return {"before": rev, "device": str(device), "rounds": rounds, "steps": steps, "sides": SIDES,
-            "cells": cells}  # fmt: skip
+    return {
+        "before": rev,
+        "device": str(device),
+        "rounds": rounds,
+        "steps": steps,
+        "sides": SIDES,
+        "cells": cells,
+    }
 
 
 @click.command()
-@click.option("--before", "rev", required=True,
-              help="The old code: a git revision, or a directory holding its stagebuf package.")  # fmt: skip
+@click.option(
+    "--before",
+    "rev",
+    required=True,
+    help="The old code: a git revision, or a directory holding its stagebuf package.",
+)
 @click.option("--rounds", default=3, show_default=True, help="Rounds over every cell, fresh objects each.")
 @click.option("--steps", default=60, show_default=True, help="Timed steps a side per cell and round.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every cell.")
@@ -108,8 +132,10 @@ def main(rev: str, rounds: int, steps: int, json_path: str | None) -> None:
     side = lambda c, i: float(np.median([m[i] for m in c["medians_us"]]))
     show([c | {"before": side(c, 0), "after": side(c, 1)} for c in cells], 140)
     mid, slower = np.median([c["ratio"] for c in cells]), sum(c["slower"] for c in cells)
-    click.echo(f"{len(cells)} cells against {rev}: median after/before {mid:.3f}; slower beyond noise "
-               f"{slower}, faster {sum(c['faster'] for c in cells)}")  # fmt: skip
+    click.echo(
+        f"{len(cells)} cells against {rev}: median after/before {mid:.3f}; slower beyond noise "
+        f"{slower}, faster {sum(c['faster'] for c in cells)}"
+    )
     if json_path:
         Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -64,30 +64,34 @@ def _vllm(device: torch.device, pin: bool, uva: bool | None = None, release: str
     return vllm_mrv2.load("vllm", pin=pin, device=device, uva=uva, release=release)
 
 
-def mrv2_uva_pool(size: int, dtype: torch.dtype, device: torch.device,
-                  release: str = vllm_mrv2.NEWEST) -> Any:  # fmt: skip
+def mrv2_uva_pool(
+    size: int, dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
+) -> Any:
     """vLLM's own UvaBufferPool with pinned memory: device views of pinned slots, round robin."""
     if device.type != "cuda":
         raise ValueError(f"vLLM's UVA pool needs a CUDA device; got {device}")
     return _vllm(device, True, release=release).buffer_utils.UvaBufferPool(size, dtype)
 
 
-def mrv2_fallback_pool(size: int, dtype: torch.dtype, device: torch.device,
-                       release: str = vllm_mrv2.NEWEST) -> Any:  # fmt: skip
+def mrv2_fallback_pool(
+    size: int, dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
+) -> Any:
     """vLLM's own UvaBufferPool without pinned memory: its NonUvaBuffer fallback (a copy per call; on a
     CPU the CPU stands in for the device)."""
     return _vllm(device, False, False, release).buffer_utils.UvaBufferPool(size, dtype)
 
 
-def mrv2_staged_write(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
-                      release: str = vllm_mrv2.NEWEST) -> Any:  # fmt: skip
+def mrv2_staged_write(
+    shape: tuple[int, int], dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
+) -> Any:
     """vLLM's own StagedWriteTensor (pinned memory and UVA where the device has them)."""
     bu = _vllm(device, device.type == "cuda", release=release).buffer_utils
     return bu.StagedWriteTensor(shape, dtype, device)
 
 
-def cpu_gpu_buffer(size: int, dtype: torch.dtype, device: torch.device,
-                   release: str = vllm_mrv2.NEWEST) -> Any:  # fmt: skip
+def cpu_gpu_buffer(
+    size: int, dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
+) -> Any:
     """vLLM V1's own CpuGpuBuffer: one async copy per ``copy_to_gpu(n)``."""
     return _vllm(device, True, release=release).CpuGpuBuffer(size, dtype=dtype, device=device)
 

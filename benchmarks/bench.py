@@ -73,8 +73,15 @@ class BenchConfig:
         workload: they need vLLM's wheel and a GPU, or Triton's interpreter); ``given`` wins."""
         base: dict[str, Any] = {"quick": quick}
         if quick:
-            base.update(workloads=WORKLOADS, sizes=(64, 4096), edits=(1, 16, 256), lengths=(1, 8), repeats=3,
-                        iters=200, target_ms=8.0)  # fmt: skip
+            base.update(
+                workloads=WORKLOADS,
+                sizes=(64, 4096),
+                edits=(1, 16, 256),
+                lengths=(1, 8),
+                repeats=3,
+                iters=200,
+                target_ms=8.0,
+            )
         base.update({k: v for k, v in given.items() if v is not None and v != ()})
         return cls(**base)
 
@@ -180,8 +187,9 @@ def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]
 # --- running ------------------------------------------------------------------------------------
 
 
-def run_tasks(cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console,
-              progress: bool) -> dict[str, Any]:  # fmt: skip
+def run_tasks(
+    cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console, progress: bool
+) -> dict[str, Any]:
     """Time ``tasks``: the cases of one (workload, size) are built together and their repeats interleaved."""
     results: dict[str, dict[str, Any]] = {w: {} for w in cfg.workloads if w in WORKLOADS}
     sections: dict[str, dict[str, Any]] = {"guard": {}, "stage_only": {}}
@@ -189,8 +197,12 @@ def run_tasks(cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console,
     groups: dict[tuple[str, Any], list[Task]] = {}
     for t in tasks:
         groups.setdefault((t.workload, t.size), []).append(t)
-    cols = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn())  # fmt: skip
+    cols = (
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*cols, console=console, transient=True, disable=not progress) as prog:
         bar = prog.add_task("bench", total=len(tasks) * (cfg.repeats + 2))
         for (wl, size), group in groups.items():
@@ -244,8 +256,9 @@ def add_staging(results: dict[str, dict[str, Any]]) -> None:
                 row["staging_e2e_us"] = round(row["e2e_us"] - f["e2e_us"], 3)
 
 
-def compute_ratios(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: list[Tier],
-                   cfg: BenchConfig, device: str) -> dict[str, Any]:  # fmt: skip
+def compute_ratios(
+    results: dict[str, Any], stage_only: dict[str, Any], tiers_run: list[Tier], cfg: BenchConfig, device: str
+) -> dict[str, Any]:
     """The micro and writes targets, settled for ``device`` (judged, or not, as ``cfg`` says)."""
     out = {**micro.targets(results, tiers_run), **writes.targets(results, stage_only, tiers_run, cfg.cells())}
     info = T.not_judged(cfg.quick, device)
@@ -328,9 +341,13 @@ def run(cfg: BenchConfig, console: Console | None = None, progress: bool | None 
         out = run_tasks(cfg, m, tasks, console, console.is_terminal if progress is None else progress)
     finally:
         torch.set_num_threads(old)
-    report |= {"results": out["results"], "units": {w: R.UNITS[w] for w in cfg.workloads if w in WORKLOADS},
-               "guard_cost": micro.guard_cost(out["guard_raw"]), "staged_write_stage_only": out["stage_only"],
-               "skipped": skipped}  # fmt: skip
+    report |= {
+        "results": out["results"],
+        "units": {w: R.UNITS[w] for w in cfg.workloads if w in WORKLOADS},
+        "guard_cost": micro.guard_cost(out["guard_raw"]),
+        "staged_write_stage_only": out["stage_only"],
+        "skipped": skipped,
+    }
     report["ratios"] = compute_ratios(out["results"], out["stage_only"], tiers, cfg, str(m.env.device))
     log = lambda msg: console.print(escape(msg), highlight=False)
     if "engine" in cfg.workloads:
@@ -364,8 +381,9 @@ def engine_section(cfg: BenchConfig, device: torch.device, log: Any) -> dict[str
     for r in cfg.engine_releases:
         log(f"engine: vLLM {r}'s MRV2 modules from {roots[r]}")
         reps = max(3, cfg.repeats) if r == main else 3
-        runs[r] = E.bench(device, repeats=reps, steps=cfg.engine_steps, check_steps=cfg.engine_steps, log=log,
-                          release=r)  # fmt: skip
+        runs[r] = E.bench(
+            device, repeats=reps, steps=cfg.engine_steps, check_steps=cfg.engine_steps, log=log, release=r
+        )
         bad = [c for c in runs[r]["checks"] if c["mismatches"]]
         if bad:
             raise H.BenchCheckError(f"engine: device inputs differ from vLLM {r}'s own layer: {bad[:3]}")
@@ -431,8 +449,15 @@ TIERS = click.Choice([t.name.lower() for t in Tier], case_sensitive=False)
 @click.option("--device", help="Target device (default: current accelerator, else cpu).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 @click.option("--strict", is_flag=True, help="Exit 3 when a judged target fails (--quick on a CPU: none).")
-def bench(json_path: str | None, plot_path: str | None, md_path: str | None, from_json: str | None,
-          progress: bool | None, strict: bool, **opts: Any) -> None:  # fmt: skip
+def bench(
+    json_path: str | None,
+    plot_path: str | None,
+    md_path: str | None,
+    from_json: str | None,
+    progress: bool | None,
+    strict: bool,
+    **opts: Any,
+) -> None:
     """Time every staging strategy (baselines, stagebuf per tier, the floor) and the targets' ratios."""
     opts["tiers"] = tuple(t.lower() for t in opts["tiers"])
     opts["workloads"] = tuple(w for w in ALL_WORKLOADS if w in opts["workloads"]) or None

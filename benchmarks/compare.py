@@ -91,8 +91,9 @@ def cells_of(report: dict[str, Any], metric: str) -> Iterator[tuple[str, bool, S
                 yield f"vs_vllm {cell} {name}", name.startswith("stagebuf"), list(samples)
 
 
-def pair(before: list[dict[str, Any]], after: list[dict[str, Any]], metric: str,
-         drift: list[float] | None = None) -> list[Cell]:  # fmt: skip
+def pair(
+    before: list[dict[str, Any]], after: list[dict[str, Any]], metric: str, drift: list[float] | None = None
+) -> list[Cell]:
     """The cells every report of both sets measured, in the first report's order; with ``drift`` (one
     factor per report, before then after: see ``drift_factors``), each run's samples divided by its own."""
     sides = [[{k: (o, s) for k, o, s in cells_of(r, metric)} for r in reports] for reports in (before, after)]
@@ -125,10 +126,13 @@ def summary(cells: list[Cell]) -> dict[str, Any]:
         if not group:
             continue
         ratios = [c.ratio for c in group]
-        out[name] = {"cells": len(group), "median_ratio": round(statistics.median(ratios), 3),
-                     "geomean_ratio": round(statistics.geometric_mean(ratios), 3),
-                     "slower_beyond_noise": [c.key for c in group if c.slower],
-                     "faster_beyond_noise": [c.key for c in group if c.faster]}  # fmt: skip
+        out[name] = {
+            "cells": len(group),
+            "median_ratio": round(statistics.median(ratios), 3),
+            "geomean_ratio": round(statistics.geometric_mean(ratios), 3),
+            "slower_beyond_noise": [c.key for c in group if c.slower],
+            "faster_beyond_noise": [c.key for c in group if c.faster],
+        }
     return out
 
 
@@ -149,20 +153,27 @@ def show(rows: list[dict[str, Any]], width: int) -> None:
         noise = "-" if r["noise"] is None else f"{r['noise']:.3f}"
         verdict = "SLOWER" if r["slower"] else "faster" if r["faster"] else ""
         mark = ["yes" if r["ours"] else ""] if ours else []
-        table.add_row(r["cell"], *mark, f"{r['before']:.1f}", f"{r['after']:.1f}", f"{r['ratio']:.3f}", noise,
-                      verdict)  # fmt: skip
+        table.add_row(
+            r["cell"], *mark, f"{r['before']:.1f}", f"{r['after']:.1f}", f"{r['ratio']:.3f}", noise, verdict
+        )
     Console(width=None if Console().is_terminal else width).print(table)
 
 
 @click.command()
 @click.option("--before", "before", multiple=True, required=True, help="An old-code report (repeatable).")
 @click.option("--after", "after", multiple=True, required=True, help="A new-code report (repeatable).")
-@click.option("--metric", type=click.Choice(["e2e_us", "host_us"]), default="e2e_us", show_default=True,
-              help="The micro and writes cells' time (the engine and vs-vLLM cells have one).")  # fmt: skip
+@click.option(
+    "--metric",
+    type=click.Choice(["e2e_us", "host_us"]),
+    default="e2e_us",
+    show_default=True,
+    help="The micro and writes cells' time (the engine and vs-vLLM cells have one).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write cells and summary.")
 @click.option("--drift", is_flag=True, help="Divide each run's samples by its drift factor (see above).")
-def main(before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path: str | None,
-         drift: bool) -> None:  # fmt: skip
+def main(
+    before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path: str | None, drift: bool
+) -> None:
     """Compare bench reports of the code before and after a change, cell by cell."""
     b, a = ([json.loads(Path(p).read_text()) for p in side] for side in (before, after))
     cells = pair(b, a, metric)
@@ -175,20 +186,37 @@ def main(before: tuple[str, ...], after: tuple[str, ...], metric: str, json_path
         click.echo(f"per-run drift factors, divided out (before, then after): {listed}")
     if len(b) < 2 and len(a) < 2:
         click.echo(ONE_RUN_WARNING, err=True)
-    rows = [{"cell": c.key, "ours": c.ours, "before_medians_us": _medians(c.before),
-             "after_medians_us": _medians(c.after), "ratio": round(c.ratio, 4),
-             "noise": None if c.noise is None else round(c.noise, 4), "slower": c.slower, "faster": c.faster}
-            for c in cells]  # fmt: skip
+    rows = [
+        {
+            "cell": c.key,
+            "ours": c.ours,
+            "before_medians_us": _medians(c.before),
+            "after_medians_us": _medians(c.after),
+            "ratio": round(c.ratio, 4),
+            "noise": None if c.noise is None else round(c.noise, 4),
+            "slower": c.slower,
+            "faster": c.faster,
+        }
+        for c in cells
+    ]
     show([r | {"before": _center(c.before), "after": _center(c.after)} for r, c in zip(rows, cells)], 160)
     s = summary(cells)
     for name, g in s.items():
-        click.echo(f"{name}: {g['cells']} cells, median after/before {g['median_ratio']}, geometric mean "
-                   f"{g['geomean_ratio']}; slower beyond noise {len(g['slower_beyond_noise'])}, "
-                   f"faster {len(g['faster_beyond_noise'])}")  # fmt: skip
+        click.echo(
+            f"{name}: {g['cells']} cells, median after/before {g['median_ratio']}, geometric mean "
+            f"{g['geomean_ratio']}; slower beyond noise {len(g['slower_beyond_noise'])}, "
+            f"faster {len(g['faster_beyond_noise'])}"
+        )
     if json_path:
         runs = lambda rs: [{"commit": r.get("commit"), "started_utc": r.get("started_utc")} for r in rs]
-        data = {"before": runs(b), "after": runs(a), "metric": metric, "summary": s, "cells": rows,
-                "drift_factors": factors and [round(x, 4) for x in factors]}  # fmt: skip
+        data = {
+            "before": runs(b),
+            "after": runs(a),
+            "metric": metric,
+            "summary": s,
+            "cells": rows,
+            "drift_factors": factors and [round(x, 4) for x in factors],
+        }
         Path(json_path).write_text(json.dumps(data, indent=1) + "\n")
 
 

@@ -194,9 +194,17 @@ def parts(steps: list[Step]) -> dict[str, float]:
     smp = sum(e1.elapsed_time(e2) for _, e1, e2 in timed) / 1e3
     n, tokens = len(steps), sum(s.tokens for s in steps)
     per = lambda x: 1e3 * x / n  # ms a step
-    return {"steps": n, "tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
-            "step_ms": per(wall), "prep_ms": per(prep), "forward_ms": per(fwd), "sample_ms": per(smp),
-            "rest_ms": per(wall - prep - fwd - smp), "prep_share": prep / wall if wall else 0.0}  # fmt: skip
+    return {
+        "steps": n,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "step_ms": per(wall),
+        "prep_ms": per(prep),
+        "forward_ms": per(fwd),
+        "sample_ms": per(smp),
+        "rest_ms": per(wall - prep - fwd - smp),
+        "prep_share": prep / wall if wall else 0.0,
+    }
 
 
 # --- running an engine -----------------------------------------------------------------------------
@@ -256,8 +264,9 @@ def as_setup(llm: Any, setup: str) -> Iterator[None]:
             sn.detach(llm)
 
 
-def run_one(llm: Any, setup: str, name: str, w: Workload, seed: int, vocab: int,
-            rnd: int) -> tuple[dict[str, Any], list[list[int]]]:  # fmt: skip
+def run_one(
+    llm: Any, setup: str, name: str, w: Workload, seed: int, vocab: int, rnd: int
+) -> tuple[dict[str, Any], list[list[int]]]:
     """Round ``rnd`` of workload ``name`` on ``setup``: its record (tokens/s and the step split of the decode
     and the prefill steps, :func:`parts`; the tier), and the token ids generated per request."""
     import stagebuf.nanovllm as sn
@@ -270,22 +279,39 @@ def run_one(llm: Any, setup: str, name: str, w: Workload, seed: int, vocab: int,
         torch.cuda.synchronize()
     tier = (sn.stats(llm) if sn.is_attached(llm) else {}).get("tier")
     steps = lambda prefill: parts([s for s in rec.steps if s.prefill == prefill])
-    run = {"setup": setup, "workload": name, "round": rnd, "wall_s": wall, "generated": sum(map(len, toks)),
-           "decode": steps(False), "prefill": steps(True), "identical": None, "tier": tier}  # fmt: skip
+    run = {
+        "setup": setup,
+        "workload": name,
+        "round": rnd,
+        "wall_s": wall,
+        "generated": sum(map(len, toks)),
+        "decode": steps(False),
+        "prefill": steps(True),
+        "identical": None,
+        "tier": tier,
+    }
     return run, toks
 
 
 def _said(r: dict[str, Any]) -> str:
     d, p = r["decode"], r["prefill"]
-    return (f"  {r['setup']:18} {r['workload']:8} round {r['round']}: decode {d.get('tokens_per_s', 0):9.0f} "
-            f"tok/s, prefill {p.get('tokens_per_s', 0):9.0f} tok/s, identical={r['identical']}, decode step "
-            f"ms {d.get('step_ms', 0):.2f} (prep {d.get('prep_ms', 0):.2f}, forward "
-            f"{d.get('forward_ms', 0):.2f}, sample {d.get('sample_ms', 0):.2f})")  # fmt: skip
+    return (
+        f"  {r['setup']:18} {r['workload']:8} round {r['round']}: decode {d.get('tokens_per_s', 0):9.0f} "
+        f"tok/s, prefill {p.get('tokens_per_s', 0):9.0f} tok/s, identical={r['identical']}, decode step "
+        f"ms {d.get('step_ms', 0):.2f} (prep {d.get('prep_ms', 0):.2f}, forward "
+        f"{d.get('forward_ms', 0):.2f}, sample {d.get('sample_ms', 0):.2f})"
+    )
 
 
-def measure(model_dir: Path, workloads: dict[str, Workload], rounds: int, seed: int = 0,
-            cfg: EngineConfig = EngineConfig(), nopin: bool = True,
-            log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def measure(
+    model_dir: Path,
+    workloads: dict[str, Workload],
+    rounds: int,
+    seed: int = 0,
+    cfg: EngineConfig = EngineConfig(),
+    nopin: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Every setup's runs (:func:`run_one`'s records, each with whether its tokens are the first run's) and
     the no-pin start."""
     import stagebuf
@@ -428,9 +454,12 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
         r = ratios[name] = T.target(WHAT[name], f"e2e {w}", values[name], op, goal, why=WHY[name])
         r["status"] = T.status(r)
         r.pop("skipped", None)
-    return {"table": table, "ratios": ratios,
-            "own_decode_prep_share": row("decode", "own").get("decode_prep_share"),
-            "own_fails_without_pinning": measured.get("no_pin", {}).get("own_error")}  # fmt: skip
+    return {
+        "table": table,
+        "ratios": ratios,
+        "own_decode_prep_share": row("decode", "own").get("decode_prep_share"),
+        "own_fails_without_pinning": measured.get("no_pin", {}).get("own_error"),
+    }
 
 
 PATH = click.Path(path_type=Path)
@@ -447,9 +476,18 @@ PATH = click.Path(path_type=Path)
 @click.option("--markdown", "md_path", type=PATH)
 @click.option("--plot", "plot_path", type=PATH)
 @click.option("--from-json", type=click.Path(exists=True, path_type=Path), help="Render an earlier report.")
-def main(shape: str, small: bool, names: tuple[str, ...], rounds: int, seed: int, no_nopin: bool,
-         json_path: Path | None, md_path: Path | None, plot_path: Path | None,
-         from_json: Path | None) -> None:  # fmt: skip
+def main(
+    shape: str,
+    small: bool,
+    names: tuple[str, ...],
+    rounds: int,
+    seed: int,
+    no_nopin: bool,
+    json_path: Path | None,
+    md_path: Path | None,
+    plot_path: Path | None,
+    from_json: Path | None,
+) -> None:
     """nano-vllm's real engine generating tokens, on its own input preparation and on stagebuf's (its model
     folder written under ``$STAGEBUF_CACHE_DIR``)."""
     from . import e2e_model as M

@@ -46,12 +46,41 @@ Strides = tuple[int, ...]
 
 
 # Triton reads a kernel's parameter annotations (they select its specialisation): leave them off.
-def _attention_kernel(Q, K, V, Out, cu_q, cu_k, seqlens_k, table, qk_scale, seqlen_q_decode, stride_qb,
-                      stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
-                      stride_vb, stride_vt, stride_vh, stride_tb, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
-                      PAGED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-                      INTERPRET: tl.constexpr):  # fmt: skip
+def _attention_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    cu_q,
+    cu_k,
+    seqlens_k,
+    table,
+    qk_scale,
+    seqlen_q_decode,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_tb,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     # Program (m, b, x). DECODE (flash_attn_with_kvcache): x is a key head; row r of the program's rows is
     # query position r // GROUP of sequence b for query head x * GROUP + r % GROUP (the group shares its
     # keys, read once); seqlen_k is seqlens_k[b]. Else (varlen): x is a query head, rows are the query
@@ -96,8 +125,11 @@ def _attention_kernel(Q, K, V, Out, cu_q, cu_k, seqlens_k, table, qk_scale, seql
     if pid_m * BLOCK_M >= n_rows:
         return
     row_ok = offs_m < n_rows
-    q = tl.load(Q + q_base + pos[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)  # fmt: skip
+    q = tl.load(
+        Q + q_base + pos[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     if INTERPRET:
         q = q.to(tl.float32)
     # Keys past the block's last row's causal limit are masked for every row: the loop stops before them.
@@ -146,8 +178,11 @@ def _attention_kernel(Q, K, V, Out, cu_q, cu_k, seqlens_k, table, qk_scale, seql
         acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(Out + o_base + pos[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+    tl.store(
+        Out + o_base + pos[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
 _kernels: dict[bool, Any] = {}
@@ -184,8 +219,9 @@ def _check_index(t: Any, name: str, ndim: int, device: torch.device, rows: int |
         raise ValueError(f"{name} has {t.shape[0]} rows for {rows} sequences")
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: tuple[int, int], kwargs: dict[str, Any],
-           fn: str) -> None:  # fmt: skip
+def _check(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: tuple[int, int], kwargs: dict[str, Any], fn: str
+) -> None:
     """Shapes and dtypes flash-attn takes, and no argument it would take that the stand-in does not."""
     if kwargs:
         raise NotImplementedError(f"{fn}: {', '.join(kwargs)} (the stand-in takes flash-attn's defaults)")
@@ -224,10 +260,19 @@ def _last1(t: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attn_varlen_func(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float | None = None, causal: bool = False,
-    block_table: torch.Tensor | None = None, **kwargs: Any,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    block_table: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     """Attention over packed sequences: ``q`` [total_q, H, D]; ``k``, ``v`` [total_k, H_kv, D] packed the same
     way (``cu_seqlens_k``), or with ``block_table`` [B, max_blocks] the paged caches [num_blocks, page, H_kv,
     D]. Returns [total_q, H, D] in ``q``'s dtype."""
@@ -257,10 +302,17 @@ def flash_attn_varlen_func(
     return out
 
 
-def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-                            cache_seqlens: torch.Tensor | None = None,
-                            block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
-                            causal: bool = False, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor:
     """Attention of ``q`` [B, S, H, D] over a cache: ``k_cache``, ``v_cache`` [num_blocks, page, H_kv, D]
     through ``block_table`` [B, max_blocks], or [B, max_len, H_kv, D] without one; sequence ``b`` has
     ``cache_seqlens[b]`` keys (int32 [B]). Returns [B, S, H, D] in ``q``'s dtype. Graph-capturable."""
@@ -295,22 +347,66 @@ def _scale(softmax_scale: float | None, d: int) -> float:
     return float(d**-0.5 if softmax_scale is None else softmax_scale)
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_q: torch.Tensor,
-            seqlens_k: torch.Tensor, table: torch.Tensor, grid: tuple[int, ...], scale: float,
-            seqlen_q_decode: int, q_strides: Strides, o_strides: Strides, k_strides: Strides,
-            v_strides: Strides, stride_tb: int, *, group: int, page: int, block_m: int, block_n: int,
-            decode: bool, paged: bool, causal: bool) -> None:  # fmt: skip
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    table: torch.Tensor,
+    grid: tuple[int, ...],
+    scale: float,
+    seqlen_q_decode: int,
+    q_strides: Strides,
+    o_strides: Strides,
+    k_strides: Strides,
+    v_strides: Strides,
+    stride_tb: int,
+    *,
+    group: int,
+    page: int,
+    block_m: int,
+    block_n: int,
+    decode: bool,
+    paged: bool,
+    causal: bool,
+) -> None:
     """The kernel on ``grid``; ``seqlens_k`` is ``cu_seqlens_k`` (varlen) or ``cache_seqlens`` (decode)."""
     interpret = q.device.type != "cuda"
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
         why = f"the stand-in on {q.device} runs in Triton's interpreter: set TRITON_INTERPRET=1"
         raise NotImplementedError(why)
-    args = (q, k, v, out, cu_q, seqlens_k, seqlens_k, table, scale * _LOG2E, seqlen_q_decode, *q_strides,
-            *o_strides, *k_strides, *v_strides, stride_tb)  # fmt: skip
+    args = (
+        q,
+        k,
+        v,
+        out,
+        cu_q,
+        seqlens_k,
+        seqlens_k,
+        table,
+        scale * _LOG2E,
+        seqlen_q_decode,
+        *q_strides,
+        *o_strides,
+        *k_strides,
+        *v_strides,
+        stride_tb,
+    )
     precision = "ieee" if q.dtype == torch.float32 or interpret else "tf32"
-    consts = dict(GROUP=group, HEAD_DIM=q.shape[-1], PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-                  DECODE=decode, PAGED=paged, CAUSAL=causal, PRECISION=precision,
-                  INTERPRET=interpret)  # fmt: skip
+    consts = dict(
+        GROUP=group,
+        HEAD_DIM=q.shape[-1],
+        PAGE=page,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DECODE=decode,
+        PAGED=paged,
+        CAUSAL=causal,
+        PRECISION=precision,
+        INTERPRET=interpret,
+    )
     if interpret:
         _kernel(True)[grid](*args, **consts)
         return

@@ -56,11 +56,19 @@ def parameter_shapes(shape: str) -> dict[str, tuple[int, ...]]:
     hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     head = c.get("head_dim") or hidden // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
-    layer = (("input_layernorm", (hidden,)), ("self_attn.q_proj", (q, hidden)),
-             ("self_attn.k_proj", (kv, hidden)), ("self_attn.v_proj", (kv, hidden)),
-             ("self_attn.o_proj", (hidden, q)), ("self_attn.q_norm", (head,)), ("self_attn.k_norm", (head,)),
-             ("post_attention_layernorm", (hidden,)), ("mlp.gate_proj", (inter, hidden)),
-             ("mlp.up_proj", (inter, hidden)), ("mlp.down_proj", (hidden, inter)))  # fmt: skip
+    layer = (
+        ("input_layernorm", (hidden,)),
+        ("self_attn.q_proj", (q, hidden)),
+        ("self_attn.k_proj", (kv, hidden)),
+        ("self_attn.v_proj", (kv, hidden)),
+        ("self_attn.o_proj", (hidden, q)),
+        ("self_attn.q_norm", (head,)),
+        ("self_attn.k_norm", (head,)),
+        ("post_attention_layernorm", (hidden,)),
+        ("mlp.gate_proj", (inter, hidden)),
+        ("mlp.up_proj", (inter, hidden)),
+        ("mlp.down_proj", (hidden, inter)),
+    )
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(c["num_hidden_layers"]):
         out |= {f"model.layers.{i}.{name}.weight": s for name, s in layer}

@@ -146,10 +146,14 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
                 cached.append((r.rid, r.computed, tuple(per_group) if any_new else None))
         for nr in new:
             nr.block_ids = block_ids_of[nr.req_id]
-            nr.params = SimpleNamespace(temperature=float(rng.choice([0.0, 0.7, 1.0])),
-                                        top_k=int(rng.choice([0, 50])), top_p=float(rng.choice([1.0, 0.9])),
-                                        min_p=0.0, seed=int(rng.integers(0, 2**31)),
-                                        logprobs=None)  # fmt: skip
+            nr.params = SimpleNamespace(
+                temperature=float(rng.choice([0.0, 0.7, 1.0])),
+                top_k=int(rng.choice([0, 50])),
+                top_p=float(rng.choice([1.0, 0.9])),
+                min_p=0.0,
+                seed=int(rng.integers(0, 2**31)),
+                logprobs=None,
+            )
         order = [r.rid for r in running if r.rid in sched]
         num_sched = np.array([sched[rid] for rid in order], np.int32)
         by_id = {r.rid: r for r in running}
@@ -225,8 +229,16 @@ def plugin_modules(device: torch.device, mode: str = "1", release: str = vllm_mr
         cm.__exit__(None, None, None)
         raise
     h2d = inst._imports["vllm.utils.torch_utils"].async_tensor_h2d
-    m = vllm_mrv2.Mrv2(bu, *(mods[n] for n in ("block_table", "states", "input_batch", "sample.states")), h2d,
-                       inst._imports["_CpuGpuBuffer"], "plugin", True, release, inst.TokenBuffer)  # fmt: skip
+    m = vllm_mrv2.Mrv2(
+        bu,
+        *(mods[n] for n in ("block_table", "states", "input_batch", "sample.states")),
+        h2d,
+        inst._imports["_CpuGpuBuffer"],
+        "plugin",
+        True,
+        release,
+        inst.TokenBuffer,
+    )
     _PLUGIN.update(mods=(m, *want), cm=cm)
     return m
 
@@ -261,8 +273,12 @@ class Engine:
 
             self.stager = stagebuf.StepStager(device, capacity=1 << 16)
             rs = self.req_states
-            self.own_writes = [*self.block_tables.block_tables, rs.total_len, rs.all_token_ids,
-                               rs.num_computed_tokens]  # fmt: skip
+            self.own_writes = [
+                *self.block_tables.block_tables,
+                rs.total_len,
+                rs.all_token_ids,
+                rs.num_computed_tokens,
+            ]
             self.writer = stagebuf.FusedStagedWriter(device, max_writes=g * cfg.max_num_reqs + 3 * 64)
             # the per-request parameters (the sampler's five, prompt and prefill lengths) in one table:
             # one copy per step where any changed, in place of seven publishes
@@ -304,8 +320,13 @@ class Engine:
             rs.remove_request(rid)
         tb = self.m.TokenBuffer
         for nr in plan.new:
-            rs.add_request(req_id=nr.req_id, prompt_len=nr.prompt_len, all_token_ids=received(nr, tb),
-                           num_computed_tokens=0, max_tokens=nr.max_tokens)  # fmt: skip
+            rs.add_request(
+                req_id=nr.req_id,
+                prompt_len=nr.prompt_len,
+                all_token_ids=received(nr, tb),
+                num_computed_tokens=0,
+                max_tokens=nr.max_tokens,
+            )
             idx = rs.req_id_to_index[nr.req_id]
             bt.append_block_ids(idx, nr.block_ids, overwrite=True)
             ss.add_request(idx, nr.params)
@@ -358,8 +379,15 @@ class Engine:
         cu_num_logits = torch.arange(num_reqs + 1, device=dev, dtype=torch.int32)
         b, nct_gpu = self.buffers, rs.num_computed_tokens.gpu
         if plan.has_prefill:
-            ib.prepare_prefill_inputs(b.input_ids, rs.next_prefill_tokens, idx_mapping, query_start_loc,
-                                      rs.all_token_ids.gpu, rs.prefill_len.gpu, nct_gpu)  # fmt: skip
+            ib.prepare_prefill_inputs(
+                b.input_ids,
+                rs.next_prefill_tokens,
+                idx_mapping,
+                query_start_loc,
+                rs.all_token_ids.gpu,
+                rs.prefill_len.gpu,
+                nct_gpu,
+            )
         ib.prepare_pos_seq_lens(idx_mapping, query_start_loc, nct_gpu, b.positions, b.seq_lens)
         logits_indices = ib.combine_sampled_and_draft_tokens(
             b.input_ids, idx_mapping, rs.last_sampled_tokens, query_start_loc, b.seq_lens[:num_reqs],
@@ -370,9 +398,13 @@ class Engine:
         tables = bt.gather_block_tables(idx_mapping, num_reqs, **nct_kw)
         slots = bt.compute_slot_mappings(idx_mapping, query_start_loc, b.positions, num_tokens)
         t1 = clock()
-        self.last = {"idx_mapping": idx_mapping, "query_start_loc": query_start_loc,
-                     "logits_indices": logits_indices, "slot_mappings": slots,
-                     **{f"block_table_{g}": t for g, t in enumerate(tables)}}  # fmt: skip
+        self.last = {
+            "idx_mapping": idx_mapping,
+            "query_start_loc": query_start_loc,
+            "logits_indices": logits_indices,
+            "slot_mappings": slots,
+            **{f"block_table_{g}": t for g, t in enumerate(tables)},
+        }
         self._num = (num_reqs, num_tokens)
         return (t1 - t0) * 1e6, buf * 1e6
 
@@ -396,9 +428,14 @@ class Engine:
         """Every device-visible input of the step just prepared (views: read after a synchronize)."""
         num_reqs, num_tokens = self._num
         rs, bt, ss, b = self.req_states, self.block_tables, self.sampling, self.buffers
-        out = {**self.last, "positions": b.positions[:num_tokens], "input_ids": b.input_ids[:num_tokens],
-               "seq_lens": b.seq_lens[:num_reqs], "last_sampled_tokens": rs.last_sampled_tokens,
-               "num_blocks": bt.num_blocks.gpu}  # fmt: skip
+        out = {
+            **self.last,
+            "positions": b.positions[:num_tokens],
+            "input_ids": b.input_ids[:num_tokens],
+            "seq_lens": b.seq_lens[:num_reqs],
+            "last_sampled_tokens": rs.last_sampled_tokens,
+            "num_blocks": bt.num_blocks.gpu,
+        }
         for n in ("num_computed_tokens", "total_len", "all_token_ids", "prompt_len", "prefill_len"):
             out[n] = getattr(rs, n).gpu
         out |= {n: getattr(ss, n).gpu for n in PARAMS}
@@ -409,10 +446,16 @@ def _tier_of(setup: Setup) -> str | None:
     return None if setup.layer == "vllm" else setup.tier
 
 
-def check(setup: Setup, cfg: TraceConfig, device: torch.device, busy_cycles: int = 0,
-          reference: Setup | None = None, trace: list[StepPlan] | None = None,
-          tamper: Callable[[Engine, int], None] | None = None,
-          release: str = vllm_mrv2.NEWEST) -> dict[str, Any]:  # fmt: skip
+def check(
+    setup: Setup,
+    cfg: TraceConfig,
+    device: torch.device,
+    busy_cycles: int = 0,
+    reference: Setup | None = None,
+    trace: list[StepPlan] | None = None,
+    tamper: Callable[[Engine, int], None] | None = None,
+    release: str = vllm_mrv2.NEWEST,
+) -> dict[str, Any]:
     """Run ``setup`` and vLLM's own layer in lockstep, both on vLLM ``release``'s modules; compare every
     device-visible input each step: ``{"steps": n, "mismatches": ["step i: input", ...], ...}``."""
     ref_setup = reference or Setup("vllm", "uva")
@@ -438,8 +481,13 @@ def check(setup: Setup, cfg: TraceConfig, device: torch.device, busy_cycles: int
                 break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return {"steps": len(plans), "mismatches": mismatches, "setup": setup.name, "reference": ref_setup.name,
-            "release": release}  # fmt: skip
+    return {
+        "steps": len(plans),
+        "mismatches": mismatches,
+        "setup": setup.name,
+        "reference": ref_setup.name,
+        "release": release,
+    }
 
 
 SECTIONS = ("request_writes", "sampler_publish", "block_tables", "per_step_copies")
@@ -451,9 +499,16 @@ PARAMS = ("temperature", "top_k", "top_p", "min_p", "seeds")
 """SamplingStates' per-request parameters (UvaBackedTensors published every step)."""
 
 
-def run_lockstep(setups_: list[Setup], cfg: TraceConfig, device: torch.device, plans: list[StepPlan],
-                 busy_cycles: int, warmup: int, before_step: Callable[[int, list[Any]], None] | None = None,
-                 release: str = vllm_mrv2.NEWEST) -> dict[str, dict[str, Any]]:  # fmt: skip
+def run_lockstep(
+    setups_: list[Setup],
+    cfg: TraceConfig,
+    device: torch.device,
+    plans: list[StepPlan],
+    busy_cycles: int,
+    warmup: int,
+    before_step: Callable[[int, list[Any]], None] | None = None,
+    release: str = vllm_mrv2.NEWEST,
+) -> dict[str, dict[str, Any]]:
     """One timed run of the trace by every setup in :class:`benchmarks.harness.Lockstep`: step i of each, in a
     rotating order. A stagebuf engine begins each step with ``stagebuf.begin_step()`` (timed): the event per
     step a lone engine's first ring would record, kept per engine though they share a device."""
@@ -573,9 +628,17 @@ BLOCK_SIZES = (16, 32, 16, 64)
 """KV-cache groups' block sizes: group 0 full attention, group 1 e.g. a sliding-window group."""
 
 
-def bench(device: torch.device, groups: tuple[int, ...] = (1, 2), repeats: int = 3, steps: int = 150,
-          warmup: int = 30, busy_ms: float = 3.0, check_steps: int = 150, log: Callable[[str], None] = print,
-          release: str = vllm_mrv2.NEWEST) -> dict[str, Any]:  # fmt: skip
+def bench(
+    device: torch.device,
+    groups: tuple[int, ...] = (1, 2),
+    repeats: int = 3,
+    steps: int = 150,
+    warmup: int = 30,
+    busy_ms: float = 3.0,
+    check_steps: int = 150,
+    log: Callable[[str], None] = print,
+    release: str = vllm_mrv2.NEWEST,
+) -> dict[str, Any]:
     """The whole engine workload on vLLM ``release``: identical-inputs checks of every setup (idle and busy
     GPU), then interleaved timed repeats."""
     cuda = device.type == "cuda"
@@ -600,15 +663,18 @@ def bench(device: torch.device, groups: tuple[int, ...] = (1, 2), repeats: int =
                     log(f"check {s.name} groups={g} busy={busy}: {len(r['mismatches'])} mismatches")
             for rep in range(repeats):
                 for busy in modes:
-                    res = run_lockstep(all_setups, cfg, device, plans[:steps], cycles * busy, warmup,
-                                       release=release)  # fmt: skip
+                    res = run_lockstep(
+                        all_setups, cfg, device, plans[:steps], cycles * busy, warmup, release=release
+                    )
                     for name, r in res.items():
                         out["runs"].setdefault(f"{name}|g{g}|{'busy' if busy else 'idle'}", []).append(r)
                 log(f"engine groups={g}: repeat {rep + 1}/{repeats} done")
     finally:
         close_plugin_modules()  # the step setups' vLLM modules and patch
-    out["medians"] = {k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
-                      for k, v in out["runs"].items()}  # fmt: skip
+    out["medians"] = {
+        k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
+        for k, v in out["runs"].items()
+    }
     out["identical_inputs"] = all(not c["mismatches"] for c in out["checks"])
     return out
 
@@ -682,13 +748,18 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> 
             busy, idle = meds.get(f"{s}|g{g}|busy"), meds.get(f"{s}|g{g}|idle")
             vllm_r = base[0]["prep_us"] / base[1]["prep_us"]  # type: ignore[index]
             if busy and idle and (worst is None or busy["prep_us"] / idle["prep_us"] - vllm_r > worst[0]):
-                note = (f"{s}, {g} KV groups: busy/idle {busy['prep_us'] / idle['prep_us']:.3f}, vLLM UVA's "
-                        f"{vllm_r:.3f}")  # fmt: skip
+                note = (
+                    f"{s}, {g} KV groups: busy/idle {busy['prep_us'] / idle['prep_us']:.3f}, vLLM UVA's "
+                    f"{vllm_r:.3f}"
+                )
                 worst = (busy["prep_us"] / idle["prep_us"] - vllm_r, note, s, g)
     e = out[f"engine_busy_ratio_vs_vllm{sfx}"] = entry(
         "engine: host preparation busy/idle (3 ms forward stand-in, two steps in flight) of a stagebuf "
         "setup, minus vLLM UVA's busy/idle in the same run; worst stagebuf setup x KV groups",
-        worst and worst[0], 0.05, worst and worst[1])  # fmt: skip
+        worst and worst[0],
+        0.05,
+        worst and worst[1],
+    )
     if e.get("passed") is False and worst is not None:
         b, i = _last(runs, worst[2], worst[3]), _last(runs, worst[2], worst[3], "idle")
         part = max(SECTIONS, key=lambda k: b.get(k, 0) - i.get(k, 0))
@@ -705,30 +776,49 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> 
             kind = "buffer work" if what == "buffer_us" else "host preparation"
             e = out[f"engine_{name}_g{g}{sfx}"] = entry(
                 f"engine {kind}, {g} KV group{'s' if g > 1 else ''}, idle and busy GPU (the worse): {text}",
-                max(got.values()) if got else None, goals.get(name, goal))  # fmt: skip
+                max(got.values()) if got else None,
+                goals.get(name, goal),
+            )
             e.update({f"measured_{m}": v for m, v in got.items()})
             mine, floor = _last(runs, num, g), runs.get(f"floor|g{g}|busy")
             if e.get("passed") is False and mine and floor:
                 f = floor[-1]["sections_us"]
                 part = max(SECTIONS, key=lambda k: mine.get(k, 0) - f.get(k, 0))
-                e[T.REASON] = (f"most above the floor: {part} {mine.get(part, 0):.1f} µs against "
-                               f"{f.get(part, 0):.1f} µs ({num}, {g}g)")  # fmt: skip
+                e[T.REASON] = (
+                    f"most above the floor: {part} {mine.get(part, 0):.1f} µs against "
+                    f"{f.get(part, 0):.1f} µs ({num}, {g}g)"
+                )
             a, b = _part_means(runs, num, g), _part_means(runs, den, g)
             slower = [f"{k} {a[k]:.1f} µs against {b[k]:.1f}" for k in SECTIONS if a[k] > 1.05 * b[k] > 0]
             if name == "dropin_uva_vs_vllm_uva" and e.get("passed") and release in GOALS and slower:
                 e.update(passed=False, why=f"slower than vLLM's own in {'; '.join(slower)}")  # no part slower
-    steps = [(v, f"{s}, {g} KV groups, {m}") for g in groups for s in sb if s.startswith("stagebuf_step_")
-             for m in ("idle", "busy") if (v := ratio(s, "floor", g, m)) is not None]  # fmt: skip
+    steps = [
+        (v, f"{s}, {g} KV groups, {m}")
+        for g in groups
+        for s in sb
+        if s.startswith("stagebuf_step_")
+        for m in ("idle", "busy")
+        if (v := ratio(s, "floor", g, m)) is not None
+    ]
     w = max(steps, default=None)
     out[f"engine_step_vs_floor{sfx}"] = entry(
         "engine: step mode's buffer work / the summed floor of its parts (each part's bytes in one packed "
         "transfer plus one launch, measured in the same run); worst tier x KV groups x idle/busy",
-        w and w[0], 4.0, w and w[1])  # fmt: skip
+        w and w[0],
+        4.0,
+        w and w[1],
+    )
     return out
 
 
-def sync_check(setup: Setup, cfg: TraceConfig, device: torch.device, warmup: int = 20, busy_cycles: int = 0,
-               release: str = vllm_mrv2.NEWEST) -> str | None:  # fmt: skip
+def sync_check(
+    setup: Setup,
+    cfg: TraceConfig,
+    device: torch.device,
+    warmup: int = 20,
+    busy_cycles: int = 0,
+    release: str = vllm_mrv2.NEWEST,
+) -> str | None:
     """Run the trace with ``torch.cuda.set_sync_debug_mode("error")`` after ``warmup`` steps: None, or the
     error of the first synchronising call (with the step it happened in)."""
     with stagebuf_tier(_tier_of(setup)):
@@ -758,8 +848,14 @@ def sync_check(setup: Setup, cfg: TraceConfig, device: torch.device, warmup: int
     return None
 
 
-def plugin_vs_dropin(device: torch.device, tiers: tuple[str, ...], repeats: int = 3, steps: int = 150,
-                     busy_ms: float = 3.0, release: str = vllm_mrv2.NEWEST) -> dict[str, Any]:  # fmt: skip
+def plugin_vs_dropin(
+    device: torch.device,
+    tiers: tuple[str, ...],
+    repeats: int = 3,
+    steps: int = 150,
+    busy_ms: float = 3.0,
+    release: str = vllm_mrv2.NEWEST,
+) -> dict[str, Any]:
     """stagebuf through its vLLM plugin against the direct substitution: identical inputs (each against vLLM's
     own layer, 2 KV groups, busy GPU) and buffer-work timings in lockstep, busy GPU."""
     cycles = sleep_cycles_for(busy_ms, device) if device.type == "cuda" else 0
@@ -775,6 +871,8 @@ def plugin_vs_dropin(device: torch.device, tiers: tuple[str, ...], repeats: int 
                 out["runs"].setdefault(name, []).append({k: r[k] for k in ("prep_us", "buffer_us")})
     finally:
         close_plugin_modules()
-    out["medians"] = {k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
-                      for k, v in out["runs"].items()}  # fmt: skip
+    out["medians"] = {
+        k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
+        for k, v in out["runs"].items()
+    }
     return out

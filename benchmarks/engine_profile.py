@@ -57,9 +57,16 @@ def top(prof: cProfile.Profile, steps: int, k: int) -> dict[str, Any]:
     return {"profiled_us": sum(v[2] for v in st.values()) / steps * 1e6, "top": top}
 
 
-def profile_setup(setup: E.Setup, cfg: E.TraceConfig, device: torch.device, plans: list[E.StepPlan],
-                  busy_cycles: int, warmup: int, k: int,
-                  release: str = vllm_mrv2.NEWEST) -> dict[str, Any]:  # fmt: skip
+def profile_setup(
+    setup: E.Setup,
+    cfg: E.TraceConfig,
+    device: torch.device,
+    plans: list[E.StepPlan],
+    busy_cycles: int,
+    warmup: int,
+    k: int,
+    release: str = vllm_mrv2.NEWEST,
+) -> dict[str, Any]:
     """One setup alone over ``plans``, each part's calls profiled after ``warmup`` steps."""
     profs = {p: cProfile.Profile() for p in E.SECTIONS}
 
@@ -74,9 +81,18 @@ def profile_setup(setup: E.Setup, cfg: E.TraceConfig, device: torch.device, plan
     return {part: top(profs[part], max(len(plans) - warmup, 1), k) for part in E.SECTIONS}
 
 
-def run(device: torch.device, names: list[str], groups: tuple[int, ...], modes: tuple[bool, ...], steps: int,
-        warmup: int, k: int, busy_ms: float = 3.0, trace: dict[str, Any] | None = None,
-        release: str = vllm_mrv2.NEWEST) -> dict[str, Any]:  # fmt: skip
+def run(
+    device: torch.device,
+    names: list[str],
+    groups: tuple[int, ...],
+    modes: tuple[bool, ...],
+    steps: int,
+    warmup: int,
+    k: int,
+    busy_ms: float = 3.0,
+    trace: dict[str, Any] | None = None,
+    release: str = vllm_mrv2.NEWEST,
+) -> dict[str, Any]:
     """The lockstep timings and the per-part profiles of the setups ``names`` (with the floor); ``trace``:
     ``TraceConfig`` fields other than the default's (tests run a small one)."""
     cuda = device.type == "cuda"
@@ -95,13 +111,16 @@ def run(device: torch.device, names: list[str], groups: tuple[int, ...], modes: 
             plans = E.make_trace(cfg)
             for busy in modes:
                 floor = E.Setup("floor", "floor")
-                timed = E.run_lockstep([*chosen, floor], cfg, device, plans, cycles * busy, warmup,
-                                       release=release)  # fmt: skip
+                timed = E.run_lockstep(
+                    [*chosen, floor], cfg, device, plans, cycles * busy, warmup, release=release
+                )
                 for s in chosen:
                     parts = profile_setup(s, cfg, device, plans, cycles * busy, warmup, k, release)
                     out["runs"][f"{s.name}|g{g}|{'busy' if busy else 'idle'}"] = {
-                        "sections_us": timed[s.name]["sections_us"], "parts": parts,
-                        "floor_us": timed["floor"]["sections_us"]}  # fmt: skip
+                        "sections_us": timed[s.name]["sections_us"],
+                        "parts": parts,
+                        "floor_us": timed["floor"]["sections_us"],
+                    }
     finally:
         E.close_plugin_modules()
     return out
@@ -117,8 +136,17 @@ def run(device: torch.device, names: list[str], groups: tuple[int, ...], modes: 
 @click.option("--warmup", default=20, show_default=True, help="Steps before timing and profiling.")
 @click.option("--top", "k", default=12, show_default=True, help="Functions kept per part.")
 @vllm_mrv2.release_option("The vLLM release whose MRV2 modules run.")
-def main(json_path: str, md_path: str | None, setups: str | None, groups: str, mode: str, steps: int,
-         warmup: int, k: int, release: str) -> None:  # fmt: skip
+def main(
+    json_path: str,
+    md_path: str | None,
+    setups: str | None,
+    groups: str,
+    mode: str,
+    steps: int,
+    warmup: int,
+    k: int,
+    release: str,
+) -> None:
     """Profile the engine workload's buffer work, part by part (see the module docstring)."""
     from .report import profile_markdown
 

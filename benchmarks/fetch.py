@@ -69,8 +69,9 @@ def why_not(key: str, attempt: Callable[[], object]) -> str | None:
     return _WHY[key] or None
 
 
-def unpacked(requirement: str, *pip_args: str, members: Iterable[str] | None = None,
-             timeout: float = 900) -> Callable[[Path], None]:  # fmt: skip
+def unpacked(
+    requirement: str, *pip_args: str, members: Iterable[str] | None = None, timeout: float = 900
+) -> Callable[[Path], None]:
     """A :func:`put` filler: the wheel of ``requirement`` unpacked (only ``members``, where given)."""
 
     def fill(dest: Path) -> None:

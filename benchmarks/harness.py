@@ -104,8 +104,13 @@ def wait(ev: Any) -> None:
         time.sleep(50e-6)
 
 
-def turns(steps: list[Callable[[int], object]], device: torch.device, n: int, warmup: int,
-          prep: list[Callable[[int], object]] | None = None) -> list[float]:  # fmt: skip
+def turns(
+    steps: list[Callable[[int], object]],
+    device: torch.device,
+    n: int,
+    warmup: int,
+    prep: list[Callable[[int], object]] | None = None,
+) -> list[float]:
     """The median host µs of each of ``steps`` (called with the step's number), taking turns in a rotating
     order, each on an idle device: ``prep`` (untimed: what a step consumes) and a synchronize before it."""
     times: list[list[float]] = [[] for _ in steps]
@@ -244,6 +249,11 @@ def time_repeat(step: Callable[[], object], sync: Callable[[], None], iters: int
 
 def summarise(hs: list[float], es: list[float], iters: int) -> dict[str, Any]:
     """A case's row of the report: the medians of its repeats, and each repeat's time."""
-    return {"host_us": round(statistics.median(hs), 3), "e2e_us": round(statistics.median(es), 3),
-            "iters": iters, "repeats": len(hs), "host_samples_us": [round(h, 3) for h in hs],
-            "e2e_samples_us": [round(e, 3) for e in es]}  # fmt: skip
+    return {
+        "host_us": round(statistics.median(hs), 3),
+        "e2e_us": round(statistics.median(es), 3),
+        "iters": iters,
+        "repeats": len(hs),
+        "host_samples_us": [round(h, 3) for h in hs],
+        "e2e_samples_us": [round(e, 3) for e in es],
+    }

@@ -58,8 +58,13 @@ def cell(device: torch.device, targets: int, edits: int, length: int, steps: int
     apply on an idle device), and the kernel ``auto`` ran."""
     stages, applies, _, writers = zip(*(writer(device, targets, edits, length, k) for k in KERNELS))
     us = turns(list(applies), device, steps, 10, prep=list(stages))
-    return {"targets": targets, "edits": edits, "length": length, "us": dict(zip(KERNELS, us)),
-            "auto_ran": writers[2].kernel}  # fmt: skip
+    return {
+        "targets": targets,
+        "edits": edits,
+        "length": length,
+        "us": dict(zip(KERNELS, us)),
+        "auto_ran": writers[2].kernel,
+    }
 
 
 def run(device: torch.device, tiers: list[str], steps: int, log: Callable[[str], None] = print) -> list[dict]:

@@ -31,8 +31,12 @@ def sources(env: Env, n: int) -> list[np.ndarray]:
     return [rng.integers(0, 1 << 20, n, dtype=np.int32) for _ in range(env.k)]
 
 
-def case(name: str, srcs: list[np.ndarray], run: Callable[[], list[torch.Tensor]],
-         stats: Callable[[], dict[str, Any]] = dict) -> Case:  # fmt: skip
+def case(
+    name: str,
+    srcs: list[np.ndarray],
+    run: Callable[[], list[torch.Tensor]],
+    stats: Callable[[], dict[str, Any]] = dict,
+) -> Case:
     """A step stages every array (``run``) and sums their concatenation on the device; after timing,
     each staged array must equal its source."""
 
@@ -80,8 +84,9 @@ def pinned_buffer(env: Env, n: int) -> Case:
     return case("pinned_buffer_per_array", srcs, run)
 
 
-def baseline_pool(make: Callable[[int, torch.dtype, torch.device], Any],
-                  name: str) -> Callable[[Env, int], Case]:  # fmt: skip
+def baseline_pool(
+    make: Callable[[int, torch.dtype, torch.device], Any], name: str
+) -> Callable[[Env, int], Case]:
     def build(env: Env, n: int) -> Case:
         srcs = sources(env, n)
         pools = [make(n, torch.int32, env.device) for _ in srcs]
@@ -153,9 +158,14 @@ def strategies(tiers: Sequence[Tier]) -> list[Strategy]:
 def guard_strategies(tiers: Sequence[Tier]) -> list[Strategy]:
     """StepStager and per-array pools with the guard forced to wait and to off (for :func:`guard_cost`)."""
     kinds = (("stager", "StepStager", stager), ("pool", "UvaBufferPool per array", pool))
-    return [Strategy(f"{what}_{t.name.lower()}.guard_{g}", f"{label} [{t.name}] guard={g}", "stagebuf",
-                     make(g), t) for t in tiers for g in ("wait", "off")
-            for what, label, make in kinds]  # fmt: skip
+    return [
+        Strategy(
+            f"{what}_{t.name.lower()}.guard_{g}", f"{label} [{t.name}] guard={g}", "stagebuf", make(g), t
+        )
+        for t in tiers
+        for g in ("wait", "off")
+        for what, label, make in kinds
+    ]
 
 
 def guard_cost(raw: dict[str, Any]) -> dict[str, Any]:
@@ -169,9 +179,12 @@ def guard_cost(raw: dict[str, Any]) -> dict[str, Any]:
             if mode != "wait" or o is None:
                 continue
             what, _, tier = base.partition("_")
-            row = {"structure": {"stager": "StepStager", "pool": "UvaBufferPool per array"}.get(what, what),
-                   "tier": tier.upper(), "guard_waits": w.get("guard_waits", 0),
-                   "guard_active": w.get("guard") == "wait" if "guard" in w else None}  # fmt: skip
+            row = {
+                "structure": {"stager": "StepStager", "pool": "UvaBufferPool per array"}.get(what, what),
+                "tier": tier.upper(),
+                "guard_waits": w.get("guard_waits", 0),
+                "guard_active": w.get("guard") == "wait" if "guard" in w else None,
+            }
             for k in ("host", "e2e"):
                 row |= {f"wait_{k}_us": w[f"{k}_us"], f"off_{k}_us": o[f"{k}_us"]}
                 row[f"delta_{k}_us"] = round(w[f"{k}_us"] - o[f"{k}_us"], 3)
@@ -222,12 +235,24 @@ def targets(results: dict[str, Any], tiers_run: Sequence[Tier]) -> dict[str, dic
     parts = []
     for t in tiers_run:
         what = f"micro: {t.name} StepStager / MRV2-style UVA pool"
-        parts.append(T.ratio(what, results, "micro", SIZE, f"stager_{t.name.lower()}", "uva_pool_per_array",
-                             "step", "<=", 1.10))  # fmt: skip
+        parts.append(
+            T.ratio(
+                what,
+                results,
+                "micro",
+                SIZE,
+                f"stager_{t.name.lower()}",
+                "uva_pool_per_array",
+                "step",
+                "<=",
+                1.10,
+            )
+        )
     what = "every tier's StepStager step time / the MRV2-style UVA pool's (micro K=8 N=64); the worst"
     worst = lambda p: f"micro {p['numerator']}"
-    e = out["no_tier_slower_than_uva_pool"] = T.worst_of(what, parts, "step (e2e µs)", "<=", 1.10,
-                                                         "no stagebuf tier ran", worst)  # fmt: skip
+    e = out["no_tier_slower_than_uva_pool"] = T.worst_of(
+        what, parts, "step (e2e µs)", "<=", 1.10, "no stagebuf tier ran", worst
+    )
     e["needs"] = "cuda"
     for name, e in out.items():
         if e["passed"] is False:

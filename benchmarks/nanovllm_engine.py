@@ -252,15 +252,23 @@ def inputs(nano: Any, prepared: tuple[Any, ...]) -> dict[str, Any]:
     """Every tensor the model and sampler get, and the attention context (as they are: on the device)."""
     ids, pos, sample = prepared
     c = nano.context.get_context()
-    out = {"input_ids": ids, "positions": pos, "is_prefill": c.is_prefill, "max_seqlen_q": c.max_seqlen_q,
-           "max_seqlen_k": c.max_seqlen_k, **{k: getattr(c, k) for k in FIELDS}}  # fmt: skip
+    out = {
+        "input_ids": ids,
+        "positions": pos,
+        "is_prefill": c.is_prefill,
+        "max_seqlen_q": c.max_seqlen_q,
+        "max_seqlen_k": c.max_seqlen_k,
+        **{k: getattr(c, k) for k in FIELDS},
+    }
     return out | dict(zip(SAMPLE, sample))
 
 
 def snapshot(nano: Any, prepared: tuple[Any, ...]) -> dict[str, Any]:
     """:func:`inputs`, each tensor copied to the host (its dtype, shape and values)."""
-    return {k: (t.dtype, tuple(t.shape), t.cpu().clone()) if isinstance(t, torch.Tensor) else t
-            for k, t in inputs(nano, prepared).items()}  # fmt: skip
+    return {
+        k: (t.dtype, tuple(t.shape), t.cpu().clone()) if isinstance(t, torch.Tensor) else t
+        for k, t in inputs(nano, prepared).items()
+    }
 
 
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -268,8 +276,13 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [k for k in a if not (type(a[k]) is type(b[k]) and same(a[k], b[k]))]
 
 
-def check(setup: str, cfg: TraceConfig, work: Path, graphs: bool = False,
-          tamper: Callable[[Any, int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def check(
+    setup: str,
+    cfg: TraceConfig,
+    work: Path,
+    graphs: bool = False,
+    tamper: Callable[[Any, int], None] | None = None,
+) -> dict[str, Any]:
     """nano-vllm's own path and ``setup`` in lockstep on one trace; every input compared every step (with
     ``graphs``: also the logits and the graphs' static inputs of ``run_model`` on captured graphs)."""
     trace = Trace(cfg, work)
@@ -297,10 +310,22 @@ def check(setup: str, cfg: TraceConfig, work: Path, graphs: bool = False,
             compared += 1
             if len(mismatches) > 20:
                 break
-    counts = ("prefill_steps", "prefix_hits", "preempted", "reprefills", "scheduler_error", "finished",
-              "submitted")  # fmt: skip
-    return {"setup": setup, "steps": compared, **{k: getattr(trace, k) for k in counts}, "graphs": graphs,
-            "mismatches": mismatches}  # fmt: skip
+    counts = (
+        "prefill_steps",
+        "prefix_hits",
+        "preempted",
+        "reprefills",
+        "scheduler_error",
+        "finished",
+        "submitted",
+    )
+    return {
+        "setup": setup,
+        "steps": compared,
+        **{k: getattr(trace, k) for k in counts},
+        "graphs": graphs,
+        "mismatches": mismatches,
+    }
 
 
 def _run(runner: Any, prepared: tuple[Any, ...], is_prefill: bool) -> torch.Tensor:
@@ -419,8 +444,9 @@ def floor_prefill(seqs: list[Any]) -> np.ndarray:
     return np.fromiter(ids, np.int64, len(ids))
 
 
-def run_lockstep(names: list[str], cfg: TraceConfig, work: Path, busy_cycles: int,
-                 warmup: int) -> dict[str, Any]:  # fmt: skip
+def run_lockstep(
+    names: list[str], cfg: TraceConfig, work: Path, busy_cycles: int, warmup: int
+) -> dict[str, Any]:
     """One timed run of the trace by every setup in lockstep (:class:`benchmarks.harness.Lockstep`): each
     prepares the same batch (timed: prepare_prefill or prepare_decode, then prepare_sample), then its forward
     stand-in. After the setups, a prefill step's floor is timed (``floor_prefill``) as ``floor``."""
@@ -455,12 +481,21 @@ def run_lockstep(names: list[str], cfg: TraceConfig, work: Path, busy_cycles: in
                 times[FLOOR]["prefill"].append((clock() - t0) * 1e6)
     if cuda:
         torch.cuda.synchronize()
-    return {s: {f"{k}_us": float(np.median(v)) if v else None for k, v in d.items()}
-            | {f"{k}_steps": len(v) for k, v in d.items()} for s, d in times.items()}  # fmt: skip
+    return {
+        s: {f"{k}_us": float(np.median(v)) if v else None for k, v in d.items()}
+        | {f"{k}_steps": len(v) for k, v in d.items()}
+        for s, d in times.items()
+    }
 
 
-def bench(repeats: int = 3, steps: int = 200, warmup: int = 30, busy_ms: float = 3.0,
-          cfg: TraceConfig | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def bench(
+    repeats: int = 3,
+    steps: int = 200,
+    warmup: int = 30,
+    busy_ms: float = 3.0,
+    cfg: TraceConfig | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """The whole workload: identical-input checks (lockstep, graphs, in flight), graph-input writes, then
     interleaved timed repeats, idle and busy (busy on a GPU only)."""
     import tempfile
@@ -500,8 +535,10 @@ def bench(repeats: int = 3, steps: int = 200, warmup: int = 30, busy_ms: float =
     finally:
         torch.set_num_threads(threads)
     med = lambda xs: float(np.median(xs)) if xs else float("nan")
-    out["medians"] = {k: {m: med([r[m] for r in v if r[m] is not None]) for m in ("prefill_us", "decode_us")}
-                      for k, v in out["runs"].items()}  # fmt: skip
+    out["medians"] = {
+        k: {m: med([r[m] for r in v if r[m] is not None]) for m in ("prefill_us", "decode_us")}
+        for k, v in out["runs"].items()
+    }
     out["identical_inputs"] = all(not c["mismatches"] for c in out["checks"])
     return out
 
@@ -543,6 +580,11 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     real = any(v.get("real_graphs") for v in gw.values())
     out["nanovllm_graph_copies"] = T.target(
         "nano-vllm graph-replayed decode step with stagebuf attached: device-to-device copies into the "
-        "graph's static inputs (nano-vllm's own run_model: 5 copies and 3 fills), worst tier", "nanovllm",
-        max(mine) if mine and real else None, "==", 0, missing="needs a GPU (CUDA graphs)")  # fmt: skip
+        "graph's static inputs (nano-vllm's own run_model: 5 copies and 3 fills), worst tier",
+        "nanovllm",
+        max(mine) if mine and real else None,
+        "==",
+        0,
+        missing="needs a GPU (CUDA graphs)",
+    )
     return out

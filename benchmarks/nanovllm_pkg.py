@@ -52,8 +52,15 @@ def fetch(version: str = VERSION) -> Path:
     whole = lambda pkg: (pkg / "nanovllm/engine/model_runner.py").is_file()
     F.kept(root / "pkg", whole, F.unpacked(f"{DIST}=={version}", timeout=300))
     for py in XXHASH_PYTHONS:
-        args = ("--only-binary=:all:", "--python-version", py, "--implementation", "cp", "--platform",
-                "manylinux2014_x86_64")  # fmt: skip
+        args = (
+            "--only-binary=:all:",
+            "--python-version",
+            py,
+            "--implementation",
+            "cp",
+            "--platform",
+            "manylinux2014_x86_64",
+        )
         try:
             F.kept(root / f"xxhash-py{py}", lambda d: (d / "xxhash").is_dir(), F.unpacked("xxhash", *args))
         except Unavailable:
@@ -155,9 +162,17 @@ def load() -> Nano:
 
 # --- a runner without a model ---------------------------------------------------------------------
 
-HF_CONFIG = {"model_type": "qwen3", "max_position_embeddings": 40960, "hidden_size": 64,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-             "vocab_size": 32000, "torch_dtype": "bfloat16"}  # fmt: skip
+HF_CONFIG = {
+    "model_type": "qwen3",
+    "max_position_embeddings": 40960,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 32000,
+    "torch_dtype": "bfloat16",
+}
 """A small Qwen3-shaped config.json: what Config reads (input preparation reads none of it but sizes)."""
 
 

@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     new = render(old, report, e2e)
     if a.check:
         if new != old:
-            print(f"{doc}: tables differ from {a.report}; run python -m benchmarks.render_docs",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"{doc}: tables differ from {a.report}; run python -m benchmarks.render_docs", file=sys.stderr
+            )
         return int(new != old)
     if new != old:
         doc.write_text(new)

@@ -82,11 +82,15 @@ def _engine(eng: dict[str, Any], every: bool) -> list[Table]:
     modes = ("idle", "busy") if every else ("busy",)
     cols = [(g, w, m) for g in groups for w in ("prep", "buffer") for m in modes]
     cell = lambda v: "-" if v is None else f"{v:.0f}"
-    rows = [[f"`{s}`", *(cell(meds.get(f"{s}|g{g}|{m}", {}).get(f"{w}_us")) for g, w, m in cols)]
-            for s in eng.get("setups", [])]  # fmt: skip
+    rows = [
+        [f"`{s}`", *(cell(meds.get(f"{s}|g{g}|{m}", {}).get(f"{w}_us")) for g, w, m in cols)]
+        for s in eng.get("setups", [])
+    ]
     ok, gpu = sum(not c["mismatches"] for c in checks), "idle and busy GPU" if every else "busy GPU"
-    title = (f"engine: vLLM {eng.get('vllm_version', '?')}'s MRV2 input path, {gpu}, host µs per step "
-             f"(identical inputs: {ok} of {len(checks)} checks)")  # fmt: skip
+    title = (
+        f"engine: vLLM {eng.get('vllm_version', '?')}'s MRV2 input path, {gpu}, host µs per step "
+        f"(identical inputs: {ok} of {len(checks)} checks)"
+    )
     return [(title, ["setup", *(f"{g}g {w}" + (f" {m}" if every else "") for g, w, m in cols)], rows)]
 
 
@@ -115,8 +119,11 @@ def _vs_vllm(report: dict[str, Any], every: bool) -> list[Table]:
 
 
 def _guard(report: dict[str, Any]) -> list[Table]:
-    rows = [[g["structure"], g["tier"], str(n), f"{g['delta_e2e_us']:+.1f}", str(g["guard_waits"])]
-            for by in (report.get("guard_cost") or {}).values() for n, g in by.items()]  # fmt: skip
+    rows = [
+        [g["structure"], g["tier"], str(n), f"{g['delta_e2e_us']:+.1f}", str(g["guard_waits"])]
+        for by in (report.get("guard_cost") or {}).values()
+        for n, g in by.items()
+    ]
     title = 'guard cost: `guard="wait"` minus `"off"`, µs per step (synchronised)'
     return [(title, ["structure", "tier", "N", "cost", "waits"], rows)] if rows else []
 
@@ -133,16 +140,29 @@ def nanovllm_tables(report: dict[str, Any]) -> list[Table]:
     rows = []
     for s in shown:
         got = [meds.get(f"{s}|{m}", {}).get(k) for k in ("prefill_us", "decode_us") for m in modes]
-        rows.append([f"`{s}`" if s != "floor" else "`floor (token lists into one array)`",
-                     *("-" if v is None or v != v else f"{v:.1f}" for v in got)])  # fmt: skip
+        rows.append(
+            [
+                f"`{s}`" if s != "floor" else "`floor (token lists into one array)`",
+                *("-" if v is None or v != v else f"{v:.1f}" for v in got),
+            ]
+        )
     checks = res.get("checks", [])
-    title = (f"nanovllm: {res.get('nanovllm_version')} input preparation, host µs per step (median of "
-             f"{res.get('repeats')} interleaved runs of {res.get('steps', 0) - res.get('warmup', 0)} steps); "
-             f"identical inputs: {sum(not c['mismatches'] for c in checks)}/{len(checks)} checks, "
-             f"{sum(c['steps'] for c in checks)} steps")  # fmt: skip
-    graphs = [[f"`{s}`", str(v["decode_steps"]), f"{v['d2d_copies_per_step']:.1f}",
-               f"{v['fills_per_step']:.1f}", "CUDA graphs" if v.get("real_graphs") else "eagerly (CPU)"]
-              for s, v in res.get("graph_writes", {}).items()]  # fmt: skip
+    title = (
+        f"nanovllm: {res.get('nanovllm_version')} input preparation, host µs per step (median of "
+        f"{res.get('repeats')} interleaved runs of {res.get('steps', 0) - res.get('warmup', 0)} steps); "
+        f"identical inputs: {sum(not c['mismatches'] for c in checks)}/{len(checks)} checks, "
+        f"{sum(c['steps'] for c in checks)} steps"
+    )
+    graphs = [
+        [
+            f"`{s}`",
+            str(v["decode_steps"]),
+            f"{v['d2d_copies_per_step']:.1f}",
+            f"{v['fills_per_step']:.1f}",
+            "CUDA graphs" if v.get("real_graphs") else "eagerly (CPU)",
+        ]
+        for s, v in res.get("graph_writes", {}).items()
+    ]
     return [
         (title, ["setup", *(f"{k} {m}" for k in ("prefill", "decode") for m in modes)], rows),
         ("nanovllm: writes into the graph inputs per graph-replayed decode step",
@@ -202,8 +222,15 @@ def render(report: dict[str, Any], console: Any) -> None:
             tab.add_row(*map(plain, cells))
         console.print(tab)
     caption = "measured: a ratio of e2e µs; (…): the worst part of a target made of parts"
-    tab = Rich("target", "measured", "goal", "result", title=f"targets (device {report['device']})",
-               title_justify="left", caption=caption)  # fmt: skip
+    tab = Rich(
+        "target",
+        "measured",
+        "goal",
+        "result",
+        title=f"targets (device {report['device']})",
+        title_justify="left",
+        caption=caption,
+    )
     marks = {
         "pass": "[green]pass[/]",
         "fail": "[red]FAIL[/]",
@@ -228,21 +255,26 @@ def md_table(head: list[str], rows: list[list[str]], pipes: bool = True) -> list
 def markdown(report: dict[str, Any]) -> str:
     """The report's tables as Markdown, all from this one report."""
     v, r = report.get("versions", {}), report
-    lines = md_table(["", ""], [
-        ["command", f"`{r.get('command', '?')}`"],
-        ["commit", f"`{r.get('commit') or '?'}`{' (dirty tree)' if r.get('dirty') else ''}"],
-        ["device", f"{r.get('device_name', '?')} ({r.get('device', '?')})"],
-        ["torch / CUDA runtime", f"{v.get('torch', '?')} / {v.get('cuda_runtime', '-')}"],
-        ["driver", f"{v.get('driver', '-')} (CUDA driver API {v.get('cuda_driver_api', '-')})"],
-        ["Triton / cuda-bindings", f"{v.get('triton', '-')} / {v.get('cuda_bindings', '-')}"],
-        ["python / torch threads", f"{v.get('python', '?')} / {r.get('torch_threads', '?')}"],
-        ["started (UTC) / total", f"{r.get('started_utc', '?')} / {r.get('elapsed_s', '?')} s"],
-    ])  # fmt: skip
+    lines = md_table(
+        ["", ""],
+        [
+            ["command", f"`{r.get('command', '?')}`"],
+            ["commit", f"`{r.get('commit') or '?'}`{' (dirty tree)' if r.get('dirty') else ''}"],
+            ["device", f"{r.get('device_name', '?')} ({r.get('device', '?')})"],
+            ["torch / CUDA runtime", f"{v.get('torch', '?')} / {v.get('cuda_runtime', '-')}"],
+            ["driver", f"{v.get('driver', '-')} (CUDA driver API {v.get('cuda_driver_api', '-')})"],
+            ["Triton / cuda-bindings", f"{v.get('triton', '-')} / {v.get('cuda_bindings', '-')}"],
+            ["python / torch threads", f"{v.get('python', '?')} / {r.get('torch_threads', '?')}"],
+            ["started (UTC) / total", f"{r.get('started_utc', '?')} / {r.get('elapsed_s', '?')} s"],
+        ],
+    )
     for title, head, rows in tables(report):
         lines += [f"#### {title}", "", *md_table(head, rows)]
     marks = {"pass": "pass", "fail": "**FAIL**", "info": "info (not judged)"}
-    rows = [[f"`{n}`", t.get("description", ""), measured(t), goal(t), marks.get(T.status(t)) or result(t)]
-            for n, t in report["ratios"].items()]  # fmt: skip
+    rows = [
+        [f"`{n}`", t.get("description", ""), measured(t), goal(t), marks.get(T.status(t)) or result(t)]
+        for n, t in report["ratios"].items()
+    ]
     lines += ["#### targets", "", *md_table(["target", "definition", "measured", "goal", "result"], rows)]
     return "\n".join([*lines, *_lines(report, "- ")]) + "\n"
 

@@ -14,11 +14,31 @@ from typing import Any
 
 REASON = "why"  # The field of a target holding the one-line reason shown when it is missed.
 GENERIC = f"no reason was recorded for this target (its builder sets {REASON!r})"
-PART_KEYS = ("workload", "size", "numerator", "denominator", "numerator_us", "denominator_us", "measured",
-             "passed", "skipped")  # fmt: skip
-NA_DROP = ("measured_host", "numerator_us", "denominator_us", "missing", "skipped", "parts", "worst",
-           "worst_size", "worst_note", "breakdown", "vs_pinned_tensor_per_array",
-           "naive_candidates_us")  # fmt: skip
+PART_KEYS = (
+    "workload",
+    "size",
+    "numerator",
+    "denominator",
+    "numerator_us",
+    "denominator_us",
+    "measured",
+    "passed",
+    "skipped",
+)
+NA_DROP = (
+    "measured_host",
+    "numerator_us",
+    "denominator_us",
+    "missing",
+    "skipped",
+    "parts",
+    "worst",
+    "worst_size",
+    "worst_note",
+    "breakdown",
+    "vs_pinned_tensor_per_array",
+    "naive_candidates_us",
+)
 """What a target that does not apply to the run's device keeps no longer."""
 INFO_WHY = (
     "a --quick run on a CPU is a smoke test, not a measurement: its repeats are short, and on a CPU "
@@ -32,14 +52,26 @@ def meets(value: float, op: str, goal: float) -> bool:
     return value <= goal if op == "<=" else value == goal if op == "==" else value >= goal
 
 
-def target(description: str, workload: str, value: float | None, op: str, goal: float,
-           note: str | None = None, missing: str = "", why: str = "") -> dict[str, Any]:  # fmt: skip
+def target(
+    description: str,
+    workload: str,
+    value: float | None,
+    op: str,
+    goal: float,
+    note: str | None = None,
+    missing: str = "",
+    why: str = "",
+) -> dict[str, Any]:
     """A target from one measured value (None, or NaN: not measured in this run, ``missing`` says what it
     needs); ``note`` names the worst part, ``why`` what a miss means."""
     e: dict[str, Any] = {"description": description, "workload": workload, "op": op, "target": goal}
     if value is None or value != value:
-        return {**e, "measured": None, "passed": None,
-                "skipped": f"not measured in this run{': ' + missing if missing else ''}"}  # fmt: skip
+        return {
+            **e,
+            "measured": None,
+            "passed": None,
+            "skipped": f"not measured in this run{': ' + missing if missing else ''}",
+        }
     e.update(measured=round(value, 4), passed=meets(value, op, goal))
     if note:
         e["worst_note"] = note
@@ -53,21 +85,42 @@ def _value(results: dict[str, Any], wl: str, strat: str, size: Any, key: str) ->
     return None if v is None else float(v)
 
 
-def ratio(description: str, results: dict[str, Any], wl: str, size: Any, num: str, den: str, metric: str,
-          op: str, goal: float) -> dict[str, Any]:  # fmt: skip
+def ratio(
+    description: str,
+    results: dict[str, Any],
+    wl: str,
+    size: Any,
+    num: str,
+    den: str,
+    metric: str,
+    op: str,
+    goal: float,
+) -> dict[str, Any]:
     """``num / den`` of the bench's results, ``metric`` 'staging' (minus the floor) or 'step', at ``size``:
     device-synchronised µs measured, host µs beside it."""
     key = {"staging": "staging_{}_us", "step": "{}_us"}[metric]
-    e: dict[str, Any] = {"description": description, "workload": wl, "size": size,
-                         "metric": f"{metric} (e2e µs)", "numerator": num, "denominator": den, "op": op,
-                         "target": goal}  # fmt: skip
+    e: dict[str, Any] = {
+        "description": description,
+        "workload": wl,
+        "size": size,
+        "metric": f"{metric} (e2e µs)",
+        "numerator": num,
+        "denominator": den,
+        "op": op,
+        "target": goal,
+    }
     nv, dv = (_value(results, wl, s, size, key.format("e2e")) for s in (num, den))
     nh, dh = (_value(results, wl, s, size, key.format("host")) for s in (num, den))
     e.update(numerator_us=nv, denominator_us=dv)
     if nv is None or dv is None:
         missing = [f"{wl} {s} at {SIZE_NAMES[wl]}={size}" for s, v in ((num, nv), (den, dv)) if v is None]
-        return {**e, "measured": None, "passed": None, "missing": missing,
-                "skipped": f"not measured in this run: {', '.join(missing)}"}  # fmt: skip
+        return {
+            **e,
+            "measured": None,
+            "passed": None,
+            "missing": missing,
+            "skipped": f"not measured in this run: {', '.join(missing)}",
+        }
     if dv <= 0:
         why = f"{den} is not above the floor ({dv} µs): no ratio"
         return {**e, "measured": None, "passed": None, "skipped": why}
@@ -81,8 +134,15 @@ SIZE_NAMES = {"micro": "N", "writes": "ExL"}
 """How a workload's size keys read: N, or "ExL" (E edits of L elements, e.g. "256x8")."""
 
 
-def worst_of(description: str, parts: list[dict[str, Any]], metric: str, op: str, goal: float, none_why: str,
-             note: Callable[[dict[str, Any]], str]) -> dict[str, Any]:  # fmt: skip
+def worst_of(
+    description: str,
+    parts: list[dict[str, Any]],
+    metric: str,
+    op: str,
+    goal: float,
+    none_why: str,
+    note: Callable[[dict[str, Any]], str],
+) -> dict[str, Any]:
     """A target made of ``parts`` (each a target): the worst part is ``measured`` (``note`` of it the tables'
     ``worst_note``), it passes if all measured parts pass; none measured: skipped."""
     got = [p for p in parts if p.get("measured") is not None]
@@ -194,5 +254,7 @@ def verdict(report: dict[str, Any], strict: bool) -> str:
     head = f"verdict: FAIL: {len(failed)} of {len(judged)} judged targets missed (each with its reason above)"
     if strict:
         return f"{head}; exit status {code} (--strict)"
-    return (f"{head}; exit status {code}: the bench measures and reports, a miss is not an error; "
-            "pass --strict to exit 3 on a miss")  # fmt: skip
+    return (
+        f"{head}; exit status {code}: the bench measures and reports, a miss is not an error; "
+        "pass --strict to exit 3 on a miss"
+    )

@@ -81,8 +81,9 @@ def release_option(help: str) -> Callable[[Any], Any]:
     """The commands' ``--release`` option: one of :data:`RELEASES`, :data:`NEWEST` by default."""
     import click
 
-    return click.option("--release", type=click.Choice(list(RELEASES)), default=NEWEST, show_default=True,
-                        help=help)  # fmt: skip
+    return click.option(
+        "--release", type=click.Choice(list(RELEASES)), default=NEWEST, show_default=True, help=help
+    )
 
 
 def spec(release: str = NEWEST) -> Release:
@@ -129,8 +130,15 @@ def fetch(release: str = NEWEST) -> Path:
 
 def _filler(release: str) -> Callable[[Path], None]:
     """``files(release)`` from the release's wheel (only Python files: any platform's wheel will do)."""
-    args = ("--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "--python-version", "3.12",
-            "--implementation", "cp")  # fmt: skip
+    args = (
+        "--only-binary=:all:",
+        "--platform",
+        "manylinux_2_28_x86_64",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+    )
     return F.unpacked(f"vllm=={release}", *args, members=files(release))
 
 
@@ -235,8 +243,10 @@ class _Logger:
     says why a vLLM line appears (the bench and tests run vLLM's classes as their baseline)."""
 
     explained = False
-    WHY = (" [from vLLM's own MRV2 code, which the bench and tests run as their baseline: it is about "
-           "vLLM's classes, not stagebuf's]")  # fmt: skip
+    WHY = (
+        " [from vLLM's own MRV2 code, which the bench and tests run as their baseline: it is about "
+        "vLLM's classes, not stagebuf's]"
+    )
 
     def __init__(self, name: str, release: str = NEWEST):
         self._log, self._once, self.release = logging.getLogger(name), set[str](), release
@@ -264,8 +274,13 @@ def _cuda_view(cpu: torch.Tensor) -> torch.Tensor:
     if int(err) != 0:
         raise RuntimeError(f"cudaHostGetDevicePointer: {err}")
     typestr = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.uint64: "<u8"}[cpu.dtype]
-    face = {"data": (int(ptr), False), "shape": tuple(cpu.shape), "typestr": typestr, "strides": None,
-            "version": 3}  # fmt: skip
+    face = {
+        "data": (int(ptr), False),
+        "shape": tuple(cpu.shape),
+        "typestr": typestr,
+        "strides": None,
+        "version": 3,
+    }
     dev = torch.device("cuda", torch.cuda.current_device())
     view = torch.as_tensor(types.SimpleNamespace(__cuda_array_interface__=face), device=dev)
     view._stagebuf_owner = cpu  # type: ignore[attr-defined]  # keep the host memory alive
@@ -303,8 +318,13 @@ class Mrv2:
 _LOADS: dict[tuple[Any, ...], Mrv2] = {}
 
 
-def load(layer: str = "vllm", pin: bool = True, device: torch.device | None = None, uva: bool | None = None,
-         release: str = NEWEST) -> Mrv2:  # fmt: skip
+def load(
+    layer: str = "vllm",
+    pin: bool = True,
+    device: torch.device | None = None,
+    uva: bool | None = None,
+    release: str = NEWEST,
+) -> Mrv2:
     """MRV2's modules of vLLM ``release`` on ``layer`` ("vllm" or "stagebuf"), loaded once per arguments.
 
     ``pin`` is what vLLM's platform reports for pinned memory (False: its NonUvaBuffer fallback and pageable
@@ -354,9 +374,14 @@ def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None, relea
     def pin_memory_available() -> bool:
         return pinned
 
-    platform = ns(device_type=dev.type, is_cpu=lambda: cpu, is_cuda_alike=lambda: not cpu,
-                  is_xpu=lambda: False, is_pin_memory_available=pin_memory_available,
-                  is_confidential_compute=lambda: CONFIDENTIAL_COMPUTE)  # fmt: skip
+    platform = ns(
+        device_type=dev.type,
+        is_cpu=lambda: cpu,
+        is_cuda_alike=lambda: not cpu,
+        is_xpu=lambda: False,
+        is_pin_memory_available=pin_memory_available,
+        is_confidential_compute=lambda: CONFIDENTIAL_COMPUTE,
+    )
     # async_tensor_h2d reads PIN_MEMORY (0.33 on) or calls is_pin_memory_available() (0.32); on the CPU the
     # CPU worker patches its own in (vllm/v1/worker/cpu/shm.py)
     env = {"torch": torch, "np": np, "PIN_MEMORY": pinned, "is_pin_memory_available": pin_memory_available}
@@ -406,15 +431,32 @@ def _load(layer: str, pin: bool, dev: torch.device, uva: bool | None, release: s
     if layer == "stagebuf":
         bu = stagebuf_buffer_utils(bu, release)
     imports["vllm.v1.worker.gpu.buffer_utils"] = bu
-    mods = [_module(f"vllm_mrv2.{n.replace('/', '_')}", root / GPU / f"{n}.py", imports)
-            for n in ("block_table", "states", "input_batch", "sample/states")]  # fmt: skip
+    mods = [
+        _module(f"vllm_mrv2.{n.replace('/', '_')}", root / GPU / f"{n}.py", imports)
+        for n in ("block_table", "states", "input_batch", "sample/states")
+    ]
     tb = imports.get("vllm.v1.token_buffer")
-    return Mrv2(bu, *mods, imports["vllm.utils.torch_utils"].async_tensor_h2d, imports["_CpuGpuBuffer"],
-                layer, pin, release, None if tb is None else tb.TokenBuffer)  # fmt: skip
+    return Mrv2(
+        bu,
+        *mods,
+        imports["vllm.utils.torch_utils"].async_tensor_h2d,
+        imports["_CpuGpuBuffer"],
+        layer,
+        pin,
+        release,
+        None if tb is None else tb.TokenBuffer,
+    )
 
 
-SUBSTITUTED = ("UvaBuffer", "NonUvaBuffer", "UvaBufferPool", "UvaBackedTensor", "StagedWriteTensor",
-               "FusedStagedWriter", "set_default_max_concurrency")  # fmt: skip
+SUBSTITUTED = (
+    "UvaBuffer",
+    "NonUvaBuffer",
+    "UvaBufferPool",
+    "UvaBackedTensor",
+    "StagedWriteTensor",
+    "FusedStagedWriter",
+    "set_default_max_concurrency",
+)
 """``buffer_utils``' names that stagebuf's vLLM plugin substitutes."""
 
 
@@ -432,9 +474,17 @@ def stagebuf_buffer_utils(vllm_bu: Any, release: str = NEWEST) -> Any:
 # --- vLLM importable under its own names (the plugin's tests) -----------------------------------
 
 _PACKAGES = ("vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample")
-_INSTALLED = (*_PACKAGES, "vllm.envs", "vllm.plugins", "vllm.v1.conf_compute_utils", "vllm.v1.token_buffer",
-              *(f"vllm.v1.worker.gpu.{n}" for n in ("buffer_utils", "block_table", "states", "input_batch",
-                                                    "sample.states", "model_runner")))  # fmt: skip
+_INSTALLED = (
+    *_PACKAGES,
+    "vllm.envs",
+    "vllm.plugins",
+    "vllm.v1.conf_compute_utils",
+    "vllm.v1.token_buffer",
+    *(
+        f"vllm.v1.worker.gpu.{n}"
+        for n in ("buffer_utils", "block_table", "states", "input_batch", "sample.states", "model_runner")
+    ),
+)
 
 
 def _runner_stand_in(h2d: Callable[..., torch.Tensor], root: Path) -> types.ModuleType:
@@ -456,8 +506,9 @@ def _runner_stand_in(h2d: Callable[..., torch.Tensor], root: Path) -> types.Modu
         ) -> Any:  # fmt: skip
             return scheduler_output()
 
-        def prepare_inputs(self, scheduler_output: Any, batch_req_state: Any, batch_desc: Any,
-                           num_active_loras: int) -> Any:  # fmt: skip
+        def prepare_inputs(
+            self, scheduler_output: Any, batch_req_state: Any, batch_desc: Any, num_active_loras: int
+        ) -> Any:
             raise NotImplementedError("vllm_mrv2: the harness prepares inputs in engine.Engine.prepare")
 
     GPUModelRunner.__module__ = mod.__name__
@@ -502,8 +553,9 @@ def _cpu_uva_buffer(root: Path, imports: Any) -> Any:
 
 
 @contextmanager
-def as_installed(device: torch.device | None = None, pin: bool = True,
-                 release: str = NEWEST) -> Iterator[Installed]:  # fmt: skip
+def as_installed(
+    device: torch.device | None = None, pin: bool = True, release: str = NEWEST
+) -> Iterator[Installed]:
     """vLLM ``release`` importable as ``vllm`` (stagebuf's plugin: its tests, step mode): its plugin loader,
     MRV2's ``buffer_utils`` (and the release's ``token_buffer``, a ``conf_compute_utils`` stand-in) under
     their own names, ``vllm.__version__``, ``vllm.envs.VLLM_PLUGINS`` and :func:`_runner_stand_in`'s model
@@ -553,11 +605,18 @@ def main(argv: list[str] | None = None) -> int:
     what = "vLLM's MRV2 files: fetch them, or ask the registry for a newer release."
     p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_mrv2", description=what)
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--check-new", action="store_true",
-                   help="list vLLM releases newer than the newest in RELEASES: exit 1 if any, 0 if none, "
-                   "2 if the package registry cannot be asked")  # fmt: skip
-    g.add_argument("--fetch", nargs="*", metavar="RELEASE",
-                   help=f"fetch these releases' files (default: all of {', '.join(RELEASES)})")  # fmt: skip
+    g.add_argument(
+        "--check-new",
+        action="store_true",
+        help="list vLLM releases newer than the newest in RELEASES: exit 1 if any, 0 if none, "
+        "2 if the package registry cannot be asked",
+    )
+    g.add_argument(
+        "--fetch",
+        nargs="*",
+        metavar="RELEASE",
+        help=f"fetch these releases' files (default: all of {', '.join(RELEASES)})",
+    )
     a = p.parse_args(argv)
     if a.check_new:
         try:
@@ -565,8 +624,12 @@ def main(argv: list[str] | None = None) -> int:
         except Unavailable as e:
             print(f"cannot check for newer vLLM releases: {e}", file=sys.stderr)
             return 2
-        print(f"vLLM releases newer than {NEWEST}: {', '.join(new)} (add them to RELEASES in benchmarks/"
-              "vllm_mrv2.py)" if new else f"no vLLM release newer than {NEWEST}")  # fmt: skip
+        print(
+            f"vLLM releases newer than {NEWEST}: {', '.join(new)} (add them to RELEASES in benchmarks/"
+            "vllm_mrv2.py)"
+            if new
+            else f"no vLLM release newer than {NEWEST}"
+        )
         return 1 if new else 0
     bad = 0
     for r in a.fetch or list(RELEASES):

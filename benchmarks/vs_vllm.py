@@ -39,8 +39,9 @@ PROMPT_KINDS = ("tokens", "ndarray", "list")
 PROMPT_LENGTHS = (16, 1024, 16384, 131072)
 
 
-def writes_case(bu: Any, device: torch.device, e: int, ln: int, fused: bool,
-                stage_only: bool = False) -> Step:  # fmt: skip
+def writes_case(
+    bu: Any, device: torch.device, e: int, ln: int, fused: bool, stage_only: bool = False
+) -> Step:
     rows, cols = max(4096, e), max(64, ln)
     rng = np.random.default_rng(e * 100 + ln)
     rows_sel = rng.permutation(rows)[:e].tolist()
@@ -110,21 +111,32 @@ def backed_case(bu: Any, device: torch.device, k: int) -> Step:
     return step
 
 
-def cases(device: torch.device, edits: tuple[int, ...], lengths: tuple[int, ...], release: str | None = None,
-          stage: bool = False) -> list[tuple[str, Callable[[Any], Step]]]:  # fmt: skip
+def cases(
+    device: torch.device,
+    edits: tuple[int, ...],
+    lengths: tuple[int, ...],
+    release: str | None = None,
+    stage: bool = False,
+) -> list[tuple[str, Callable[[Any], Step]]]:
     """The cells, each (name, a builder of one step from a ``buffer_utils``): pools, backed tensors, writes,
     fused writes, and with ``release`` the prompts; ``stage``: also the stage-only cells."""
     p = functools.partial
-    out = [(f"{kind}|k{k}", p(make, device=device, k=k)) for k in (1, 8)
-           for kind, make in (("pool", pool_case), ("backed", backed_case))]  # fmt: skip
+    out = [
+        (f"{kind}|k{k}", p(make, device=device, k=k))
+        for k in (1, 8)
+        for kind, make in (("pool", pool_case), ("backed", backed_case))
+    ]
     for e, ln in ((e, ln) for e in edits for ln in lengths):
         w = p(writes_case, device=device, e=e, ln=ln)
         out.append((f"writes|{e}x{ln}", p(w, fused=False)))
         out += [(f"stage|{e}x{ln}", p(w, fused=False, stage_only=True))] if stage and e <= 256 else []
         out += [(f"fused|{e}x{ln}", p(w, fused=True))] if e >= 2 else []
     if release is not None:
-        out += [(f"prompt|{kind}|{n}", p(prompt_case, device=device, kind=kind, n=n, release=release))
-                for kind in PROMPT_KINDS for n in PROMPT_LENGTHS]  # fmt: skip
+        out += [
+            (f"prompt|{kind}|{n}", p(prompt_case, device=device, kind=kind, n=n, release=release))
+            for kind in PROMPT_KINDS
+            for n in PROMPT_LENGTHS
+        ]
     return out
 
 
@@ -133,9 +145,16 @@ def steps_of(cell: str, steps: int) -> int:
     return max(10, steps // 4) if cell.endswith("4096x64") else steps
 
 
-def run(device: torch.device, edits: tuple[int, ...] = (1, 16, 256, 4096),
-        lengths: tuple[int, ...] = (1, 8, 64), repeats: int = 3, steps: int = 60, warmup: int = 10,
-        log: Callable[[str], None] = print, release: str = vllm_mrv2.NEWEST) -> dict[str, Any]:  # fmt: skip
+def run(
+    device: torch.device,
+    edits: tuple[int, ...] = (1, 16, 256, 4096),
+    lengths: tuple[int, ...] = (1, 8, 64),
+    repeats: int = 3,
+    steps: int = 60,
+    warmup: int = 10,
+    log: Callable[[str], None] = print,
+    release: str = vllm_mrv2.NEWEST,
+) -> dict[str, Any]:
     """Every case on vLLM ``release``'s layer (UVA; on a GPU also its NonUvaBuffer fallback) and stagebuf's
     tiers (UVA also with the Triton kernel forced, for the writes)."""
     cuda = device.type == "cuda"
@@ -203,9 +222,11 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
                 "vLLM's has no guard"
             )
     cell, r = worst("prompt|")
-    what = (f"StagedWriteTensor.stage_write of one prompt + apply_write (as vLLM {peer} passes it, an "
-            f"ndarray or a list; 16 to 131 072 tokens): stagebuf UVA / vLLM {peer}'s on UVA, worst "
-            "cell")  # fmt: skip
+    what = (
+        f"StagedWriteTensor.stage_write of one prompt + apply_write (as vLLM {peer} passes it, an "
+        f"ndarray or a list; 16 to 131 072 tokens): stagebuf UVA / vLLM {peer}'s on UVA, worst "
+        "cell"
+    )
     e = out[f"vllm_stage_prompt{release_suffix(release)}"] = T.target(what, "engine", r, "<=", 1.0, cell, gpu)
     if e["passed"] is False:
         d = med[f"prompt|{cell}"]
@@ -231,8 +252,15 @@ def main(json_path: str, repeats: int, steps: int, edits: str, lengths: str, rel
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise click.UsageError("on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1")
     t0 = time.time()
-    res = run(device, _ints(edits), _ints(lengths), repeats, steps, log=lambda s: click.echo(s, err=True),
-              release=release)  # fmt: skip
+    res = run(
+        device,
+        _ints(edits),
+        _ints(lengths),
+        repeats,
+        steps,
+        log=lambda s: click.echo(s, err=True),
+        release=release,
+    )
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))
     report = {"commit": commit() or "unknown", "started_utc": started, "device": str(device), "vs_vllm": res}
     Path(json_path).write_text(json.dumps(report) + "\n")

@@ -86,8 +86,15 @@ def staged_write_tensor(shape: tuple[int, int], device: torch.device, kernel: st
         return StagedWriteTensor(shape, torch.int32, device)
 
 
-def case(name: str, cell: WriteCell, ws: WriteSets, stage: Callable[[int], None], apply: Callable[[], None],
-         target: Callable[[], torch.Tensor], facts: Callable[[], dict[str, Any]] = dict) -> Case:  # fmt: skip
+def case(
+    name: str,
+    cell: WriteCell,
+    ws: WriteSets,
+    stage: Callable[[int], None],
+    apply: Callable[[], None],
+    target: Callable[[], torch.Tensor],
+    facts: Callable[[], dict[str, Any]] = dict,
+) -> Case:
     """Each step stages set 0 or set 1 (alternately) with ``stage(k)``, then applies once."""
     done = [0]
 
@@ -103,8 +110,10 @@ def case(name: str, cell: WriteCell, ws: WriteSets, stage: Callable[[int], None]
         got = target().cpu().numpy()
         if not np.array_equal(got, ws.want):
             bad = int(np.count_nonzero(got != ws.want))
-            raise BenchCheckError(f"staged writes [{name}] E={cell.edits} L={cell.length}: {bad} table "
-                                  f"cells differ from the host model after {done[0]} applies")  # fmt: skip
+            raise BenchCheckError(
+                f"staged writes [{name}] E={cell.edits} L={cell.length}: {bad} table "
+                f"cells differ from the host model after {done[0]} applies"
+            )
         return {"edits": cell.edits, "length": cell.length, "applies": done[0], "verified": True, **facts()}
 
     return Case(step, finish)
@@ -148,8 +157,15 @@ def mrv2(env: Env, cell: WriteCell) -> Case:
     """vLLM's own StagedWriteTensor: one stage_write per edit from Python lists, then apply_write."""
     ws = write_sets(env, cell)
     sw = BL.mrv2_staged_write(write_shape(cell), torch.int32, env.device)
-    return case("mrv2_staged_write", cell, ws, per_edit(sw.stage_write, ws), sw.apply_write, lambda: sw.gpu,
-                lambda: {"peer": f"vLLM {vllm_mrv2.NEWEST}"})  # fmt: skip
+    return case(
+        "mrv2_staged_write",
+        cell,
+        ws,
+        per_edit(sw.stage_write, ws),
+        sw.apply_write,
+        lambda: sw.gpu,
+        lambda: {"peer": f"vLLM {vllm_mrv2.NEWEST}"},
+    )
 
 
 def stage_only(env: Env, cell: WriteCell) -> Case:
@@ -173,12 +189,20 @@ def strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         Strategy("mrv2_staged_write", f"vLLM {v} StagedWriteTensor (its own class)", "baseline", mrv2,
                  needs=("vllm", "uva", "triton")),
     ]  # fmt: skip
-    ways = (("staged_write", "StagedWriteTensor: stage_write per edit + apply", "StagedWriteTensor", staged),
-            ("staged_writes", "StagedWriteTensor: stage_writes (numpy) + apply", "stage_writes (numpy)",
-             staged_batched))  # fmt: skip
+    ways = (
+        ("staged_write", "StagedWriteTensor: stage_write per edit + apply", "StagedWriteTensor", staged),
+        (
+            "staged_writes",
+            "StagedWriteTensor: stage_writes (numpy) + apply",
+            "stage_writes (numpy)",
+            staged_batched,
+        ),
+    )
     for t in tiers:
-        out += [Strategy(f"{n}_{t.name.lower()}", f"{what} [{t.name}]", "stagebuf", b, t)
-                for n, what, _, b in ways]  # fmt: skip
+        out += [
+            Strategy(f"{n}_{t.name.lower()}", f"{what} [{t.name}]", "stagebuf", b, t)
+            for n, what, _, b in ways
+        ]
     if Tier.UVA in tiers:  # the two apply kernels forced, to show where 'auto' switches
         for k in ("scatter", "triton"):
             for n, _, what, b in ways:
@@ -202,8 +226,10 @@ def _stage_write_us(stage_only: dict[str, Any], tiers_run: Sequence[Tier], goal:
         part = T.target(name, "writes", row and row["host_us"] / cell.edits, "<=", goal, missing=miss)
         part |= {"size": str(cell), "numerator": name, "numerator_us": row and row["host_us"]}
         parts.append(part if row else part | {"missing": [miss]})
-    what = (f"StagedWriteTensor.stage_write of a list of {cell.length} ints: host µs per call ({cell.edits} "
-            "calls, then clear_staged_writes(); no apply); measured is the worst tier")  # fmt: skip
+    what = (
+        f"StagedWriteTensor.stage_write of a list of {cell.length} ints: host µs per call ({cell.edits} "
+        "calls, then clear_staged_writes(); no apply); measured is the worst tier"
+    )
     tier = lambda p: p["numerator"].split(".")[0].rsplit("_", 1)[1].upper()
     e = T.worst_of(what, parts, "host µs per call", "<=", goal, "no stagebuf tier ran", tier)
     return e | {"unit": "µs"}
@@ -240,21 +266,27 @@ NEEDS = {"staged_write_256_speedup": None, "stage_write_8_ints_us": None, "host_
 """The device each target is defined for where it is not 'cuda'."""
 
 
-def targets(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequence[Tier],
-            cells: Sequence[WriteCell]) -> dict[str, dict[str, Any]]:  # fmt: skip
+def targets(
+    results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequence[Tier], cells: Sequence[WriteCell]
+) -> dict[str, dict[str, Any]]:
     """The writes targets: against per-row copies, against MRV2's StagedWriteTensor (:data:`PER_CELL`), a
     ``stage_write`` call's host time, and one edit on the CPU."""
     sw = f"staged_write_{tiers_run[0].name.lower()}" if tiers_run else "staged_write_uva"
     rc, n = str(RATIO_CELL), RATIO_CELL.edits
-    what = (f"per-row indexed copies / StagedWriteTensor ({tiers_run[0].name if tiers_run else '-'}) for {n} "
-            f"one-element edits (stage_write x {n} + apply_write)")  # fmt: skip
+    what = (
+        f"per-row indexed copies / StagedWriteTensor ({tiers_run[0].name if tiers_run else '-'}) for {n} "
+        f"one-element edits (stage_write x {n} + apply_write)"
+    )
     speedup = T.ratio(what, results, "writes", rc, "row_copy_per_edit", sw, "step", ">=", 20)
     out = {"staged_write_256_speedup": speedup}
     which = {"E <= 16": lambda c: c.edits <= 16, "E >= 256": lambda c: c.edits >= 256, "any cell": bool}
     mrv2 = "mrv2_staged_write"
     for name, what, num, where, goal in PER_CELL:
-        parts = [T.ratio(f"writes {c}: {num} / {mrv2}", results, "writes", str(c), num, mrv2, "step", "<=",
-                         goal) for c in cells if which[where](c)]  # fmt: skip
+        parts = [
+            T.ratio(f"writes {c}: {num} / {mrv2}", results, "writes", str(c), num, mrv2, "step", "<=", goal)
+            for c in cells
+            if which[where](c)
+        ]
         why_none = f"no cell of this run's writes sweep has {where}"
         what = f"{what}; measured is the worst cell"
         cell = lambda p: f"E x L = {p['size']}"
@@ -262,8 +294,9 @@ def targets(results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequ
     out["stage_write_8_ints_us"] = _stage_write_us(stage_only, tiers_run, 1.0)
     what = "one one-element edit on the CPU: HOST StagedWriteTensor stage_write + apply_write / one row copy"
     one = str(WriteCell(1, 1))
-    out["host_one_edit_vs_row_copy"] = T.ratio(what, results, "writes", one, "staged_write_host",
-                                               "row_copy_per_edit", "step", "<=", 2.0)  # fmt: skip
+    out["host_one_edit_vs_row_copy"] = T.ratio(
+        what, results, "writes", one, "staged_write_host", "row_copy_per_edit", "step", "<=", 2.0
+    )
     for name, e in out.items():
         e["needs"] = NEEDS.get(name, "cuda")
         if e["passed"] is False:

@@ -1,12 +1,12 @@
 """The package's shape: rooms by concept, imports only downward, no private name across rooms.
 
-Rooms, each a folder of ``src/stagebuf``: ``_common`` (errors, log, types, sealing, dtypes, tiers),
-``_tiers`` (deciding the tier: settings, probe, capabilities, doctor), ``_bytes`` (moving bytes:
-memory, the UVA view, buffers), ``_rings`` (the slot rings and their users), ``_engines`` (the
-integrations). Read from the source with ``ast`` (imports inside functions count), so a change
-that tangles the rooms fails here, on a CPU. No import circle, no ``sys.path`` edit, one
-``__setattr__``, no module reading another's private members. A module is as long as its one
-concept needs: there is no line cap.
+Rooms, each a folder of ``src/stagebuf``, lowest first (``ROOMS``): ``_common``, ``_device`` (host and
+device memory, the UVA view), ``_tiers`` (deciding the tier), ``_bytes`` (the per-tier buffers, moving
+bytes), ``_rings`` (the slot rings and their users), ``_engines`` (the integrations), ``_tools`` (doctor,
+the command line) beside the public faces. Read from the source with ``ast`` (imports inside functions
+count), so a change that tangles the rooms fails here, on a CPU. No import circle, no ``sys.path`` edit,
+one ``__setattr__``, no module reading another's private members, no tier branch above the tier rooms.
+A module is as long as its one concept needs: there is no line cap.
 """
 
 from __future__ import annotations
@@ -232,6 +232,19 @@ def test_the_tier_branch_check_can_fail(tmp_path: Path) -> None:
     p = tmp_path / "m.py"
     p.write_text("if buf.tier is Tier.HOST or ring.tier.copies:\n    x = caps.tier.name\n")
     assert _tier_branches(p) == ["m.py:1 .tier.copies", "m.py:1 Tier.HOST", "m.py:1 compares a .tier"]
+
+
+TIER_FILES = ("_common/tier.py", "_bytes/buffers.py", "_tiers/probe.py")
+"""Where a tier is named: its name and flags, its buffer class, when it works. Adding one touches these."""
+
+
+def test_a_tier_is_named_in_three_files() -> None:
+    named = {
+        p.relative_to(PKG).as_posix()
+        for p in _modules().values()
+        if any(" Tier." in b for b in _tier_branches(p))
+    }
+    assert named == set(TIER_FILES), f"tier members named in {sorted(named)}; expected only {TIER_FILES}"
 
 
 def test_no_private_name_crosses_a_module() -> None:

@@ -293,14 +293,14 @@ def test_meta_device_is_refused():
 
 
 def test_usable_tiers_on_the_cpu(cpu_tier):
-    assert capabilities_mod.usable_tiers(capabilities("cpu")) == [Tier.PAGEABLE, Tier.HOST]
+    assert caps_mod.usable_tiers(capabilities("cpu")) == [Tier.PAGEABLE, Tier.HOST]
 
 
 def test_usable_tiers_follow_the_forced_tier(fake_gpu):
-    assert capabilities_mod.usable_tiers(_probe()) == [Tier.UVA, Tier.PINNED, Tier.PAGEABLE]
+    assert caps_mod.usable_tiers(_probe()) == [Tier.UVA, Tier.PINNED, Tier.PAGEABLE]
     fake_gpu.setenv("STAGEBUF_TIER", "pinned")
     stagebuf.reset_capabilities()
-    assert capabilities_mod.usable_tiers(_probe()) == [Tier.PINNED, Tier.PAGEABLE]
+    assert caps_mod.usable_tiers(_probe()) == [Tier.PINNED, Tier.PAGEABLE]
 
 
 def test_forced_better_tier_error_lists_what_works(fake_gpu):

@@ -8,7 +8,6 @@ import torch
 from .._common.convert import host_array, torch_dtype
 from .._common.errors import ArgumentTypeError, InvalidArgumentError
 from .._common.log import warn_once
-from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike, HostData
 from .._tiers.probe import capabilities
 
@@ -66,7 +65,7 @@ def async_copy_to_gpu(
             f"out has shape {tuple(out.shape)} on {out.device}; expected shape {arr.shape} on {caps.device}"
         )
     src = torch.from_numpy(np.ascontiguousarray(arr))
-    if caps.tier is Tier.HOST or caps.device_type == "cpu":
+    if caps.device_type == "cpu":  # tier HOST, or PAGEABLE forced on the CPU
         return out.copy_(src) if out is not None else src.clone()
     if caps.pin_memory:
         try:

@@ -29,8 +29,8 @@ from .._common.tier import Tier
 from .._common.types import DeviceLike, DTypeLike
 from .._device import uva as _uva
 from .._device.memory import alloc_device, alloc_host, ensure_host_room, nbytes_of
-from .._tiers.capabilities import Capabilities, device_type, unavailable_error, usable_tiers
-from .._tiers.probe import capabilities
+from .._tiers.capabilities import Capabilities, device_type
+from .._tiers.probe import capabilities, unavailable_error, usable_tiers
 from .._tiers.settings import POISON
 from .checked import host_view
 

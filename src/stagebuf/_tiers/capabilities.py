@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._common.errors import ArgumentTypeError, InvalidArgumentError, SettingValueError, TierUnavailableError
+from .._common.errors import ArgumentTypeError, InvalidArgumentError, SettingValueError
 from .._common.sealed import Sealed, read_only
 from .._common.tier import Tier
 from .._common.types import DeviceLike
@@ -185,51 +185,6 @@ def forced_tier() -> Tier | None:
             fix=f"unset {ENV_TIER} (stagebuf then picks the best tier that works) or set it to "
             "one of the allowed values",
         ) from None
-
-
-def usable_tiers(caps: Capabilities) -> list[Tier]:
-    """The tiers an explicit request may ask for on ``caps.device``, best first: PAGEABLE and HOST on the
-    CPU, else the chosen tier and every worse copy tier (a forced tier caps the process)."""
-    if caps.device_type == "cpu":
-        return [Tier.PAGEABLE, Tier.HOST]
-    return [t for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= caps.tier]
-
-
-def unavailable_error(want: Tier, caps: Capabilities, who: str) -> TierUnavailableError:
-    """The error for an explicit request of tier ``want`` that cannot work on ``caps.device``."""
-    allowed = [t.name.lower() for t in usable_tiers(caps)]
-    head = "UVA is not available" if want is Tier.UVA else f"tier {want.name} is not available"
-    hint = None
-    if caps.device_type == "cpu" and want is not Tier.PAGEABLE:
-        cause = f"{who} needs an accelerator, but the target device is the CPU because {caps.cpu_cause}"
-        fix = f"pass an accelerator device, or use stagebuf.make_buffer() (tier {caps.tier.name} here)"
-        hint = caps.cpu_fix
-        if hint:
-            fix += f"; or {hint}"
-    elif caps.forced is not None and want < caps.tier:
-        cause = (
-            f"{who} was asked for, but {ENV_TIER}={caps.forced} forces tier {caps.tier.name} "
-            "and nothing better is used in this process"
-        )
-        fix = f"unset {ENV_TIER} or set it to {want.name.lower()}, or ask for an allowed tier"
-    elif want is Tier.HOST:
-        cause = (
-            f"{who} was asked for, but tier HOST means no accelerator and the target device is {caps.device}"
-        )
-        fix = "pass device='cpu', or ask for an allowed tier"
-    else:
-        found = " ".join(r for r in caps.reasons if r.startswith("No ")) or " ".join(caps.reasons)
-        cause = f"{who} was asked for, but the probe found: {found}"
-        fix = f"use stagebuf.make_buffer() (tier {caps.tier.name} here) or ask for an allowed tier"
-    return TierUnavailableError(
-        f"{head} on {caps.device}",
-        setting="tier",
-        value=want.name.lower(),
-        cause=cause,
-        allowed=allowed,
-        fix=fix,
-        hint=hint,
-    )
 
 
 def device_type(device: DeviceLike, who: str) -> str:

@@ -173,7 +173,7 @@ def probe(device: DeviceLike = None) -> Capabilities:
         caps.pin_memory = _decide_pinned(caps)
         caps.uva = caps.pin_memory and _decide_uva(caps)
         best = Tier.UVA if caps.uva else Tier.PINNED if caps.pin_memory else Tier.PAGEABLE
-        works = [t.name.lower() for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= best]
+        works = [t.name.lower() for t in _usable(dev.type, best)]
         if forced is Tier.HOST:
             raise TierUnavailableError(
                 f"{ENV_TIER}=host targets the CPU, but device {dev} was asked for",
@@ -204,6 +204,55 @@ def probe(device: DeviceLike = None) -> Capabilities:
     caps.versions = stack_versions(dev)
     caps._freeze()  # shared by every caller from here on: read-only
     return caps
+
+
+def usable_tiers(caps: Capabilities) -> list[Tier]:
+    """The tiers an explicit request may ask for on ``caps.device``, best first: PAGEABLE and HOST on the
+    CPU, else the chosen tier and every worse copy tier (a forced tier caps the process)."""
+    return _usable(caps.device_type, caps.tier)
+
+
+def _usable(device_type: str, best: Tier) -> list[Tier]:
+    if device_type == "cpu":
+        return [Tier.PAGEABLE, Tier.HOST]
+    return [t for t in (Tier.UVA, Tier.PINNED, Tier.PAGEABLE) if t >= best]
+
+
+def unavailable_error(want: Tier, caps: Capabilities, who: str) -> TierUnavailableError:
+    """The error for an explicit request of tier ``want`` that cannot work on ``caps.device``."""
+    allowed = [t.name.lower() for t in usable_tiers(caps)]
+    head = "UVA is not available" if want is Tier.UVA else f"tier {want.name} is not available"
+    hint = None
+    if caps.device_type == "cpu" and want is not Tier.PAGEABLE:
+        cause = f"{who} needs an accelerator, but the target device is the CPU because {caps.cpu_cause}"
+        fix = f"pass an accelerator device, or use stagebuf.make_buffer() (tier {caps.tier.name} here)"
+        hint = caps.cpu_fix
+        if hint:
+            fix += f"; or {hint}"
+    elif caps.forced is not None and want < caps.tier:
+        cause = (
+            f"{who} was asked for, but {ENV_TIER}={caps.forced} forces tier {caps.tier.name} "
+            "and nothing better is used in this process"
+        )
+        fix = f"unset {ENV_TIER} or set it to {want.name.lower()}, or ask for an allowed tier"
+    elif want is Tier.HOST:
+        cause = (
+            f"{who} was asked for, but tier HOST means no accelerator and the target device is {caps.device}"
+        )
+        fix = "pass device='cpu', or ask for an allowed tier"
+    else:
+        found = " ".join(r for r in caps.reasons if r.startswith("No ")) or " ".join(caps.reasons)
+        cause = f"{who} was asked for, but the probe found: {found}"
+        fix = f"use stagebuf.make_buffer() (tier {caps.tier.name} here) or ask for an allowed tier"
+    return TierUnavailableError(
+        f"{head} on {caps.device}",
+        setting="tier",
+        value=want.name.lower(),
+        cause=cause,
+        allowed=allowed,
+        fix=fix,
+        hint=hint,
+    )
 
 
 def _decide_pinned(caps: Capabilities) -> bool:

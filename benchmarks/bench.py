@@ -1,12 +1,9 @@
 """``python -m benchmarks``: every workload, timed in one process, with the targets' ratios.
 
-The micro and writes workloads (:mod:`benchmarks.micro`, :mod:`benchmarks.writes`) are strategies run at each
-size: the cases of one size built together, warmed up, then repeated in a rotating order (a drift of the
-machine falls on every strategy a ratio compares), each repeat lasting about ``--target-ms``. Host µs a step
-is the time to enqueue, synchronised µs the time until ``torch.cuda.synchronize()`` returned; medians over
-repeats are reported, the staging cost is the synchronised time minus the floor's. The engine workload
-(:mod:`benchmarks.engine`, :mod:`benchmarks.vs_vllm`) and the nano-vllm one
-(:mod:`benchmarks.nanovllm_engine`) run after them; :mod:`benchmarks.targets` judges.
+The micro and writes strategies of one size are built together, warmed up, then repeated in a rotating order,
+each repeat about ``--target-ms``: host µs a step (to enqueue) and synchronised µs (until
+``torch.cuda.synchronize()`` returned), medians over repeats; the staging cost is the synchronised time less
+the floor's. The engine and nano-vllm workloads run after them; :mod:`benchmarks.targets` judges.
 """
 
 from __future__ import annotations
@@ -44,8 +41,6 @@ from . import vs_vllm as V
 
 WORKLOADS = R.WORKLOADS
 ALL_WORKLOADS = (*WORKLOADS, "engine", "nanovllm")
-"""``engine``: vLLM's own MRV2 input path and the micro-benchmarks against its classes; ``nanovllm``:
-nano-vllm-fork's input preparation, its own against stagebuf's."""
 
 
 @dataclass
@@ -62,28 +57,19 @@ class BenchConfig:
     iters: int = 2000
     target_ms: float = 150.0
     engine_steps: int = 150  # engine: steps of the trace per run (the first 30 are warm-up).
-    engine_releases: tuple[str, ...] = tuple(reversed(list(vllm_mrv2.RELEASES)[-2:]))
-    """engine: the vLLM releases whose own layer is the peer, the main one first (the newest; the one
-    before it is the second column, with fewer repeats and no micro-benchmarks)."""
+    engine_releases: tuple[str, ...] = tuple(
+        reversed(list(vllm_mrv2.RELEASES)[-2:])
+    )  # engine: peers, main first
     seed: int = 0
 
     @classmethod
     def make(cls, quick: bool, **given: Any) -> BenchConfig:
-        """Defaults for a full (GPU) run or ``quick`` (CPU CI, well under 60 s; no engine or nano-vllm
-        workload: they need vLLM's wheel and a GPU, or Triton's interpreter); ``given`` wins."""
+        """Defaults for a full run or ``quick`` (CPU CI, micro and writes only); ``given`` wins."""
         base: dict[str, Any] = {"quick": quick}
         if quick:
-            base.update(
-                workloads=WORKLOADS,
-                sizes=(64, 4096),
-                edits=(1, 16, 256),
-                lengths=(1, 8),
-                repeats=3,
-                iters=200,
-                target_ms=8.0,
-            )
-        base.update({k: v for k, v in given.items() if v is not None and v != ()})
-        return cls(**base)
+            base |= {"workloads": WORKLOADS, "sizes": (64, 4096), "edits": (1, 16, 256), "lengths": (1, 8)}
+            base |= {"repeats": 3, "iters": 200, "target_ms": 8.0}
+        return cls(**base | {k: v for k, v in given.items() if v is not None and v != ()})
 
     def cells(self) -> list[writes.WriteCell]:
         """The writes sweep: every (E, L)."""
@@ -146,13 +132,11 @@ class Task:
     workload: str
     strategy: H.Strategy
     size: int | writes.WriteCell  # micro's N, or a writes cell (``str()`` of it is the size key)
-    section: str = "results"
-    """'results', 'guard' (guard-cost variants) or 'stage_only' (staged writes without the apply)."""
+    section: str = "results"  # or 'guard' (guard-cost variants) or 'stage_only' (staged writes, no apply)
 
 
 def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]], list[Tier]]:
-    """The tasks, in the order they run; what was skipped (each wanted tier that cannot run here, each
-    strategy that needs what the machine lacks), and why; the stagebuf tiers measured."""
+    """The tasks in the order they run; what was skipped, and why; the stagebuf tiers measured."""
     want = [Tier.parse(t) for t in cfg.tiers] if cfg.tiers else list(Tier)
     skipped, tasks, tiers = [], [], [t for t in m.available if t in want]
     for t in (t for t in want if t not in m.available):
@@ -273,7 +257,7 @@ def compute_ratios(
 def target_names() -> set[str]:
     """Every target the bench computes now."""
     empty = compute_ratios({}, {}, [], BenchConfig(), "cpu")
-    return set(empty) | set(E.targets(None, None)) | set(V.targets(None)) | set(NV.targets(None))
+    return set(empty) | set(E.targets(None)) | set(V.targets(None)) | set(NV.targets(None))
 
 
 # --- metadata -----------------------------------------------------------------------------------
@@ -331,8 +315,7 @@ def run(cfg: BenchConfig, console: Console | None = None, progress: bool | None 
     tasks, skipped, tiers = plan(cfg, m)
     report = metadata(m, cfg)
     report["tiers"] = {"available": [t.name for t in m.available], "measured": [t.name for t in tiers]}
-    # On the CPU, torch's parallel ops stall for a scheduler slice whenever another process holds a
-    # core; one thread (an engine's host thread) keeps CPU numbers stable.
+    # one thread on the CPU, an engine's host thread (torch's parallel ops stall where a core is busy)
     old = torch.get_num_threads()
     if m.env.device.type == "cpu":
         torch.set_num_threads(1)
@@ -352,9 +335,9 @@ def run(cfg: BenchConfig, console: Console | None = None, progress: bool | None 
     log = lambda msg: console.print(escape(msg), highlight=False)
     if "engine" in cfg.workloads:
         report.update(engine_section(cfg, m.env.device, log))
-        report["ratios"] |= E.targets(report["engine"], report["vs_vllm"]) | V.targets(report["vs_vllm"])
+        report["ratios"] |= E.targets(report["engine"]) | V.targets(report["vs_vllm"])
         for eng in report.get("engine_also", {}).values():  # engine targets alone: no micro-benchmarks
-            report["ratios"] |= E.targets(eng, None)
+            report["ratios"] |= E.targets(eng)
     if "nanovllm" in cfg.workloads:
         report["nanovllm"] = nanovllm_section(cfg, log)
         report["ratios"] |= NV.targets(report["nanovllm"])
@@ -367,8 +350,7 @@ def run(cfg: BenchConfig, console: Console | None = None, progress: bool | None 
 
 
 def engine_section(cfg: BenchConfig, device: torch.device, log: Any) -> dict[str, Any]:
-    """The engine workload on each of ``cfg.engine_releases`` (the first's run is ``engine``, the others'
-    ``engine_also``) and the vs-vLLM micro-benchmarks on the first; ``skipped`` says why not, where not."""
+    """The engine workload on each ``cfg.engine_releases`` and the vs-vLLM cells on the first."""
     main, *others = cfg.engine_releases
     try:
         roots = {r: vllm_mrv2.fetch(r) for r in cfg.engine_releases}
@@ -381,13 +363,11 @@ def engine_section(cfg: BenchConfig, device: torch.device, log: Any) -> dict[str
     for r in cfg.engine_releases:
         log(f"engine: vLLM {r}'s MRV2 modules from {roots[r]}")
         reps = max(3, cfg.repeats) if r == main else 3
-        runs[r] = E.bench(
-            device, repeats=reps, steps=cfg.engine_steps, check_steps=cfg.engine_steps, log=log, release=r
-        )
+        runs[r] = E.bench(device, reps, cfg.engine_steps, log, r)
         bad = [c for c in runs[r]["checks"] if c["mismatches"]]
         if bad:
             raise H.BenchCheckError(f"engine: device inputs differ from vLLM {r}'s own layer: {bad[:3]}")
-    micro_ = V.run(device, edits=cfg.edits, lengths=cfg.lengths, repeats=3, log=log, release=main)
+    micro_ = V.run(device, cfg.edits, cfg.lengths, 3, log, main)
     return {"engine": runs[main], "engine_also": {r: runs[r] for r in others}, "vs_vllm": micro_}
 
 

@@ -1,16 +1,11 @@
 """End to end: nano-vllm's real ``LLM`` generating tokens, on its own input preparation and on stagebuf's.
 
-nano-vllm-fork runs as released (its ``ModelRunner`` with CUDA graphs, ``Scheduler``, ``Sampler``) on a Qwen3
-of the chosen shape with random weights (:mod:`benchmarks.e2e_model`); attention is flash-attn where it
-imports, else the Triton stand-in (:mod:`benchmarks.e2e_attention`). Prompts are seeded token ids, sampling
-near-greedy with ``ignore_eos`` and a torch seed per run, so a setup that hands the model the same inputs
-generates the same tokens. Workloads (:data:`WORKLOADS`): ``decode``, ``prefill`` and ``mixed`` (arrivals
-every step, half the prompts behind shared prefixes). Setups (:data:`SETUPS`), on one engine, back to back per
-workload in an order rotated by round: ``own`` (pinned memory) and ``stagebuf_<tier>`` (``attach`` on a forced
-tier); then, on a machine without pinned memory (:func:`refuse_pinning`), nano-vllm's own engine fails to
-start and one started attached runs as ``stagebuf_nopin``. Per setup and workload: tokens/s (prefill and
-decode steps apart), the step split into host preparation, forward, sampling (CUDA events) and the rest, and
-whether every token equals the own engine's first round; :func:`summarize` gives medians and the targets.
+nano-vllm-fork runs as released (CUDA graphs) on a Qwen3 with random weights (:mod:`benchmarks.e2e_model`),
+attention flash-attn's or a Triton stand-in's (:mod:`benchmarks.e2e_attention`); seeded prompts, near-greedy
+sampling and a torch seed per run make equal inputs generate equal tokens. Per workload (:data:`WORKLOADS`),
+the setups (:data:`SETUPS`) run back to back on one engine, rotated by round; then, without pinned memory
+(:func:`refuse_pinning`), one engine started attached (``stagebuf_nopin``). Per setup and workload: tokens/s,
+the step split (host preparation, forward, sampling, the rest) and whether every token equals ``own``'s.
 """
 
 from __future__ import annotations
@@ -23,9 +18,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import click
 import numpy as np
@@ -34,10 +30,9 @@ import torch
 from . import nanovllm_pkg as P
 from . import report as R
 from . import targets as T
-from .harness import commit, patched, stagebuf_tier
+from .harness import commit, stagebuf_tier
 
-SETUPS = ("own", "stagebuf_uva", "stagebuf_pinned", "stagebuf_pageable")
-"""The setups run on one engine, back to back per workload, in an order rotated by round."""
+SETUPS = ("own", "stagebuf_uva", "stagebuf_pinned", "stagebuf_pageable")  # on one engine, rotated by round
 NOPIN = "stagebuf_nopin"  # The setup on a machine without pinned memory (a second engine, started attached).
 TEMPERATURE = 0.01
 
@@ -48,8 +43,7 @@ class Workload:
     prompt: tuple[int, int]  # Prompt length range (inclusive), tokens.
     output: tuple[int, int]  # New tokens range (inclusive).
     arrivals_per_step: int = 0  # Requests added before each engine step (0: all at the start).
-    shared_prefix: float = 0.0
-    """The share of prompts that begin with one of four shared prefixes of ``prefix_len`` tokens."""
+    shared_prefix: float = 0.0  # The share of prompts behind one of four prefixes of ``prefix_len`` tokens.
     prefix_len: int = 512
 
 
@@ -70,9 +64,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int = 2048
     max_num_batched_tokens: int = 16384
-    gpu_memory_utilization: float = 0.8
-    """Enough KV cache that no workload preempts (nano-vllm 20260210's preemption can fail its scheduler);
-    the engines live one after the other."""
+    gpu_memory_utilization: float = 0.8  # no preemption (nano-vllm 20260210's can fail its scheduler)
     enforce_eager: bool = False
 
 
@@ -98,8 +90,7 @@ NO_PIN = "CUDA error: out of memory (simulated: no pinned memory on this machine
 
 @contextlib.contextmanager
 def refuse_pinning() -> Iterator[None]:
-    """What torch does on a machine without pinned memory, for the block: ``pin_memory=True`` (in
-    ``torch.tensor``, ``torch.zeros``, ``torch.empty``) and ``Tensor.pin_memory()`` raise RuntimeError."""
+    """In the block, ``pin_memory=True`` and ``Tensor.pin_memory()`` raise, as without pinned memory."""
 
     def refusing(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def g(*a: Any, pin_memory: bool = False, **k: Any) -> torch.Tensor:
@@ -113,7 +104,7 @@ def refuse_pinning() -> Iterator[None]:
         raise RuntimeError(NO_PIN)
 
     refused = {n: refusing(getattr(torch, n)) for n in ("tensor", "zeros", "empty")}
-    with patched(torch, **refused), patched(torch.Tensor, pin_memory=pin):
+    with mock.patch.multiple(torch, **refused), mock.patch.multiple(torch.Tensor, pin_memory=pin):
         yield
 
 
@@ -130,27 +121,23 @@ class Step:
 
 
 class Recorder:
-    """Times one engine's steps: wraps its runner's ``prepare_*`` (host time), ``run_model`` and ``sampler``
-    (CUDA events before the forward, after it and after sampling)."""
+    """Times one engine's steps: its ``prepare_*`` on the host, forward and sampling by CUDA events."""
 
     PREP = ("prepare_prefill", "prepare_decode", "prepare_sample")
 
     def __init__(self, runner: Any):
-        self.runner, self.steps, self.prep_s, self.events = runner, [], 0.0, []
+        self.steps: list[Step] = []
+        self.prep_s, self.events = 0.0, []
+        kind = lambda n: "prep" if n in self.PREP else n
+        wrapped = {n: self._wrap(getattr(runner, n), kind(n)) for n in (*self.PREP, "run_model", "sampler")}
+        self._patch = mock.patch.multiple(runner, **wrapped)
 
     def __enter__(self) -> Recorder:
-        r = self.runner
-        self._saved = {n: r.__dict__.get(n) for n in (*self.PREP, "run_model", "sampler")}
-        for n in self._saved:
-            r.__dict__[n] = self._wrap(getattr(r, n), "prep" if n in self.PREP else n)
+        self._patch.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for n, f in self._saved.items():
-            if f is None:
-                self.runner.__dict__.pop(n)
-            else:
-                self.runner.__dict__[n] = f
+        self._patch.stop()
 
     def _event(self) -> None:
         if torch.cuda.is_available():
@@ -158,8 +145,7 @@ class Recorder:
             e.record()
 
     def _wrap(self, f: Callable[..., Any], kind: str) -> Callable[..., Any]:
-        """``f`` timed on the host ("prep"), or with a CUDA event before and after it ("run_model") or after
-        it ("sampler")."""
+        """``f`` timed on the host, or with CUDA events around it (forward) or after it (sampler)."""
 
         def wrapped(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
@@ -211,8 +197,7 @@ def parts(steps: list[Step]) -> dict[str, float]:
 
 
 def generate(engine: Any, w: Workload, seed: int, vocab: int, rec: Recorder | None) -> tuple[list, float]:
-    """The workload on ``engine`` through its own ``add_request`` and ``step``; (token ids per request in
-    request order, wall seconds). Requests arrive ``arrivals_per_step`` before each step (all at once: 0)."""
+    """The workload on ``engine``: (token ids per request, wall seconds)."""
     nano = P.load()
     ps, lens = prompts(w, vocab, seed)
     torch.manual_seed(seed)
@@ -267,11 +252,10 @@ def as_setup(llm: Any, setup: str) -> Iterator[None]:
 def run_one(
     llm: Any, setup: str, name: str, w: Workload, seed: int, vocab: int, rnd: int
 ) -> tuple[dict[str, Any], list[list[int]]]:
-    """Round ``rnd`` of workload ``name`` on ``setup``: its record (tokens/s and the step split of the decode
-    and the prefill steps, :func:`parts`; the tier), and the token ids generated per request."""
+    """Round ``rnd`` of workload ``name`` on ``setup``: its record, and the token ids generated."""
     import stagebuf.nanovllm as sn
 
-    warm = Workload(min(8, w.requests), w.prompt, (2, 2), w.arrivals_per_step, w.shared_prefix, w.prefix_len)
+    warm = replace(w, requests=min(8, w.requests), output=(2, 2))
     generate(llm, warm, seed + 1, vocab, None)  # the setup's first steps (allocations) out of the timing
     torch.cuda.synchronize()
     with Recorder(llm.model_runner) as rec:
@@ -312,8 +296,7 @@ def measure(
     nopin: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Every setup's runs (:func:`run_one`'s records, each with whether its tokens are the first run's) and
-    the no-pin start."""
+    """Every setup's runs (:func:`run_one`'s records) and the no-pin start."""
     import stagebuf
     import stagebuf.nanovllm as sn
 
@@ -488,8 +471,7 @@ def main(
     plot_path: Path | None,
     from_json: Path | None,
 ) -> None:
-    """nano-vllm's real engine generating tokens, on its own input preparation and on stagebuf's (its model
-    folder written under ``$STAGEBUF_CACHE_DIR``)."""
+    """nano-vllm's real engine generating tokens, on its own input preparation and on stagebuf's."""
     from . import e2e_model as M
     from .bench import command_line
     from .fetch import cache_root

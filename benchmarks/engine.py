@@ -1,16 +1,12 @@
 """The engine workload: vLLM's own MRV2 input path, step by step, on a scheduler-like trace.
 
-vLLM's modules of one release (``RequestState``, ``BlockTables``, ``SamplingStates``, ``InputBuffers`` and the
-prepare, gather, slot-mapping and post-update kernels), driven as ``GPUModelRunner.execute_model`` drives
-them: remove finished requests, add new ones, apply the request, sampler and block-table writes, copy
-``idx_mapping`` and ``query_start_loc`` to the device, launch the kernels; then a stand-in forward pass (busy
-GPU) and ``post_update`` with deterministic "sampled" tokens. Setups (:class:`Setup`): ``vllm`` (its own
-``buffer_utils``; ``nopin``: its NonUvaBuffer fallback), ``dropin`` (stagebuf's classes in their place, as the
-plugin's ``STAGEBUF_VLLM=1``), ``step`` (the plugin's step mode), ``own`` (the buffer work on stagebuf's own
-API: one ``FusedStagedWriter.apply``, one ``DeviceParamTable``, one ``StepStager`` step) and ``floor``
-(:class:`FloorEngine`), each stagebuf setup on a forced tier. Measured per step, on the host: the preparation
-(through the last launch) and the buffer work within it, by part (:data:`SECTIONS`). ``check()`` compares
-every device-visible input with vLLM's own layer's after every step.
+vLLM's modules of one release, driven as ``GPUModelRunner.execute_model`` drives them (requests removed and
+added, the request, sampler and block-table writes, ``idx_mapping`` and ``query_start_loc`` to the device, the
+kernels), then a stand-in forward pass (busy GPU) and ``post_update``. Setups (:class:`Setup`): ``vllm`` (its
+own ``buffer_utils``; ``nopin``: its NonUvaBuffer fallback), ``dropin`` (stagebuf's classes, as the plugin's
+``STAGEBUF_VLLM=1``), ``step`` (the plugin's step mode), ``own`` (stagebuf's own API) and ``floor``
+(:class:`FloorEngine`). Measured per step on the host: the preparation and its buffer work, by part
+(:data:`SECTIONS`); ``check()`` compares every device-visible input with vLLM's own layer's after every step.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ import torch
 
 from . import targets as T
 from . import vllm_mrv2
-from .harness import Lockstep, env_var, sleep_cycles_for, stagebuf_tier, tiers  # (tests import these here)
+from .harness import BUSY_MS, Lockstep, env_var, medians, sleep_cycles_for, stagebuf_tier, tiers
 from .vllm_mrv2 import release_suffix
 
 # --- the trace -------------------------------------------------------------------------------
@@ -57,14 +53,11 @@ class NewReq:
     block_ids: tuple[list[int], ...]
     max_tokens: int
     params: Any
-    prompt: Any = None
-    """``token_ids`` as the model runner receives them (``received``): a ``TokenBuffer`` on 0.34 on."""
+    prompt: Any = None  # ``token_ids`` as the model runner receives them (``received``)
 
 
 def received(nr: NewReq, token_buffer: Any) -> Any:
-    """The prompt as vLLM's model runner gets it in ``scheduler_output.scheduled_new_reqs``: the list on a
-    release without ``TokenBuffer``; else a ``TokenBuffer`` of it, as vLLM's ``Request`` builds its
-    ``prompt_token_ids`` (kept on ``nr``: the engines of a lockstep run share one)."""
+    """The prompt as vLLM's model runner gets it: the list, or a ``TokenBuffer`` (kept on ``nr``)."""
     if token_buffer is None:
         return nr.token_ids
     if type(nr.prompt) is not token_buffer:
@@ -198,10 +191,7 @@ _PLUGIN: dict[str, Any] = {}
 
 
 def plugin_modules(device: torch.device, mode: str = "1", release: str = vllm_mrv2.NEWEST) -> vllm_mrv2.Mrv2:
-    """MRV2's modules as vLLM would run them with stagebuf's plugin on: vLLM ``release`` importable under
-    its own names (``vllm_mrv2.as_installed``), the plugin run by vLLM's own loader (or, where
-    stagebuf is not installed and so has no entry point, by calling it as the loader would), then
-    MRV2's modules imported. Kept until ``close_plugin_modules()``."""
+    """MRV2's modules with stagebuf's plugin on, as vLLM's loader runs it; kept until closed."""
     from importlib.metadata import entry_points
 
     from stagebuf._engines import vllm as _vllm
@@ -219,8 +209,7 @@ def plugin_modules(device: torch.device, mode: str = "1", release: str = vllm_mr
                 sys.modules["vllm.plugins"].load_general_plugins()
             else:
                 _vllm.register()
-        mods = {n: inst.load(n) for n in ("block_table", "states", "input_batch", "sample.states")}
-        bu = sys.modules["vllm.v1.worker.gpu.buffer_utils"]
+        m = inst.mrv2()
         with env_var("STAGEBUF_VLLM", mode):
             carried = _vllm.plan()
         if carried.action != "patched" or carried.mode != mode:
@@ -228,17 +217,6 @@ def plugin_modules(device: torch.device, mode: str = "1", release: str = vllm_mr
     except BaseException:
         cm.__exit__(None, None, None)
         raise
-    h2d = inst._imports["vllm.utils.torch_utils"].async_tensor_h2d
-    m = vllm_mrv2.Mrv2(
-        bu,
-        *(mods[n] for n in ("block_table", "states", "input_batch", "sample.states")),
-        h2d,
-        inst._imports["_CpuGpuBuffer"],
-        "plugin",
-        True,
-        release,
-        inst.TokenBuffer,
-    )
     _PLUGIN.update(mods=(m, *want), cm=cm)
     return m
 
@@ -272,13 +250,8 @@ class Engine:
             import stagebuf
 
             self.stager = stagebuf.StepStager(device, capacity=1 << 16)
-            rs = self.req_states
-            self.own_writes = [
-                *self.block_tables.block_tables,
-                rs.total_len,
-                rs.all_token_ids,
-                rs.num_computed_tokens,
-            ]
+            rs, bt = self.req_states, self.block_tables
+            self.own_writes = [*bt.block_tables, rs.total_len, rs.all_token_ids, rs.num_computed_tokens]
             self.writer = stagebuf.FusedStagedWriter(device, max_writes=g * cfg.max_num_reqs + 3 * 64)
             # the per-request parameters (the sampler's five, prompt and prefill lengths) in one table:
             # one copy per step where any changed, in place of seven publishes
@@ -456,8 +429,7 @@ def check(
     tamper: Callable[[Engine, int], None] | None = None,
     release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:
-    """Run ``setup`` and vLLM's own layer in lockstep, both on vLLM ``release``'s modules; compare every
-    device-visible input each step: ``{"steps": n, "mismatches": ["step i: input", ...], ...}``."""
+    """``setup`` and vLLM's own layer in lockstep, every device-visible input compared each step."""
     ref_setup = reference or Setup("vllm", "uva")
     plans = trace if trace is not None else make_trace(cfg)
     with stagebuf_tier(_tier_of(ref_setup)):
@@ -481,22 +453,14 @@ def check(
                 break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return {
-        "steps": len(plans),
-        "mismatches": mismatches,
-        "setup": setup.name,
-        "reference": ref_setup.name,
-        "release": release,
-    }
+    names = {"setup": setup.name, "reference": ref_setup.name, "release": release}
+    return {"steps": len(plans), "mismatches": mismatches, **names}
 
 
 SECTIONS = ("request_writes", "sampler_publish", "block_tables", "per_step_copies")
-"""The parts of the buffer work: RequestState.apply_staged_writes (steps with arrivals), the sampler's five
-publishes (own API: one DeviceParamTable sync for them and the request lengths), BlockTables'
-apply_staged_writes (own API: every staged write of the step in one fused apply, and num_blocks), and
-idx_mapping and query_start_loc to the device."""
-PARAMS = ("temperature", "top_k", "top_p", "min_p", "seeds")
-"""SamplingStates' per-request parameters (UvaBackedTensors published every step)."""
+"""The parts of the buffer work: the request writes, the sampler's publishes (own API: one DeviceParamTable
+sync), the block tables' writes (own API: one fused apply) and idx_mapping and query_start_loc."""
+PARAMS = ("temperature", "top_k", "top_p", "min_p", "seeds")  # SamplingStates' per-request parameters
 
 
 def run_lockstep(
@@ -509,9 +473,7 @@ def run_lockstep(
     before_step: Callable[[int, list[Any]], None] | None = None,
     release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, dict[str, Any]]:
-    """One timed run of the trace by every setup in :class:`benchmarks.harness.Lockstep`: step i of each, in a
-    rotating order. A stagebuf engine begins each step with ``stagebuf.begin_step()`` (timed): the event per
-    step a lone engine's first ring would record, kept per engine though they share a device."""
+    """One timed run of the trace by every setup in :class:`benchmarks.harness.Lockstep`."""
     import stagebuf
 
     engines: list[Any] = []
@@ -545,12 +507,12 @@ def run_lockstep(
         prep, bufw, secs = (np.array(x) for x in zip(*timed[e]))
         waits = 0 if isinstance(eng, FloorEngine) else _guard_waits(eng) + _batch_waits(eng.setup) - waits0[e]
         out[eng.setup.name] = {
-            "prep_us": float(np.median(prep)), "buffer_us": float(np.median(bufw)),
-            "prep_mean_us": float(np.mean(prep)), "buffer_mean_us": float(np.mean(bufw)), "steps": len(prep),
-            # mean µs per step of each part of the buffer work
-            "sections_us": dict(zip(SECTIONS, (float(x) * 1e6 for x in secs.mean(axis=0)))),
+            "prep_us": float(np.median(prep)),
+            "buffer_us": float(np.median(bufw)),
+            "steps": len(prep),
+            "sections_us": dict(zip(SECTIONS, (float(x) * 1e6 for x in secs.mean(axis=0)))),  # mean µs a step
             "guard_waits": waits,
-        }  # fmt: skip
+        }
     return out
 
 
@@ -562,8 +524,7 @@ def _guard_waits(eng: Engine) -> int:
 
 
 def _batch_waits(setup: Setup) -> int:
-    """Guard waits so far of the step batch a step-mode setup stages through (one per device and tier, kept
-    across runs: ``run_lockstep`` counts the difference)."""
+    """Guard waits so far of the step batch a step-mode setup stages through (kept across runs)."""
     if setup.layer != "step":
         return 0
     from stagebuf._engines.vllm_step_batch import BATCHES
@@ -573,18 +534,14 @@ def _batch_waits(setup: Setup) -> int:
 
 
 def setups(tier_names: list[str], cuda: bool) -> list[Setup]:
-    """Every setup on a device with ``tier_names``: vLLM's layer (``nopin`` too on a GPU), stagebuf's
-    classes and own API and step mode on each tier, and the floor."""
+    """vLLM's layer (``nopin`` too on a GPU), stagebuf's three ways on each tier, and the floor."""
     out = [Setup("vllm", "uva"), *([Setup("vllm", "nopin")] if cuda else [])]
     out += [Setup("stagebuf", t, api) for api in ("dropin", "own") for t in tier_names]
     return [*out, *(Setup("step", t) for t in tier_names), Setup("floor", "floor")]
 
 
 def part_bytes(plan: StepPlan, cfg: TraceConfig) -> tuple[int, int, int, int]:
-    """The bytes each part of a step's buffer work must get to the device (``SECTIONS``' order): each new
-    request's token ids and five lengths; its five sampling parameters (4 + 4 + 4 + 4 + 8 bytes); every new
-    block id and each edited request's block count per group; ``idx_mapping`` (int64) and ``query_start_loc``
-    (int32, ``max_num_reqs + 1``)."""
+    """The bytes each part of a step's buffer work (``SECTIONS``) must get to the device."""
     g = len(cfg.block_sizes)
     blocks = [n.block_ids for n in plan.new] + [b for _, _, b in plan.cached if b is not None]
     req = sum(4 * (len(n.token_ids) + 5) for n in plan.new)
@@ -593,9 +550,7 @@ def part_bytes(plan: StepPlan, cfg: TraceConfig) -> tuple[int, int, int, int]:
 
 
 class FloorEngine:
-    """The floor of each part of a step's buffer work: its bytes (``part_bytes``) packed into one pinned
-    buffer, one host-to-device copy and one launch (a part with no bytes costs nothing). Run in lockstep with
-    the engines, so it sees the same machine and the same GPU load."""
+    """Each part's floor: its bytes in one pinned buffer, one copy and one launch."""
 
     def __init__(self, cfg: TraceConfig, device: torch.device):
         self.setup, self.cfg, self.device = Setup("floor", "floor"), cfg, device
@@ -624,57 +579,45 @@ class FloorEngine:
             torch.cuda._sleep(sleep_cycles)
 
 
-BLOCK_SIZES = (16, 32, 16, 64)
-"""KV-cache groups' block sizes: group 0 full attention, group 1 e.g. a sliding-window group."""
+BLOCK_SIZES = (16, 32, 16, 64)  # KV-cache groups' block sizes (group 1: e.g. a sliding window)
+
+
+WARMUP = 30  # Steps of each timed run before its timing.
 
 
 def bench(
-    device: torch.device,
-    groups: tuple[int, ...] = (1, 2),
-    repeats: int = 3,
-    steps: int = 150,
-    warmup: int = 30,
-    busy_ms: float = 3.0,
-    check_steps: int = 150,
-    log: Callable[[str], None] = print,
-    release: str = vllm_mrv2.NEWEST,
+    device: torch.device, repeats: int, steps: int, log: Callable[[str], None], release: str
 ) -> dict[str, Any]:
-    """The whole engine workload on vLLM ``release``: identical-inputs checks of every setup (idle and busy
-    GPU), then interleaved timed repeats."""
+    """Identical-inputs checks of every setup, then interleaved timed repeats, 1 and 2 KV groups."""
     cuda = device.type == "cuda"
-    all_setups = setups(tiers(device) if cuda else ["host", "pageable"], cuda)
-    cycles = sleep_cycles_for(busy_ms, device) if cuda else 0
+    all_setups = setups(tiers(device), cuda)
+    cycles = sleep_cycles_for(BUSY_MS, device) if cuda else 0
     modes = (False, True) if cuda else (False,)
     trace = {k: v for k, v in vars(TraceConfig()).items() if k not in ("block_sizes", "steps")}
     out: dict[str, Any] = {
-        "vllm_version": release, "trace": trace, "busy_ms": busy_ms if cuda else 0, "steps": steps,
-        "warmup": warmup, "repeats": repeats, "setups": [s.name for s in all_setups], "checks": [],
+        "vllm_version": release, "trace": trace, "busy_ms": BUSY_MS if cuda else 0, "steps": steps,
+        "warmup": WARMUP, "repeats": repeats, "setups": [s.name for s in all_setups], "checks": [],
         "runs": {},
     }  # fmt: skip
     try:
-        for g in groups:
-            cfg = TraceConfig(block_sizes=BLOCK_SIZES[:g], steps=max(steps, check_steps))
+        for g in (1, 2):
+            cfg = TraceConfig(block_sizes=BLOCK_SIZES[:g], steps=steps)
             out.setdefault("block_sizes", {})[g] = list(cfg.block_sizes)
             plans = make_trace(cfg)
             for s in all_setups:
                 for busy in modes if s.name not in ("vllm_uva", "floor") else ():
-                    r = check(s, cfg, device, cycles * busy, trace=plans[:check_steps], release=release)
+                    r = check(s, cfg, device, cycles * busy, trace=plans, release=release)
                     out["checks"].append(r | {"groups": g, "busy": busy})
                     log(f"check {s.name} groups={g} busy={busy}: {len(r['mismatches'])} mismatches")
             for rep in range(repeats):
                 for busy in modes:
-                    res = run_lockstep(
-                        all_setups, cfg, device, plans[:steps], cycles * busy, warmup, release=release
-                    )
+                    res = run_lockstep(all_setups, cfg, device, plans, cycles * busy, WARMUP, release=release)
                     for name, r in res.items():
                         out["runs"].setdefault(f"{name}|g{g}|{'busy' if busy else 'idle'}", []).append(r)
                 log(f"engine groups={g}: repeat {rep + 1}/{repeats} done")
     finally:
         close_plugin_modules()  # the step setups' vLLM modules and patch
-    out["medians"] = {
-        k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
-        for k, v in out["runs"].items()
-    }
+    out["medians"] = medians(out["runs"], ("prep_us", "buffer_us"))
     out["identical_inputs"] = all(not c["mismatches"] for c in out["checks"])
     return out
 
@@ -687,8 +630,7 @@ GOALS: dict[str, dict[str, float]] = {
     "0.34.0": {"step_uva_vs_vllm_uva": 0.5, "step_pageable_vs_vllm_uva": 0.6, "dropin_uva_vs_vllm_uva": 0.9,
                "dropin_pageable_vs_vllm_nopin": 0.7},
 }  # fmt: skip
-"""The engine goals that differ by the peer's release (else :data:`RATIOS`'); a release without an entry
-takes the newest entry's."""
+"""The goals that differ by the peer's release (else :data:`RATIOS`'); others take the newest entry's."""
 RATIOS = {  # engine_<name>_g<groups>: stagebuf_<api>_<tier> / vllm_<peer> (step_prep: step_uva's), its goal
     "step_uva_vs_vllm_uva": 0.4, "step_pageable_vs_vllm_uva": 0.5, "step_prep_vs_vllm_uva": 0.75,
     "dropin_uva_vs_vllm_uva": 0.7, "own_uva_vs_vllm_uva": 0.5, "dropin_pageable_vs_vllm_nopin": 0.6,
@@ -709,23 +651,17 @@ WHAT = {
 }
 
 
-def _part_means(runs: dict[str, Any], setup: str, g: int, mode: str = "busy") -> dict[str, float]:
-    """Mean µs a step of each part of ``setup``'s buffer work over its runs (``mode``, else idle)."""
-    rs = runs.get(f"{setup}|g{g}|{mode}") or runs.get(f"{setup}|g{g}|idle") or []
-    return {k: float(np.mean([r["sections_us"].get(k, 0) for r in rs])) if rs else 0.0 for k in SECTIONS}
+def _parts(runs: dict[str, Any], setup: str, g: int, mode: str = "busy") -> list[dict[str, float]]:
+    """Each run's µs a step of each part of ``setup``'s buffer work (``mode``, else idle)."""
+    return [
+        r["sections_us"] for r in runs.get(f"{setup}|g{g}|{mode}") or runs.get(f"{setup}|g{g}|idle") or []
+    ]
 
 
-def _last(runs: dict[str, Any], setup: str, g: int, mode: str = "busy") -> dict[str, float]:
-    """The last run's µs a step of each part (``mode``, else idle)."""
-    rs = runs.get(f"{setup}|g{g}|{mode}") or runs.get(f"{setup}|g{g}|idle")
-    return rs[-1]["sections_us"] if rs else {}
-
-
-def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """The engine targets, ratios of medians of one run, each measured on the idle and the busy GPU
     (``measured_idle``, ``measured_busy``; ``measured`` is the worse). Each name ends in the peer's release
-    (``_v034``) and its goal is that release's (:data:`GOALS`). (``micro``: the vs-vLLM run, whose targets
-    :func:`benchmarks.vs_vllm.targets` makes.)"""
+    (``_v034``) and its goal is that release's (:data:`GOALS`)."""
     res = res or {}
     meds, runs, out = res.get("medians", {}), res.get("runs", {}), {}
     groups = sorted({int(k.split("|")[1][1:]) for k in meds}) or [1, 2]
@@ -733,26 +669,31 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> 
     release = res.get("vllm_version") or vllm_mrv2.NEWEST
     sfx = release_suffix(release)
     goals = GOALS.get(release) or GOALS[max(GOALS, key=lambda r: tuple(map(int, r.split("."))))]
+    last = lambda s, g, mode="busy": (_parts(runs, s, g, mode) or [{}])[-1]
 
     def ratio(num: str, den: str, g: int, m: str, what: str = "buffer_us") -> float | None:
         a, b = meds.get(f"{num}|g{g}|{m}"), meds.get(f"{den}|g{g}|{m}")
         return None if not a or not b else a[what] / b[what]
 
+    def busy_idle(s: str, g: int) -> float | None:
+        b, i = meds.get(f"{s}|g{g}|busy"), meds.get(f"{s}|g{g}|idle")
+        return b["prep_us"] / i["prep_us"] if b and i else None
+
+    def mean(s: str, g: int) -> dict[str, float]:
+        ps = _parts(runs, s, g)
+        return {k: float(np.mean([p.get(k, 0) for p in ps])) if ps else 0.0 for k in SECTIONS}
+
     def entry(what: str, value: float | None, goal: float, note: str | None = None) -> dict[str, Any]:
         return T.target(what, "engine", value, "<=", goal, note, "needs a GPU")
 
-    worst: tuple[float, str, str, int] | None = None  # the worst setup and its KV groups
-    for g in groups:
-        base = meds.get(f"vllm_uva|g{g}|busy"), meds.get(f"vllm_uva|g{g}|idle")
-        for s in sb if all(base) else ():
-            busy, idle = meds.get(f"{s}|g{g}|busy"), meds.get(f"{s}|g{g}|idle")
-            vllm_r = base[0]["prep_us"] / base[1]["prep_us"]  # type: ignore[index]
-            if busy and idle and (worst is None or busy["prep_us"] / idle["prep_us"] - vllm_r > worst[0]):
-                note = (
-                    f"{s}, {g} KV groups: busy/idle {busy['prep_us'] / idle['prep_us']:.3f}, vLLM UVA's "
-                    f"{vllm_r:.3f}"
-                )
-                worst = (busy["prep_us"] / idle["prep_us"] - vllm_r, note, s, g)
+    grew = [  # each stagebuf setup's busy/idle less vLLM UVA's, with its note, setup and KV groups
+        (x - v, f"{s}, {g} KV groups: busy/idle {x:.3f}, vLLM UVA's {v:.3f}", s, g)
+        for g in groups
+        if (v := busy_idle("vllm_uva", g)) is not None
+        for s in sb
+        if (x := busy_idle(s, g)) is not None
+    ]
+    worst = max(grew, key=lambda w: w[0], default=None)
     e = out[f"engine_busy_ratio_vs_vllm{sfx}"] = entry(
         "engine: host preparation busy/idle (3 ms forward stand-in, two steps in flight) of a stagebuf "
         "setup, minus vLLM UVA's busy/idle in the same run; worst stagebuf setup x KV groups",
@@ -761,11 +702,12 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> 
         worst and worst[1],
     )
     if e.get("passed") is False and worst is not None:
-        b, i = _last(runs, worst[2], worst[3]), _last(runs, worst[2], worst[3], "idle")
+        _, _, ws, wg = worst
+        b, i = last(ws, wg), last(ws, wg, "idle")
         part = max(SECTIONS, key=lambda k: b.get(k, 0) - i.get(k, 0))
-        waits = sum(r.get("guard_waits", 0) for r in runs.get(f"{worst[2]}|g{worst[3]}|busy", []))
+        waits = sum(r.get("guard_waits", 0) for r in runs.get(f"{ws}|g{wg}|busy", []))
         e[T.REASON] = (
-            f"the part that grows most on the busy GPU ({worst[2]}, {worst[3]}g, last run, mean µs a step): "
+            f"the part that grows most on the busy GPU ({ws}, {wg}g, last run, mean µs a step): "
             f"{part} {i.get(part, 0):.1f} -> {b.get(part, 0):.1f}; guard waits in its busy runs: {waits}"
         )
     for name, goal in RATIOS.items():
@@ -780,7 +722,7 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> 
                 goals.get(name, goal),
             )
             e.update({f"measured_{m}": v for m, v in got.items()})
-            mine, floor = _last(runs, num, g), runs.get(f"floor|g{g}|busy")
+            mine, floor = last(num, g), runs.get(f"floor|g{g}|busy")
             if e.get("passed") is False and mine and floor:
                 f = floor[-1]["sections_us"]
                 part = max(SECTIONS, key=lambda k: mine.get(k, 0) - f.get(k, 0))
@@ -788,7 +730,7 @@ def targets(res: dict[str, Any] | None, micro: dict[str, Any] | None = None) -> 
                     f"most above the floor: {part} {mine.get(part, 0):.1f} µs against "
                     f"{f.get(part, 0):.1f} µs ({num}, {g}g)"
                 )
-            a, b = _part_means(runs, num, g), _part_means(runs, den, g)
+            a, b = mean(num, g), mean(den, g)
             slower = [f"{k} {a[k]:.1f} µs against {b[k]:.1f}" for k in SECTIONS if a[k] > 1.05 * b[k] > 0]
             if name == "dropin_uva_vs_vllm_uva" and e.get("passed") and release in GOALS and slower:
                 e.update(passed=False, why=f"slower than vLLM's own in {'; '.join(slower)}")  # no part slower
@@ -819,8 +761,7 @@ def sync_check(
     busy_cycles: int = 0,
     release: str = vllm_mrv2.NEWEST,
 ) -> str | None:
-    """Run the trace with ``torch.cuda.set_sync_debug_mode("error")`` after ``warmup`` steps: None, or the
-    error of the first synchronising call (with the step it happened in)."""
+    """The first synchronising call after ``warmup`` steps (``set_sync_debug_mode("error")``), or None."""
     with stagebuf_tier(_tier_of(setup)):
         eng = Engine(setup, cfg, device, release)
         prev: Any = None
@@ -848,31 +789,20 @@ def sync_check(
     return None
 
 
-def plugin_vs_dropin(
-    device: torch.device,
-    tiers: tuple[str, ...],
-    repeats: int = 3,
-    steps: int = 150,
-    busy_ms: float = 3.0,
-    release: str = vllm_mrv2.NEWEST,
-) -> dict[str, Any]:
-    """stagebuf through its vLLM plugin against the direct substitution: identical inputs (each against vLLM's
-    own layer, 2 KV groups, busy GPU) and buffer-work timings in lockstep, busy GPU."""
-    cycles = sleep_cycles_for(busy_ms, device) if device.type == "cuda" else 0
-    cfg = TraceConfig(block_sizes=BLOCK_SIZES[:2], steps=steps)
+def plugin_vs_dropin(device: torch.device, tiers: tuple[str, ...], repeats: int = 3) -> dict[str, Any]:
+    """The plugin against the direct substitution, 2 KV groups, busy GPU: identical inputs and timings."""
+    cycles = sleep_cycles_for(BUSY_MS, device) if device.type == "cuda" else 0
+    cfg = TraceConfig(block_sizes=BLOCK_SIZES[:2])
     plans = make_trace(cfg)
     pairs = [s for t in tiers for s in (Setup("stagebuf", t), Setup("plugin", t))]
     out: dict[str, Any] = {"checks": {}, "runs": {}}
     try:
         for s in pairs:
-            out["checks"][s.name] = check(s, cfg, device, cycles, trace=plans, release=release)["mismatches"]
+            out["checks"][s.name] = check(s, cfg, device, cycles, trace=plans)["mismatches"]
         for _ in range(repeats):
-            for name, r in run_lockstep(pairs, cfg, device, plans, cycles, 30, release=release).items():
+            for name, r in run_lockstep(pairs, cfg, device, plans, cycles, WARMUP).items():
                 out["runs"].setdefault(name, []).append({k: r[k] for k in ("prep_us", "buffer_us")})
     finally:
         close_plugin_modules()
-    out["medians"] = {
-        k: {m: float(np.median([r[m] for r in v])) for m in ("prep_us", "buffer_us")}
-        for k, v in out["runs"].items()
-    }
+    out["medians"] = medians(out["runs"], ("prep_us", "buffer_us"))
     return out

@@ -1,11 +1,8 @@
 """``python -m benchmarks.engine_profile``: where each setup's buffer work goes, part by part, with calls.
 
-The engine workload (:mod:`benchmarks.engine`) in one process: the timed lockstep run of the chosen setups and
-the floor, as the bench runs it (µs per step of each part, unprofiled); then each setup again under
-``cProfile``, one profile per part (``engine.SECTIONS``: ``RequestState``, ``SamplingStates`` and
-``BlockTables``' ``apply_staged_writes``, and the step's ``async_tensor_h2d`` copies): the functions with the
-most own time, calls and µs per step. cProfile inflates Python functions; a C call keeps about its cost.
-Own-API setups time other calls and are not profiled here. On a CPU it needs ``TRITON_INTERPRET=1``.
+The engine workload's timed lockstep run of the chosen setups and the floor (µs per step of each part), then
+each setup again under ``cProfile``, one profile per part (``engine.SECTIONS``): the functions with the most
+own time, their calls and µs per step. Own-API setups are not profiled. On a CPU: ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ def _profiled(f: Callable[..., Any], prof: cProfile.Profile) -> Callable[..., An
 
 
 def _name(key: tuple[str, int, str]) -> str:
-    """A function's name: a C function's as cProfile gives it ("<built-in method ...>"), else the file's last
-    three path parts, the line and the name."""
+    """A function's name: a C function's as cProfile gives it, else ``parts/of/file.py:line(name)``."""
     file, line, func = key
     return func if file == "~" else f"{'/'.join(Path(file).parts[-3:])}:{line}({func})"
 
@@ -57,30 +53,6 @@ def top(prof: cProfile.Profile, steps: int, k: int) -> dict[str, Any]:
     return {"profiled_us": sum(v[2] for v in st.values()) / steps * 1e6, "top": top}
 
 
-def profile_setup(
-    setup: E.Setup,
-    cfg: E.TraceConfig,
-    device: torch.device,
-    plans: list[E.StepPlan],
-    busy_cycles: int,
-    warmup: int,
-    k: int,
-    release: str = vllm_mrv2.NEWEST,
-) -> dict[str, Any]:
-    """One setup alone over ``plans``, each part's calls profiled after ``warmup`` steps."""
-    profs = {p: cProfile.Profile() for p in E.SECTIONS}
-
-    def hook(i: int, engines: list[Any]) -> None:
-        if i == warmup:
-            eng = engines[0]
-            for obj, part in zip((eng.req_states, eng.sampling, eng.block_tables), E.SECTIONS[:3]):
-                obj.apply_staged_writes = _profiled(obj.apply_staged_writes, profs[part])
-            eng.h2d = _profiled(eng.h2d, profs[E.SECTIONS[3]])
-
-    E.run_lockstep([setup], cfg, device, plans, busy_cycles, warmup, before_step=hook, release=release)
-    return {part: top(profs[part], max(len(plans) - warmup, 1), k) for part in E.SECTIONS}
-
-
 def run(
     device: torch.device,
     names: list[str],
@@ -89,12 +61,10 @@ def run(
     steps: int,
     warmup: int,
     k: int,
-    busy_ms: float = 3.0,
     trace: dict[str, Any] | None = None,
     release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:
-    """The lockstep timings and the per-part profiles of the setups ``names`` (with the floor); ``trace``:
-    ``TraceConfig`` fields other than the default's (tests run a small one)."""
+    """The lockstep timings and the per-part profiles of the setups ``names``."""
     cuda = device.type == "cuda"
     every = E.setups(["uva", "pinned", "pageable"] if cuda else ["host", "pageable"], cuda)
     known = {s.name: s for s in every if s.api != "own" and s.layer != "floor"}
@@ -102,23 +72,40 @@ def run(
     if unknown:
         raise click.BadParameter(f"{', '.join(unknown)}; allowed: {', '.join(known)}", param_hint="--setups")
     chosen = [known[n] for n in names]
-    cycles = E.sleep_cycles_for(busy_ms, device) if cuda else 0
-    out: dict[str, Any] = {"steps": steps, "warmup": warmup, "setups": names, "vllm_version": release}
-    out["runs"] = {}
+    cycles = E.sleep_cycles_for(E.BUSY_MS, device) if cuda else 0
+    out: dict[str, Any] = {
+        "steps": steps,
+        "warmup": warmup,
+        "setups": names,
+        "vllm_version": release,
+        "runs": {},
+    }
+
+    def profile(s: E.Setup, cfg: E.TraceConfig, plans: list[E.StepPlan], busy: int) -> dict[str, Any]:
+        """One setup alone over ``plans``, each part's calls profiled after the warm-up."""
+        profs = {p: cProfile.Profile() for p in E.SECTIONS}
+
+        def hook(i: int, engines: list[Any]) -> None:
+            if i == warmup:
+                eng = engines[0]
+                for obj, part in zip((eng.req_states, eng.sampling, eng.block_tables), E.SECTIONS[:3]):
+                    obj.apply_staged_writes = _profiled(obj.apply_staged_writes, profs[part])
+                eng.h2d = _profiled(eng.h2d, profs[E.SECTIONS[3]])
+
+        E.run_lockstep([s], cfg, device, plans, busy, warmup, before_step=hook, release=release)
+        return {part: top(profs[part], max(len(plans) - warmup, 1), k) for part in E.SECTIONS}
+
     try:
         for g in groups:
             cfg = E.TraceConfig(block_sizes=E.BLOCK_SIZES[:g], **{**(trace or {}), "steps": steps})
             plans = E.make_trace(cfg)
             for busy in modes:
-                floor = E.Setup("floor", "floor")
-                timed = E.run_lockstep(
-                    [*chosen, floor], cfg, device, plans, cycles * busy, warmup, release=release
-                )
+                setups = [*chosen, E.Setup("floor", "floor")]
+                timed = E.run_lockstep(setups, cfg, device, plans, cycles * busy, warmup, release=release)
                 for s in chosen:
-                    parts = profile_setup(s, cfg, device, plans, cycles * busy, warmup, k, release)
                     out["runs"][f"{s.name}|g{g}|{'busy' if busy else 'idle'}"] = {
                         "sections_us": timed[s.name]["sections_us"],
-                        "parts": parts,
+                        "parts": profile(s, cfg, plans, cycles * busy),
                         "floor_us": timed["floor"]["sections_us"],
                     }
     finally:

@@ -1,9 +1,8 @@
 """Peers' released code, fetched from the package registry at bench or test time (never committed).
 
-:mod:`benchmarks.vllm_mrv2` keeps a few files of each vLLM release's wheel, :mod:`benchmarks.nanovllm_pkg` the
-whole nano-vllm-fork wheel; both through :func:`wheel` (``pip download --no-deps``) and :func:`put` (a folder
-filled beside its place, then renamed into it: an interrupted fetch leaves nothing a later one would take as
-whole). A machine without network (the GPU box) gets the folders carried.
+Wheels come through :func:`wheel` (``pip download --no-deps``) into folders made by :func:`put` (filled beside
+their place, then renamed into it: an interrupted fetch leaves nothing whole). A machine without network (the
+GPU box) gets the folders carried.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ENV_CACHE = "STAGEBUF_CACHE_DIR"
-"""Where fetched files are kept (else ``$XDG_CACHE_HOME/stagebuf``, else ``~/.cache/stagebuf``)."""
+ENV_CACHE = "STAGEBUF_CACHE_DIR"  # Where fetched files are kept (see cache_root).
 
 
 class Unavailable(RuntimeError):
@@ -36,30 +34,34 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "stagebuf"
 
 
+def pip(what: str, *args: str, timeout: float, done: Callable[[str], bool] = lambda out: True) -> str:
+    """``pip WHAT ARGS``' output where it succeeds and ``done(output)``, else raises Unavailable."""
+    why = f"pip {what} failed (is the package registry reachable?)"
+    try:
+        cmd = [sys.executable, "-m", "pip", *what.split(), *args]
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Unavailable(f"{why}: {e}") from e
+    if got.returncode != 0 or not done(got.stdout):
+        tail = (got.stderr or got.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise Unavailable(f"{why}: {tail[0][:300]}")
+    return got.stdout
+
+
 @contextmanager
 def wheel(requirement: str, *pip_args: str, timeout: float = 900) -> Iterator[Path]:
-    """The wheel of ``requirement`` (``pip download --no-deps``, more ``pip_args`` after), in a temporary
-    folder for the block; raises Unavailable saying why pip failed."""
+    """The wheel of ``requirement`` (``pip download --no-deps``), in a temporary folder."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, *pip_args, requirement]
-        why = f"pip download {requirement} failed (is the package registry reachable?)"
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise Unavailable(f"{why}: {e}") from e
-        wheels = list(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel"]
-            raise Unavailable(f"{why}: {tail[0][:300]}")
-        yield wheels[0]
+        done = lambda _: any(Path(tmp).glob("*.whl"))
+        pip(f"download {requirement}", "--no-deps", "-q", "-d", tmp, *pip_args, timeout=timeout, done=done)
+        yield next(Path(tmp).glob("*.whl"))
 
 
 _WHY: dict[str, str] = {}
 
 
 def why_not(key: str, attempt: Callable[[], object]) -> str | None:
-    """Why ``attempt()`` (getting a peer's code and loading it) fails here, tried once per ``key``; None:
-    it succeeds. It fails by raising Unavailable, or ImportError for something the code needs."""
+    """Why ``attempt()`` raises Unavailable or ImportError here (tried once per ``key``), or None."""
     if key not in _WHY:
         try:
             attempt()
@@ -67,6 +69,11 @@ def why_not(key: str, attempt: Callable[[], object]) -> str | None:
         except (Unavailable, ImportError) as e:
             _WHY[key] = f"{key}: needs {e.name} ({e})" if isinstance(e, ImportError) else str(e)
     return _WHY[key] or None
+
+
+def binary(platform: str, py: str) -> tuple[str, ...]:
+    """``pip download``'s arguments for CPython ``py``'s wheel on ``platform`` (not this machine's)."""
+    return ("--only-binary=:all:", "--platform", platform, "--python-version", py, "--implementation", "cp")
 
 
 def unpacked(
@@ -95,8 +102,7 @@ def kept(root: Path, complete: Callable[[Path], bool], fill: Callable[[Path], No
 
 
 def put(root: Path, fill: Callable[[Path], None]) -> Path:
-    """``root``, made by ``fill(folder)`` on a new sibling folder renamed into place; an incomplete
-    ``root`` is moved aside first, and another process's finished ``root`` wins."""
+    """``root``, filled on a sibling folder renamed into place (another process's finished one wins)."""
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))

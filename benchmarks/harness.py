@@ -1,10 +1,8 @@
 """What every workload shares: a forced stagebuf tier, the clocks, the busy-GPU stand-in, a case's form.
 
-A step is timed on the host. :func:`turns` times several steps taking turns in a rotating order (a drift of
-the machine falls on all alike); :class:`Lockstep` drives several engines through one trace so, the GPU idle
-or busy (a forward stand-in per step, two steps in flight an engine). The micro and writes workloads are lists
-of :class:`Strategy`, each building a :class:`Case` (a step to time, then a check), warmed up by
-:func:`prepare` and timed by :func:`time_repeat`.
+Steps are timed on the host, taking turns in a rotating order (:func:`turns`; engines: :class:`Lockstep`, the
+GPU idle or busy). The micro and writes workloads are :class:`Strategy` lists, each building a :class:`Case`
+(a step to time, then a check), warmed up by :func:`prepare` and timed by :func:`time_repeat`.
 """
 
 from __future__ import annotations
@@ -46,22 +44,8 @@ def _set(name: str, value: str | None) -> None:
 
 
 @contextmanager
-def patched(obj: Any, **attrs: Any) -> Iterator[None]:
-    """``obj``'s attributes set to ``attrs`` for the block, then restored."""
-    old = {k: getattr(obj, k) for k in attrs}
-    for k, v in attrs.items():
-        setattr(obj, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(obj, k, v)
-
-
-@contextmanager
 def stagebuf_tier(tier: str | None, *others: Any) -> Iterator[None]:
-    """``STAGEBUF_TIER=tier`` (None: unset) for the block, the probe forgotten before and after (also by
-    ``others``: more copies of the package, as ``benchmarks.ab`` loads them)."""
+    """``STAGEBUF_TIER=tier`` (None: unset) for the block, the probe (also ``others``') forgotten."""
     forget = lambda: [p.reset_capabilities() for p in (stagebuf, *others)]
     with env_var("STAGEBUF_TIER", tier):
         forget()
@@ -84,6 +68,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+BUSY_MS = 3.0  # The forward stand-in of a step on a busy GPU, ms.
+
+
+def medians(runs: dict[str, list[dict[str, Any]]], keys: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Per key of ``runs``, the median over its runs of each of ``keys`` (None left out; none: NaN)."""
+    med = lambda xs: float(np.median(xs)) if xs else float("nan")
+    return {k: {m: med([r[m] for r in v if r[m] is not None]) for m in keys} for k, v in runs.items()}
+
+
 def sleep_cycles_for(ms: float, device: torch.device) -> int:
     """``torch.cuda._sleep`` cycles for about ``ms`` milliseconds on ``device`` (measured once)."""
     probe = 1_000_000
@@ -98,8 +91,7 @@ def sleep_cycles_for(ms: float, device: torch.device) -> int:
 
 
 def wait(ev: Any) -> None:
-    """Wait for a CUDA event by polling with short sleeps, the same way before every timed step (busy and idle
-    runs then differ in the GPU's state only, not in what the host thread did just before)."""
+    """Wait for a CUDA event by polling, the same way before every timed step."""
     while not ev.query():
         time.sleep(50e-6)
 
@@ -111,8 +103,7 @@ def turns(
     warmup: int,
     prep: list[Callable[[int], object]] | None = None,
 ) -> list[float]:
-    """The median host µs of each of ``steps`` (called with the step's number), taking turns in a rotating
-    order, each on an idle device: ``prep`` (untimed: what a step consumes) and a synchronize before it."""
+    """The median host µs of each of ``steps``, in turns, each after ``prep`` on an idle device."""
     times: list[list[float]] = [[] for _ in steps]
     k, clock = len(steps), time.perf_counter
     for i in range(warmup + n):
@@ -131,11 +122,9 @@ def turns(
 
 
 class Lockstep:
-    """Engines taking turns on one trace: step ``i`` of each, in an order rotated by ``i``.
-
-    Idle GPU (``busy_cycles`` 0): before each timed preparation every queued kernel is done. Busy: the
-    caller's forward stand-in sleeps ``busy_cycles`` on the device after each step, and an engine waits for
-    its own previous step before preparing the next (two steps in flight). Both wait by polling."""
+    """Engines taking turns on one trace, step ``i`` of each in an order rotated by ``i``: on an idle GPU
+    (``busy_cycles`` 0) each preparation starts with nothing queued; on a busy one (the caller sleeps
+    ``busy_cycles`` a step) an engine waits for its own previous step (two in flight). Both poll."""
 
     def __init__(self, engines: int, device: torch.device, busy_cycles: int):
         self.n, self.cuda, self.busy = engines, device.type == "cuda", busy_cycles
@@ -205,8 +194,7 @@ class Strategy:
     kind: str  # 'baseline', 'stagebuf' or 'floor'
     build: Callable[[Env, Any], Case]  # (env, size): micro's N, or a ``writes.WriteCell``
     tier: Tier | None = None  # the forced stagebuf tier (None: built with STAGEBUF_TIER unset)
-    needs: tuple[str, ...] = ()
-    """What it needs of the machine: 'cuda', 'pinned', 'uva', 'triton', 'vllm' (vLLM's files, fetched)."""
+    needs: tuple[str, ...] = ()  # of the machine: 'cuda', 'pinned', 'uva', 'triton', 'vllm' (its files)
 
 
 class BenchCheckError(RuntimeError):
@@ -214,9 +202,7 @@ class BenchCheckError(RuntimeError):
 
 
 def prepare(step: Callable[[], object], sync: Callable[[], None], max_iters: int, target_s: float) -> int:
-    """Warm ``step`` up (3 steps: compiles, first allocations); the steps per repeat, from a calibration
-    of about 20% of ``target_s`` (at most ``max_iters // 4 + 2`` steps): a repeat lasts about
-    ``target_s`` (2 .. ``max_iters`` steps)."""
+    """Warm ``step`` up; the steps per repeat (2 .. ``max_iters``) that last about ``target_s``."""
     for _ in range(3):
         step()
     sync()

@@ -1,14 +1,10 @@
 """The nano-vllm workload: nano-vllm's own input preparation against stagebuf's, on its own scheduler's trace.
 
-nano-vllm-fork runs as released: its ``Scheduler`` and ``BlockManager`` schedule a seeded stream of requests
-(varied prompts, shared prefixes that hit the prefix cache, finishes by EOS or ``max_tokens``, preemption; CFG
-pairs in a CFG trace), and its ``ModelRunner`` prepares each step as ``run`` does (``prepare_prefill`` or
-``prepare_decode``, then ``prepare_sample``); the forward pass is a stand-in. Setups: ``own`` (nano-vllm's
-code; on a CPU through ``nanovllm_pkg.own_path_on_cpu``) and ``stagebuf_<tier>`` (after
-``stagebuf.nanovllm.attach``, on a forced tier). ``check()`` compares every tensor the model and sampler get
-every step (with ``graphs``: also ``run_model`` on captured graphs); ``graph_writes()`` counts the device-side
-writes into the graphs' inputs per decode step; the timed runs also time a prefill step's floor
-(``floor_prefill``) as ``floor``.
+nano-vllm-fork's ``Scheduler`` schedules a seeded stream of requests (shared prefixes, finishes by EOS or
+``max_tokens``, preemption; CFG pairs in a CFG trace) and its ``ModelRunner`` prepares each step as ``run``
+does, the forward pass a stand-in. Setups: ``own`` (nano-vllm's code) and ``stagebuf_<tier>`` (attached on a
+forced tier). ``check()`` compares every tensor the model and sampler get, ``graph_writes()`` counts the
+device-side writes into captured graphs' inputs; the timed runs also time a prefill step's floor (``floor``).
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import nanovllm_pkg as P
 from . import targets as T
-from .harness import Lockstep, sleep_cycles_for, stagebuf_tier, tiers
+from .harness import BUSY_MS, Lockstep, medians, sleep_cycles_for, stagebuf_tier, tiers
 
 # --- the trace -----------------------------------------------------------------------------------
 
@@ -42,11 +38,9 @@ class TraceConfig:
     arrivals_per_step: int = 8
     prompt: tuple[int, int] = (16, 1200)
     output: tuple[int, int] = (32, 400)
-    shared_prefix: float = 0.3
-    """The share of prompts that begin with one of a few 512-token prefixes (prefix-cache hits)."""
+    shared_prefix: float = 0.3  # The share of prompts behind one of three 512-token prefixes.
     eos_rate: float = 0.002  # Chance that a sampled token is the EOS token (a finish before max_tokens).
-    cfg: bool = False
-    """Every request a CFG pair (cfg_scale > 1: a conditional and an unconditional sequence)."""
+    cfg: bool = False  # Every request a CFG pair (a conditional and an unconditional sequence).
     steps: int = 200
     vocab: int = 32000
     seed: int = 0
@@ -129,8 +123,7 @@ class Trace:
         return seqs, is_prefill
 
     def run(self, steps: int) -> Iterator[tuple[int, list[Any], bool]]:
-        """Up to ``steps`` steps: (i, sequences, is_prefill); after each, the attention context reset and
-        :meth:`post`."""
+        """Up to ``steps`` steps (i, sequences, is_prefill), each followed by :meth:`post`."""
         for i in range(steps):
             step = self.next()
             if step is None:
@@ -193,8 +186,7 @@ class _EagerGraph:
 
 
 def capture(runner: Any) -> None:
-    """Graphs of the runner's stand-in model: nano-vllm's ``capture_cudagraph`` on a GPU; on the CPU the same
-    static inputs, with graphs that replay eagerly."""
+    """The runner's graphs: captured on a GPU; on the CPU the same inputs, replayed eagerly."""
     if torch.cuda.is_available():
         with torch.device("cuda"):
             runner.capture_cudagraph()
@@ -276,6 +268,17 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [k for k in a if not (type(a[k]) is type(b[k]) and same(a[k], b[k]))]
 
 
+COUNTS = (
+    "prefill_steps",
+    "prefix_hits",
+    "preempted",
+    "reprefills",
+    "scheduler_error",
+    "finished",
+    "submitted",
+)
+
+
 def check(
     setup: str,
     cfg: TraceConfig,
@@ -283,8 +286,7 @@ def check(
     graphs: bool = False,
     tamper: Callable[[Any, int], None] | None = None,
 ) -> dict[str, Any]:
-    """nano-vllm's own path and ``setup`` in lockstep on one trace; every input compared every step (with
-    ``graphs``: also the logits and the graphs' static inputs of ``run_model`` on captured graphs)."""
+    """nano-vllm's own path and ``setup`` in lockstep, every input (``graphs``: also logits) compared."""
     trace = Trace(cfg, work)
     nano = trace.nano
     own, mine = make_runner(trace, "own", graphs), make_runner(trace, setup, graphs)
@@ -310,19 +312,10 @@ def check(
             compared += 1
             if len(mismatches) > 20:
                 break
-    counts = (
-        "prefill_steps",
-        "prefix_hits",
-        "preempted",
-        "reprefills",
-        "scheduler_error",
-        "finished",
-        "submitted",
-    )
     return {
         "setup": setup,
         "steps": compared,
-        **{k: getattr(trace, k) for k in counts},
+        **{k: getattr(trace, k) for k in COUNTS},
         "graphs": graphs,
         "mismatches": mismatches,
     }
@@ -359,8 +352,7 @@ class GraphWrites(TorchDispatchMode):
 
 
 def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> dict[str, Any]:
-    """Per graph-replayed decode step of ``setup``: device-to-device copies and fills into the graph inputs
-    (run_model's own; nano-vllm's transfers from host memory are not counted)."""
+    """Per graph-replayed decode step: device-side copies and fills into the graph inputs."""
     trace = Trace(cfg, work)
     r = make_runner(trace, setup, graphs=True)
     copies, fills, n = 0, 0, 0
@@ -380,10 +372,8 @@ def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> d
 
 
 def check_in_flight(setup: str, cfg: TraceConfig, work: Path, busy_cycles: int) -> dict[str, Any]:
-    """``setup`` with the device busy and two steps in flight, against nano-vllm's own path run alone (its
-    pinned buffers are not safe with steps in flight), which keeps every step's inputs. Each of ``setup``'s
-    steps sleeps ``busy_cycles`` on the device before a stand-in reads every input (into pinned memory); the
-    step is compared two steps later, once its event is done."""
+    """``setup`` with two steps in flight, each sleeping ``busy_cycles`` on the device before a stand-in
+    reads every input, compared once done with nano-vllm's own path run alone beforehand."""
     trace = Trace(cfg, work)
     own = make_runner(trace, "own")
     with own_context("own"):
@@ -430,14 +420,11 @@ def setups(device: torch.device) -> list[str]:
     return ["own", *(f"stagebuf_{t}" for t in tiers(device))]
 
 
-FLOOR = "floor"
-"""The pseudo-setup of the timed runs that times only the floor of a prefill step (``floor_prefill``)."""
+FLOOR = "floor"  # The timed runs' pseudo-setup: a prefill step's floor (``floor_prefill``).
 
 
 def floor_prefill(seqs: list[Any]) -> np.ndarray:
-    """The part of a prefill step's preparation that no setup avoids: nano-vllm's ``Sequence`` holds
-    its tokens in a Python list, so the step's uncached tokens go into one int64 array (``np.fromiter``
-    over their concatenation, the fastest numpy way measured)."""
+    """What no setup avoids in a prefill step: the uncached tokens' lists into one int64 array."""
     ids: list[int] = []
     for s in seqs:
         ids += s.token_ids[s.num_cached_tokens :]
@@ -447,9 +434,7 @@ def floor_prefill(seqs: list[Any]) -> np.ndarray:
 def run_lockstep(
     names: list[str], cfg: TraceConfig, work: Path, busy_cycles: int, warmup: int
 ) -> dict[str, Any]:
-    """One timed run of the trace by every setup in lockstep (:class:`benchmarks.harness.Lockstep`): each
-    prepares the same batch (timed: prepare_prefill or prepare_decode, then prepare_sample), then its forward
-    stand-in. After the setups, a prefill step's floor is timed (``floor_prefill``) as ``floor``."""
+    """One timed run of the trace by every setup in lockstep, then a prefill step's floor."""
     import stagebuf
 
     trace = Trace(cfg, work)
@@ -492,25 +477,23 @@ def bench(
     repeats: int = 3,
     steps: int = 200,
     warmup: int = 30,
-    busy_ms: float = 3.0,
     cfg: TraceConfig | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """The whole workload: identical-input checks (lockstep, graphs, in flight), graph-input writes, then
-    interleaved timed repeats, idle and busy (busy on a GPU only)."""
+    """Identical-input checks, graph-input writes, then interleaved timed repeats, idle and busy."""
     import tempfile
 
     cuda = torch.cuda.is_available()
     names = setups(torch.device("cuda" if cuda else "cpu"))
     cfg = cfg or TraceConfig(steps=steps)
-    cycles = sleep_cycles_for(busy_ms, torch.device("cuda")) if cuda else 0
+    cycles = sleep_cycles_for(BUSY_MS, torch.device("cuda")) if cuda else 0
     threads = torch.get_num_threads()
     if not cuda:  # as the bench's CPU runs: one thread, an engine's host thread
         torch.set_num_threads(1)
     out: dict[str, Any] = {
         "nanovllm_version": f"{P.DIST} {P.VERSION}",
         "trace": {k: v for k, v in vars(cfg).items() if k != "steps"},
-        "steps": cfg.steps, "warmup": warmup, "repeats": repeats, "busy_ms": busy_ms if cuda else 0,
+        "steps": cfg.steps, "warmup": warmup, "repeats": repeats, "busy_ms": BUSY_MS if cuda else 0,
         "setups": names, "checks": [], "graph_writes": {}, "runs": {},
     }  # fmt: skip
     try:
@@ -534,11 +517,7 @@ def bench(
                 log(f"nanovllm: repeat {rep + 1}/{repeats} done")
     finally:
         torch.set_num_threads(threads)
-    med = lambda xs: float(np.median(xs)) if xs else float("nan")
-    out["medians"] = {
-        k: {m: med([r[m] for r in v if r[m] is not None]) for m in ("prefill_us", "decode_us")}
-        for k, v in out["runs"].items()
-    }
+    out["medians"] = medians(out["runs"], ("prefill_us", "decode_us"))
     out["identical_inputs"] = all(not c["mismatches"] for c in out["checks"])
     return out
 
@@ -557,8 +536,7 @@ TARGETS = (  # name, setup, which preparation, goal, what it compares
 
 
 def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """The nano-vllm targets: ratios of medians of one run (the worse of idle and busy), and the device-side
-    copies into the graph inputs per graph-replayed decode step."""
+    """The nano-vllm targets: ratios of medians (the worse of idle and busy), graph-input copies."""
     res = res or {}
     meds = res.get("medians", {})
     out = {}

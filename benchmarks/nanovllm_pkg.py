@@ -1,13 +1,9 @@
-"""nano-vllm-fork's released package, fetched at test or bench time and imported with stand-ins for what input
-preparation never uses.
+"""nano-vllm-fork's released package, fetched at test or bench time and imported as released.
 
-``fetch()`` keeps the wheel unpacked in ``cache_dir()`` (``.cache/nanovllm-<version>``, or
-``$STAGEBUF_NANOVLLM_DIR``), with xxhash wheels for CPython 3.10-3.12 beside it (its ``BlockManager`` hashes
-with xxhash). ``load()`` imports the real package (its ``Scheduler``, ``BlockManager``, ``Sequence``,
-``ModelRunner`` run as released), stand-ins taking the place of missing modules input preparation never
-reaches (``transformers``, ``flash_attn``, ``safetensors``, ``tqdm``, ``triton``) during the import only.
-``runner()`` builds a ``ModelRunner`` as its ``__init__`` does, less the process group, model, warm-up and KV
-cache.
+``fetch()`` keeps the wheel unpacked in ``cache_dir()``, with xxhash wheels for CPython 3.10-3.12 beside it.
+``load()`` imports the real package, stand-ins taking the place of missing modules input preparation never
+reaches (``transformers``, ``flash_attn``, ``safetensors``, ``tqdm``, ``triton``) during the import only;
+``runner()`` builds a ``ModelRunner`` less the process group, model, warm-up and KV cache.
 """
 
 from __future__ import annotations
@@ -23,17 +19,16 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 from . import fetch as F
 from .fetch import Unavailable  # noqa: F401  (this module's name too)
-from .harness import patched
 
 VERSION = "20260210"  # The release every function here defaults to.
 DIST = "nano-vllm-fork"
-ENV_DIR = "STAGEBUF_NANOVLLM_DIR"
-"""Where the fetched wheel is unpacked (default: ``.cache/nanovllm-<version>`` in the checkout)."""
+ENV_DIR = "STAGEBUF_NANOVLLM_DIR"  # Where the wheel is unpacked (default: the checkout's .cache).
 XXHASH_PYTHONS = ("3.10", "3.11", "3.12")
 
 
@@ -52,17 +47,9 @@ def fetch(version: str = VERSION) -> Path:
     whole = lambda pkg: (pkg / "nanovllm/engine/model_runner.py").is_file()
     F.kept(root / "pkg", whole, F.unpacked(f"{DIST}=={version}", timeout=300))
     for py in XXHASH_PYTHONS:
-        args = (
-            "--only-binary=:all:",
-            "--python-version",
-            py,
-            "--implementation",
-            "cp",
-            "--platform",
-            "manylinux2014_x86_64",
-        )
+        fill = F.unpacked("xxhash", *F.binary("manylinux2014_x86_64", py))
         try:
-            F.kept(root / f"xxhash-py{py}", lambda d: (d / "xxhash").is_dir(), F.unpacked("xxhash", *args))
+            F.kept(root / f"xxhash-py{py}", lambda d: (d / "xxhash").is_dir(), fill)
         except Unavailable:
             if importlib.util.find_spec("xxhash") is None and py == _py():
                 raise
@@ -78,10 +65,8 @@ def available() -> str | None:
 
 
 class AutoConfig:
-    """transformers' ``AutoConfig`` as nano-vllm uses it: the folder's config.json, as written, as attributes.
-
-    The stand-in where transformers is missing, and the end-to-end bench's config everywhere: transformers 5
-    turns ``rope_scaling`` into a dict that nano-vllm 20260210's ``get_rope`` cannot take."""
+    """transformers' ``AutoConfig`` as nano-vllm uses it: config.json as written (transformers 5 turns
+    ``rope_scaling`` into a dict nano-vllm 20260210's ``get_rope`` cannot take), as attributes."""
 
     @staticmethod
     def from_pretrained(path: str, **_: Any) -> types.SimpleNamespace:
@@ -117,8 +102,7 @@ def _stand_ins() -> dict[str, types.ModuleType]:
     }
 
 
-Nano = types.SimpleNamespace
-"""nano-vllm's modules, as imported: ``root``, ``nanovllm`` and each of :data:`MODULES` by its last name."""
+Nano = types.SimpleNamespace  # nano-vllm's modules: ``root``, ``nanovllm`` and each of MODULES' last name
 MODULES = ("config", "engine.sequence", "sampling_params", "engine.block_manager", "engine.scheduler",
            "engine.model_runner", "utils.context", "engine.llm_engine")  # fmt: skip
 _loaded: Nano | None = None
@@ -172,8 +156,7 @@ HF_CONFIG = {
     "head_dim": 16,
     "vocab_size": 32000,
     "torch_dtype": "bfloat16",
-}
-"""A small Qwen3-shaped config.json: what Config reads (input preparation reads none of it but sizes)."""
+}  # A small Qwen3-shaped config.json (input preparation reads none of it but sizes).
 
 
 def config(model_dir: Path, **kw: Any) -> Any:
@@ -188,8 +171,7 @@ def config(model_dir: Path, **kw: Any) -> Any:
 
 
 def runner(cfg: Any, model: Any = None) -> Any:
-    """A ``ModelRunner`` with the attributes its ``__init__`` sets for input preparation: no process group,
-    device, weights, warm-up, KV cache or graphs; its pinned sample buffers are :func:`own_buffers`'."""
+    """A ``ModelRunner`` as its ``__init__`` sets it up for input preparation, less the rest."""
     mr = load().model_runner.ModelRunner
     r = mr.__new__(mr)
     r.config, r.block_size, r.enforce_eager = cfg, cfg.kvcache_block_size, cfg.enforce_eager
@@ -201,12 +183,14 @@ def runner(cfg: Any, model: Any = None) -> Any:
 
 @contextlib.contextmanager
 def own_path_on_cpu() -> Iterator[None]:
-    """nano-vllm's own code on a machine without CUDA (the CPU tests' and bench's reference): in the block
-    ``torch.tensor`` and ``torch.zeros`` ignore ``pin_memory=True`` and ``Tensor.cuda()`` returns a CPU copy;
-    every value is still nano-vllm's, only the transfer is replaced."""
+    """nano-vllm's own code without CUDA: in the block ``torch.tensor`` and ``torch.zeros`` ignore
+    ``pin_memory=True`` and ``Tensor.cuda()`` returns a CPU copy (every value is still nano-vllm's)."""
     unpinned = lambda f: lambda *a, pin_memory=False, **k: f(*a, **k)
     free = {n: unpinned(getattr(torch, n)) for n in ("tensor", "zeros")}
-    with patched(torch, **free), patched(torch.Tensor, cuda=lambda self, *a, **k: self.clone()):
+    with (
+        mock.patch.multiple(torch, **free),
+        mock.patch.multiple(torch.Tensor, cuda=lambda t, *a, **k: t.clone()),
+    ):
         yield
 
 

@@ -1,14 +1,10 @@
 """vLLM's own MRV2 input-side modules of one release, loaded unmodified, on vLLM's buffer layer or stagebuf's.
 
-``fetch(release)`` keeps the few files the harness needs (:data:`FILES`) from the release's wheel; ``load()``
-executes them as private modules (no ``vllm`` module is made), their ``vllm.*`` imports resolved to vLLM's own
-code where the input path runs it (on the CPU, the CPU worker's ``UvaBuffer`` and ``async_tensor_h2d``), to
-stand-ins for what vLLM's platform layer decides (pinned memory and UVA: ``pin``; confidential computing) and
-to stubs for sampler kernels never called; ``layer="stagebuf"`` puts stagebuf's classes in ``buffer_utils``'
-place, as stagebuf's vLLM plugin does. ``as_installed`` makes a release importable as ``vllm`` (the plugin's
-tests and step mode). :data:`RELEASES` are the releases run, :data:`NEWEST` every function's default. ``python
--m benchmarks.vllm_mrv2 --check-new`` asks the registry for newer releases (exit 1 if there are); ``--fetch``
-fetches every release.
+``fetch(release)`` keeps the files the harness needs (:data:`FILES`) from the release's wheel; ``load()`` runs
+them as private modules, their ``vllm.*`` imports resolved to vLLM's own code where the input path runs it,
+to stand-ins for vLLM's platform layer (``pin``: pinned memory and UVA) and to stubs; ``as_installed`` makes a
+release importable as ``vllm`` (the plugin's tests, step mode). ``python -m benchmarks.vllm_mrv2 --check-new``
+asks the registry for releases newer than :data:`RELEASES` (exit 1 if any); ``--fetch`` fetches them all.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ import importlib
 import logging
 import os
 import re
-import subprocess
 import sys
 import types
 import uuid
@@ -42,7 +37,7 @@ from .fetch import ENV_CACHE, Unavailable, cache_root  # noqa: F401  (this modul
 
 @dataclass(frozen=True)
 class Release:
-    """What one vLLM release's MRV2 input path needs beyond :data:`FILES` (each field: which have it)."""
+    """What one vLLM release's MRV2 input path needs beyond :data:`FILES`."""
 
     files: tuple[str, ...] = ()  # More files to fetch.
     gather_masks_sliding_window: bool = True  # gather_block_tables(num_computed_tokens=) (0.33 on)
@@ -69,12 +64,10 @@ FILES = tuple(
               "v1/attention/backends/utils", "v1/utils", "plugins/__init__")
 )  # fmt: skip
 """The files every release needs (``model_runner.py`` only for its source: step mode reads its order)."""
-ENV_DIR = "STAGEBUF_VLLM_DIR"
-"""A folder holding ``vllm-<release>`` folders, in place of :func:`benchmarks.fetch.cache_root`."""
-CONFIDENTIAL_COMPUTE = False
-"""What the stand-in ``current_platform.is_confidential_compute()`` answers (tests may set it)."""
+ENV_DIR = "STAGEBUF_VLLM_DIR"  # A folder holding ``vllm-<release>`` folders, in place of the cache.
+CONFIDENTIAL_COMPUTE = False  # What the stand-in ``is_confidential_compute()`` answers (tests set it).
 INPLACE_H2D_TARGETS: collections.deque[weakref.ref[torch.Tensor]] = collections.deque(maxlen=4096)
-"""The tensors vLLM's code passed to the stand-in ``register_inplace_h2d_target`` (weakly, latest last)."""
+"""The tensors vLLM's code passed to the stand-in ``register_inplace_h2d_target``, latest last."""
 
 
 def release_option(help: str) -> Callable[[Any], Any]:
@@ -106,8 +99,7 @@ def files(release: str = NEWEST) -> tuple[str, ...]:
 
 
 def available(release: str = NEWEST) -> str | None:
-    """Why vLLM ``release``'s MRV2 modules cannot be loaded here (None: they can; MRV2's buffer_utils defines
-    a Triton kernel at import); fetches once."""
+    """Why vLLM ``release``'s MRV2 modules (Triton kernels) cannot be loaded here (None: they can)."""
     need = lambda: (fetch(release), importlib.import_module("triton"))
     return F.why_not(f"vLLM {release}'s MRV2 modules", need)
 
@@ -130,16 +122,7 @@ def fetch(release: str = NEWEST) -> Path:
 
 def _filler(release: str) -> Callable[[Path], None]:
     """``files(release)`` from the release's wheel (only Python files: any platform's wheel will do)."""
-    args = (
-        "--only-binary=:all:",
-        "--platform",
-        "manylinux_2_28_x86_64",
-        "--python-version",
-        "3.12",
-        "--implementation",
-        "cp",
-    )
-    return F.unpacked(f"vllm=={release}", *args, members=files(release))
+    return F.unpacked(f"vllm=={release}", *F.binary("manylinux_2_28_x86_64", "3.12"), members=files(release))
 
 
 # --- newer releases on the registry ----------------------------------------------------------
@@ -152,21 +135,12 @@ def _version(v: str) -> tuple[int, ...] | None:
 
 def registry_listing(timeout: float = 60) -> str:
     """``pip index versions vllm``'s output; raises Unavailable where the registry cannot be asked."""
-    cmd = [sys.executable, "-m", "pip", "index", "versions", "vllm", "--disable-pip-version-check"]
-    why = "pip index versions vllm failed (is the package registry reachable?)"
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise Unavailable(f"{why}: {e}") from e
-    if done.returncode != 0 or "Available versions:" not in done.stdout:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise Unavailable(f"{why}: {tail[0][:300]}")
-    return done.stdout
+    listed = lambda out: "Available versions:" in out
+    return F.pip("index versions vllm", "--disable-pip-version-check", timeout=timeout, done=listed)
 
 
 def newer_releases(listing: str | None = None) -> list[str]:
-    """Final vLLM releases (from :data:`OLDEST_CHECKED` on) newer than :data:`NEWEST`, oldest first, from
-    ``listing`` (``pip index versions vllm``'s output; None: ask the registry now)."""
+    """Final vLLM releases newer than :data:`NEWEST` in ``listing`` (None: ask the registry)."""
     text = registry_listing() if listing is None else listing
     line = next((ln for ln in text.splitlines() if ln.strip().startswith("Available versions:")), None)
     if line is None:
@@ -184,10 +158,8 @@ _serial = 0
 
 
 def _module(name: str, path: Path, imports: Any, real: bool = False) -> Any:
-    """The file at ``path`` executed as a new module, its ``vllm.*`` imports resolved in ``imports``.
-
-    It is named ``_vllm_mrv2_<n>.<last part of name>`` (every load its own), or ``name`` with ``real``
-    (``as_installed``), and put in ``sys.modules`` (where dataclasses look their module up)."""
+    """The file at ``path`` run as a new module in ``sys.modules``, its ``vllm.*`` imports resolved in
+    ``imports``; named ``_vllm_mrv2_<n>.<last part of name>`` (each load its own) or, ``real``, ``name``."""
     global _serial
     _serial += 1
     if not real:
@@ -208,12 +180,16 @@ def _module(name: str, path: Path, imports: Any, real: bool = False) -> Any:
     return mod
 
 
-def _functions(path: Path, names: tuple[str, ...], env: dict[str, Any], release: str) -> dict[str, Any]:
-    """The named top-level functions (or classes) of ``path``, compiled with ``env`` (decorators and
-    annotations left out)."""
-    defs = (ast.FunctionDef, ast.ClassDef)
-    keep: list[Any] = [n for n in ast.parse(path.read_text()).body if isinstance(n, defs) and n.name in names]
-    missing = set(names) - {n.name for n in keep}
+def _named(n: ast.stmt) -> str | None:
+    if isinstance(n, ast.Assign):
+        return getattr(n.targets[0], "id", None)
+    return n.name if isinstance(n, (ast.FunctionDef, ast.ClassDef)) else None
+
+
+def _defs(path: Path, names: tuple[str, ...], env: dict[str, Any], release: str) -> dict[str, Any]:
+    """The named top-level definitions of ``path``, run with ``env`` (no decorators, annotations)."""
+    keep: list[Any] = [n for n in ast.parse(path.read_text()).body if _named(n) in names]
+    missing = set(names) - {_named(n) for n in keep}
     if missing:
         raise Unavailable(f"{path} has no {sorted(missing)}: not vLLM {release}'s file")
     for n in keep:
@@ -228,19 +204,8 @@ def _functions(path: Path, names: tuple[str, ...], env: dict[str, Any], release:
     return {n: glb[n] for n in names}
 
 
-def _assigned(path: Path, name: str, env: dict[str, Any]) -> Any:
-    """The value of the top-level assignment ``name = ...`` in ``path``, evaluated with ``env``."""
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            glb = dict(env)
-            exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), glb)
-            return glb[name]
-    raise Unavailable(f"{path} defines no {name}")
-
-
 class _Logger:
-    """vLLM's ``init_logger``: each line marked as vLLM's (which release's); the first in a process also
-    says why a vLLM line appears (the bench and tests run vLLM's classes as their baseline)."""
+    """vLLM's ``init_logger``: each line marked as vLLM's; the first in a process also says why it appears."""
 
     explained = False
     WHY = (
@@ -274,13 +239,7 @@ def _cuda_view(cpu: torch.Tensor) -> torch.Tensor:
     if int(err) != 0:
         raise RuntimeError(f"cudaHostGetDevicePointer: {err}")
     typestr = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.uint64: "<u8"}[cpu.dtype]
-    face = {
-        "data": (int(ptr), False),
-        "shape": tuple(cpu.shape),
-        "typestr": typestr,
-        "strides": None,
-        "version": 3,
-    }
+    face = dict(data=(int(ptr), False), shape=tuple(cpu.shape), typestr=typestr, strides=None, version=3)
     dev = torch.device("cuda", torch.cuda.current_device())
     view = torch.as_tensor(types.SimpleNamespace(__cuda_array_interface__=face), device=dev)
     view._stagebuf_owner = cpu  # type: ignore[attr-defined]  # keep the host memory alive
@@ -305,14 +264,19 @@ class Mrv2:
     sample_states: Any
     async_tensor_h2d: Callable[..., torch.Tensor]
     CpuGpuBuffer: Any  # vLLM V1's class (vllm/v1/utils.py), still in every release
-    layer: str
-    pin: bool
     release: str = NEWEST
     TokenBuffer: Any = None  # vllm/v1/token_buffer.py's class (one per release), None before 0.34
 
     @property
     def spec(self) -> Release:
         return spec(self.release)
+
+    @classmethod
+    def of(cls, bu: Any, mods: list[Any], imports: Any, release: str) -> Mrv2:
+        """One load from its ``buffer_utils``, MRV2's four modules and the stand-ins they imported."""
+        h2d = imports["vllm.utils.torch_utils"].async_tensor_h2d
+        tb = dict.get(imports, "vllm.v1.token_buffer")
+        return cls(bu, *mods, h2d, imports["_CpuGpuBuffer"], release, getattr(tb, "TokenBuffer", None))
 
 
 _LOADS: dict[tuple[Any, ...], Mrv2] = {}
@@ -325,12 +289,9 @@ def load(
     uva: bool | None = None,
     release: str = NEWEST,
 ) -> Mrv2:
-    """MRV2's modules of vLLM ``release`` on ``layer`` ("vllm" or "stagebuf"), loaded once per arguments.
-
-    ``pin`` is what vLLM's platform reports for pinned memory (False: its NonUvaBuffer fallback and pageable
-    ``async_tensor_h2d``); stagebuf's classes ask stagebuf's probe (``STAGEBUF_TIER``). ``uva`` overrides
-    ``is_uva_available()`` (False on a CPU: NonUvaBuffer with the CPU as the device). Triton reads
-    ``TRITON_INTERPRET`` when the kernels are defined: a load stays compiled or interpreted."""
+    """MRV2's modules of vLLM ``release`` on ``layer`` ("vllm" or "stagebuf"), loaded once per arguments
+    (and per ``TRITON_INTERPRET``). ``pin``: what vLLM's platform reports for pinned memory; ``uva``
+    overrides ``is_uva_available()`` (False on a CPU: NonUvaBuffer with the CPU as the device)."""
     if layer not in ("vllm", "stagebuf"):
         raise ValueError(f"layer={layer!r}; allowed: 'vllm', 'stagebuf'")
     spec(release)
@@ -345,13 +306,12 @@ _TOKEN_BUFFERS: dict[str, Any] = {}
 
 
 def _token_buffer_module(root: Path, release: str) -> Any:
-    """vLLM ``release``'s ``vllm/v1/token_buffer.py``, loaded once per release (every load shares one
-    ``TokenBuffer`` class); None before 0.34."""
+    """vLLM ``release``'s ``vllm/v1/token_buffer.py``, loaded once (one ``TokenBuffer`` class a release)."""
     if not spec(release).token_buffer:
         return None
     if release not in _TOKEN_BUFFERS:
         f = root / "vllm"
-        as_list = _functions(f / "utils/collection_utils.py", ("as_list",), {}, release)["as_list"]
+        as_list = _defs(f / "utils/collection_utils.py", ("as_list",), {}, release)["as_list"]
         imports = {"vllm.utils.collection_utils": types.SimpleNamespace(as_list=as_list)}
         _TOKEN_BUFFERS[release] = _module("vllm_mrv2.token_buffer", f / "v1/token_buffer.py", imports)
     return _TOKEN_BUFFERS[release]
@@ -363,8 +323,7 @@ def token_buffer(release: str = NEWEST) -> Any:
 
 
 def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None, release: str) -> dict[str, Any]:
-    """What MRV2's files import from the rest of vLLM: its own functions where the input path calls them,
-    stand-ins for the platform layer, stubs for sampler kernels never called."""
+    """What MRV2's files import from the rest of vLLM: its own code, stand-ins and stubs."""
     import triton
     import triton.language as tl
 
@@ -386,12 +345,12 @@ def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None, relea
     # CPU worker patches its own in (vllm/v1/worker/cpu/shm.py)
     env = {"torch": torch, "np": np, "PIN_MEMORY": pinned, "is_pin_memory_available": pin_memory_available}
     h2d_file = f / ("v1/worker/cpu/shm.py" if cpu else "utils/torch_utils.py")
-    h2d = _functions(h2d_file, ("async_tensor_h2d",), env, release)["async_tensor_h2d"]
+    h2d = _defs(h2d_file, ("async_tensor_h2d",), env, release)["async_tensor_h2d"]
     torch_utils = ns(async_tensor_h2d=h2d, get_accelerator_view_from_cpu_tensor=_cuda_view)
     if rel.array_typecodes:
-        typecodes = _assigned(f / "utils/torch_utils.py", "TORCH_DTYPE_TO_ARRAY_TYPECODE", {"torch": torch})
-        torch_utils.TORCH_DTYPE_TO_ARRAY_TYPECODE = typecodes
-    pad = _assigned(f / "v1/attention/backends/utils.py", "PAD_SLOT_ID", {})
+        codes = ("TORCH_DTYPE_TO_ARRAY_TYPECODE",)
+        torch_utils.__dict__.update(_defs(f / "utils/torch_utils.py", codes, {"torch": torch}, release))
+    pad = _defs(f / "v1/attention/backends/utils.py", ("PAD_SLOT_ID",), {}, release)["PAD_SLOT_ID"]
     imports: dict[str, Any] = {
         "vllm.logger": ns(init_logger=functools.partial(_Logger, release=release)),
         "vllm.triton_utils": ns(triton=triton, tl=tl, HAS_TRITON=True),
@@ -407,7 +366,7 @@ def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None, relea
         "vllm.v1.sample.ops.topk_topp_sampler": ns(apply_top_k_top_p=_stub("top-k/top-p")),
         "vllm.v1.worker.gpu.sample.gumbel": ns(apply_temperature=_stub("temperature")),
         "vllm.v1.worker.gpu.sample.min_p": ns(apply_min_p=_stub("min-p")),
-        "_CpuGpuBuffer": _functions(f / "v1/utils.py", ("CpuGpuBuffer",), env, release)["CpuGpuBuffer"],
+        "_CpuGpuBuffer": _defs(f / "v1/utils.py", ("CpuGpuBuffer",), env, release)["CpuGpuBuffer"],
     }  # fmt: skip
     if rel.confidential_compute:
         imports["vllm.v1.conf_compute_utils"] = cc = types.ModuleType("vllm.v1.conf_compute_utils")
@@ -435,20 +394,10 @@ def _load(layer: str, pin: bool, dev: torch.device, uva: bool | None, release: s
         _module(f"vllm_mrv2.{n.replace('/', '_')}", root / GPU / f"{n}.py", imports)
         for n in ("block_table", "states", "input_batch", "sample/states")
     ]
-    tb = imports.get("vllm.v1.token_buffer")
-    return Mrv2(
-        bu,
-        *mods,
-        imports["vllm.utils.torch_utils"].async_tensor_h2d,
-        imports["_CpuGpuBuffer"],
-        layer,
-        pin,
-        release,
-        None if tb is None else tb.TokenBuffer,
-    )
+    return Mrv2.of(bu, mods, imports, release)
 
 
-SUBSTITUTED = (
+SUBSTITUTED = (  # buffer_utils' names that stagebuf's vLLM plugin substitutes
     "UvaBuffer",
     "NonUvaBuffer",
     "UvaBufferPool",
@@ -457,7 +406,6 @@ SUBSTITUTED = (
     "FusedStagedWriter",
     "set_default_max_concurrency",
 )
-"""``buffer_utils``' names that stagebuf's vLLM plugin substitutes."""
 
 
 def stagebuf_buffer_utils(vllm_bu: Any, release: str = NEWEST) -> Any:
@@ -488,10 +436,8 @@ _INSTALLED = (
 
 
 def _runner_stand_in(h2d: Callable[..., torch.Tensor], root: Path) -> types.ModuleType:
-    """``vllm.v1.worker.gpu.model_runner`` for the harness: vLLM's ``async_tensor_h2d``, and a
-    ``GPUModelRunner`` whose ``execute_model`` (vLLM's signature) runs ``scheduler_output()``, the harness's
-    step, so stagebuf's step-mode wrapper runs around it as around vLLM's. Its ``__file__`` is the release's
-    ``model_runner.py`` (what reads the runner's source reads vLLM's own)."""
+    """``vllm.v1.worker.gpu.model_runner`` whose ``GPUModelRunner.execute_model`` (vLLM's signature) runs
+    ``scheduler_output()``, the harness's step; its ``__file__`` is the release's ``model_runner.py``."""
     mod = types.ModuleType("vllm.v1.worker.gpu.model_runner")
     mod.__file__ = str(root / GPU / "model_runner.py")
 
@@ -532,12 +478,6 @@ class Installed:
     def __init__(self, root: Path, imports: _Imports, release: str = NEWEST):
         self._root, self._imports, self.release = root, imports, release
 
-    @property
-    def TokenBuffer(self) -> Any:  # noqa: N802  (vLLM's name)
-        """The release's ``TokenBuffer`` (``vllm.v1.token_buffer``), None before 0.34."""
-        mod = sys.modules.get("vllm.v1.token_buffer")
-        return None if mod is None else mod.TokenBuffer
-
     def load(self, name: str) -> Any:
         """MRV2's ``vllm/v1/worker/gpu/<name>.py`` executed as ``vllm.v1.worker.gpu.<name>`` now (its ``from
         vllm... import`` binds what ``sys.modules`` holds)."""
@@ -546,6 +486,11 @@ class Installed:
         parent, _, child = full.rpartition(".")
         setattr(sys.modules[parent], child, mod)
         return mod
+
+    def mrv2(self) -> Mrv2:
+        """MRV2's four modules loaded now (:meth:`load`), on the ``buffer_utils`` installed."""
+        mods = [self.load(n) for n in ("block_table", "states", "input_batch", "sample.states")]
+        return Mrv2.of(sys.modules["vllm.v1.worker.gpu.buffer_utils"], mods, self._imports, self.release)
 
 
 def _cpu_uva_buffer(root: Path, imports: Any) -> Any:
@@ -556,11 +501,9 @@ def _cpu_uva_buffer(root: Path, imports: Any) -> Any:
 def as_installed(
     device: torch.device | None = None, pin: bool = True, release: str = NEWEST
 ) -> Iterator[Installed]:
-    """vLLM ``release`` importable as ``vllm`` (stagebuf's plugin: its tests, step mode): its plugin loader,
-    MRV2's ``buffer_utils`` (and the release's ``token_buffer``, a ``conf_compute_utils`` stand-in) under
-    their own names, ``vllm.__version__``, ``vllm.envs.VLLM_PLUGINS`` and :func:`_runner_stand_in`'s model
-    runner; ``Installed.load`` adds MRV2's modules. All removed on exit; raises if a ``vllm`` is imported
-    already."""
+    """vLLM ``release`` importable as ``vllm`` for the block: its plugin loader, MRV2's ``buffer_utils`` (and
+    ``token_buffer``, ``conf_compute_utils``), ``vllm.envs`` and a model runner (:func:`_runner_stand_in`);
+    ``Installed.load`` adds MRV2's modules. Raises if a ``vllm`` is imported already."""
     if any(n in sys.modules for n in _INSTALLED):
         raise RuntimeError("a module named vllm is already imported; as_installed would shadow it")
     root = fetch(release)

@@ -1,15 +1,9 @@
-"""Micro-benchmarks against vLLM's own buffer classes (``buffer_utils`` of ``--release``), the engine
-workload's second part: each case builds the same object from vLLM's module and from stagebuf's (on a forced
-tier) and times one step on the host, the GPU idle; medians over steps, then over interleaved repeats.
-
-* ``pool|kK``: ``UvaBufferPool.copy_to_uva`` of 256 int32, K pools a step (K=1 pays the slot guard each call).
-* ``backed|kK``: ``UvaBackedTensor.copy_to_uva()`` of K tensors of 256, one value changed in each a step.
-* ``writes|ExL``: E ``stage_write`` calls of L values on distinct rows, then ``apply_write``; ``stage|ExL``:
-  the calls alone (E <= 256); ``fused|ExL``: ``FusedStagedWriter.apply`` over two such tables.
-* ``prompt|KIND|N``: one prompt of N tokens staged and applied, as the model runner adds a request.
-
-``python -m benchmarks.vs_vllm --json FILE`` runs these cells alone: one side's run of ``scripts/gpu.sh
-compare``.
+"""Micro-benchmarks against vLLM's own buffer classes (``buffer_utils`` of ``--release``): each case builds
+the same object from vLLM's module and from stagebuf's (on a forced tier) and times a step on the host, the
+GPU idle. ``pool|kK``: K ``UvaBufferPool.copy_to_uva`` of 256 int32 a step; ``backed|kK``: K
+``UvaBackedTensor.copy_to_uva()``; ``writes|ExL``: E ``stage_write`` calls of L values, then ``apply_write``
+(``stage|ExL``: the calls alone; ``fused|ExL``: ``FusedStagedWriter.apply`` over two tables);
+``prompt|KIND|N``: a prompt of N tokens staged and applied. ``python -m benchmarks.vs_vllm`` runs them alone.
 """
 
 from __future__ import annotations
@@ -73,9 +67,7 @@ def writes_case(
 
 
 def prompt_case(bu: Any, device: torch.device, kind: str, n: int, release: str) -> Step:
-    """One prompt of ``n`` tokens staged (``stage_write``) and applied: ``tokens`` as the release passes
-    prompts (its ``TokenBuffer``, else an ``array('i')``), an int32 ndarray, or a list; made before the
-    timing, four of them in turn."""
+    """One prompt of ``n`` tokens staged and applied, as a ``TokenBuffer``, an ndarray or a list."""
     rng = np.random.default_rng(n)
     ids = [rng.integers(0, 152_000, n, dtype=np.int32) for _ in range(4)]
     tb = vllm_mrv2.token_buffer(release) or (lambda a: array("i", a.tobytes()))
@@ -118,8 +110,7 @@ def cases(
     release: str | None = None,
     stage: bool = False,
 ) -> list[tuple[str, Callable[[Any], Step]]]:
-    """The cells, each (name, a builder of one step from a ``buffer_utils``): pools, backed tensors, writes,
-    fused writes, and with ``release`` the prompts; ``stage``: also the stage-only cells."""
+    """The cells (name, a builder of a step from a ``buffer_utils``); ``stage``: also stage-only."""
     p = functools.partial
     out = [
         (f"{kind}|k{k}", p(make, device=device, k=k))
@@ -147,16 +138,14 @@ def steps_of(cell: str, steps: int) -> int:
 
 def run(
     device: torch.device,
-    edits: tuple[int, ...] = (1, 16, 256, 4096),
-    lengths: tuple[int, ...] = (1, 8, 64),
-    repeats: int = 3,
+    edits: tuple[int, ...],
+    lengths: tuple[int, ...],
+    repeats: int,
+    log: Callable[[str], None],
+    release: str,
     steps: int = 60,
-    warmup: int = 10,
-    log: Callable[[str], None] = print,
-    release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:
-    """Every case on vLLM ``release``'s layer (UVA; on a GPU also its NonUvaBuffer fallback) and stagebuf's
-    tiers (UVA also with the Triton kernel forced, for the writes)."""
+    """Every case on vLLM ``release``'s layer and stagebuf's tiers (UVA also with Triton forced)."""
     cuda = device.type == "cuda"
     vllm = lambda pin: vllm_mrv2.load("vllm", pin=pin, device=device, release=release).buffer_utils
     vllm_uva = vllm(True)
@@ -177,7 +166,7 @@ def run(
                     continue
                 kernel = env_var("STAGEBUF_WRITE_KERNEL", "triton") if forced else contextlib.nullcontext()
                 with stagebuf_tier(tier), kernel:
-                    us = turns([make(bu)], device, steps_of(cell, steps), warmup)[0]
+                    us = turns([make(bu)], device, steps_of(cell, steps), 10)[0]
                 raw.setdefault(cell, {}).setdefault(name, []).append(us)
         log(f"vs_vllm repeat {rep + 1}/{repeats} done")
     med = {c: {p: float(np.median(v)) for p, v in d.items()} for c, d in raw.items()}
@@ -185,8 +174,7 @@ def run(
 
 
 def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """stagebuf UVA against vLLM's own classes on UVA: staged writes (the worst E x L cell), the pools' and
-    backed tensors' publishes (8 a step), a prompt (the worst kind and length)."""
+    """stagebuf UVA against vLLM's classes on UVA: writes, pools, backed tensors and prompts."""
     med = (res or {}).get("median_us", {})
     release = (res or {}).get("vllm_version") or vllm_mrv2.NEWEST
     peer, us, them = release.rpartition(".")[0], "stagebuf_uva", "vllm_uva"
@@ -253,13 +241,7 @@ def main(json_path: str, repeats: int, steps: int, edits: str, lengths: str, rel
         raise click.UsageError("on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1")
     t0 = time.time()
     res = run(
-        device,
-        _ints(edits),
-        _ints(lengths),
-        repeats,
-        steps,
-        log=lambda s: click.echo(s, err=True),
-        release=release,
+        device, _ints(edits), _ints(lengths), repeats, lambda s: click.echo(s, err=True), release, steps
     )
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))
     report = {"commit": commit() or "unknown", "started_utc": started, "device": str(device), "vs_vllm": res}

@@ -30,7 +30,7 @@ def test_a_missed_busy_ratio_names_the_part_that_grew_and_the_guard_waits() -> N
         "setups": ["vllm_uva", "stagebuf_step_uva"],
         "vllm_version": "0.34.0",
     }
-    t = E.targets(res, None)["engine_busy_ratio_vs_vllm_v034"]
+    t = E.targets(res)["engine_busy_ratio_vs_vllm_v034"]
     assert t["passed"] is False and t["measured"] == 0.2
     assert t["why"] == (
         "the part that grows most on the busy GPU (stagebuf_step_uva, 1g, last run, mean µs a step): "
@@ -92,8 +92,8 @@ def _dropin(release: str, tables: float) -> dict[str, object]:
 
 
 def test_engine_targets_carry_their_release_and_its_goals() -> None:
-    new = E.targets(_dropin("0.34.0", 100.0), None)
-    old = E.targets(_dropin("0.33.0", 100.0), None)
+    new = E.targets(_dropin("0.34.0", 100.0))
+    old = E.targets(_dropin("0.33.0", 100.0))
     assert E.release_suffix("0.34.0") == "_v034" and E.release_suffix("1.2.3") == "_v102"
     t34, t33 = new["engine_dropin_uva_vs_vllm_uva_g1_v034"], old["engine_dropin_uva_vs_vllm_uva_g1_v033"]
     assert t34["measured"] == t33["measured"] == 0.8
@@ -105,7 +105,7 @@ def test_engine_targets_carry_their_release_and_its_goals() -> None:
 
 
 def test_dropin_on_the_newest_release_fails_where_a_part_is_slower_than_vllms() -> None:
-    t = E.targets(_dropin("0.34.0", 120.0), None)["engine_dropin_uva_vs_vllm_uva_g1_v034"]
+    t = E.targets(_dropin("0.34.0", 120.0))["engine_dropin_uva_vs_vllm_uva_g1_v034"]
     assert t["measured"] == 0.8 and t["passed"] is False
     assert t["why"] == "slower than vLLM's own in block_tables 120.0 µs against 100.0"
 

@@ -1,13 +1,9 @@
 """``python -m benchmarks.ab --before REV``: is a change slower? The old and the new code in one process.
 
-``benchmarks.compare`` judges separate runs, whose noise is that of whole processes. Here three copies of the
-package build the same vs-vLLM cells (:mod:`benchmarks.vs_vllm`: pool, backed, writes and fused, on each tier)
-side by side: *before* (``src/stagebuf`` at revision ``REV``, or a folder holding a ``stagebuf``), *after*
-(the checkout's ``stagebuf``) and *control* (a second copy of after). Their steps take turns, the order
-rotating every step. Per cell and round (fresh objects each round) a side's time is its median step, the ratio
-after over before, the noise how far control and after lie apart; a cell is SLOWER when after is above before
-by more than the noise in every round, faster likewise. ``--before HEAD`` shows how often the method alone
-flags a cell.
+Three copies of the package build the vs-vLLM cells (:mod:`benchmarks.vs_vllm`) on each tier: *before*
+(``src/stagebuf`` at ``REV``, or a folder holding a ``stagebuf``), *after* (the checkout's) and *control* (a
+second copy of after), their steps taking turns. Per cell and round a side's time is its median step; a cell
+is SLOWER when after/before exceeds 1 plus the noise (control against after) in every round, faster likewise.
 """
 
 from __future__ import annotations
@@ -36,9 +32,7 @@ SIDES = ("before", "after", "control")
 
 
 def load_copy(source: str, name: str, where: Path) -> Any:
-    """A copy of the package imported as ``name`` (its modules import each other relatively, so any
-    name works): ``src/stagebuf`` of git revision ``source``, or ``source/stagebuf`` where ``source``
-    is a directory (a tree's ``src``, as on a machine whose checkout has no history)."""
+    """A copy of the package imported as ``name``: git revision ``source``'s, or a directory's."""
     dest = where / name
     if (Path(source) / "stagebuf" / "__init__.py").is_file():
         shutil.copytree(Path(source) / "stagebuf", dest)
@@ -54,18 +48,12 @@ def load_copy(source: str, name: str, where: Path) -> Any:
 
 
 def verdict(rounds: list[list[float]]) -> dict[str, Any]:
-    """A cell from its rounds' (before, after, control) medians: ratio (geometric mean over the rounds of
-    after/before), noise (the largest |control/after - 1|), and whether it is slower or faster."""
+    """A cell from its rounds' (before, after, control) medians: ratio, noise, slower or faster."""
     ratios = [a / b for b, a, _ in rounds]
     noise = max(abs(c / a - 1) for _, a, c in rounds)
     slower, faster = all(r > 1 + noise for r in ratios), all(1 / r > 1 + noise for r in ratios)
-    return {
-        "ratio": float(np.exp(np.mean(np.log(ratios)))),
-        "round_ratios": ratios,
-        "noise": noise,
-        "slower": slower,
-        "faster": faster,
-    }
+    ratio = float(np.exp(np.mean(np.log(ratios))))
+    return {"ratio": ratio, "round_ratios": ratios, "noise": noise, "slower": slower, "faster": faster}
 
 
 def run(
@@ -76,17 +64,13 @@ def run(
     warmup: int = 10,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Every vs-vLLM cell (pools, backed tensors, writes and fused writes) on every tier the machine has (not
-    HOST on a GPU), ``rounds`` times, each side's classes standing in for vLLM's ``buffer_utils``."""
+    """Every vs-vLLM cell on every tier, ``rounds`` times, each side's classes as ``buffer_utils``."""
     import stagebuf
 
     with tempfile.TemporaryDirectory() as tmp:
         here = str(Path(stagebuf.__file__).resolve().parent.parent)  # the after side's own source
-        pkgs = (
-            load_copy(rev, "stagebuf_before", Path(tmp)),
-            stagebuf,
-            load_copy(here, "stagebuf_control", Path(tmp)),
-        )
+        at = Path(tmp)
+        pkgs = (load_copy(rev, "stagebuf_before", at), stagebuf, load_copy(here, "stagebuf_control", at))
         sides = [types.SimpleNamespace(**{n: getattr(p, n) for n in vllm_mrv2.SUBSTITUTED}) for p in pkgs]
         medians: dict[str, list[list[float]]] = {}
         for r in range(rounds):

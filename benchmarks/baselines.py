@@ -1,10 +1,6 @@
-"""What the micro and writes workloads compare stagebuf with, besides what they write themselves.
-
-* vLLM's own classes (:mod:`benchmarks.vllm_mrv2`, of ``release``), fetched at run time: MRV2's
-  ``UvaBufferPool`` with pinned memory and without (its NonUvaBuffer fallback), its ``StagedWriteTensor``, and
-  V1's ``CpuGpuBuffer`` (a fixed pinned buffer, one async copy per array).
-* ``uva_pool_cached``: MRV2's round-robin UVA pool on stagebuf's ``UvaBuffer`` (cached views, no guard): the
-  floor for "no tier slower".
+"""What the micro and writes workloads compare stagebuf with: vLLM's own classes (:mod:`benchmarks.vllm_mrv2`;
+MRV2's ``UvaBufferPool`` with and without pinned memory and ``StagedWriteTensor``, V1's ``CpuGpuBuffer``), a
+round-robin UVA pool without a guard (the floor for "no tier slower") and per-row copies.
 """
 
 from __future__ import annotations
@@ -76,8 +72,7 @@ def mrv2_uva_pool(
 def mrv2_fallback_pool(
     size: int, dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
 ) -> Any:
-    """vLLM's own UvaBufferPool without pinned memory: its NonUvaBuffer fallback (a copy per call; on a
-    CPU the CPU stands in for the device)."""
+    """vLLM's own UvaBufferPool without pinned memory: its NonUvaBuffer fallback."""
     return _vllm(device, False, False, release).buffer_utils.UvaBufferPool(size, dtype)
 
 

@@ -1,14 +1,10 @@
 """``python -m benchmarks.compare``: is a change slower than the noise? Bench reports, cell by cell.
 
-Give the reports of the code before and after a change, run on one machine and interleaved (before, after,
-before, after). Per cell (a strategy at a size, an engine setup's prep or buffer time, a vs-vLLM cell) a
-side's time is the geometric mean of its runs' medians (a run moves as a whole), the ratio after over before,
-and the noise how far the same code moved between its own runs (the largest ratio of two run medians of one
-side; with one run a side there is none: the command warns and flags no cell). A cell is *slower beyond noise*
-when every after run is above every before run and the ratio exceeds 1 plus the noise. Peers (vLLM's classes,
-the baselines, the floor) run the same code on both sides: their flags are the rate at which noise alone flags
-a cell. ``--drift`` divides each run's samples by its drift factor (the median over the peers' cells of that
-run's median over the cell's geometric mean across all runs): the machine as a whole moving between runs.
+Give reports of the code before and after a change, interleaved on one machine. Per cell a side's time is the
+geometric mean of its runs' medians, the noise the largest ratio of two run medians of one side; a cell is
+*slower beyond noise* when every after run is above every before run and after/before exceeds 1 plus the
+noise. Peers (vLLM's classes, the baselines, the floor) run the same code on both sides: their flags are the
+noise's rate. ``--drift`` divides each run by its drift factor (the peers' median move in that run).
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ class Cell:
         return max(spreads) if spreads else None
 
     def _beyond(self, up: bool) -> bool:
-        """Every run of one side above every run of the other (after above before: ``up``), by more than the
-        cell's noise; never without one (one run a side: nothing says how far the same code moves)."""
+        """Every run of one side above every run of the other by more than the (known) noise."""
         if self.noise is None:
             return False
         low, high = (self.before, self.after) if up else (self.after, self.before)
@@ -71,7 +66,7 @@ def _center(runs: list[Samples]) -> float:
 
 
 def cells_of(report: dict[str, Any], metric: str) -> Iterator[tuple[str, bool, Samples]]:
-    """Every cell of one report: (key, ours, samples in µs)."""
+    """Every cell of one report: (key, ours, samples in µs); a micro or writes cell's time is ``metric``."""
     sample_key = metric.replace("_us", "_samples_us")
     for wl, strategies in report.get("results", {}).items():
         for name, entry in strategies.items():
@@ -94,8 +89,7 @@ def cells_of(report: dict[str, Any], metric: str) -> Iterator[tuple[str, bool, S
 def pair(
     before: list[dict[str, Any]], after: list[dict[str, Any]], metric: str, drift: list[float] | None = None
 ) -> list[Cell]:
-    """The cells every report of both sets measured, in the first report's order; with ``drift`` (one
-    factor per report, before then after: see ``drift_factors``), each run's samples divided by its own."""
+    """The cells every report measured; each run's samples divided by its ``drift`` factor."""
     sides = [[{k: (o, s) for k, o, s in cells_of(r, metric)} for r in reports] for reports in (before, after)]
     first = sides[0][0]
     common = [k for k in first if all(k in run for side in sides for run in side)]
@@ -109,8 +103,7 @@ def pair(
 
 
 def drift_factors(cells: list[Cell]) -> list[float]:
-    """Per report (before, then after): the median over the peers' cells of that run's median divided by the
-    cell's geometric mean over every run; all 1.0 without peers."""
+    """Per report: the median over the peers' cells of its median over the cell's geomean."""
     peers = [c for c in cells if not c.ours]
     n = len(cells[0].before) + len(cells[0].after) if cells else 0
     if not peers:
@@ -144,8 +137,7 @@ ONE_RUN_WARNING = (
 
 
 def show(rows: list[dict[str, Any]], width: int) -> None:
-    """The 25 largest ratios of ``rows`` (each: cell, before and after µs, ratio, noise, slower, faster, and
-    ``ours`` where known) as a table (``python -m benchmarks.ab`` prints its cells so too)."""
+    """The 25 largest ratios of ``rows`` as a table (``python -m benchmarks.ab``'s too)."""
     ours = any("ours" in r for r in rows)
     head = ["cell", *(["ours"] if ours else []), "before µs", "after µs", "after/before", "noise", "verdict"]
     table = Table(*head)

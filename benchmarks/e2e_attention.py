@@ -1,16 +1,15 @@
 """Stand-ins for flash-attn's ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` as nano-vllm calls
 them, for the end-to-end benchmark where flash-attn does not install.
 
-Both take flash-attn's keyword names and follow its semantics (grouped-query attention, a bottom-right aligned
-causal mask, ``softmax_scale`` defaulting to ``D ** -0.5``, softmax in float32); any other argument raises
-``NotImplementedError``. One Triton kernel reads no device value on the host and sizes its grid from shapes,
-so a decode call can be captured in a CUDA graph; a padded row (``cache_seqlens == 0``) gives zeros. On the
-CPU it runs in Triton's interpreter (``TRITON_INTERPRET=1``). ``install(module)`` binds flash-attn's own
-functions where it imports, else these; ``backend()`` names which.
+Both follow flash-attn's semantics (grouped-query attention, a bottom-right aligned causal mask, softmax in
+float32; another argument raises ``NotImplementedError``) in one Triton kernel that reads no device value on
+the host (a decode call can be captured in a CUDA graph), interpreted on a CPU (``TRITON_INTERPRET=1``).
+``install(module)`` binds flash-attn's own functions where it imports, else these.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -24,23 +23,18 @@ try:
 except ImportError:  # (the kernel is defined all the same; running it needs Triton)
     tl = None
 
-STAND_IN_MARK = "__stagebuf_stand_in__"
-"""The attribute a stub ``flash_attn`` module carries: ``backend()`` does not take it for flash-attn."""
+STAND_IN_MARK = "__stagebuf_stand_in__"  # A stub ``flash_attn`` module's attribute: not flash-attn.
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-"""Query/key/value dtypes (flash-attn takes the first two; float32 is for tests)."""
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # flash-attn takes the first two; float32: tests
 
 PREFILL_BLOCK_M = 64  # Query rows per program in a varlen call.
-DECODE_BLOCK_M = 16
-"""Rows per program in a kvcache call: (query position, query head of the key head's group) pairs."""
-BLOCK_N = 64
-"""Keys per iteration (head dim <= 128; half above), halved until it divides the page size (>= 16)."""
+DECODE_BLOCK_M = 16  # Rows per program in a kvcache call: (query position, query head of the group) pairs.
+BLOCK_N = 64  # Keys per iteration (head dim <= 128; half above), halved until it divides the page size.
 NUM_WARPS = 4
 NUM_STAGES = 3
 
 _LOG2E = 1.4426950408889634
-Strides = tuple[int, ...]
 
 # ---------------------------------------------------------------------------------------------- kernel
 
@@ -81,15 +75,12 @@ def _attention_kernel(
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    # Program (m, b, x). DECODE (flash_attn_with_kvcache): x is a key head; row r of the program's rows is
-    # query position r // GROUP of sequence b for query head x * GROUP + r % GROUP (the group shares its
-    # keys, read once); seqlen_k is seqlens_k[b]. Else (varlen): x is a query head, rows are the query
-    # positions of sequence b (cu_q), keys from cu_k. PAGED: key j of sequence b is at page
-    # table[b, j // PAGE], slot j % PAGE (BLOCK_N divides PAGE, so one page per key block). INTERPRET
-    # (Triton's interpreter): the dots' operands in float32, as they were rounded (it multiplies bf16 as
-    # integers), and the row reductions by their combine functions, which it runs in numpy: tl.max, tl.sum
-    # (and tl.zeros, hence tl.full) are jit functions, which it cannot call where Triton was imported
-    # before TRITON_INTERPRET=1 was set.
+    # Program (m, b, x). DECODE (flash_attn_with_kvcache): x is a key head; row r is query position r // GROUP
+    # of sequence b for query head x * GROUP + r % GROUP (the group reads its keys once). Else (varlen): x is
+    # a query head, rows are sequence b's query positions (cu_q), keys from cu_k. PAGED: key j of sequence b
+    # is at page table[b, j // PAGE], slot j % PAGE. INTERPRET (Triton's interpreter): the dots' operands in
+    # float32 (it multiplies bf16 as integers) and the row reductions by their combine functions (tl.max,
+    # tl.sum, tl.zeros are jit functions it cannot call where Triton was imported before TRITON_INTERPRET=1).
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     x = tl.program_id(2)
@@ -185,26 +176,18 @@ def _attention_kernel(
     )
 
 
-_kernels: dict[bool, Any] = {}
-
-
+@functools.cache
 def _kernel(interpret: bool) -> Any:
-    """The kernel as Triton's ``JITFunction`` or, with ``interpret``, its CPU ``InterpretedFunction``
-    (chosen per call, so one process can run both; made once each)."""
-    k = _kernels.get(interpret)
-    if k is None:
-        if tl is None:
-            raise RuntimeError("the Triton stand-in for flash-attn needs triton")
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
+    """The kernel as Triton's ``JITFunction``, or (``interpret``) its ``InterpretedFunction``."""
+    if tl is None:
+        raise RuntimeError("the Triton stand-in for flash-attn needs triton")
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
 
-            k = InterpretedFunction(_attention_kernel)
-        else:
-            from triton.runtime.jit import JITFunction
+        return InterpretedFunction(_attention_kernel)
+    from triton.runtime.jit import JITFunction
 
-            k = JITFunction(_attention_kernel)
-        _kernels[interpret] = k
-    return k
+    return JITFunction(_attention_kernel)
 
 
 # ---------------------------------------------------------------------------------------- the calls
@@ -293,12 +276,12 @@ def flash_attn_varlen_func(
         kb, vb = k.stride(), v.stride()
     else:
         table, stride_tb, page, kb, vb = cu_seqlens_k, 0, block_n, (0, *k.stride()), (0, *v.stride())
-    _launch(
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, table, (-(-int(max_seqlen_q) // PREFILL_BLOCK_M), batch, h),
-        _scale(softmax_scale, d), 1, (0, *q.stride()[:2]), (0, *out.stride()[:2]), kb[:3], vb[:3], stride_tb,
-        group=h // k.shape[-2], page=page, block_m=PREFILL_BLOCK_M, block_n=block_n, decode=False,
-        paged=paged, causal=bool(causal),
-    )  # fmt: skip
+    grid = (-(-int(max_seqlen_q) // PREFILL_BLOCK_M), batch, h)
+    strides = (0, *q.stride()[:2], 0, *out.stride()[:2], *kb[:3], *vb[:3], stride_tb)
+    sizes = {"GROUP": h // k.shape[-2], "PAGE": page, "BLOCK_M": PREFILL_BLOCK_M, "BLOCK_N": block_n}
+    flags = {"DECODE": False, "PAGED": paged, "CAUSAL": bool(causal)}
+    tensors = (q, k, v, out, cu_seqlens_q, cu_seqlens_k, table)
+    _launch(grid, tensors, softmax_scale, 1, strides, sizes | flags)
     return out
 
 
@@ -334,79 +317,34 @@ def flash_attn_with_kvcache(
     block_n = _block_n(d, k_cache.shape[1] if paged else None)
     table = block_table if block_table is not None else cache_seqlens
     grid = (-(-(s * group) // DECODE_BLOCK_M), batch, k_cache.shape[2])
-    _launch(
-        q, k_cache, v_cache, out, cache_seqlens, cache_seqlens, table, grid, _scale(softmax_scale, d), s,
-        q.stride()[:3], out.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3],
-        table.stride(0) if paged else 0, group=group, page=k_cache.shape[1] if paged else block_n,
-        block_m=DECODE_BLOCK_M, block_n=block_n, decode=True, paged=paged, causal=bool(causal),
-    )  # fmt: skip
+    kv = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    strides = (*q.stride()[:3], *out.stride()[:3], *kv, table.stride(0) if paged else 0)
+    page = k_cache.shape[1] if paged else block_n
+    sizes = {"GROUP": group, "PAGE": page, "BLOCK_M": DECODE_BLOCK_M, "BLOCK_N": block_n}
+    flags = {"DECODE": True, "PAGED": paged, "CAUSAL": bool(causal)}
+    tensors = (q, k_cache, v_cache, out, cache_seqlens, cache_seqlens, table)
+    _launch(grid, tensors, softmax_scale, s, strides, sizes | flags)
     return out
 
 
-def _scale(softmax_scale: float | None, d: int) -> float:
-    return float(d**-0.5 if softmax_scale is None else softmax_scale)
-
-
 def _launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    cu_q: torch.Tensor,
-    seqlens_k: torch.Tensor,
-    table: torch.Tensor,
     grid: tuple[int, ...],
-    scale: float,
+    tensors: tuple[torch.Tensor, ...],
+    softmax_scale: float | None,
     seqlen_q_decode: int,
-    q_strides: Strides,
-    o_strides: Strides,
-    k_strides: Strides,
-    v_strides: Strides,
-    stride_tb: int,
-    *,
-    group: int,
-    page: int,
-    block_m: int,
-    block_n: int,
-    decode: bool,
-    paged: bool,
-    causal: bool,
+    strides: tuple[int, ...],
+    consts: dict[str, Any],
 ) -> None:
-    """The kernel on ``grid``; ``seqlens_k`` is ``cu_seqlens_k`` (varlen) or ``cache_seqlens`` (decode)."""
+    """The kernel on ``grid``: q, k, v, out, cu_q, seqlens_k and table, its strides and constants."""
+    q, k, v, out, cu_q, seqlens_k, table = tensors
     interpret = q.device.type != "cuda"
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
         why = f"the stand-in on {q.device} runs in Triton's interpreter: set TRITON_INTERPRET=1"
         raise NotImplementedError(why)
-    args = (
-        q,
-        k,
-        v,
-        out,
-        cu_q,
-        seqlens_k,
-        seqlens_k,
-        table,
-        scale * _LOG2E,
-        seqlen_q_decode,
-        *q_strides,
-        *o_strides,
-        *k_strides,
-        *v_strides,
-        stride_tb,
-    )
+    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale) * _LOG2E
+    args = (q, k, v, out, cu_q, seqlens_k, seqlens_k, table, scale, seqlen_q_decode, *strides)
     precision = "ieee" if q.dtype == torch.float32 or interpret else "tf32"
-    consts = dict(
-        GROUP=group,
-        HEAD_DIM=q.shape[-1],
-        PAGE=page,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DECODE=decode,
-        PAGED=paged,
-        CAUSAL=causal,
-        PRECISION=precision,
-        INTERPRET=interpret,
-    )
+    consts = consts | {"HEAD_DIM": q.shape[-1], "PRECISION": precision, "INTERPRET": interpret}
     if interpret:
         _kernel(True)[grid](*args, **consts)
         return
@@ -431,16 +369,13 @@ def _flash_attn() -> ModuleType | None:
 
 
 def backend() -> str:
-    """``"flash-attn <version>"`` where the real ``flash_attn`` imports (a module without
-    ``__stagebuf_stand_in__``), else ``"triton stand-in"``."""
+    """``"flash-attn <version>"`` where the real ``flash_attn`` imports, else ``"triton stand-in"``."""
     mod = _flash_attn()
     return "triton stand-in" if mod is None else f"flash-attn {getattr(mod, '__version__', '?')}"
 
 
 def install(module: ModuleType) -> str:
-    """Bind ``module.flash_attn_varlen_func`` and ``module.flash_attn_with_kvcache`` (nano-vllm's
-    ``nanovllm.layers.attention``) to flash-attn's where it imports, else to the stand-ins; returns
-    ``backend()``."""
+    """Bind ``module``'s two flash-attn functions to flash-attn's, else the stand-ins; ``backend()``."""
     source = _flash_attn() or sys.modules[__name__]
     for n in NAMES:
         setattr(module, n, getattr(source, n))

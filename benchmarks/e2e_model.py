@@ -1,12 +1,9 @@
 """A Qwen3 model folder for nano-vllm's end-to-end run, written at run time with random weights.
 
-``write_model(folder, shape, seed)`` writes ``config.json`` (Qwen3-0.6B's published fields, or the same
-architecture tiny for CPU tests) and ``model.safetensors`` (Hugging Face names, bfloat16, tied embeddings).
-The run hands the engine token ids: its tokenizer is :class:`TokenIds`. The weights are random (the GPU box
-has no network; the host path needs the model's shapes, dtype and cost, not its answers), each tensor from a
-generator seeded by the seed and its name: normal with Qwen3's ``initializer_range`` (norms 1), finite in
-bfloat16 and near-uniform after softmax, so sequences end by ``max_tokens``. A folder whose
-``stagebuf-model.json`` manifest matches (writer version, shape, seed, config, file sizes) is reused.
+``write_model(folder, shape, seed)`` writes ``config.json`` (Qwen3-0.6B's, or the same architecture tiny) and
+``model.safetensors``: each tensor drawn from a generator seeded by the seed and its name (the host path needs
+the model's shapes and cost, not its answers), reused where its manifest matches. Its tokenizer is
+:class:`TokenIds` (the run hands the engine token ids).
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ import torch
 
 from .fetch import put
 
-WRITER_VERSION = 4
-"""Bumped whenever the files written for a (shape, seed) change: an older folder is rewritten."""
+WRITER_VERSION = 4  # Bumped whenever the files written for a (shape, seed) change.
 INIT_STD = 0.02  # The std of every linear and embedding weight (Qwen3's ``initializer_range``); norms are 1.
 MANIFEST = "stagebuf-model.json"
 WEIGHTS = "model.safetensors"
@@ -45,7 +41,6 @@ SHAPES: dict[str, dict[str, Any]] = {
              "intermediate_size": 128, "max_window_layers": 2, "num_attention_heads": 4,
              "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 1000},
 }  # fmt: skip
-"""``config.json`` of each shape: Qwen3-0.6B's published one, and the same architecture tiny."""
 
 
 def parameter_shapes(shape: str) -> dict[str, tuple[int, ...]]:
@@ -82,8 +77,7 @@ def parameter_shapes(shape: str) -> dict[str, tuple[int, ...]]:
 
 
 def draw_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """One bfloat16 tensor as ``write_model`` writes it: RMSNorm weights 1, others normal (std ``INIT_STD``)
-    from a generator seeded by ``seed`` and ``name``."""
+    """One bfloat16 tensor: RMSNorm weights 1, others normal (``INIT_STD``) seeded by seed and name."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
     digest = hashlib.sha256(f"stagebuf-e2e-model/{seed}/{name}".encode()).digest()
@@ -92,8 +86,7 @@ def draw_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 class TokenIds:
-    """What nano-vllm's ``LLMEngine`` uses of a tokenizer (``LLM(model, tokenizer=...)``) when it is handed
-    token ids: ``eos_token_id`` (its ``config.eos``); text it neither encodes nor decodes here."""
+    """What nano-vllm's ``LLMEngine`` uses of a tokenizer when it is handed token ids."""
 
     def __init__(self, folder: str | os.PathLike[str]):
         self.eos_token_id: int = json.loads((Path(folder) / "config.json").read_text())["eos_token_id"]
@@ -119,9 +112,7 @@ def _matches(folder: Path, want: dict[str, Any]) -> bool:
 
 
 def write_model(folder: str | os.PathLike[str], shape: str = "qwen3-0.6b", seed: int = 0) -> Path:
-    """The model folder for ``shape`` with weights from ``seed``: reused where its manifest matches, else
-    written whole (:func:`benchmarks.fetch.put`). A folder that is neither empty nor one this wrote (a
-    manifest) raises ``FileExistsError``."""
+    """The model folder: reused where its manifest matches, else written (a foreign one raises)."""
     if shape not in SHAPES:
         raise KeyError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
     folder = Path(folder)

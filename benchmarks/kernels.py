@@ -1,10 +1,8 @@
 """``python -m benchmarks.kernels``: which staged-write kernel is cheaper per shape; what ``auto`` costs.
 
-A cell is T targets (int32 tables of 4096 x 64) and E edits of L values spread over them, applied by one
-writer (a ``StagedWriteTensor``, or a ``FusedStagedWriter`` for more targets). Three writers take turns, the
-order rotating each step: the kernel forced to ``scatter``, to ``triton`` (``STAGEBUF_WRITE_KERNEL``) and left
-to ``auto``. A step stages the edits untimed, then times the apply on an idle GPU; a side's time is its median
-apply. The table gives triton/scatter, the kernel ``auto`` ran and auto over the faster forced kernel.
+A cell is E edits of L values over T int32 tables of 4096 x 64, applied by one writer (``FusedStagedWriter``
+for T > 1) with the kernel forced to ``scatter``, to ``triton`` or left to ``auto``, the three in turns: each
+stages untimed, then times the apply on an idle GPU. The table gives triton/scatter and what ``auto`` ran.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ ROWS, COLS = 4096, 64
 
 
 def writer(device: torch.device, targets: int, edits: int, length: int, kernel: str) -> tuple[Any, ...]:
-    """(stage(i), apply(i), the target tensors, the writer) of one side of the cell, made with ``kernel``
-    forced: a StagedWriteTensor for one target, else a FusedStagedWriter."""
+    """(stage(i), apply(i), the targets, the writer) of one side of the cell, with ``kernel`` forced."""
     import stagebuf
 
     rng = np.random.default_rng(edits * 100 + length)
@@ -54,17 +51,11 @@ def writer(device: torch.device, targets: int, edits: int, length: int, kernel: 
 
 
 def cell(device: torch.device, targets: int, edits: int, length: int, steps: int) -> dict[str, Any]:
-    """The median apply (µs) of each kernel (:func:`benchmarks.harness.turns`: the staging untimed, each
-    apply on an idle device), and the kernel ``auto`` ran."""
+    """The median apply (µs) of each kernel, the staging untimed, and the kernel ``auto`` ran."""
     stages, applies, _, writers = zip(*(writer(device, targets, edits, length, k) for k in KERNELS))
     us = turns(list(applies), device, steps, 10, prep=list(stages))
-    return {
-        "targets": targets,
-        "edits": edits,
-        "length": length,
-        "us": dict(zip(KERNELS, us)),
-        "auto_ran": writers[2].kernel,
-    }
+    sizes = {"targets": targets, "edits": edits, "length": length}
+    return sizes | {"us": dict(zip(KERNELS, us)), "auto_ran": writers[2].kernel}
 
 
 def run(device: torch.device, tiers: list[str], steps: int, log: Callable[[str], None] = print) -> list[dict]:

@@ -1,10 +1,9 @@
 """The micro workload: K int32 arrays of N staged per step, then one op reading them all.
 
-Measures what getting a step's small arrays to the device costs: per-array copies (a tensor from a list, a
-pinned tensor, vLLM's ``CpuGpuBuffer``), vLLM's ``UvaBufferPool`` (with and without pinned memory), a
-round-robin UVA pool without a guard, and stagebuf's ``UvaBufferPool`` and ``StepStager`` on each tier; the
-floor is the consumer alone, its data already on the device. Each case checks the device data after timing.
-The guard variants (``guard="wait"`` and ``"off"``) give the guard's cost (:func:`guard_cost`).
+Per-array copies (a tensor from a list, a pinned tensor, vLLM's ``CpuGpuBuffer``), vLLM's ``UvaBufferPool``
+(with and without pinned memory), a UVA pool without a guard, and stagebuf's ``UvaBufferPool`` and
+``StepStager`` on each tier, against the floor (the consumer alone); each case checks the device data after
+timing. The guard variants (``guard="wait"`` and ``"off"``) give the guard's cost (:func:`guard_cost`).
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ def case(
     run: Callable[[], list[torch.Tensor]],
     stats: Callable[[], dict[str, Any]] = dict,
 ) -> Case:
-    """A step stages every array (``run``) and sums their concatenation on the device; after timing,
-    each staged array must equal its source."""
+    """A step stages every array and sums them on the device; after timing each must equal its source."""
 
     def step() -> object:
         ts = run()
@@ -222,9 +220,7 @@ WHY = {
 
 
 def targets(results: dict[str, Any], tiers_run: Sequence[Tier]) -> dict[str, dict[str, Any]]:
-    """The micro targets (:data:`TARGETS`; against per-array pinned copies, also the ratio to nano-vllm's
-    flavour of them, ``vs_pinned_tensor_per_array``, for reference), and each tier's step time against a
-    UVA pool's."""
+    """The micro targets (:data:`TARGETS`), and each tier's step time against a UVA pool's."""
     out = {}
     for name, (needs, num, den, goal) in TARGETS.items():
         out[name] = T.ratio(WHAT[name], results, "micro", SIZE, num, den, "staging", "<=", goal)
@@ -234,20 +230,8 @@ def targets(results: dict[str, Any], tiers_run: Sequence[Tier]) -> dict[str, dic
             out[name]["vs_pinned_tensor_per_array"] = alt.get("measured")
     parts = []
     for t in tiers_run:
-        what = f"micro: {t.name} StepStager / MRV2-style UVA pool"
-        parts.append(
-            T.ratio(
-                what,
-                results,
-                "micro",
-                SIZE,
-                f"stager_{t.name.lower()}",
-                "uva_pool_per_array",
-                "step",
-                "<=",
-                1.10,
-            )
-        )
+        what, num = f"micro: {t.name} StepStager / MRV2-style UVA pool", f"stager_{t.name.lower()}"
+        parts.append(T.ratio(what, results, "micro", SIZE, num, "uva_pool_per_array", "step", "<=", 1.10))
     what = "every tier's StepStager step time / the MRV2-style UVA pool's (micro K=8 N=64); the worst"
     worst = lambda p: f"micro {p['numerator']}"
     e = out["no_tier_slower_than_uva_pool"] = T.worst_of(

@@ -1,10 +1,7 @@
 """docs/BENCHMARKS.md's tables, made from the committed reports (:func:`benchmarks.report.docs_tables`).
 
-    python -m benchmarks.render_docs [REPORT] [--doc PATH] [--e2e REPORT] [--check]
-
-REPORT (default ``benchmarks/results/h200.json``) fills the doc between ``<!-- tables:begin -->`` and ``<!--
-tables:end -->``, the end-to-end report (``h200-e2e.json``) between ``<!-- e2e:begin -->`` and ``<!-- e2e:end
--->``. ``--check`` changes nothing and exits 1 when the doc's tables are not the reports'.
+``python -m benchmarks.render_docs [REPORT] [--e2e REPORT] [--check]`` fills the doc between its ``tables``
+and ``e2e`` markers; ``--check`` changes nothing and exits 1 when the doc's tables are not the reports'.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ def _between(doc: str, begin: str, end: str, text: str) -> str:
 
 
 def render(doc: str, report: dict[str, Any], e2e: dict[str, Any] | None = None) -> str:
-    """``doc`` with the text between its markers replaced by :func:`tables` (and, given an end-to-end
-    report, its Markdown between the e2e markers); ValueError without them."""
+    """``doc`` with the text between its markers replaced by the reports' tables."""
     doc = _between(doc, BEGIN, END, tables(report))
     return doc if e2e is None else _between(doc, E2E_BEGIN, E2E_END, R.e2e_markdown(e2e))
 

@@ -1,10 +1,8 @@
 """Every table the bench prints or writes, from a report: the console, Markdown, figures and the docs.
 
-A table is ``(title, header, rows)`` of Markdown cells. :func:`tables` gives a bench report's (micro, writes,
-engine, nano-vllm, vs vLLM, guard cost): every size and GPU state it has, or (``every=False``) the selection
-docs/BENCHMARKS.md shows (:func:`docs_tables`, with every current target). :func:`render` prints them with the
-targets, each miss's reason and what was skipped; :func:`markdown` writes the same; :func:`plot` draws one
-figure per workload; :func:`e2e_markdown` and :func:`e2e_plot` are the end-to-end report's.
+A table is ``(title, header, rows)`` of Markdown cells; :func:`tables` gives a bench report's, all of them or
+(``every=False``) the selection docs/BENCHMARKS.md shows (:func:`docs_tables`). :func:`render` prints them,
+:func:`markdown` writes them, :func:`plot` draws them; ``e2e_*`` are the end-to-end report's.
 """
 
 from __future__ import annotations
@@ -13,13 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from . import targets as T
+from .engine import SECTIONS
 from .writes import WriteCell
 
 Table = tuple[str, list[str], list[list[str]]]
 WORKLOADS = ("micro", "writes")
 UNITS = {"micro": "µs per step", "writes": "µs per apply"}
-SECTIONS = ("request_writes", "sampler_publish", "block_tables", "per_step_copies")
-"""The parts of the engine workload's buffer work (``engine.SECTIONS``)."""
 PLOT_HINT = "--plot needs matplotlib: bash scripts/setup.sh bench (or pip install -r requirements/bench.txt)"
 
 
@@ -32,8 +29,7 @@ def _cells(data: dict[str, Any]) -> set[WriteCell]:
 
 
 def _micro(report: dict[str, Any], every: bool) -> list[Table]:
-    """micro: each strategy's staging cost (the floor: its step time), at :data:`MICRO_SIZES` (``every``:
-    at every N the run has)."""
+    """micro: each strategy's staging cost (the floor: its step time) at :data:`MICRO_SIZES` (or every N)."""
     data, cfg = report.get("results", {}).get("micro"), report.get("config", {})
     if not data:
         return []
@@ -50,8 +46,7 @@ def _micro(report: dict[str, Any], every: bool) -> list[Table]:
 
 
 def _writes(report: dict[str, Any], every: bool) -> list[Table]:
-    """writes: µs per apply of each strategy, a column per E, for L = :data:`WRITES_LENGTH` less the other
-    tiers' per-edit rows (``every``: a table per L, every row)."""
+    """writes: µs per apply, a column per E, at L = :data:`WRITES_LENGTH` (``every``: each L)."""
     data = report.get("results", {}).get("writes")
     if not data:
         return []
@@ -72,9 +67,7 @@ def _writes(report: dict[str, Any], every: bool) -> list[Table]:
 
 
 def _engine(eng: dict[str, Any], every: bool) -> list[Table]:
-    """One release's engine run: each setup's host preparation and buffer work, µs per step on the busy GPU
-    (``every``: the idle GPU too); the report keeps each part's time too (``benchmarks.engine_profile``
-    profiles them)."""
+    """One engine run: each setup's preparation and buffer work, µs per step, busy (and idle) GPU."""
     meds, checks = eng.get("medians", {}), eng.get("checks", [])
     if not meds:
         return []
@@ -103,8 +96,7 @@ def _length(case: str) -> int | None:
 
 
 def _vs_vllm(report: dict[str, Any], every: bool) -> list[Table]:
-    """The vs-vLLM cells: :data:`VS_VLLM_PEERS`' columns, edits of L = :data:`WRITES_LENGTH` (``every``:
-    all)."""
+    """The vs-vLLM cells: :data:`VS_VLLM_PEERS`' columns, edits of L = :data:`WRITES_LENGTH` (or all)."""
     med = (report.get("vs_vllm") or {}).get("median_us", {})
     if not med:
         return []
@@ -129,23 +121,16 @@ def _guard(report: dict[str, Any]) -> list[Table]:
 
 
 def nanovllm_tables(report: dict[str, Any]) -> list[Table]:
-    """The nano-vllm workload: each setup's prefill and decode preparation (and the prefill floor); the
-    device-side writes into the graph inputs per graph-replayed decode step."""
+    """The nano-vllm workload: each setup's preparation; the writes into the graph inputs."""
     res = report.get("nanovllm") or {}
     meds = res.get("medians", {})
     if not meds:
         return []
     modes = [m for m in ("idle", "busy") if any(k.endswith(f"|{m}") for k in meds)]
     shown = [*res.get("setups", []), *(["floor"] if any(k.startswith("floor|") for k in meds) else [])]
-    rows = []
-    for s in shown:
-        got = [meds.get(f"{s}|{m}", {}).get(k) for k in ("prefill_us", "decode_us") for m in modes]
-        rows.append(
-            [
-                f"`{s}`" if s != "floor" else "`floor (token lists into one array)`",
-                *("-" if v is None or v != v else f"{v:.1f}" for v in got),
-            ]
-        )
+    name = lambda s: f"`{s}`" if s != "floor" else "`floor (token lists into one array)`"
+    got = lambda s: [meds.get(f"{s}|{m}", {}).get(k) for k in ("prefill_us", "decode_us") for m in modes]
+    rows = [[name(s), *("-" if v is None or v != v else f"{v:.1f}" for v in got(s))] for s in shown]
     checks = res.get("checks", [])
     title = (
         f"nanovllm: {res.get('nanovllm_version')} input preparation, host µs per step (median of "
@@ -171,8 +156,7 @@ def nanovllm_tables(report: dict[str, Any]) -> list[Table]:
 
 
 def tables(report: dict[str, Any], every: bool = True) -> list[Table]:
-    """Every table of a bench report but the targets, in the order shown (``every``: every size, length, case
-    and GPU state the report has; else the selection docs/BENCHMARKS.md shows)."""
+    """Every table of a bench report but the targets (``every``: all it has; else the docs' selection)."""
     out = _micro(report, every) + _writes(report, every)
     for eng in [report.get("engine") or {}, *(report.get("engine_also") or {}).values()]:
         out += _engine(eng, every)
@@ -222,15 +206,8 @@ def render(report: dict[str, Any], console: Any) -> None:
             tab.add_row(*map(plain, cells))
         console.print(tab)
     caption = "measured: a ratio of e2e µs; (…): the worst part of a target made of parts"
-    tab = Rich(
-        "target",
-        "measured",
-        "goal",
-        "result",
-        title=f"targets (device {report['device']})",
-        title_justify="left",
-        caption=caption,
-    )
+    head = ("target", "measured", "goal", "result")
+    tab = Rich(*head, title=f"targets (device {report['device']})", title_justify="left", caption=caption)
     marks = {
         "pass": "[green]pass[/]",
         "fail": "[red]FAIL[/]",
@@ -245,8 +222,7 @@ def render(report: dict[str, Any], console: Any) -> None:
 
 
 def md_table(head: list[str], rows: list[list[str]], pipes: bool = True) -> list[str]:
-    """A GitHub table; without ``pipes``, without the optional outer pipes (the docs' word budget counts each
-    pipe)."""
+    """A GitHub table; without ``pipes``, without the outer pipes (the docs' word budget counts them)."""
     if not pipes:
         return [" | ".join(head), "|".join("---" for _ in head), *(" | ".join(r) for r in rows), ""]
     return [f"| {' | '.join(head)} |", "|" + "---|" * len(head), *(f"| {' | '.join(r)} |" for r in rows), ""]
@@ -280,15 +256,13 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot_paths(path: str, report: dict[str, Any]) -> list[Path]:
-    """The files :func:`plot` writes for ``path`` (``bench.png``): ``bench-micro.png`` and so on, one per
-    workload the report has."""
+    """The files :func:`plot` writes for ``path`` (``bench.png``): ``bench-micro.png``, one per workload."""
     p, res = Path(path), report.get("results", {})
     return [p.with_name(f"{p.stem}-{w}{p.suffix or '.png'}") for w in WORKLOADS if res.get(w)]
 
 
 def plot(report: dict[str, Any], path: str) -> list[Path]:
-    """One figure per workload, legible at a page's width: µs against size, a line per strategy, log axes
-    (writes: a panel per L, against E). Raises ImportError without matplotlib."""
+    """One figure per workload: µs against size, a line per strategy, log axes (writes: a panel per L)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -322,14 +296,11 @@ def plot(report: dict[str, Any], path: str) -> list[Path]:
 
 # --- docs/BENCHMARKS.md: a compact selection ---------------------------------------------------------
 
-WRITES_LENGTH = 8
-"""The docs' staged-write and vs-vLLM tables show edits of this many elements (where the run has them)."""
+WRITES_LENGTH = 8  # The docs' staged-write and vs-vLLM tables show edits of this many elements.
 NA = {"cuda": "n/a (GPU only)", "cpu": "n/a (CPU only)"}
 MICRO_SIZES = (64, 32768)  # The micro table's columns, where the report has them (else every size it has).
-OTHER_TIERS = ("_pinned", "_pageable")
-"""Staged-write rows of these tiers are left out of the writes table (the vs-vLLM table has them)."""
-VS_VLLM_PEERS = ("vllm_uva", "stagebuf_uva", "vllm_nopin", "stagebuf_pageable")
-"""The vs-vLLM table's columns, where the report has them (else every peer it has)."""
+OTHER_TIERS = ("_pinned", "_pageable")  # Staged-write rows left out of the docs' writes table.
+VS_VLLM_PEERS = ("vllm_uva", "stagebuf_uva", "vllm_nopin", "stagebuf_pageable")  # the docs' vs-vLLM columns
 VS_VLLM_LEFT_OUT = ("pool|k1", "backed|k1")  # vs-vLLM cases left out (the targets use the K=8 cases).
 
 
@@ -347,8 +318,7 @@ def _docs_targets(report: dict[str, Any], current: set[str]) -> list[str]:
 
 
 def docs_tables(report: dict[str, Any], current: set[str]) -> str:
-    """The Markdown docs/BENCHMARKS.md shows of one bench report: the run, the ``current`` targets (the others
-    named), and per workload the columns a reader compares."""
+    """The Markdown docs/BENCHMARKS.md shows of one report: the run, its targets and tables."""
     v = report.get("versions", {})
     dirty = " (dirty tree)" if report.get("dirty") else ""
     lines = [
@@ -438,8 +408,7 @@ def e2e_plot(report: dict[str, Any], path: Path) -> None:
 
 
 def profile_markdown(report: dict[str, Any], k: int = 6) -> str:
-    """An engine profile (``benchmarks.engine_profile``) as Markdown: per run, each part's µs (unprofiled),
-    its floor, and its top functions."""
+    """An engine profile (``benchmarks.engine_profile``): per run, each part's µs, floor and top functions."""
     lines = []
     for key, r in report["runs"].items():
         head = "part | µs | floor µs | top functions (calls, own µs per step)"

@@ -1,10 +1,8 @@
 """The bench's targets: a measured ratio (or time) against a goal, how each is judged, and the verdict.
 
-A target is a dict in ``report["ratios"]``: ``description``, ``workload``, ``op`` and ``target`` (the goal),
-``measured``, ``passed`` and ``status``: 'pass' or 'fail', 'info' (printed, not judged: a ``--quick`` run on a
-CPU), 'skipped' (not measured) or 'n/a' (defined for another device: ``needs``). A target made of parts
-measures its worst part; ``why`` says what a miss means. The last line says the verdict and the exit status (0
-on a miss unless ``--strict``).
+A target is a dict in ``report["ratios"]``: ``description``, ``op`` and ``target`` (the goal), ``measured``,
+``passed`` and ``status`` ('pass', 'fail', 'info': a ``--quick`` CPU run, not judged; 'skipped': not measured;
+'n/a': defined for another device); a target made of parts measures its worst; ``why`` says what a miss means.
 """
 
 from __future__ import annotations
@@ -35,9 +33,7 @@ NA_DROP = (
     "worst",
     "worst_size",
     "worst_note",
-    "breakdown",
     "vs_pinned_tensor_per_array",
-    "naive_candidates_us",
 )
 """What a target that does not apply to the run's device keeps no longer."""
 INFO_WHY = (
@@ -62,8 +58,7 @@ def target(
     missing: str = "",
     why: str = "",
 ) -> dict[str, Any]:
-    """A target from one measured value (None, or NaN: not measured in this run, ``missing`` says what it
-    needs); ``note`` names the worst part, ``why`` what a miss means."""
+    """A target from one measured value (None or NaN: not measured, ``missing`` says what it needs)."""
     e: dict[str, Any] = {"description": description, "workload": workload, "op": op, "target": goal}
     if value is None or value != value:
         return {
@@ -96,42 +91,25 @@ def ratio(
     op: str,
     goal: float,
 ) -> dict[str, Any]:
-    """``num / den`` of the bench's results, ``metric`` 'staging' (minus the floor) or 'step', at ``size``:
-    device-synchronised µs measured, host µs beside it."""
+    """``num / den`` of ``metric`` ('staging' or 'step') at ``size``: synchronised µs, host µs beside."""
     key = {"staging": "staging_{}_us", "step": "{}_us"}[metric]
-    e: dict[str, Any] = {
-        "description": description,
-        "workload": wl,
-        "size": size,
-        "metric": f"{metric} (e2e µs)",
-        "numerator": num,
-        "denominator": den,
-        "op": op,
-        "target": goal,
-    }
     nv, dv = (_value(results, wl, s, size, key.format("e2e")) for s in (num, den))
     nh, dh = (_value(results, wl, s, size, key.format("host")) for s in (num, den))
-    e.update(numerator_us=nv, denominator_us=dv)
-    if nv is None or dv is None:
-        missing = [f"{wl} {s} at {SIZE_NAMES[wl]}={size}" for s, v in ((num, nv), (den, dv)) if v is None]
-        return {
-            **e,
-            "measured": None,
-            "passed": None,
-            "missing": missing,
-            "skipped": f"not measured in this run: {', '.join(missing)}",
-        }
-    if dv <= 0:
-        why = f"{den} is not above the floor ({dv} µs): no ratio"
-        return {**e, "measured": None, "passed": None, "skipped": why}
-    e["measured"] = round(nv / dv, 4)
-    e["measured_host"] = round(nh / dh, 4) if nh is not None and dh and dh > 0 else None
-    e["passed"] = meets(nv / dv, op, goal)
+    missing = [f"{wl} {s} at {SIZE_NAMES[wl]}={size}" for s, v in ((num, nv), (den, dv)) if v is None]
+    ok = nv is not None and dv is not None and dv > 0
+    e = target(description, wl, nv / dv if ok else None, op, goal, missing=", ".join(missing))
+    e |= {"size": size, "metric": f"{metric} (e2e µs)", "numerator": num, "denominator": den}
+    e |= {"numerator_us": nv, "denominator_us": dv}
+    if missing:
+        e["missing"] = missing
+    elif not ok:
+        e["skipped"] = f"{den} is not above the floor ({dv} µs): no ratio"
+    else:
+        e["measured_host"] = round(nh / dh, 4) if nh is not None and dh and dh > 0 else None
     return e
 
 
-SIZE_NAMES = {"micro": "N", "writes": "ExL"}
-"""How a workload's size keys read: N, or "ExL" (E edits of L elements, e.g. "256x8")."""
+SIZE_NAMES = {"micro": "N", "writes": "ExL"}  # How a workload's size keys read ("ExL": E edits of L).
 
 
 def worst_of(
@@ -143,8 +121,7 @@ def worst_of(
     none_why: str,
     note: Callable[[dict[str, Any]], str],
 ) -> dict[str, Any]:
-    """A target made of ``parts`` (each a target): the worst part is ``measured`` (``note`` of it the tables'
-    ``worst_note``), it passes if all measured parts pass; none measured: skipped."""
+    """A target made of ``parts``: the worst measured, passed if all measured parts pass."""
     got = [p for p in parts if p.get("measured") is not None]
     w = (max if op == "<=" else min)(got, key=lambda p: p["measured"]) if got else None
     e: dict[str, Any] = {
@@ -164,8 +141,7 @@ def worst_of(
 
 
 def na_reason(needs: str | None, device: str) -> str | None:
-    """Why a target defined for ``needs`` ('cuda', 'cpu' or None) does not apply on ``device`` (None: it
-    does)."""
+    """Why a target for ``needs`` ('cuda', 'cpu' or None) does not apply on ``device``, or None."""
     kind = device.split(":", 1)[0]
     if needs == "cuda" and kind != "cuda":
         return f"needs a CUDA device; this run's device is {device}"

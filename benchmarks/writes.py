@@ -1,11 +1,9 @@
 """The staged-writes workload: E edits of L elements (distinct rows) staged, then applied once per step.
 
-A sweep over every E x L (:class:`WriteCell`) of a 2-D int32 device table: per-row indexed copies (one host
-write and one copy per edit), vLLM MRV2's own ``StagedWriteTensor``, and stagebuf's ``StagedWriteTensor`` on
-each tier, edit by edit from lists (``staged_write_*``) or all at once from arrays (``staged_writes_*``), on
-UVA also with each apply kernel forced. Steps alternate two sets of values; after timing the table must equal
-the numpy model. The stage-only runs time ``stage_write`` calls alone (then ``clear_staged_writes``): what of
-a step is staging and what is the apply.
+Every E x L (:class:`WriteCell`) of a 2-D int32 device table: per-row indexed copies, vLLM MRV2's own
+``StagedWriteTensor``, and stagebuf's on each tier, from lists (``staged_write_*``) or arrays
+(``staged_writes_*``), on UVA also with each apply kernel forced; after timing the table must equal the numpy
+model. The stage-only runs time ``stage_write`` calls alone: what of a step is staging.
 """
 
 from __future__ import annotations
@@ -45,13 +43,11 @@ class WriteCell:
 
 
 RATIO_CELL = WriteCell(256, 1)  # staged_write_256_speedup's cell: 256 one-element edits.
-STAGE_ONLY_CELL = WriteCell(256, 8)
-"""stage_write_8_ints_us: 256 stage_write calls of 8-int lists, then clear_staged_writes()."""
+STAGE_ONLY_CELL = WriteCell(256, 8)  # stage_write_8_ints_us's cell
 
 
 def write_shape(cell: WriteCell) -> tuple[int, int]:
-    """max(4096, E) rows (edits go to distinct rows) and max(64, 2 L) columns (an edit's start has at
-    least L + 1 choices)."""
+    """max(4096, E) rows (each edit its own) and max(64, 2 L) columns."""
     return max(4096, cell.edits), max(64, 2 * cell.length)
 
 
@@ -62,8 +58,7 @@ class WriteSets:
     rows: np.ndarray  # int64 [E], distinct.
     starts: np.ndarray  # int64 [E], each in [0, cols - L].
     values: list[np.ndarray]  # Per set: int32 [E, L].
-    lists: list[list[tuple[int, int, list[int]]]]
-    """Per set, the same edits as Python ints and lists (what per-edit staging gets)."""
+    lists: list[list[tuple[int, int, list[int]]]]  # Per set, the edits as Python ints and lists.
     want: np.ndarray  # The table after the second set.
 
 
@@ -138,8 +133,7 @@ def row_copy(env: Env, cell: WriteCell) -> Case:
 
 
 def staged(env: Env, cell: WriteCell, kernel: str | None = None, batched: bool = False) -> Case:
-    """StagedWriteTensor: one ``stage_write(row, start, list)`` per edit (``batched``: one
-    ``stage_writes(rows, starts, values[E, L])`` from numpy), then ``apply_write()``."""
+    """StagedWriteTensor: ``stage_write`` per edit (``batched``: ``stage_writes``), then the apply."""
     ws = write_sets(env, cell)
     sw = staged_write_tensor(write_shape(cell), env.device, kernel)
     stage = per_edit(sw.stage_write, ws)
@@ -157,14 +151,9 @@ def mrv2(env: Env, cell: WriteCell) -> Case:
     """vLLM's own StagedWriteTensor: one stage_write per edit from Python lists, then apply_write."""
     ws = write_sets(env, cell)
     sw = BL.mrv2_staged_write(write_shape(cell), torch.int32, env.device)
+    peer = lambda: {"peer": f"vLLM {vllm_mrv2.NEWEST}"}
     return case(
-        "mrv2_staged_write",
-        cell,
-        ws,
-        per_edit(sw.stage_write, ws),
-        sw.apply_write,
-        lambda: sw.gpu,
-        lambda: {"peer": f"vLLM {vllm_mrv2.NEWEST}"},
+        "mrv2_staged_write", cell, ws, per_edit(sw.stage_write, ws), sw.apply_write, lambda: sw.gpu, peer
     )
 
 
@@ -244,8 +233,7 @@ PER_CELL = (  # name, description, stagebuf's strategy, which cells, goal
        "StagedWriteTensor on UVA, every cell", f"staged_write_{t.lower()}", "any cell", 0.8)
       for t in ("PINNED", "PAGEABLE")),
 )  # fmt: skip
-"""Targets against vLLM MRV2's StagedWriteTensor, cell by cell of the sweep: the worst cell is measured.
-(Per-call stage_write at E >= 256 against MRV2 is retired for vs_vllm's ``vllm_staged_write_per_cell``.)"""
+"""Targets against vLLM MRV2's StagedWriteTensor, cell by cell of the sweep: the worst cell is measured."""
 WHY = {
     "staged_write_256_speedup": "batching 256 small edits into one apply gains less over per-row indexed "
     "copies than claimed",
@@ -263,14 +251,12 @@ WHY = {
     "fixed cost on tier HOST",
 }
 NEEDS = {"staged_write_256_speedup": None, "stage_write_8_ints_us": None, "host_one_edit_vs_row_copy": "cpu"}
-"""The device each target is defined for where it is not 'cuda'."""
 
 
 def targets(
     results: dict[str, Any], stage_only: dict[str, Any], tiers_run: Sequence[Tier], cells: Sequence[WriteCell]
 ) -> dict[str, dict[str, Any]]:
-    """The writes targets: against per-row copies, against MRV2's StagedWriteTensor (:data:`PER_CELL`), a
-    ``stage_write`` call's host time, and one edit on the CPU."""
+    """The writes targets: against row copies, against MRV2's, a ``stage_write`` call, a CPU edit."""
     sw = f"staged_write_{tiers_run[0].name.lower()}" if tiers_run else "staged_write_uva"
     rc, n = str(RATIO_CELL), RATIO_CELL.edits
     what = (

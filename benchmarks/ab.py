@@ -84,22 +84,13 @@ def run(
                     medians.setdefault(f"{name} {t}", []).append(got)
             log(f"ab round {r + 1}/{rounds} done")
     cells = [{"cell": k, "medians_us": m, **verdict(m)} for k, m in medians.items()]
-    return {
-        "before": rev,
-        "device": str(device),
-        "rounds": rounds,
-        "steps": steps,
-        "sides": SIDES,
-        "cells": cells,
-    }
+    out = {"before": rev, "device": str(device), "rounds": rounds, "steps": steps}
+    return out | {"sides": SIDES, "cells": cells}
 
 
 @click.command()
 @click.option(
-    "--before",
-    "rev",
-    required=True,
-    help="The old code: a git revision, or a directory holding its stagebuf package.",
+    "--before", "rev", required=True, help="The old code: a git revision, or a folder holding a stagebuf."
 )
 @click.option("--rounds", default=3, show_default=True, help="Rounds over every cell, fresh objects each.")
 @click.option("--steps", default=60, show_default=True, help="Timed steps a side per cell and round.")

@@ -37,9 +37,6 @@ class RoundRobinPool:
         return buf.uva(n)
 
 
-uva_pool_cached = RoundRobinPool
-
-
 class RowCopyTable:
     """An engine's table: a host copy edited in place, one indexed row copy per edit (writes)."""
 
@@ -55,40 +52,31 @@ class RowCopyTable:
         self.dev[row, start:end].copy_(self.cpu[row, start:end], non_blocking=self.non_blocking)
 
 
-def _vllm(device: torch.device, pin: bool, uva: bool | None = None, release: str = vllm_mrv2.NEWEST) -> Any:
-    """vLLM ``release``'s modules, on a machine with or without pinned memory."""
-    return vllm_mrv2.load("vllm", pin=pin, device=device, uva=uva, release=release)
+def _bu(device: torch.device, pin: bool, uva: bool | None = None) -> Any:
+    """vLLM's ``buffer_utils``, on a machine with or without pinned memory."""
+    return vllm_mrv2.load("vllm", pin=pin, device=device, uva=uva).buffer_utils
 
 
-def mrv2_uva_pool(
-    size: int, dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
-) -> Any:
+def mrv2_uva_pool(size: int, dtype: torch.dtype, device: torch.device) -> Any:
     """vLLM's own UvaBufferPool with pinned memory: device views of pinned slots, round robin."""
     if device.type != "cuda":
         raise ValueError(f"vLLM's UVA pool needs a CUDA device; got {device}")
-    return _vllm(device, True, release=release).buffer_utils.UvaBufferPool(size, dtype)
+    return _bu(device, True).UvaBufferPool(size, dtype)
 
 
-def mrv2_fallback_pool(
-    size: int, dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
-) -> Any:
+def mrv2_fallback_pool(size: int, dtype: torch.dtype, device: torch.device) -> Any:
     """vLLM's own UvaBufferPool without pinned memory: its NonUvaBuffer fallback."""
-    return _vllm(device, False, False, release).buffer_utils.UvaBufferPool(size, dtype)
+    return _bu(device, False, False).UvaBufferPool(size, dtype)
 
 
-def mrv2_staged_write(
-    shape: tuple[int, int], dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
-) -> Any:
+def mrv2_staged_write(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Any:
     """vLLM's own StagedWriteTensor (pinned memory and UVA where the device has them)."""
-    bu = _vllm(device, device.type == "cuda", release=release).buffer_utils
-    return bu.StagedWriteTensor(shape, dtype, device)
+    return _bu(device, device.type == "cuda").StagedWriteTensor(shape, dtype, device)
 
 
-def cpu_gpu_buffer(
-    size: int, dtype: torch.dtype, device: torch.device, release: str = vllm_mrv2.NEWEST
-) -> Any:
+def cpu_gpu_buffer(size: int, dtype: torch.dtype, device: torch.device) -> Any:
     """vLLM V1's own CpuGpuBuffer: one async copy per ``copy_to_gpu(n)``."""
-    return _vllm(device, True, release=release).CpuGpuBuffer(size, dtype=dtype, device=device)
+    return vllm_mrv2.load("vllm", device=device).CpuGpuBuffer(size, dtype=dtype, device=device)
 
 
 def triton_error() -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
 import os
 import platform
@@ -174,22 +175,15 @@ def plan(cfg: BenchConfig, m: Machine) -> tuple[list[Task], list[dict[str, str]]
 def run_tasks(
     cfg: BenchConfig, m: Machine, tasks: list[Task], console: Console, progress: bool
 ) -> dict[str, Any]:
-    """Time ``tasks``: the cases of one (workload, size) are built together and their repeats interleaved."""
+    """Time ``tasks`` (in plan's order): the cases of one size built together, their repeats interleaved."""
     results: dict[str, dict[str, Any]] = {w: {} for w in cfg.workloads if w in WORKLOADS}
     sections: dict[str, dict[str, Any]] = {"guard": {}, "stage_only": {}}
     sync = lambda: H.sync(m.env.device)
-    groups: dict[tuple[str, Any], list[Task]] = {}
-    for t in tasks:
-        groups.setdefault((t.workload, t.size), []).append(t)
-    cols = (
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
+    text = TextColumn("[progress.description]{task.description}")
+    cols = (text, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=console, transient=True, disable=not progress) as prog:
         bar = prog.add_task("bench", total=len(tasks) * (cfg.repeats + 2))
-        for (wl, size), group in groups.items():
+        for (wl, size), group in itertools.groupby(tasks, key=lambda t: (t.workload, t.size)):  # plan's order
             where = f"{wl} {T.SIZE_NAMES[wl]}={size}"
             live: list[tuple[Task, H.Case, int, list[float], list[float]]] = []  # (iters, host, sync µs)
             for t in group:
@@ -324,13 +318,9 @@ def run(cfg: BenchConfig, console: Console | None = None, progress: bool | None 
         out = run_tasks(cfg, m, tasks, console, console.is_terminal if progress is None else progress)
     finally:
         torch.set_num_threads(old)
-    report |= {
-        "results": out["results"],
-        "units": {w: R.UNITS[w] for w in cfg.workloads if w in WORKLOADS},
-        "guard_cost": micro.guard_cost(out["guard_raw"]),
-        "staged_write_stage_only": out["stage_only"],
-        "skipped": skipped,
-    }
+    units = {w: R.UNITS[w] for w in cfg.workloads if w in WORKLOADS}
+    report |= {"results": out["results"], "units": units, "guard_cost": micro.guard_cost(out["guard_raw"])}
+    report |= {"staged_write_stage_only": out["stage_only"], "skipped": skipped}
     report["ratios"] = compute_ratios(out["results"], out["stage_only"], tiers, cfg, str(m.env.device))
     log = lambda msg: console.print(escape(msg), highlight=False)
     if "engine" in cfg.workloads:
@@ -387,18 +377,6 @@ def nanovllm_section(cfg: BenchConfig, log: Any) -> dict[str, Any]:
     return res
 
 
-def _ints(ctx: Any, param: Any, value: str | None) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    try:
-        out = tuple(int(v) for v in value.replace(" ", "").split(",") if v)
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected comma-separated integers") from None
-    if not out or any(v < 1 for v in out):
-        raise click.BadParameter(f"{value!r}: expected integers >= 1")
-    return out
-
-
 def _write(path: str, text: str, console: Console) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text)
@@ -419,9 +397,9 @@ TIERS = click.Choice([t.name.lower() for t in Tier], case_sensitive=False)
 @click.option("--from-json", type=click.Path(exists=True), help="Run nothing: show an earlier --json run.")
 @click.option("--tier", "tiers", multiple=True, type=TIERS, help="Only these stagebuf tiers (repeatable).")
 @click.option("--workload", "workloads", multiple=True, type=click.Choice(ALL_WORKLOADS), help="Only these.")
-@click.option("--sizes", callback=_ints, help="micro: N values, comma-separated [64,512,4096,32768].")
-@click.option("--edits", callback=_ints, help="staged writes: E, edits per apply [1,16,256,4096].")
-@click.option("--lengths", callback=_ints, help="staged writes: L, elements per edit [1,8,64]; every E x L.")
+@click.option("--sizes", callback=H.ints, help="micro: N values, comma-separated [64,512,4096,32768].")
+@click.option("--edits", callback=H.ints, help="staged writes: E, edits per apply [1,16,256,4096].")
+@click.option("--lengths", callback=H.ints, help="staged writes: L, elements per edit [1,8,64]; every E x L.")
 @click.option("-k", "--arrays", "k", type=click.IntRange(1, 256), help="micro: arrays per step [8].")
 @click.option("--repeats", type=click.IntRange(1, 1000), help="Timed repeats per case [5].")
 @click.option("--iters", type=click.IntRange(2, 10**7), help="Most steps per repeat [2000]; see --target-ms.")

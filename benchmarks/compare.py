@@ -55,6 +55,13 @@ class Cell:
     slower = property(lambda self: self._beyond(True))
     faster = property(lambda self: self._beyond(False))
 
+    def row(self) -> dict[str, Any]:
+        """The cell as ``--json`` writes it."""
+        noise = None if self.noise is None else round(self.noise, 4)
+        meds = {"before_medians_us": _medians(self.before), "after_medians_us": _medians(self.after)}
+        out = {"cell": self.key, "ours": self.ours, **meds, "ratio": round(self.ratio, 4), "noise": noise}
+        return out | {"slower": self.slower, "faster": self.faster}
+
 
 def _medians(runs: list[Samples]) -> list[float]:
     return [statistics.median(r) for r in runs]
@@ -151,16 +158,13 @@ def show(rows: list[dict[str, Any]], width: int) -> None:
     Console(width=None if Console().is_terminal else width).print(table)
 
 
+METRICS = click.Choice(["e2e_us", "host_us"])
+
+
 @click.command()
 @click.option("--before", "before", multiple=True, required=True, help="An old-code report (repeatable).")
 @click.option("--after", "after", multiple=True, required=True, help="A new-code report (repeatable).")
-@click.option(
-    "--metric",
-    type=click.Choice(["e2e_us", "host_us"]),
-    default="e2e_us",
-    show_default=True,
-    help="The micro and writes cells' time (the engine and vs-vLLM cells have one).",
-)
+@click.option("--metric", type=METRICS, default="e2e_us", help="The micro and writes cells' time [e2e_us].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write cells and summary.")
 @click.option("--drift", is_flag=True, help="Divide each run's samples by its drift factor (see above).")
 def main(
@@ -178,19 +182,7 @@ def main(
         click.echo(f"per-run drift factors, divided out (before, then after): {listed}")
     if len(b) < 2 and len(a) < 2:
         click.echo(ONE_RUN_WARNING, err=True)
-    rows = [
-        {
-            "cell": c.key,
-            "ours": c.ours,
-            "before_medians_us": _medians(c.before),
-            "after_medians_us": _medians(c.after),
-            "ratio": round(c.ratio, 4),
-            "noise": None if c.noise is None else round(c.noise, 4),
-            "slower": c.slower,
-            "faster": c.faster,
-        }
-        for c in cells
-    ]
+    rows = [c.row() for c in cells]
     show([r | {"before": _center(c.before), "after": _center(c.after)} for r, c in zip(rows, cells)], 160)
     s = summary(cells)
     for name, g in s.items():
@@ -201,14 +193,8 @@ def main(
         )
     if json_path:
         runs = lambda rs: [{"commit": r.get("commit"), "started_utc": r.get("started_utc")} for r in rs]
-        data = {
-            "before": runs(b),
-            "after": runs(a),
-            "metric": metric,
-            "summary": s,
-            "cells": rows,
-            "drift_factors": factors and [round(x, 4) for x in factors],
-        }
+        data = {"before": runs(b), "after": runs(a), "metric": metric, "summary": s, "cells": rows}
+        data["drift_factors"] = factors and [round(x, 4) for x in factors]
         Path(json_path).write_text(json.dumps(data, indent=1) + "\n")
 
 

@@ -179,18 +179,9 @@ def parts(steps: list[Step]) -> dict[str, float]:
     fwd = sum(e0.elapsed_time(e1) for e0, e1, _ in timed) / 1e3  # s (elapsed_time: ms)
     smp = sum(e1.elapsed_time(e2) for _, e1, e2 in timed) / 1e3
     n, tokens = len(steps), sum(s.tokens for s in steps)
-    per = lambda x: 1e3 * x / n  # ms a step
-    return {
-        "steps": n,
-        "tokens": tokens,
-        "tokens_per_s": tokens / wall if wall else 0.0,
-        "step_ms": per(wall),
-        "prep_ms": per(prep),
-        "forward_ms": per(fwd),
-        "sample_ms": per(smp),
-        "rest_ms": per(wall - prep - fwd - smp),
-        "prep_share": prep / wall if wall else 0.0,
-    }
+    rates = {"tokens_per_s": tokens / wall if wall else 0.0, "prep_share": prep / wall if wall else 0.0}
+    split = {"step": wall, "prep": prep, "forward": fwd, "sample": smp, "rest": wall - prep - fwd - smp}
+    return {"steps": n, "tokens": tokens, **rates, **{f"{k}_ms": 1e3 * v / n for k, v in split.items()}}
 
 
 # --- running an engine -----------------------------------------------------------------------------
@@ -263,18 +254,8 @@ def run_one(
         torch.cuda.synchronize()
     tier = (sn.stats(llm) if sn.is_attached(llm) else {}).get("tier")
     steps = lambda prefill: parts([s for s in rec.steps if s.prefill == prefill])
-    run = {
-        "setup": setup,
-        "workload": name,
-        "round": rnd,
-        "wall_s": wall,
-        "generated": sum(map(len, toks)),
-        "decode": steps(False),
-        "prefill": steps(True),
-        "identical": None,
-        "tier": tier,
-    }
-    return run, toks
+    run = {"setup": setup, "workload": name, "round": rnd, "wall_s": wall, "generated": sum(map(len, toks))}
+    return run | {"decode": steps(False), "prefill": steps(True), "identical": None, "tier": tier}, toks
 
 
 def _said(r: dict[str, Any]) -> str:
@@ -305,7 +286,7 @@ def measure(
 
     nano = P.load()
     attention = A.install(sys.modules["nanovllm.layers.attention"])
-    nano.config.AutoConfig = P.AutoConfig  # config.json as written (see P.AutoConfig)
+    nano.config.AutoConfig = P.AutoConfig  # as written (transformers 5's rope_scaling breaks nano-vllm)
     tok = M.TokenIds(model_dir)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     runs: list[dict[str, Any]] = []
@@ -410,11 +391,10 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
                 "tier": next((r["tier"] for r in mine if r["tier"]), None),
                 "generated_tokens_per_s": statistics.median(r["generated"] / r["wall_s"] for r in mine),
             }  # fmt: skip
-            for kind in ("decode", "prefill"):
-                for key in KEYS:
-                    vals = [r[kind][key] for r in mine if r[kind]]
-                    if vals:
-                        row[f"{kind}_{key}"] = float(statistics.median(vals))
+            got = {
+                f"{k}_{key}": [r[k][key] for r in mine if r[k]] for k in ("decode", "prefill") for key in KEYS
+            }
+            row |= {k: float(statistics.median(v)) for k, v in got.items() if v}
 
     row = lambda w, s: table.get(w, {}).get(s, {})
     same = [bool(r["identical"]) for r in runs]

@@ -256,9 +256,7 @@ def flash_attn_varlen_func(
     block_table: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """Attention over packed sequences: ``q`` [total_q, H, D]; ``k``, ``v`` [total_k, H_kv, D] packed the same
-    way (``cu_seqlens_k``), or with ``block_table`` [B, max_blocks] the paged caches [num_blocks, page, H_kv,
-    D]. Returns [total_q, H, D] in ``q``'s dtype."""
+    """Attention over packed sequences (``block_table``: paged caches); [total_q, H, D] in q's dtype."""
     paged = block_table is not None
     _check(q, k, v, (3, 4 if paged else 3), kwargs, "flash_attn_varlen_func")
     batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else -1
@@ -296,9 +294,7 @@ def flash_attn_with_kvcache(
     causal: bool = False,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """Attention of ``q`` [B, S, H, D] over a cache: ``k_cache``, ``v_cache`` [num_blocks, page, H_kv, D]
-    through ``block_table`` [B, max_blocks], or [B, max_len, H_kv, D] without one; sequence ``b`` has
-    ``cache_seqlens[b]`` keys (int32 [B]). Returns [B, S, H, D] in ``q``'s dtype. Graph-capturable."""
+    """Attention of ``q`` [B, S, H, D] over a (paged) cache of ``cache_seqlens`` keys; graph-capturable."""
     _check(q, k_cache, v_cache, (4, 4), kwargs, "flash_attn_with_kvcache")
     if not isinstance(cache_seqlens, torch.Tensor):
         raise NotImplementedError("cache_seqlens: the stand-in takes an int32 tensor [B] only")

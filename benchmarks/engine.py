@@ -126,17 +126,13 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
                 continue
             end = r.computed + sched[r.rid]
             per_group: list[list[int]] = []
-            any_new = False
-            for g, bs in enumerate(cfg.block_sizes):
-                have = math.ceil(r.computed / bs) if r.rid not in new_ids else 0
-                need = math.ceil(end / bs)
-                ids = list(range(next_block[g], next_block[g] + max(need - have, 0)))
-                next_block[g] += len(ids)
-                any_new = any_new or bool(ids)
-                per_group.append(ids)
-            block_ids_of[r.rid] = tuple(per_group)
+            for g, bs in enumerate(cfg.block_sizes):  # the blocks the scheduled tokens need beyond those held
+                n = max(math.ceil(end / bs) - math.ceil(r.computed / bs), 0)
+                per_group.append(list(range(next_block[g], next_block[g] + n)))
+                next_block[g] += n
+            block_ids_of[r.rid] = ids = tuple(per_group)
             if r.rid not in new_ids:
-                cached.append((r.rid, r.computed, tuple(per_group) if any_new else None))
+                cached.append((r.rid, r.computed, ids if any(ids) else None))
         for nr in new:
             nr.block_ids = block_ids_of[nr.req_id]
             nr.params = SimpleNamespace(
@@ -338,13 +334,13 @@ class Engine:
             with self.stager.step() as s:  # the fixed-shape array first: its layout is cached
                 qsl_full = s.stage(qsl_np)
                 idx_mapping = s.stage(idx64)
-            query_start_loc = qsl_full[: num_reqs + 1]
+            qsl = qsl_full[: num_reqs + 1]
         else:
             bt.apply_staged_writes()
             b4 = clock()
             idx_mapping = h2d(idx_np, device=dev, dtype=torch.int64)
             h2d(qsl_np, out=self.buffers.query_start_loc)
-            query_start_loc = self.buffers.query_start_loc[: num_reqs + 1]
+            qsl = self.buffers.query_start_loc[: num_reqs + 1]
         b5 = clock()
         buf += b5 - b3
         self.sections = (b1 - b0, b2 - b1, b4 - b3, b5 - b4)
@@ -352,28 +348,21 @@ class Engine:
         cu_num_logits = torch.arange(num_reqs + 1, device=dev, dtype=torch.int32)
         b, nct_gpu = self.buffers, rs.num_computed_tokens.gpu
         if plan.has_prefill:
-            ib.prepare_prefill_inputs(
-                b.input_ids,
-                rs.next_prefill_tokens,
-                idx_mapping,
-                query_start_loc,
-                rs.all_token_ids.gpu,
-                rs.prefill_len.gpu,
-                nct_gpu,
-            )
-        ib.prepare_pos_seq_lens(idx_mapping, query_start_loc, nct_gpu, b.positions, b.seq_lens)
+            state = (rs.all_token_ids.gpu, rs.prefill_len.gpu, nct_gpu)
+            ib.prepare_prefill_inputs(b.input_ids, rs.next_prefill_tokens, idx_mapping, qsl, *state)
+        ib.prepare_pos_seq_lens(idx_mapping, qsl, nct_gpu, b.positions, b.seq_lens)
         logits_indices = ib.combine_sampled_and_draft_tokens(
-            b.input_ids, idx_mapping, rs.last_sampled_tokens, query_start_loc, b.seq_lens[:num_reqs],
+            b.input_ids, idx_mapping, rs.last_sampled_tokens, qsl, b.seq_lens[:num_reqs],
             rs.prefill_len.gpu, rs.draft_tokens, cu_num_logits, num_reqs, 1,
         )  # fmt: skip
         # as the model runner's prepare_attn calls it (0.32's takes no num_computed_tokens)
         nct_kw = {"num_computed_tokens": nct_gpu} if self.m.spec.gather_masks_sliding_window else {}
         tables = bt.gather_block_tables(idx_mapping, num_reqs, **nct_kw)
-        slots = bt.compute_slot_mappings(idx_mapping, query_start_loc, b.positions, num_tokens)
+        slots = bt.compute_slot_mappings(idx_mapping, qsl, b.positions, num_tokens)
         t1 = clock()
         self.last = {
             "idx_mapping": idx_mapping,
-            "query_start_loc": query_start_loc,
+            "query_start_loc": qsl,
             "logits_indices": logits_indices,
             "slot_mappings": slots,
             **{f"block_table_{g}": t for g, t in enumerate(tables)},
@@ -401,14 +390,9 @@ class Engine:
         """Every device-visible input of the step just prepared (views: read after a synchronize)."""
         num_reqs, num_tokens = self._num
         rs, bt, ss, b = self.req_states, self.block_tables, self.sampling, self.buffers
-        out = {
-            **self.last,
-            "positions": b.positions[:num_tokens],
-            "input_ids": b.input_ids[:num_tokens],
-            "seq_lens": b.seq_lens[:num_reqs],
-            "last_sampled_tokens": rs.last_sampled_tokens,
-            "num_blocks": bt.num_blocks.gpu,
-        }
+        out = {**self.last, "positions": b.positions[:num_tokens], "input_ids": b.input_ids[:num_tokens]}
+        out |= {"seq_lens": b.seq_lens[:num_reqs], "num_blocks": bt.num_blocks.gpu}
+        out["last_sampled_tokens"] = rs.last_sampled_tokens
         for n in ("num_computed_tokens", "total_len", "all_token_ids", "prompt_len", "prefill_len"):
             out[n] = getattr(rs, n).gpu
         out |= {n: getattr(ss, n).gpu for n in PARAMS}
@@ -659,9 +643,7 @@ def _parts(runs: dict[str, Any], setup: str, g: int, mode: str = "busy") -> list
 
 
 def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """The engine targets, ratios of medians of one run, each measured on the idle and the busy GPU
-    (``measured_idle``, ``measured_busy``; ``measured`` is the worse). Each name ends in the peer's release
-    (``_v034``) and its goal is that release's (:data:`GOALS`)."""
+    """The engine targets, ratios of medians on the idle and busy GPU (the worse), per peer release."""
     res = res or {}
     meds, runs, out = res.get("medians", {}), res.get("runs", {}), {}
     groups = sorted({int(k.split("|")[1][1:]) for k in meds}) or [1, 2]

@@ -20,7 +20,7 @@ import torch
 
 from . import engine as E
 from . import vllm_mrv2
-from .harness import commit
+from .harness import commit, ints
 
 DEFAULT_SETUPS = {
     "cuda": "vllm_uva,vllm_nopin,stagebuf_dropin_uva,stagebuf_dropin_pageable,stagebuf_step_uva,"
@@ -117,7 +117,7 @@ def run(
 @click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False), help="The report.")
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), help="Also the report as Markdown.")
 @click.option("--setups", help="Comma-separated setup names (default: DEFAULT_SETUPS of the device).")
-@click.option("--groups", default="1,2", show_default=True, help="KV-cache groups, comma-separated.")
+@click.option("--groups", default="1,2", show_default=True, callback=ints, help="KV-cache groups (1 to 4).")
 @click.option("--mode", type=click.Choice(["both", "busy", "idle"]), default="both", show_default=True)
 @click.option("--steps", default=80, show_default=True, help="Steps of the trace, warm-up included.")
 @click.option("--warmup", default=20, show_default=True, help="Steps before timing and profiling.")
@@ -127,7 +127,7 @@ def main(
     json_path: str,
     md_path: str | None,
     setups: str | None,
-    groups: str,
+    groups: tuple[int, ...],
     mode: str,
     steps: int,
     warmup: int,
@@ -144,7 +144,7 @@ def main(
         raise click.BadParameter(f"{warmup} >= --steps {steps}: fewer, please", param_hint="--warmup")
     modes = {"both": (False, True), "busy": (True,), "idle": (False,)}[mode]
     names = [n.strip() for n in (setups or DEFAULT_SETUPS[device.type]).split(",") if n.strip()]
-    report = run(device, names, tuple(map(int, groups.split(","))), modes, steps, warmup, k, release=release)
+    report = run(device, names, groups, modes, steps, warmup, k, release=release)
     report["commit"] = commit() or "unknown"
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     Path(json_path).write_text(json.dumps(report, indent=1))

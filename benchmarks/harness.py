@@ -122,9 +122,7 @@ def turns(
 
 
 class Lockstep:
-    """Engines taking turns on one trace, step ``i`` of each in an order rotated by ``i``: on an idle GPU
-    (``busy_cycles`` 0) each preparation starts with nothing queued; on a busy one (the caller sleeps
-    ``busy_cycles`` a step) an engine waits for its own previous step (two in flight). Both poll."""
+    """Engines taking turns on one trace; on a busy GPU each waits for its previous step (two in flight)."""
 
     def __init__(self, engines: int, device: torch.device, busy_cycles: int):
         self.n, self.cuda, self.busy = engines, device.type == "cuda", busy_cycles
@@ -148,6 +146,21 @@ class Lockstep:
             if self.prev[e] is not None:
                 wait(self.prev[e])
             self.prev[e] = ev
+
+
+def ints(ctx: Any, param: Any, value: str | None) -> tuple[int, ...] | None:
+    """A click callback: comma-separated integers >= 1 as a tuple."""
+    import click
+
+    if value is None:
+        return None
+    try:
+        out = tuple(int(v) for v in value.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated integers") from None
+    if not out or any(v < 1 for v in out):
+        raise click.BadParameter(f"{value!r}: expected integers >= 1")
+    return out
 
 
 def commit() -> str | None:
@@ -235,11 +248,7 @@ def time_repeat(step: Callable[[], object], sync: Callable[[], None], iters: int
 
 def summarise(hs: list[float], es: list[float], iters: int) -> dict[str, Any]:
     """A case's row of the report: the medians of its repeats, and each repeat's time."""
-    return {
-        "host_us": round(statistics.median(hs), 3),
-        "e2e_us": round(statistics.median(es), 3),
-        "iters": iters,
-        "repeats": len(hs),
-        "host_samples_us": [round(h, 3) for h in hs],
-        "e2e_samples_us": [round(e, 3) for e in es],
-    }
+    row: dict[str, Any] = {"iters": iters, "repeats": len(hs)}
+    for k, xs in (("host", hs), ("e2e", es)):
+        row |= {f"{k}_us": round(statistics.median(xs), 3), f"{k}_samples_us": [round(x, 3) for x in xs]}
+    return row

@@ -134,7 +134,7 @@ BASELINES = (  # name, label, builder, needs
     ("mrv2_fallback_per_array", f"vLLM {V} UvaBufferPool without pinned memory (NonUvaBuffer) per array",
      baseline_pool(BL.mrv2_fallback_pool, "mrv2_fallback_per_array"), ("vllm",)),
     ("uva_pool_per_array", "UVA pool per array on stagebuf's UvaBuffer (2 slots, cached views, no guard)",
-     baseline_pool(BL.uva_pool_cached, "uva_pool_per_array"), ("uva",)),
+     baseline_pool(BL.RoundRobinPool, "uva_pool_per_array"), ("uva",)),
     ("mrv2_uva_pool", f"vLLM {V} UvaBufferPool per array (2 UVA slots, no guard)",
      baseline_pool(BL.mrv2_uva_pool, "mrv2_uva_pool"), ("vllm", "uva")),
 )  # fmt: skip
@@ -172,17 +172,12 @@ def guard_cost(raw: dict[str, Any]) -> dict[str, Any]:
     for name, by_size in raw.items():
         base, _, mode = name.partition(".guard_")
         off = raw.get(f"{base}.guard_off", {})
+        what, _, tier = base.partition("_")
+        structure = {"stager": "StepStager", "pool": "UvaBufferPool per array"}.get(what, what)
         for size, w in by_size.items():
-            o = off.get(size)
-            if mode != "wait" or o is None:
+            if mode != "wait" or (o := off.get(size)) is None:
                 continue
-            what, _, tier = base.partition("_")
-            row = {
-                "structure": {"stager": "StepStager", "pool": "UvaBufferPool per array"}.get(what, what),
-                "tier": tier.upper(),
-                "guard_waits": w.get("guard_waits", 0),
-                "guard_active": w.get("guard") == "wait" if "guard" in w else None,
-            }
+            row = {"structure": structure, "tier": tier.upper(), "guard_waits": w.get("guard_waits", 0)}
             for k in ("host", "e2e"):
                 row |= {f"wait_{k}_us": w[f"{k}_us"], f"off_{k}_us": o[f"{k}_us"]}
                 row[f"delta_{k}_us"] = round(w[f"{k}_us"] - o[f"{k}_us"], 3)

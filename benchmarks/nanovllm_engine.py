@@ -244,14 +244,8 @@ def inputs(nano: Any, prepared: tuple[Any, ...]) -> dict[str, Any]:
     """Every tensor the model and sampler get, and the attention context (as they are: on the device)."""
     ids, pos, sample = prepared
     c = nano.context.get_context()
-    out = {
-        "input_ids": ids,
-        "positions": pos,
-        "is_prefill": c.is_prefill,
-        "max_seqlen_q": c.max_seqlen_q,
-        "max_seqlen_k": c.max_seqlen_k,
-        **{k: getattr(c, k) for k in FIELDS},
-    }
+    out = {"input_ids": ids, "positions": pos, "is_prefill": c.is_prefill, "max_seqlen_q": c.max_seqlen_q}
+    out |= {"max_seqlen_k": c.max_seqlen_k, **{k: getattr(c, k) for k in FIELDS}}
     return out | dict(zip(SAMPLE, sample))
 
 
@@ -312,13 +306,8 @@ def check(
             compared += 1
             if len(mismatches) > 20:
                 break
-    return {
-        "setup": setup,
-        "steps": compared,
-        **{k: getattr(trace, k) for k in COUNTS},
-        "graphs": graphs,
-        "mismatches": mismatches,
-    }
+    counts = {k: getattr(trace, k) for k in COUNTS}
+    return {"setup": setup, "steps": compared, **counts, "graphs": graphs, "mismatches": mismatches}
 
 
 def _run(runner: Any, prepared: tuple[Any, ...], is_prefill: bool) -> torch.Tensor:
@@ -372,8 +361,7 @@ def graph_writes(setup: str, cfg: TraceConfig, work: Path, steps: int = 40) -> d
 
 
 def check_in_flight(setup: str, cfg: TraceConfig, work: Path, busy_cycles: int) -> dict[str, Any]:
-    """``setup`` with two steps in flight, each sleeping ``busy_cycles`` on the device before a stand-in
-    reads every input, compared once done with nano-vllm's own path run alone beforehand."""
+    """``setup`` with two steps in flight on a busy device, against nano-vllm's own path run alone."""
     trace = Trace(cfg, work)
     own = make_runner(trace, "own")
     with own_context("own"):
@@ -475,7 +463,6 @@ def run_lockstep(
 
 def bench(
     repeats: int = 3,
-    steps: int = 200,
     warmup: int = 30,
     cfg: TraceConfig | None = None,
     log: Callable[[str], None] = print,
@@ -485,7 +472,7 @@ def bench(
 
     cuda = torch.cuda.is_available()
     names = setups(torch.device("cuda" if cuda else "cpu"))
-    cfg = cfg or TraceConfig(steps=steps)
+    cfg = cfg or TraceConfig()
     cycles = sleep_cycles_for(BUSY_MS, torch.device("cuda")) if cuda else 0
     threads = torch.get_num_threads()
     if not cuda:  # as the bench's CPU runs: one thread, an engine's host thread
@@ -556,13 +543,12 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     gw = res.get("graph_writes", {})
     mine = [v["d2d_copies_per_step"] for k, v in gw.items() if k != "own" and v.get("decode_steps")]
     real = any(v.get("real_graphs") for v in gw.values())
-    out["nanovllm_graph_copies"] = T.target(
+    what = (
         "nano-vllm graph-replayed decode step with stagebuf attached: device-to-device copies into the "
-        "graph's static inputs (nano-vllm's own run_model: 5 copies and 3 fills), worst tier",
-        "nanovllm",
-        max(mine) if mine and real else None,
-        "==",
-        0,
-        missing="needs a GPU (CUDA graphs)",
+        "graph's static inputs (nano-vllm's own run_model: 5 copies and 3 fills), worst tier"
+    )
+    worst = max(mine) if mine and real else None
+    out["nanovllm_graph_copies"] = T.target(
+        what, "nanovllm", worst, "==", 0, missing="needs a GPU (CUDA graphs)"
     )
     return out

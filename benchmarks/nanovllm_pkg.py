@@ -24,6 +24,7 @@ from unittest import mock
 import torch
 
 from . import fetch as F
+from .e2e_model import SHAPES
 from .fetch import Unavailable  # noqa: F401  (this module's name too)
 
 VERSION = "20260210"  # The release every function here defaults to.
@@ -65,8 +66,7 @@ def available() -> str | None:
 
 
 class AutoConfig:
-    """transformers' ``AutoConfig`` as nano-vllm uses it: config.json as written (transformers 5 turns
-    ``rope_scaling`` into a dict nano-vllm 20260210's ``get_rope`` cannot take), as attributes."""
+    """transformers' ``AutoConfig`` as nano-vllm uses it: config.json as written, as attributes."""
 
     @staticmethod
     def from_pretrained(path: str, **_: Any) -> types.SimpleNamespace:
@@ -146,17 +146,7 @@ def load() -> Nano:
 
 # --- a runner without a model ---------------------------------------------------------------------
 
-HF_CONFIG = {
-    "model_type": "qwen3",
-    "max_position_embeddings": 40960,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 32000,
-    "torch_dtype": "bfloat16",
-}  # A small Qwen3-shaped config.json (input preparation reads none of it but sizes).
+HF_CONFIG = {**SHAPES["tiny"], "vocab_size": 32000}  # What input preparation reads of a model: its sizes.
 
 
 def config(model_dir: Path, **kw: Any) -> Any:
@@ -183,8 +173,7 @@ def runner(cfg: Any, model: Any = None) -> Any:
 
 @contextlib.contextmanager
 def own_path_on_cpu() -> Iterator[None]:
-    """nano-vllm's own code without CUDA: in the block ``torch.tensor`` and ``torch.zeros`` ignore
-    ``pin_memory=True`` and ``Tensor.cuda()`` returns a CPU copy (every value is still nano-vllm's)."""
+    """nano-vllm's own code without CUDA: ``pin_memory=True`` ignored, ``Tensor.cuda()`` a copy."""
     unpinned = lambda f: lambda *a, pin_memory=False, **k: f(*a, **k)
     free = {n: unpinned(getattr(torch, n)) for n in ("tensor", "zeros")}
     with (

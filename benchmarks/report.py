@@ -138,16 +138,13 @@ def nanovllm_tables(report: dict[str, Any]) -> list[Table]:
         f"identical inputs: {sum(not c['mismatches'] for c in checks)}/{len(checks)} checks, "
         f"{sum(c['steps'] for c in checks)} steps"
     )
-    graphs = [
-        [
-            f"`{s}`",
-            str(v["decode_steps"]),
-            f"{v['d2d_copies_per_step']:.1f}",
-            f"{v['fills_per_step']:.1f}",
-            "CUDA graphs" if v.get("real_graphs") else "eagerly (CPU)",
-        ]
-        for s, v in res.get("graph_writes", {}).items()
+    how = lambda v: "CUDA graphs" if v.get("real_graphs") else "eagerly (CPU)"
+    counts = lambda v: [
+        str(v["decode_steps"]),
+        f"{v['d2d_copies_per_step']:.1f}",
+        f"{v['fills_per_step']:.1f}",
     ]
+    graphs = [[f"`{s}`", *counts(v), how(v)] for s, v in res.get("graph_writes", {}).items()]
     return [
         (title, ["setup", *(f"{k} {m}" for k in ("prefill", "decode") for m in modes)], rows),
         ("nanovllm: writes into the graph inputs per graph-replayed decode step",
@@ -208,11 +205,8 @@ def render(report: dict[str, Any], console: Any) -> None:
     caption = "measured: a ratio of e2e µs; (…): the worst part of a target made of parts"
     head = ("target", "measured", "goal", "result")
     tab = Rich(*head, title=f"targets (device {report['device']})", title_justify="left", caption=caption)
-    marks = {
-        "pass": "[green]pass[/]",
-        "fail": "[red]FAIL[/]",
-        "info": "[cyan]info[/]: not judged (see below)",
-    }
+    info = "[cyan]info[/]: not judged (see below)"
+    marks = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "info": info}
     for name, r in report["ratios"].items():
         tab.add_row(name, measured(r), goal(r), marks.get(T.status(r)) or escape(result(r)))
     console.print(tab)

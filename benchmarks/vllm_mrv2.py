@@ -158,8 +158,7 @@ _serial = 0
 
 
 def _module(name: str, path: Path, imports: Any, real: bool = False) -> Any:
-    """The file at ``path`` run as a new module in ``sys.modules``, its ``vllm.*`` imports resolved in
-    ``imports``; named ``_vllm_mrv2_<n>.<last part of name>`` (each load its own) or, ``real``, ``name``."""
+    """The file at ``path`` run as a new module (``real``: named ``name``), ``vllm.*`` from ``imports``."""
     global _serial
     _serial += 1
     if not real:
@@ -436,8 +435,7 @@ _INSTALLED = (
 
 
 def _runner_stand_in(h2d: Callable[..., torch.Tensor], root: Path) -> types.ModuleType:
-    """``vllm.v1.worker.gpu.model_runner`` whose ``GPUModelRunner.execute_model`` (vLLM's signature) runs
-    ``scheduler_output()``, the harness's step; its ``__file__`` is the release's ``model_runner.py``."""
+    """``vllm.v1.worker.gpu.model_runner`` whose ``execute_model`` runs the harness's step."""
     mod = types.ModuleType("vllm.v1.worker.gpu.model_runner")
     mod.__file__ = str(root / GPU / "model_runner.py")
 
@@ -501,9 +499,7 @@ def _cpu_uva_buffer(root: Path, imports: Any) -> Any:
 def as_installed(
     device: torch.device | None = None, pin: bool = True, release: str = NEWEST
 ) -> Iterator[Installed]:
-    """vLLM ``release`` importable as ``vllm`` for the block: its plugin loader, MRV2's ``buffer_utils`` (and
-    ``token_buffer``, ``conf_compute_utils``), ``vllm.envs`` and a model runner (:func:`_runner_stand_in`);
-    ``Installed.load`` adds MRV2's modules. Raises if a ``vllm`` is imported already."""
+    """vLLM ``release`` importable as ``vllm`` for the block (raises if a ``vllm`` is imported)."""
     if any(n in sys.modules for n in _INSTALLED):
         raise RuntimeError("a module named vllm is already imported; as_installed would shadow it")
     root = fetch(release)
@@ -548,18 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     what = "vLLM's MRV2 files: fetch them, or ask the registry for a newer release."
     p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_mrv2", description=what)
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument(
-        "--check-new",
-        action="store_true",
-        help="list vLLM releases newer than the newest in RELEASES: exit 1 if any, 0 if none, "
-        "2 if the package registry cannot be asked",
-    )
-    g.add_argument(
-        "--fetch",
-        nargs="*",
-        metavar="RELEASE",
-        help=f"fetch these releases' files (default: all of {', '.join(RELEASES)})",
-    )
+    new_help = "list vLLM releases newer than RELEASES': exit 1 if any, 0 if none, 2 without the registry"
+    g.add_argument("--check-new", action="store_true", help=new_help)
+    g.add_argument("--fetch", nargs="*", metavar="RELEASE", help="fetch these releases' files (default: all)")
     a = p.parse_args(argv)
     if a.check_new:
         try:
@@ -567,13 +554,11 @@ def main(argv: list[str] | None = None) -> int:
         except Unavailable as e:
             print(f"cannot check for newer vLLM releases: {e}", file=sys.stderr)
             return 2
-        print(
-            f"vLLM releases newer than {NEWEST}: {', '.join(new)} (add them to RELEASES in benchmarks/"
-            "vllm_mrv2.py)"
-            if new
-            else f"no vLLM release newer than {NEWEST}"
-        )
-        return 1 if new else 0
+        if not new:
+            print(f"no vLLM release newer than {NEWEST}")
+            return 0
+        print(f"vLLM releases newer than {NEWEST}: {', '.join(new)} (add them to RELEASES in {__file__})")
+        return 1
     bad = 0
     for r in a.fetch or list(RELEASES):
         try:

@@ -24,10 +24,11 @@ import torch
 
 from . import targets as T
 from . import vllm_mrv2
-from .harness import commit, env_var, stagebuf_tier, tiers, turns
+from .harness import commit, env_var, ints, stagebuf_tier, tiers, turns
 from .vllm_mrv2 import release_suffix
 
 N = 256
+Ints = tuple[int, ...]
 Step = Callable[[int], None]
 PROMPT_KINDS = ("tokens", "ndarray", "list")
 PROMPT_LENGTHS = (16, 1024, 16384, 131072)
@@ -211,9 +212,8 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
             )
     cell, r = worst("prompt|")
     what = (
-        f"StagedWriteTensor.stage_write of one prompt + apply_write (as vLLM {peer} passes it, an "
-        f"ndarray or a list; 16 to 131 072 tokens): stagebuf UVA / vLLM {peer}'s on UVA, worst "
-        "cell"
+        f"StagedWriteTensor.stage_write of one prompt + apply_write (as vLLM {peer} passes it, an ndarray or "
+        f"a list; 16 to 131 072 tokens): stagebuf UVA / vLLM {peer}'s on UVA, worst cell"
     )
     e = out[f"vllm_stage_prompt{release_suffix(release)}"] = T.target(what, "engine", r, "<=", 1.0, cell, gpu)
     if e["passed"] is False:
@@ -222,27 +222,21 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
-
-
 @click.command()
 @click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False), help="The report.")
 @click.option("--repeats", default=3, show_default=True, help="Interleaved repeats of every cell.")
 @click.option("--steps", default=60, show_default=True, help="Timed steps a cell and repeat.")
-@click.option("--edits", default="1,16,256,4096", show_default=True, help="E of the writes cells.")
-@click.option("--lengths", default="1,8,64", show_default=True, help="L of the writes cells.")
+@click.option("--edits", default="1,16,256,4096", show_default=True, callback=ints, help="E of the cells.")
+@click.option("--lengths", default="1,8,64", show_default=True, callback=ints, help="L of the cells.")
 @vllm_mrv2.release_option("The vLLM release whose classes are the peer.")
-def main(json_path: str, repeats: int, steps: int, edits: str, lengths: str, release: str) -> None:
+def main(json_path: str, repeats: int, steps: int, edits: Ints, lengths: Ints, release: str) -> None:
     """Time the vs-vLLM cells alone; the report's commit is ``STAGEBUF_BENCH_COMMIT`` (else git's HEAD)."""
     vllm_mrv2.fetch(release)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise click.UsageError("on a CPU, vLLM's Triton kernels need TRITON_INTERPRET=1")
     t0 = time.time()
-    res = run(
-        device, _ints(edits), _ints(lengths), repeats, lambda s: click.echo(s, err=True), release, steps
-    )
+    res = run(device, edits, lengths, repeats, lambda s: click.echo(s, err=True), release, steps)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))
     report = {"commit": commit() or "unknown", "started_utc": started, "device": str(device), "vs_vllm": res}
     Path(json_path).write_text(json.dumps(report) + "\n")

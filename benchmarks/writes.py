@@ -178,15 +178,9 @@ def strategies(tiers: Sequence[Tier]) -> list[Strategy]:
         Strategy("mrv2_staged_write", f"vLLM {v} StagedWriteTensor (its own class)", "baseline", mrv2,
                  needs=("vllm", "uva", "triton")),
     ]  # fmt: skip
-    ways = (
-        ("staged_write", "StagedWriteTensor: stage_write per edit + apply", "StagedWriteTensor", staged),
-        (
-            "staged_writes",
-            "StagedWriteTensor: stage_writes (numpy) + apply",
-            "stage_writes (numpy)",
-            staged_batched,
-        ),
-    )
+    one = ("staged_write", "StagedWriteTensor: stage_write per edit + apply", "StagedWriteTensor", staged)
+    batched = "StagedWriteTensor: stage_writes (numpy) + apply"
+    ways = (one, ("staged_writes", batched, "stage_writes (numpy)", staged_batched))
     for t in tiers:
         out += [
             Strategy(f"{n}_{t.name.lower()}", f"{what} [{t.name}]", "stagebuf", b, t)

@@ -53,7 +53,6 @@ class RowCopyTable:
 
 
 def _bu(device: torch.device, pin: bool, uva: bool | None = None) -> Any:
-    """vLLM's ``buffer_utils``, on a machine with or without pinned memory."""
     return vllm_mrv2.load("vllm", pin=pin, device=device, uva=uva).buffer_utils
 
 

@@ -58,9 +58,7 @@ class BenchConfig:
     iters: int = 2000
     target_ms: float = 150.0
     engine_steps: int = 150  # engine: steps of the trace per run (the first 30 are warm-up).
-    engine_releases: tuple[str, ...] = tuple(
-        reversed(list(vllm_mrv2.RELEASES)[-2:])
-    )  # engine: peers, main first
+    engine_releases: tuple[str, ...] = tuple(reversed(list(vllm_mrv2.RELEASES)[-2:]))  # engine's peers
     seed: int = 0
 
     @classmethod
@@ -73,7 +71,6 @@ class BenchConfig:
         return cls(**base | {k: v for k, v in given.items() if v is not None and v != ()})
 
     def cells(self) -> list[writes.WriteCell]:
-        """The writes sweep: every (E, L)."""
         return [writes.WriteCell(e, ln) for e in self.edits for ln in self.lengths]
 
 
@@ -219,7 +216,6 @@ def run_tasks(
 
 
 def _tier_env(tier: Tier | None) -> Any:
-    """``STAGEBUF_TIER`` forced to ``tier`` (None: unset) for the block."""
     return H.stagebuf_tier(None if tier is None else tier.name.lower())
 
 

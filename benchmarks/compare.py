@@ -35,7 +35,6 @@ class Cell:
 
     @property
     def ratio(self) -> float:
-        """The geometric mean of the after runs' medians over that of the before runs'."""
         return _center(self.after) / _center(self.before)
 
     @property
@@ -56,7 +55,6 @@ class Cell:
     faster = property(lambda self: self._beyond(False))
 
     def row(self) -> dict[str, Any]:
-        """The cell as ``--json`` writes it."""
         noise = None if self.noise is None else round(self.noise, 4)
         meds = {"before_medians_us": _medians(self.before), "after_medians_us": _medians(self.after)}
         out = {"cell": self.key, "ours": self.ours, **meds, "ratio": round(self.ratio, 4), "noise": noise}

@@ -1,12 +1,10 @@
 """The engine workload: vLLM's own MRV2 input path, step by step, on a scheduler-like trace.
 
-vLLM's modules of one release, driven as ``GPUModelRunner.execute_model`` drives them (requests removed and
-added, the request, sampler and block-table writes, ``idx_mapping`` and ``query_start_loc`` to the device, the
-kernels), then a stand-in forward pass (busy GPU) and ``post_update``. Setups (:class:`Setup`): ``vllm`` (its
-own ``buffer_utils``; ``nopin``: its NonUvaBuffer fallback), ``dropin`` (stagebuf's classes, as the plugin's
-``STAGEBUF_VLLM=1``), ``step`` (the plugin's step mode), ``own`` (stagebuf's own API) and ``floor``
-(:class:`FloorEngine`). Measured per step on the host: the preparation and its buffer work, by part
-(:data:`SECTIONS`); ``check()`` compares every device-visible input with vLLM's own layer's after every step.
+vLLM's modules of one release, driven as ``GPUModelRunner.execute_model`` drives them, then a stand-in forward
+pass (busy GPU) and ``post_update``. Setups (:class:`Setup`): ``vllm`` (``nopin``: its NonUvaBuffer fallback),
+``dropin`` (stagebuf's classes, the plugin's ``STAGEBUF_VLLM=1``), ``step`` (its step mode), ``own``
+(stagebuf's own API) and ``floor`` (:class:`FloorEngine`). Measured per step on the host: the preparation and
+its buffer work by part (:data:`SECTIONS`); ``check()`` compares every device-visible input with vLLM's.
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ class TraceConfig:
 @dataclass
 class NewReq:
     req_id: str
-    prompt_len: int
     token_ids: list[int]
     block_ids: tuple[list[int], ...]
     max_tokens: int
@@ -88,8 +85,7 @@ class _Req:
 def make_trace(cfg: TraceConfig) -> list[StepPlan]:
     """A deterministic scheduler trace: arrivals, chunked prefills, decodes, new blocks, finishes."""
     rng = np.random.default_rng(cfg.seed)
-    groups = len(cfg.block_sizes)
-    next_block = [1] * groups
+    next_block = [1] * len(cfg.block_sizes)
     running: list[_Req] = []
     plans: list[StepPlan] = []
     serial = 0
@@ -116,25 +112,21 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
             sched[r.rid] = n = min(p, budget)
             budget -= n
             arrived += 1
-            tokens = rng.integers(0, cfg.vocab, p).tolist()
-            new.append(NewReq(r.rid, p, tokens, (), o, None))
-        new_ids = {nr.req_id for nr in new}
+            new.append(NewReq(r.rid, rng.integers(0, cfg.vocab, p).tolist(), (), o, None))
+        new_of = {nr.req_id: nr for nr in new}
         cached: list[tuple[str, int, tuple[list[int], ...] | None]] = []
-        block_ids_of: dict[str, tuple[list[int], ...]] = {}
-        for r in running:
-            if r.rid not in sched:
-                continue
-            end = r.computed + sched[r.rid]
+        scheduled = [r for r in running if r.rid in sched]
+        for r in scheduled:
             per_group: list[list[int]] = []
-            for g, bs in enumerate(cfg.block_sizes):  # the blocks the scheduled tokens need beyond those held
-                n = max(math.ceil(end / bs) - math.ceil(r.computed / bs), 0)
+            for g, bs in enumerate(cfg.block_sizes):  # the blocks its scheduled tokens need beyond those held
+                n = max(math.ceil((r.computed + sched[r.rid]) / bs) - math.ceil(r.computed / bs), 0)
                 per_group.append(list(range(next_block[g], next_block[g] + n)))
                 next_block[g] += n
-            block_ids_of[r.rid] = ids = tuple(per_group)
-            if r.rid not in new_ids:
-                cached.append((r.rid, r.computed, ids if any(ids) else None))
+            if r.rid in new_of:
+                new_of[r.rid].block_ids = tuple(per_group)
+            else:
+                cached.append((r.rid, r.computed, tuple(per_group) if any(per_group) else None))
         for nr in new:
-            nr.block_ids = block_ids_of[nr.req_id]
             nr.params = SimpleNamespace(
                 temperature=float(rng.choice([0.0, 0.7, 1.0])),
                 top_k=int(rng.choice([0, 50])),
@@ -143,15 +135,13 @@ def make_trace(cfg: TraceConfig) -> list[StepPlan]:
                 seed=int(rng.integers(0, 2**31)),
                 logprobs=None,
             )
-        order = [r.rid for r in running if r.rid in sched]
-        num_sched = np.array([sched[rid] for rid in order], np.int32)
-        by_id = {r.rid: r for r in running}
+        order = [r.rid for r in scheduled]
+        num_sched = np.array([sched[r.rid] for r in scheduled], np.int32)
         sampled = np.zeros(len(order), np.int32)
         has_prefill = False
-        for k, rid in enumerate(order):
-            r = by_id[rid]
+        for k, r in enumerate(scheduled):
             has_prefill |= r.computed < r.prompt_len
-            r.computed += sched[rid]
+            r.computed += sched[r.rid]
             if r.computed >= r.prompt_len:
                 r.generated += 1
                 sampled[k] = 1
@@ -234,7 +224,6 @@ class Engine:
     def __init__(self, setup: Setup, cfg: TraceConfig, device: torch.device, release: str = vllm_mrv2.NEWEST):
         self.setup, self.cfg, self.device, self.release = setup, cfg, device, release
         m = self.m = modules(setup, device, release)
-        g = len(cfg.block_sizes)
         reqs, tokens = cfg.max_num_reqs, cfg.max_num_batched_tokens
         self.req_states = m.states.RequestState(reqs, cfg.max_model_len, tokens, 0, cfg.vocab, device)
         blocks = [math.ceil(cfg.max_model_len / bs) for bs in cfg.block_sizes]
@@ -248,7 +237,7 @@ class Engine:
             self.stager = stagebuf.StepStager(device, capacity=1 << 16)
             rs, bt = self.req_states, self.block_tables
             self.own_writes = [*bt.block_tables, rs.total_len, rs.all_token_ids, rs.num_computed_tokens]
-            self.writer = stagebuf.FusedStagedWriter(device, max_writes=g * cfg.max_num_reqs + 3 * 64)
+            self.writer = stagebuf.FusedStagedWriter(device, max_writes=len(blocks) * reqs + 3 * 64)
             # the per-request parameters (the sampler's five, prompt and prefill lengths) in one table:
             # one copy per step where any changed, in place of seven publishes
             owners = {n: self.sampling for n in PARAMS} | {n: rs for n in ("prompt_len", "prefill_len")}
@@ -269,10 +258,8 @@ class Engine:
 
     # the step, as GPUModelRunner runs it; returns (host preparation µs, buffer work µs)
     def prepare(self, plan: StepPlan) -> tuple[float, float]:
-        tb = self.m.TokenBuffer
-        if tb is not None:  # the scheduler output as the worker receives it: before the step's timing
-            for nr in plan.new:
-                received(nr, tb)
+        for nr in plan.new:  # the scheduler output as the worker receives it: before the step's timing
+            received(nr, self.m.TokenBuffer)
         if self.runner is None:
             return self._prepare(plan, time.perf_counter())
         # step mode: inside the model runner's execute_model, which the plugin wraps
@@ -284,14 +271,13 @@ class Engine:
         clock = time.perf_counter
         rs, bt, ss, dev = self.req_states, self.block_tables, self.sampling, self.device
         h2d = self.h2d
-        buf = 0.0
         for rid in plan.finished:
             rs.remove_request(rid)
         tb = self.m.TokenBuffer
         for nr in plan.new:
             rs.add_request(
                 req_id=nr.req_id,
-                prompt_len=nr.prompt_len,
+                prompt_len=len(nr.token_ids),
                 all_token_ids=received(nr, tb),
                 num_computed_tokens=0,
                 max_tokens=nr.max_tokens,
@@ -309,7 +295,6 @@ class Engine:
             b1 = clock()
             ss.apply_staged_writes()
         b2 = clock()
-        buf += b2 - b0
         nct = rs.num_computed_tokens_np
         index = rs.req_id_to_index
         for rid, n, blocks in plan.cached:
@@ -342,7 +327,7 @@ class Engine:
             h2d(qsl_np, out=self.buffers.query_start_loc)
             qsl = self.buffers.query_start_loc[: num_reqs + 1]
         b5 = clock()
-        buf += b5 - b3
+        buf = b2 - b0 + b5 - b3
         self.sections = (b1 - b0, b2 - b1, b4 - b3, b5 - b4)
         ib = self.m.input_batch
         cu_num_logits = torch.arange(num_reqs + 1, device=dev, dtype=torch.int32)
@@ -408,16 +393,14 @@ def check(
     cfg: TraceConfig,
     device: torch.device,
     busy_cycles: int = 0,
-    reference: Setup | None = None,
     trace: list[StepPlan] | None = None,
     tamper: Callable[[Engine, int], None] | None = None,
     release: str = vllm_mrv2.NEWEST,
 ) -> dict[str, Any]:
     """``setup`` and vLLM's own layer in lockstep, every device-visible input compared each step."""
-    ref_setup = reference or Setup("vllm", "uva")
     plans = trace if trace is not None else make_trace(cfg)
-    with stagebuf_tier(_tier_of(ref_setup)):
-        ref = Engine(ref_setup, cfg, device, release)
+    with stagebuf_tier(None):
+        ref = Engine(Setup("vllm", "uva"), cfg, device, release)
     with stagebuf_tier(_tier_of(setup)):
         eng = Engine(setup, cfg, device, release)
         mismatches: list[str] = []
@@ -437,7 +420,7 @@ def check(
                 break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    names = {"setup": setup.name, "reference": ref_setup.name, "release": release}
+    names = {"setup": setup.name, "reference": ref.setup.name, "release": release}
     return {"steps": len(plans), "mismatches": mismatches, **names}
 
 

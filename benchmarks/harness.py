@@ -132,7 +132,6 @@ class Lockstep:
         return [(i + j) % self.n for j in range(self.n)]
 
     def before(self) -> None:
-        """Before a timed preparation: on an idle GPU, wait until everything queued is done."""
         if self.cuda and not self.busy:
             done = torch.cuda.Event()
             done.record()

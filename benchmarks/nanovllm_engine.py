@@ -221,12 +221,10 @@ def make_runner(trace: Trace, setup: str, graphs: bool = False) -> Any:
 
 
 def tier_of(setup: str) -> str | None:
-    """The tier a setup forces: ``stagebuf_uva``'s uva; None for nano-vllm's own."""
     return None if setup == "own" else setup.split("_", 1)[1]
 
 
 def own_context(setup: str) -> Any:
-    """Where nano-vllm's own path runs: as it is on a GPU, through ``own_path_on_cpu`` on a CPU."""
     return P.own_path_on_cpu() if setup == "own" and not torch.cuda.is_available() else nullcontext()
 
 

@@ -9,6 +9,7 @@ reaches (``transformers``, ``flash_attn``, ``safetensors``, ``tqdm``, ``triton``
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.machinery
 import importlib.util
@@ -105,7 +106,6 @@ def _stand_ins() -> dict[str, types.ModuleType]:
 Nano = types.SimpleNamespace  # nano-vllm's modules: ``root``, ``nanovllm`` and each of MODULES' last name
 MODULES = ("config", "engine.sequence", "sampling_params", "engine.block_manager", "engine.scheduler",
            "engine.model_runner", "utils.context", "engine.llm_engine")  # fmt: skip
-_loaded: Nano | None = None
 
 
 def _missing(name: str) -> bool:
@@ -115,11 +115,9 @@ def _missing(name: str) -> bool:
         return True
 
 
+@functools.cache
 def load() -> Nano:
     """nano-vllm's real modules (fetched if needed; imported once per process); raises Unavailable."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
     added = [str(fetch() / "pkg")]
     if _missing("xxhash"):
         added.append(str(cache_dir() / f"xxhash-py{_py()}"))
@@ -140,8 +138,7 @@ def load() -> Nano:
             if p in sys.path and p.endswith("pkg"):
                 sys.path.remove(p)
     named = {n.rpartition(".")[2]: m for n, m in zip(MODULES, mods)}
-    _loaded = Nano(root=Path(top.__file__).parents[1], nanovllm=top, **named)
-    return _loaded
+    return Nano(root=Path(top.__file__).parents[1], nanovllm=top, **named)
 
 
 # --- a runner without a model ---------------------------------------------------------------------

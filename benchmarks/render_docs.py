@@ -30,7 +30,6 @@ def current_targets() -> set[str]:
 
 
 def tables(report: dict[str, Any]) -> str:
-    """The Markdown that goes between the markers, from one bench report (a ``--json`` file's contents)."""
     return R.docs_tables(report, current_targets())
 
 

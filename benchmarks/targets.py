@@ -211,7 +211,6 @@ def misses(report: dict[str, Any]) -> list[str]:
 
 
 def exit_status(report: dict[str, Any], strict: bool) -> int:
-    """The bench's exit status: 3 with ``--strict`` when a judged target missed, else 0."""
     return 3 if strict and any(status(r) == "fail" for r in report.get("ratios", {}).values()) else 0
 
 

@@ -94,7 +94,6 @@ def release_suffix(release: str) -> str:
 
 
 def files(release: str = NEWEST) -> tuple[str, ...]:
-    """The files of ``release`` that :func:`fetch` keeps."""
     return FILES + spec(release).files
 
 
@@ -278,9 +277,6 @@ class Mrv2:
         return cls(bu, *mods, h2d, imports["_CpuGpuBuffer"], release, getattr(tb, "TokenBuffer", None))
 
 
-_LOADS: dict[tuple[Any, ...], Mrv2] = {}
-
-
 def load(
     layer: str = "vllm",
     pin: bool = True,
@@ -295,30 +291,23 @@ def load(
         raise ValueError(f"layer={layer!r}; allowed: 'vllm', 'stagebuf'")
     spec(release)
     dev = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    key = (release, layer, pin, str(dev), uva, os.environ.get("TRITON_INTERPRET") == "1")
-    if key not in _LOADS:
-        _LOADS[key] = _load(layer, pin, dev, uva, release)
-    return _LOADS[key]
+    return _load(layer, pin, dev, uva, release, os.environ.get("TRITON_INTERPRET") == "1")
 
 
-_TOKEN_BUFFERS: dict[str, Any] = {}
-
-
-def _token_buffer_module(root: Path, release: str) -> Any:
+@functools.cache
+def _token_buffer_module(release: str) -> Any:
     """vLLM ``release``'s ``vllm/v1/token_buffer.py``, loaded once (one ``TokenBuffer`` class a release)."""
     if not spec(release).token_buffer:
         return None
-    if release not in _TOKEN_BUFFERS:
-        f = root / "vllm"
-        as_list = _defs(f / "utils/collection_utils.py", ("as_list",), {}, release)["as_list"]
-        imports = {"vllm.utils.collection_utils": types.SimpleNamespace(as_list=as_list)}
-        _TOKEN_BUFFERS[release] = _module("vllm_mrv2.token_buffer", f / "v1/token_buffer.py", imports)
-    return _TOKEN_BUFFERS[release]
+    f = fetch(release) / "vllm"
+    as_list = _defs(f / "utils/collection_utils.py", ("as_list",), {}, release)["as_list"]
+    imports = {"vllm.utils.collection_utils": types.SimpleNamespace(as_list=as_list)}
+    return _module("vllm_mrv2.token_buffer", f / "v1/token_buffer.py", imports)
 
 
 def token_buffer(release: str = NEWEST) -> Any:
     """vLLM ``release``'s ``TokenBuffer`` class (fetching its files), or None where it has none."""
-    return getattr(_token_buffer_module(fetch(release), release), "TokenBuffer", None)
+    return getattr(_token_buffer_module(release), "TokenBuffer", None)
 
 
 def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None, release: str) -> dict[str, Any]:
@@ -371,16 +360,20 @@ def _stand_ins(root: Path, pin: bool, dev: torch.device, uva: bool | None, relea
         imports["vllm.v1.conf_compute_utils"] = cc = types.ModuleType("vllm.v1.conf_compute_utils")
         # vLLM's confidential-computing copy patch (never installed here): records the tensor, weakly
         cc.register_inplace_h2d_target = lambda t: INPLACE_H2D_TARGETS.append(weakref.ref(t))  # type: ignore
-    tb = _token_buffer_module(root, release)
+    tb = _token_buffer_module(release)
     if tb is not None:
         imports["vllm.v1.token_buffer"] = tb
     return imports
 
 
 GPU, CPU_BU = "vllm/v1/worker/gpu", "vllm/v1/worker/cpu/buffer_utils.py"
+_MRV2 = ("block_table", "states", "input_batch", "sample.states")  # the modules a load runs on buffer_utils
 
 
-def _load(layer: str, pin: bool, dev: torch.device, uva: bool | None, release: str) -> Mrv2:
+@functools.cache
+def _load(
+    layer: str, pin: bool, dev: torch.device, uva: bool | None, release: str, interpreted: bool
+) -> Mrv2:
     root = fetch(release)
     imports = _stand_ins(root, pin, dev, uva, release)
     bu = _module("vllm_mrv2.buffer_utils", root / GPU / "buffer_utils.py", imports)
@@ -390,48 +383,28 @@ def _load(layer: str, pin: bool, dev: torch.device, uva: bool | None, release: s
         bu = stagebuf_buffer_utils(bu, release)
     imports["vllm.v1.worker.gpu.buffer_utils"] = bu
     mods = [
-        _module(f"vllm_mrv2.{n.replace('/', '_')}", root / GPU / f"{n}.py", imports)
-        for n in ("block_table", "states", "input_batch", "sample/states")
+        _module(f"vllm_mrv2.{n.replace('.', '_')}", root / GPU / (n.replace(".", "/") + ".py"), imports)
+        for n in _MRV2
     ]
     return Mrv2.of(bu, mods, imports, release)
 
 
-SUBSTITUTED = (  # buffer_utils' names that stagebuf's vLLM plugin substitutes
-    "UvaBuffer",
-    "NonUvaBuffer",
-    "UvaBufferPool",
-    "UvaBackedTensor",
-    "StagedWriteTensor",
-    "FusedStagedWriter",
-    "set_default_max_concurrency",
-)
-
-
 def stagebuf_buffer_utils(vllm_bu: Any, release: str = NEWEST) -> Any:
-    """vLLM ``release``'s ``buffer_utils`` with stagebuf's classes in MRV2's place (``_load_ptr`` kept)."""
-    import stagebuf
+    """vLLM ``release``'s ``buffer_utils`` with stagebuf's classes where its plugin puts them (``OURS``)."""
+    from stagebuf._engines.vllm import OURS
 
     spec(release)
     mod = types.ModuleType(f"vllm_mrv2.buffer_utils[{release}, stagebuf]")
     mod.__dict__.update({k: v for k, v in vars(vllm_bu).items() if not k.startswith("__")})
-    mod.__dict__.update({n: getattr(stagebuf, n) for n in SUBSTITUTED})
+    mod.__dict__.update(OURS)
     return mod
 
 
 # --- vLLM importable under its own names (the plugin's tests) -----------------------------------
 
 _PACKAGES = ("vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample")
-_INSTALLED = (
-    *_PACKAGES,
-    "vllm.envs",
-    "vllm.plugins",
-    "vllm.v1.conf_compute_utils",
-    "vllm.v1.token_buffer",
-    *(
-        f"vllm.v1.worker.gpu.{n}"
-        for n in ("buffer_utils", "block_table", "states", "input_batch", "sample.states", "model_runner")
-    ),
-)
+_INSTALLED = (*_PACKAGES, "vllm.envs", "vllm.plugins", "vllm.v1.conf_compute_utils", "vllm.v1.token_buffer")
+_INSTALLED += tuple(f"vllm.v1.worker.gpu.{n}" for n in ("buffer_utils", *_MRV2, "model_runner"))
 
 
 def _runner_stand_in(h2d: Callable[..., torch.Tensor], root: Path) -> types.ModuleType:
@@ -487,7 +460,7 @@ class Installed:
 
     def mrv2(self) -> Mrv2:
         """MRV2's four modules loaded now (:meth:`load`), on the ``buffer_utils`` installed."""
-        mods = [self.load(n) for n in ("block_table", "states", "input_batch", "sample.states")]
+        mods = [self.load(n) for n in _MRV2]
         return Mrv2.of(sys.modules["vllm.v1.worker.gpu.buffer_utils"], mods, self._imports, self.release)
 
 

@@ -93,11 +93,10 @@ def case(
     """Each step stages set 0 or set 1 (alternately) with ``stage(k)``, then applies once."""
     done = [0]
 
-    def step() -> object:
+    def step() -> None:
         stage(done[0] & 1)
         done[0] += 1
         apply()
-        return None
 
     def finish() -> dict[str, Any]:
         if done[0] & 1:  # end on the second set, whose values ``want`` holds
@@ -162,10 +161,9 @@ def stage_only(env: Env, cell: WriteCell) -> Case:
     sw = staged_write_tensor(write_shape(cell), env.device)
     stage = per_edit(sw.stage_write, write_sets(env, cell))
 
-    def step() -> object:
+    def step() -> None:
         stage(0)
         sw.clear_staged_writes()
-        return None
 
     return Case(step)
 

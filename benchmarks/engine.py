@@ -620,9 +620,8 @@ WHAT = {
 
 def _parts(runs: dict[str, Any], setup: str, g: int, mode: str = "busy") -> list[dict[str, float]]:
     """Each run's µs a step of each part of ``setup``'s buffer work (``mode``, else idle)."""
-    return [
-        r["sections_us"] for r in runs.get(f"{setup}|g{g}|{mode}") or runs.get(f"{setup}|g{g}|idle") or []
-    ]
+    rs = runs.get(f"{setup}|g{g}|{mode}") or runs.get(f"{setup}|g{g}|idle") or []
+    return [r["sections_us"] for r in rs]
 
 
 def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -659,13 +658,11 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
         if (x := busy_idle(s, g)) is not None
     ]
     worst = max(grew, key=lambda w: w[0], default=None)
-    e = out[f"engine_busy_ratio_vs_vllm{sfx}"] = entry(
+    what = (
         "engine: host preparation busy/idle (3 ms forward stand-in, two steps in flight) of a stagebuf "
-        "setup, minus vLLM UVA's busy/idle in the same run; worst stagebuf setup x KV groups",
-        worst and worst[0],
-        0.05,
-        worst and worst[1],
+        "setup, minus vLLM UVA's busy/idle in the same run; worst stagebuf setup x KV groups"
     )
+    e = out[f"engine_busy_ratio_vs_vllm{sfx}"] = entry(what, worst and worst[0], 0.05, worst and worst[1])
     if e.get("passed") is False and worst is not None:
         _, _, ws, wg = worst
         b, i = last(ws, wg), last(ws, wg, "idle")
@@ -708,13 +705,11 @@ def targets(res: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
         if (v := ratio(s, "floor", g, m)) is not None
     ]
     w = max(steps, default=None)
-    out[f"engine_step_vs_floor{sfx}"] = entry(
+    what = (
         "engine: step mode's buffer work / the summed floor of its parts (each part's bytes in one packed "
-        "transfer plus one launch, measured in the same run); worst tier x KV groups x idle/busy",
-        w and w[0],
-        4.0,
-        w and w[1],
+        "transfer plus one launch, measured in the same run); worst tier x KV groups x idle/busy"
     )
+    out[f"engine_step_vs_floor{sfx}"] = entry(what, w and w[0], 4.0, w and w[1])
     return out
 
 

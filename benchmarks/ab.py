@@ -57,12 +57,7 @@ def verdict(rounds: list[list[float]]) -> dict[str, Any]:
 
 
 def run(
-    rev: str,
-    device: torch.device,
-    rounds: int = 3,
-    steps: int = 60,
-    warmup: int = 10,
-    log: Callable[[str], None] = print,
+    rev: str, device: torch.device, rounds: int, steps: int, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """Every vs-vLLM cell on every tier, ``rounds`` times, each side's classes as ``buffer_utils``."""
     import stagebuf
@@ -83,7 +78,7 @@ def run(
                         order = sides[r % 3 :] + sides[: r % 3]  # which side builds (and starts) first
                         built = {id(s): make(s) for s in order}
                         steps_ = [built[id(s)] for s in sides]
-                        got = turns(steps_, device, vs_vllm.steps_of(name, steps), warmup)
+                        got = turns(steps_, device, vs_vllm.steps_of(name, steps), 10)
                     medians.setdefault(f"{name} {t}", []).append(got)
             log(f"ab round {r + 1}/{rounds} done")
     cells = [{"cell": k, "medians_us": m, **verdict(m)} for k, m in medians.items()]
@@ -105,7 +100,7 @@ def main(rev: str, rounds: int, steps: int, json_path: str | None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)  # as the bench's CPU runs: one thread, an engine's host thread
-    res = run(rev, device, rounds, steps, log=lambda s: click.echo(s, err=True))
+    res = run(rev, device, rounds, steps, lambda s: click.echo(s, err=True))
     cells = res["cells"]
     side = lambda c, i: float(np.median([m[i] for m in c["medians_us"]]))
     show([c | {"before": side(c, 0), "after": side(c, 1)} for c in cells], 140)

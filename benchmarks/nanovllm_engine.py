@@ -402,10 +402,6 @@ def check_in_flight(setup: str, cfg: TraceConfig, work: Path, busy_cycles: int) 
 # --- the timed workload --------------------------------------------------------------------------
 
 
-def setups(device: torch.device) -> list[str]:
-    return ["own", *(f"stagebuf_{t}" for t in tiers(device))]
-
-
 FLOOR = "floor"  # The timed runs' pseudo-setup: a prefill step's floor (``floor_prefill``).
 
 
@@ -469,7 +465,7 @@ def bench(
     import tempfile
 
     cuda = torch.cuda.is_available()
-    names = setups(torch.device("cuda" if cuda else "cpu"))
+    names = ["own", *(f"stagebuf_{t}" for t in tiers(torch.device("cuda" if cuda else "cpu")))]
     cfg = cfg or TraceConfig()
     cycles = sleep_cycles_for(BUSY_MS, torch.device("cuda")) if cuda else 0
     threads = torch.get_num_threads()

@@ -469,15 +469,13 @@ def _cpu_uva_buffer(root: Path, imports: Any) -> Any:
 
 
 @contextmanager
-def as_installed(
-    device: torch.device | None = None, pin: bool = True, release: str = NEWEST
-) -> Iterator[Installed]:
+def as_installed(device: torch.device | None = None, release: str = NEWEST) -> Iterator[Installed]:
     """vLLM ``release`` importable as ``vllm`` for the block (raises if a ``vllm`` is imported)."""
     if any(n in sys.modules for n in _INSTALLED):
         raise RuntimeError("a module named vllm is already imported; as_installed would shadow it")
     root = fetch(release)
     dev = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    imports = _Imports(_stand_ins(root, pin, dev, None, release))
+    imports = _Imports(_stand_ins(root, True, dev, None, release))
 
     class _Envs(types.ModuleType):
         @property

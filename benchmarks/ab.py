@@ -23,7 +23,7 @@ import click
 import numpy as np
 import torch
 
-from . import vs_vllm
+from . import vllm_mrv2, vs_vllm
 from .compare import show
 from .harness import stagebuf_tier, tiers, turns
 
@@ -61,14 +61,13 @@ def run(
 ) -> dict[str, Any]:
     """Every vs-vLLM cell on every tier, ``rounds`` times, each side's classes as ``buffer_utils``."""
     import stagebuf
-    from stagebuf._engines.vllm import OURS
 
     with tempfile.TemporaryDirectory() as tmp:
         here = str(Path(stagebuf.__file__).resolve().parent.parent)  # the after side's own source
         at = Path(tmp)
         pkgs = (load_copy(rev, "stagebuf_before", at), stagebuf, load_copy(here, "stagebuf_control", at))
         sides = [
-            types.SimpleNamespace(**{n: getattr(p, n) for n in OURS}) for p in pkgs
+            types.SimpleNamespace(**{n: getattr(p, n) for n in vllm_mrv2.SUBSTITUTED}) for p in pkgs
         ]  # the plugin's names
         medians: dict[str, list[list[float]]] = {}
         for r in range(rounds):

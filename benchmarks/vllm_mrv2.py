@@ -389,14 +389,20 @@ def _load(
     return Mrv2.of(bu, mods, imports, release)
 
 
+SUBSTITUTED = ("UvaBuffer", "NonUvaBuffer", "UvaBufferPool", "UvaBackedTensor", "StagedWriteTensor")
+SUBSTITUTED += ("FusedStagedWriter", "set_default_max_concurrency")
+"""The names the plugin substitutes (its ``OURS``), read from the public package: the bench also runs
+older stagebuf packages, whose private modules differ."""
+
+
 def stagebuf_buffer_utils(vllm_bu: Any, release: str = NEWEST) -> Any:
-    """vLLM ``release``'s ``buffer_utils`` with stagebuf's classes where its plugin puts them (``OURS``)."""
-    from stagebuf._engines.vllm import OURS
+    """vLLM ``release``'s ``buffer_utils`` with stagebuf's classes where its plugin puts them."""
+    import stagebuf
 
     spec(release)
     mod = types.ModuleType(f"vllm_mrv2.buffer_utils[{release}, stagebuf]")
     mod.__dict__.update({k: v for k, v in vars(vllm_bu).items() if not k.startswith("__")})
-    mod.__dict__.update(OURS)
+    mod.__dict__.update({n: getattr(stagebuf, n) for n in SUBSTITUTED})
     return mod
 
 

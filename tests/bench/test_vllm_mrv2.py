@@ -190,6 +190,15 @@ def test_each_release_runs_its_own_files_and_says_so(vllm_release: str) -> None:
     )
 
 
+def test_the_bench_substitutes_the_plugins_names_by_public_name() -> None:
+    import stagebuf
+    from stagebuf._engines.vllm import OURS
+
+    # The bench also runs older packages (compare, ab), so it reads these names from stagebuf's face.
+    assert set(V.SUBSTITUTED) == set(OURS) and set(V.SUBSTITUTED) <= set(stagebuf.__all__)
+    assert all(getattr(stagebuf, n) is OURS[n] for n in V.SUBSTITUTED)
+
+
 @pytest.mark.usefixtures("triton_interpreted")
 def test_token_buffer_is_the_releases_own_class(vllm_release: str) -> None:
     tb = V.token_buffer(vllm_release)

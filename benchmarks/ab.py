@@ -57,9 +57,10 @@ def verdict(rounds: list[list[float]]) -> dict[str, Any]:
 
 
 def run(
-    rev: str, device: torch.device, rounds: int, steps: int, log: Callable[[str], None]
+    rev: str, device: torch.device, rounds: int, steps: int, log: Callable[[str], None], release: str | None
 ) -> dict[str, Any]:
-    """Every vs-vLLM cell on every tier, ``rounds`` times, each side's classes as ``buffer_utils``."""
+    """Every vs-vLLM cell on every tier (the prompts of vLLM ``release``'s kinds too, unless None),
+    ``rounds`` times, each side's classes as ``buffer_utils``."""
     import stagebuf
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,7 +72,7 @@ def run(
         ]  # the plugin's names
         medians: dict[str, list[list[float]]] = {}
         for r in range(rounds):
-            for name, make in vs_vllm.cases(device, (1, 16, 256, 4096), (1, 8, 64)):
+            for name, make in vs_vllm.cases(device, (1, 16, 256, 4096), (1, 8, 64), release):
                 for t in tiers(device):
                     with stagebuf_tier(t, pkgs[0], pkgs[2]):
                         order = sides[r % 3 :] + sides[: r % 3]  # which side builds (and starts) first
@@ -92,14 +93,17 @@ def run(
 @click.option("--rounds", default=3, show_default=True, help="Rounds over every cell, fresh objects each.")
 @click.option("--steps", default=60, show_default=True, help="Timed steps a side per cell and round.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every cell.")
-def main(rev: str, rounds: int, steps: int, json_path: str | None) -> None:
+@click.option(
+    "--prompts", default=None, type=click.Choice(list(vllm_mrv2.RELEASES)), help="Add the prompt cells."
+)
+def main(rev: str, rounds: int, steps: int, json_path: str | None, prompts: str | None) -> None:
     """Time the vs-vLLM cells of the code at REV and of the checkout in one process, in turns."""
     if rounds < 2:
         raise click.BadParameter("needs 2 or more (the noise is judged across rounds)", param_hint="--rounds")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)  # as the bench's CPU runs: one thread, an engine's host thread
-    res = run(rev, device, rounds, steps, lambda s: click.echo(s, err=True))
+    res = run(rev, device, rounds, steps, lambda s: click.echo(s, err=True), prompts)
     cells = res["cells"]
     side = lambda c, i: float(np.median([m[i] for m in c["medians_us"]]))
     show([c | {"before": side(c, 0), "after": side(c, 1)} for c in cells], 140)

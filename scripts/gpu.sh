@@ -20,7 +20,8 @@
 #   bench     the full bench, python -m benchmarks (scripts/gpu_bench.sh): bench.json, bench.md, bench-*.png;
 #             its engine workload needs the newest release's files (.cache/vllm-<release>, see above)
 #   ab        python -m benchmarks.ab --before $AB_BEFORE (a git revision, or a directory holding the old
-#             stagebuf package), then the same against the checkout itself (the method's own rate): ab*.json
+#             stagebuf package) $AB_ARGS (--prompts RELEASE adds the prompt cells), then the same against the
+#             checkout itself (the method's own rate): ab*.json
 #   compare   python -m benchmarks.vs_vllm $COMPARE_ARGS, RUNS (default 2) runs a side in turns, the old
 #             side with the stagebuf package of $COMPARE_BEFORE (a directory holding it, or a git
 #             revision), then python -m benchmarks.compare over them: vs_*.json, compare.log
@@ -52,9 +53,10 @@ for stage in "$@"; do
       OUT="$OUT/bench" timeout "${BENCH_TIMEOUT:-540}" bash scripts/gpu_bench.sh > "$OUT/bench_run.log" 2>&1
       rc=$?; line=$(grep -E "total .* s" "$OUT/bench_run.log" | tail -n 1) ;;
     ab)
-      timeout "${AB_TIMEOUT:-200}" python3 -m benchmarks.ab --before "${AB_BEFORE:?set AB_BEFORE}" \
+      # shellcheck disable=SC2086
+      timeout "${AB_TIMEOUT:-200}" python3 -m benchmarks.ab --before "${AB_BEFORE:?set AB_BEFORE}" ${AB_ARGS:-} \
         --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1 &&
-        timeout "${AB_TIMEOUT:-200}" python3 -m benchmarks.ab --before src --json "$OUT/ab_same.json" \
+        timeout "${AB_TIMEOUT:-200}" python3 -m benchmarks.ab --before src ${AB_ARGS:-} --json "$OUT/ab_same.json" \
           > "$OUT/ab_same.log" 2>&1
       rc=$?; line="$(tail -n 1 "$OUT/ab.log"); the same code: $(tail -n 1 "$OUT/ab_same.log")" ;;
     compare)

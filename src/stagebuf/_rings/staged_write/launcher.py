@@ -325,7 +325,9 @@ def with_overlaps(
         ar = np.arange(e, dtype=np.int64)
         mark[r] = ar
         dup = bool((mark[r] != ar).any())  # exact whichever duplicate numpy wrote last
-    batch = WriteBatch(target, d, np.add.accumulate(n) if cu is None else cu, v, n, width, dup)
+    if cu is None:
+        cu = n if e == 1 else np.add.accumulate(n)  # (one edit's running total is its length)
+    batch = WriteBatch(target, d, cu, v, n, width, dup)
     return last_wins(batch) if dup else batch
 
 

@@ -59,8 +59,8 @@ def verdict(rounds: list[list[float]]) -> dict[str, Any]:
 def run(
     rev: str, device: torch.device, rounds: int, steps: int, log: Callable[[str], None], release: str | None
 ) -> dict[str, Any]:
-    """Every vs-vLLM cell on every tier (the prompts of vLLM ``release``'s kinds too, unless None),
-    ``rounds`` times, each side's classes as ``buffer_utils``."""
+    """Every vs-vLLM cell on every tier, ``rounds`` times, each side's classes as ``buffer_utils``; the prompt
+    cells too where ``release`` names the vLLM release whose ``TokenBuffer`` they stage."""
     import stagebuf
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +94,10 @@ def run(
 @click.option("--steps", default=60, show_default=True, help="Timed steps a side per cell and round.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every cell.")
 @click.option(
-    "--prompts", default=None, type=click.Choice(list(vllm_mrv2.RELEASES)), help="Add the prompt cells."
+    "--prompts",
+    default=None,
+    type=click.Choice(list(vllm_mrv2.RELEASES)),
+    help="Add the prompt cells (tokens as this vLLM release's TokenBuffer).",
 )
 def main(rev: str, rounds: int, steps: int, json_path: str | None, prompts: str | None) -> None:
     """Time the vs-vLLM cells of the code at REV and of the checkout in one process, in turns."""

@@ -1,6 +1,6 @@
 """The staged-write kernels on the CPU: Triton (through its interpreter) against its torch twin and numpy.
 
-``_staged_write_kernel`` (one program per edit) runs under Triton's CPU
+``_staged_write_kernel`` (programs per edit: ``programs_per_edit``) runs under Triton's CPU
 interpreter on the packed layout ``_edit_meta`` builds; ``torch_twin`` (the same
 kernel in plain torch ops, here) runs on the same layout. Both must equal a numpy
 model that applies the edits by slicing. Then the whole apply path with a forced
@@ -109,9 +109,8 @@ def kernel_vs_twin(targets: list[StagedWriteTensor], edits: list[list[Edit]]) ->
         torch.from_numpy(meta),
         torch.from_numpy(vals),
     )
-    block = sw_kernel._block_for(longest)
     d_meta, d_vals = torch.from_numpy(meta), torch.from_numpy(vals)
-    sw_kernel.launch_at(CPU, 0, 0, d_vals.dtype, meta.shape[0], block, lambda: (d_meta, d_vals))
+    sw_kernel.launch_at(CPU, 0, 0, d_vals.dtype, meta.shape[0], longest, lambda: (d_meta, d_vals))
     for t, twin, m in zip(targets, twins, models):
         np.testing.assert_array_equal(twin.numpy().reshape(m.shape), m)  # the twin is the model
         np.testing.assert_array_equal(t.gpu.numpy().reshape(m.shape), m)  # so is the kernel
@@ -136,10 +135,14 @@ def test_kernel_basic(interpret):
     kernel_vs_twin([t], [[(1, 0, np.array([9], np.int32))]])  # a second launch keeps the first's values
 
 
-def test_kernel_edits_longer_than_a_block(interpret, monkeypatch):
-    """Edits longer than BLOCK: each program loops over its edit, BLOCK columns at a time."""
+@pytest.mark.parametrize("spread", [1, 10, 1024])
+def test_kernel_edits_longer_than_a_block(interpret, monkeypatch, spread):
+    """Edits longer than BLOCK, spread over ``programs_per_edit`` programs an edit: one program looping over
+    every block (SPREAD 1), two looping over every other block (10 over 5 edits), one a block (1024)."""
     monkeypatch.setattr(sw_kernel, "MAX_BLOCK", 16)
+    monkeypatch.setattr(sw_kernel, "SPREAD", spread)
     assert sw_kernel._block_for(70) == 16
+    assert sw_kernel.programs_per_edit(5, 70, 16) == {1: 1, 10: 2, 1024: 5}[spread]
     t = target((5, 70), torch.int64)
     rng = np.random.default_rng(4)
     edits = []
@@ -174,6 +177,17 @@ def test_kernel_several_targets_one_launch(interpret):
         kernel_vs_twin(ts, edits)
 
 
+def test_programs_per_edit_against_its_rule():
+    """One program per block of the longest edit, at most SPREAD // edits, at least one."""
+    for e in (1, 2, 7, 100, 1024, 5000):
+        for longest in (1, 15, 16, 17, 1024, 16384, 131072):
+            for block in (16, 1024):
+                blocks = (longest + block - 1) // block
+                want = max(1, min(blocks, sw_kernel.SPREAD // e))
+                assert sw_kernel.programs_per_edit(e, longest, block) == want
+    assert sw_kernel.programs_per_edit(1, 131072, 1024) == 128  # a lone prompt: 128 programs, one block each
+
+
 def test_block_sizes(monkeypatch):
     assert sw_kernel._block_for(1) == sw_kernel.MIN_BLOCK
     assert sw_kernel._block_for(sw_kernel.MIN_BLOCK + 1) == 2 * sw_kernel.MIN_BLOCK
@@ -188,6 +202,7 @@ def test_block_sizes(monkeypatch):
 @given(data=st.data())
 def test_kernel_random_layouts(interpret, monkeypatch, data):
     monkeypatch.setattr(sw_kernel, "MAX_BLOCK", data.draw(st.sampled_from([16, 64, 1024])))
+    monkeypatch.setattr(sw_kernel, "SPREAD", data.draw(st.sampled_from([1, 3, 1024])))
     dtype = data.draw(st.sampled_from(DTYPES))
     shape = st.one_of(st.integers(1, 6), st.tuples(st.integers(1, 4), st.integers(1, 48)))
     shapes = data.draw(st.lists(shape, min_size=1, max_size=3))

@@ -22,9 +22,9 @@ from .._rings.staged_write.launcher import WriteBatch
 from .._rings.stager import Step, StepStager
 from .._tiers.settings import Kernel, write_kernel
 
-_LONGEST = MAX_BLOCK
-"""The longest edit every launch announces: one ``BLOCK`` for every flush, so the kernel is compiled once
-(a new specialisation mid-run would load a module in the middle of a step)."""
+_BLOCK = MAX_BLOCK
+"""The ``BLOCK`` of every launch, whatever its longest edit: the kernel is compiled once (a new
+specialisation mid-run would load a module in the middle of a step)."""
 
 
 class WordTarget:
@@ -68,6 +68,8 @@ class StepBatch:
         self.blocks: list[np.ndarray] = []
         self.words: list[np.ndarray] = []
         self.nwords = 0
+        self.longest = 0
+        """The longest deferred edit, in words (the launch spreads it over ``programs_per_edit``)."""
         self.waves: list[tuple[list[int], list[np.ndarray]]] = []
         """Earlier waves of this batch (a target written twice starts a new one)."""
         self.in_wave: set[int] = set()
@@ -104,6 +106,8 @@ class StepBatch:
         self.rows += (ptr, 0, n, self.nwords)
         self.words.append(words)
         self.nwords += n
+        if n > self.longest:
+            self.longest = n
 
     def add(self, target: WordTarget, dst: np.ndarray, lens: np.ndarray, vals: np.ndarray) -> None:
         """Defer writing ``vals`` (the target's dtype, flat) at element offsets ``dst``, ``lens`` each."""
@@ -115,9 +119,13 @@ class StepBatch:
         src = self.nwords
         if e <= 8:  # a few edits: Python rows cost less than numpy's per-call overhead
             rows = self.rows
+            longest = self.longest
             for d, n in zip(dst.tolist(), lens.tolist()):
                 rows += (ptr, d * f, n * f, src)
                 src += n * f
+                if n * f > longest:
+                    longest = n * f
+            self.longest = longest
         else:
             blk = np.empty((e, 4), np.int64)
             blk[:, 0] = ptr
@@ -130,6 +138,7 @@ class StepBatch:
             np.cumsum(blk[:, 2], out=blk[:, 3])
             blk[:, 3] += src - blk[:, 2]
             self.blocks.append(blk)
+            self.longest = max(self.longest, int(blk[:, 2].max()))
         self.words.append(words)
         self.nwords += words.shape[0]
 
@@ -148,8 +157,9 @@ class StepBatch:
         self.flushes += 1
         waves = [*self.waves, (self.rows, self.blocks)]
         words = self.words
-        nwords = self.nwords
+        nwords, longest = self.nwords, self.longest
         self.rows, self.blocks, self.words, self.nwords, self.waves, self.in_wave = [], [], [], 0, [], set()
+        self.longest = 0
         if not self.triton:
             self._flush_plain(waves, words[0] if len(words) == 1 else np.concatenate(words))
             return
@@ -183,8 +193,9 @@ class StepBatch:
                 addr + head,
                 torch.int32,
                 k,
-                _LONGEST,
+                longest,
                 self._tensors(arena, off, row, k, head, nwords),
+                block=_BLOCK,
             )
             self.launches += 1
             row += k

@@ -1,6 +1,7 @@
-"""The staged-write Triton kernel and its launcher: one program per edit reads a packed metadata row
-(target base address, flat offset of the first element, length, source offset) and copies its values,
-so several targets go through one launch with no table to keep on the device.
+"""The staged-write Triton kernel and its launcher: a packed metadata row per edit (target base address,
+flat offset of the first element, length, source offset), so several targets go through one launch with no
+table to keep on the device. The grid is (edits, programs per edit): a long edit's columns are spread over
+several programs (a lone long edit, a prompt read from host memory on UVA, is then no serial loop).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from ..._common.log import warn_once
 MIN_BLOCK = 16
 MAX_BLOCK = 1024
 """Columns one Triton program writes per iteration (a power of two in [MIN_BLOCK, MAX_BLOCK])."""
+SPREAD = 1 << 10
+"""Programs a launch's edits are spread over, at most, where edits are longer than a block: each edit gets
+``SPREAD // edits`` (at least one, at most one per block of its longest edit's columns)."""
 
 tl: Any = None  # triton.language, imported on first use (importing stagebuf stays cheap)
 _triton_error: list[str] = []
@@ -49,19 +53,21 @@ def triton_usable(device: torch.device) -> bool:
 
 # Triton reads a kernel's parameter annotations (they select its specialisation): leave them off.
 def _staged_write_kernel(meta, content, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    # One program per edit; meta row: target address, flat offset of the first element, length, source.
+    # Program (e, p) of (edits, P) writes blocks p, p + P, ... of edit e; meta row: target address, flat
+    # offset of the first element, length, source offset.
     e = tl.program_id(0)
     base = tl.load(meta + 4 * e).to(tl.pointer_type(content.dtype.element_ty))
     dst = tl.load(meta + 4 * e + 1)
     ln = tl.load(meta + 4 * e + 2)
     src = tl.load(meta + 4 * e + 3)
     cols = tl.arange(0, BLOCK)
-    c0 = 0
+    c0 = tl.program_id(1) * BLOCK
+    stride = tl.num_programs(1) * BLOCK
     while c0 < ln:
         m = c0 + cols < ln
         v = tl.load(content + src + c0 + cols, mask=m)
         tl.store(base + dst + c0 + cols, v, mask=m)
-        c0 += BLOCK
+        c0 += stride
 
 
 _triton_functions: dict[tuple[Callable[..., None], bool], Any] = {}
@@ -105,6 +111,12 @@ def _block_for(longest: int) -> int:
     return min(MAX_BLOCK, max(MIN_BLOCK, 1 << max(longest - 1, 0).bit_length()))
 
 
+def programs_per_edit(n_edits: int, longest: int, block: int) -> int:
+    """The grid's second dimension: one program per ``block`` columns of the longest edit, at most
+    ``SPREAD // n_edits`` (at least one)."""
+    return max(1, min(-(-longest // block), SPREAD // max(n_edits, 1)))
+
+
 _compiled: dict[tuple[Any, ...], Any] = {}
 """(device index, BLOCK, content dtype, both addresses 16-byte aligned) -> Triton's compiled kernel."""
 _direct: list[bool] = [True]
@@ -119,20 +131,24 @@ def launch_at(
     n_edits: int,
     longest: int,
     tensors: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    block: int | None = None,
 ) -> None:
     """Launch the kernel over metadata and content at these device addresses (CPU: the interpreter), in
     programs of the power of two ``BLOCK`` columns that covers ``longest`` (the longest edit) within
-    [``MIN_BLOCK``, ``MAX_BLOCK``].
+    [``MIN_BLOCK``, ``MAX_BLOCK``] (or ``block``, where the caller fixes it), ``programs_per_edit`` of them an
+    edit.
 
     The first launch of each specialisation (``key``: what Triton specialises these arguments on) goes
     through Triton's dispatcher, with the tensors ``tensors()`` makes; later ones call the compiled
     kernel's launcher directly (docs/DESIGN.md, "Staged writes"). A launch hook (a profiler) or a
     launcher that refuses the call sends every launch through the dispatcher.
     """
-    block = _block_for(longest)
+    if block is None:
+        block = _block_for(longest)
+    per = programs_per_edit(n_edits, longest, block)
     if device.type != "cuda":
         meta, content = tensors()
-        _triton_kernel(interpret=True)[(n_edits,)](meta, content, BLOCK=block)
+        _triton_kernel(interpret=True)[(n_edits, per)](meta, content, BLOCK=block)
         return
     key = (device.index, block, dtype, not (meta_addr | content_addr) & 15)
     k = _compiled.get(key) if _direct[0] else None
@@ -141,7 +157,7 @@ def launch_at(
         stream = torch._C._cuda_getCurrentRawStream(device.index)
         try:
             k.run(
-                n_edits, 1, 1, stream, k.function, k.packed_metadata, None, None, None,
+                n_edits, per, 1, stream, k.function, k.packed_metadata, None, None, None,
                 meta_addr, content_addr, block,
             )  # fmt: skip
             return
@@ -149,7 +165,7 @@ def launch_at(
             _direct[0] = False
             warn_once(("triton-direct",), f"staged-write launches go through Triton's dispatcher ({e})")
     meta, content = tensors()
-    launch = _triton_kernel(interpret=False)[(n_edits,)]
+    launch = _triton_kernel(interpret=False)[(n_edits, per)]
     warps = max(1, min(4, block // 128))
     if current:
         got = launch(meta, content, BLOCK=block, num_warps=warps)

@@ -81,8 +81,9 @@ class UvaBufferPool(Sealed):
             owner="UvaBufferPool",
         )
         self.device = self._ring.device
-        self._published: Cell[tuple[int, Any]] = Cell((-1, None))
-        """(rows the current slot last published, -1: none; its buffer): what equal values may reuse."""
+        self._published: Cell[tuple[int, Any, Any]] = Cell((-1, None, None))
+        """(rows the current slot last published, -1: none; its buffer; those rows' host view): what equal
+        values may reuse."""
         self._freeze()
 
     @property
@@ -101,8 +102,8 @@ class UvaBufferPool(Sealed):
             arr = host_array(x, self.dtype, "x", ndims=(len(self.shape),), trailing=trailing)
         n = arr.shape[0]
         ring = self._ring
-        published, last = self._published.value
-        if reuse and n <= published and last.np[:n].tobytes() == arr.tobytes():
+        published, last, seen = self._published.value
+        if reuse and n <= published and (seen if n == published else last.np[:n]).tobytes() == arr.tobytes():
             ring.touch()
             return last, n, True
         cur, buf = ring.acquire()
@@ -119,11 +120,12 @@ class UvaBufferPool(Sealed):
                 "rows at once, or free host memory",
             )
             buf = ring.grow(cur, lambda tier: make_buffer((cap, *trailing), self.dtype, self.device, tier))
-        buf.np[:n] = arr
+        host = buf.np[:n]
+        host[...] = arr
         # a transfer: a copy into device memory (with gpu: wherever the device is not the host itself)
         copies = buf.dev is not buf.cpu if gpu else buf.copies
         ring.publish(cur, n * self._row_bytes if copies else None)
-        self._published.value = (n, buf)
+        self._published.value = (n, buf, host)
         return buf, n, False
 
     def copy_to_uva(self, x: HostData) -> torch.Tensor:
@@ -206,7 +208,7 @@ class UvaBufferPool(Sealed):
         if out is not None:
             self._check_out(out, arr.shape[0])
         buf, n, _ = self._next(arr, gpu=True)
-        self._published.value = (-1, None)  # the slot's device side did not receive these values
+        self._published.value = (-1, None, None)  # the slot's device side did not receive these values
         if out is None:
             out = torch.empty((n, *self.shape[1:]), dtype=self.dtype, device=self.device)
         return copy_rows(buf, out, n)

@@ -108,13 +108,20 @@ def why_no_triton(device: torch.device) -> str:
 
 def _block_for(longest: int) -> int:
     """The power of two in [MIN_BLOCK, MAX_BLOCK] nearest above ``longest`` (MAX_BLOCK past it)."""
-    return min(MAX_BLOCK, max(MIN_BLOCK, 1 << max(longest - 1, 0).bit_length()))
+    # (comparisons, not min/max: this runs at every launch, and a builtin's call costs more than the rule)
+    if longest <= MIN_BLOCK:
+        return MIN_BLOCK
+    return MAX_BLOCK if longest >= MAX_BLOCK else 1 << (longest - 1).bit_length()
 
 
 def programs_per_edit(n_edits: int, longest: int, block: int) -> int:
     """The grid's second dimension: one program per ``block`` columns of the longest edit, at most
     ``SPREAD // n_edits`` (at least one)."""
-    return max(1, min(-(-longest // block), SPREAD // max(n_edits, 1)))
+    if longest <= block:
+        return 1
+    per = -(-longest // block)
+    cap = SPREAD // n_edits if n_edits > 1 else SPREAD
+    return per if per <= cap else cap or 1
 
 
 _compiled: dict[tuple[Any, ...], Any] = {}
@@ -145,7 +152,7 @@ def launch_at(
     """
     if block is None:
         block = _block_for(longest)
-    per = programs_per_edit(n_edits, longest, block)
+    per = 1 if longest <= block else programs_per_edit(n_edits, longest, block)
     if device.type != "cuda":
         meta, content = tensors()
         _triton_kernel(interpret=True)[(n_edits, per)](meta, content, BLOCK=block)

@@ -233,20 +233,20 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> WriteBatch | None:
         else:
             n = np.array(ll, np.int64)
             cu = np.add.accumulate(n)  # (np.cumsum's Python wrapper costs a microsecond more)
-        v = a = None
+        v = a = lohi = None
         if dt.kind in "iu":  # ints read exactly in one pass (floats, strings, past 64 bits: refused)
             try:
                 a = np.frombuffer(array("q", vals), np.int64)
             except (TypeError, OverflowError):
                 a = None
             if a is not None:  # every value fits, and no edit can be all bools: done
-                lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
+                lohi = lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
                 r = INT_RANGES[dt]
                 maybe_bools = lo <= 1 and hi >= 0 and (len(vals) > 256 or bool(BOOLS & set(map(type, vals))))
                 if r[0] <= lo and hi <= r[1] and not maybe_bools:
                     v = a.astype(dt, copy=False)
         if v is None:  # the general reading, edit by edit where it must
-            v = list_values(vals, dl, n, dt, bad, width=w, read=a)
+            v = list_values(vals, dl, n, dt, bad, width=w, read=a, extremes=lohi)
             if bad:
                 raise_bad(log, tensor, bad)
         if e <= 32:  # a few edits: the overlap test is cheaper in Python
@@ -255,6 +255,9 @@ def check(log: EditLog, target: WriteTarget, tensor: Any) -> WriteBatch | None:
             batch = WriteBatch(target, np.array(dl, np.int64), cu, v, n, w, dup)
             return last_wins(batch) if dup else batch
         return with_overlaps(log, target, np.array(dl, np.int64), n, v, w, cu)
+    if len(log.batches) == 1 and not log.dst and log.batches[0].checked and len(log.batches[0].dst) == 1:
+        b = log.batches[0]  # one checked edit (a prompt's tokens): nothing to read, no overlap to find
+        return WriteBatch(target, b.dst, b.lens, b.vals, b.lens, 0, False)
     batches = log.all_batches() if log.dst else [*log.batches]
     dsts, lens, vals_ = [], [], []
     pos = 0
@@ -515,7 +518,9 @@ def _views_for(ring: Ring, cur: int, views: BoundedCache[Any, Any], key: Any, of
 def edit_meta(batches: Sequence[WriteBatch]) -> tuple[np.ndarray, np.ndarray, int]:
     """The Triton kernel's per-edit rows (target address, flat offset of the first element, length, source
     offset), the values, and the longest edit."""
-    if sum(b.first.shape[0] for b in batches) <= PY_ROWS:  # a few edits: rows in Python, one conversion
+    one = len(batches) == 1
+    if (batches[0].first.shape[0] if one else sum(b.first.shape[0] for b in batches)) <= PY_ROWS:
+        # a few edits: rows in Python, one conversion
         rows: list[int] = []
         src = 0
         for b in batches:  # (a batch's values are its edits' in order: each source offset is a running sum)
@@ -523,7 +528,7 @@ def edit_meta(batches: Sequence[WriteBatch]) -> tuple[np.ndarray, np.ndarray, in
             for d, n in zip(b.first.tolist(), b.lens.tolist()):
                 rows += (ptr, d, n, src)
                 src += n
-        vals = batches[0].values if len(batches) == 1 else np.concatenate([b.values for b in batches])
+        vals = batches[0].values if one else np.concatenate([b.values for b in batches])
         return np.array(rows, np.int64).reshape(-1, 4), vals, max(rows[2::4])
     metas, values, src, longest = [], [], 0, 1
     for b in batches:
@@ -538,6 +543,6 @@ def edit_meta(batches: Sequence[WriteBatch]) -> tuple[np.ndarray, np.ndarray, in
         longest = max(longest, int(b.lens.max()))
         metas.append(m)
         values.append(b.values)
-    if len(batches) == 1:
+    if one:
         return metas[0], values[0], longest
     return np.concatenate(metas), np.concatenate(values), longest

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..._common.convert import host_array, why_unfit
+from ..._common.convert import ARRAY_TYPECODES, host_array, why_unfit
 from ..._common.errors import ArgumentTypeError, InvalidArgumentError
 from ..._device.memory import ensure_host_room
 from .launcher import EditLog, uniform_lens
@@ -72,11 +73,9 @@ def stage_checked(log: EditLog, index: Any, start: Any, values: Any) -> None:
     """``stage_write`` for what its fast path does not take: row and range checked now."""
     row = int_in(index, "index", 0, log.rows, f"the target has {log.rows} rows")
     col = int_in(start, "start", 0, None, "")
-    arr = (
-        None
-        if type(values) is list
-        else checked_values(values, log.np_dtype, f"values (edit index={row}, start={col})")
-    )
+    arr = None if type(values) is list else _exact(values, log.np_dtype)
+    if arr is None and type(values) is not list:
+        arr = checked_values(values, log.np_dtype, f"values (edit index={row}, start={col})")
     n = len(values) if arr is None else arr.shape[0]
     if col + n > log.cols:
         raise InvalidArgumentError(
@@ -91,6 +90,18 @@ def stage_checked(log: EditLog, index: Any, start: Any, values: Any) -> None:
         log.vals.extend(values)
         return
     log.stage_batch(np.array([row * log.row_stride + col], np.int64), np.array([n], np.int64), arr.copy())
+
+
+def _exact(values: Any, dtype: np.dtype) -> np.ndarray | None:
+    """``values`` viewed as they are where nothing needs checking (a 1-D ndarray, or an ``array.array`` such
+    as vLLM's ``TokenBuffer``, already of ``dtype``: a prompt's tokens); else None (``checked_values``)."""
+    if type(values) is np.ndarray:
+        a = values
+    elif isinstance(values, array) and values.typecode in ARRAY_TYPECODES:
+        a = np.frombuffer(values, values.typecode)
+    else:
+        return None
+    return a if a.dtype == dtype and a.ndim == 1 else None
 
 
 def stage_elem_checked(log: EditLog, index: Any, value: Any) -> None:

@@ -47,6 +47,7 @@ def list_values(
     pos: int = 0,
     width: int = 0,
     read: np.ndarray | None = None,
+    extremes: tuple[Any, Any] | None = None,
 ) -> np.ndarray:
     """The values of list-staged edits (``lens[k]`` values each, edit ``k`` at flat offset ``dst[k]``) as
     ``target``, checked in bulk.
@@ -54,7 +55,8 @@ def list_values(
     Where the one array of the batch cannot be trusted per edit (not numeric, a value does not fit, an
     edit may be all bools, or int64 values may have gone through float64), each edit is read on its own
     and each bad one added to ``bad`` as ``(pos + k, flat offset, why)`` (its values zeros in the unused
-    result). ``width`` as for ``WriteBatch``; ``read``: ``vals`` already read as int64, if the caller did.
+    result). ``width`` as for ``WriteBatch``; ``read``: ``vals`` already read as int64, if the caller did, and
+    ``extremes`` their least and greatest values, if it found them.
     """
     a = read
     if a is None and target.kind in "iu":  # ints read exactly, or refused (floats, strings, past 64 bits)
@@ -70,7 +72,10 @@ def list_values(
     fits = bools = False  # the whole batch fits; an edit may still be all bools
     if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and a.size:
         # one range check; Python's min/max beat numpy's on short lists
-        lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
+        if extremes is not None:
+            lo, hi = extremes
+        else:
+            lo, hi = (min(vals), max(vals)) if len(vals) <= 128 else (a.min(), a.max())
         r = INT_RANGES.get(target) or _EXACT_INTS[target]
         fits = r[0] <= lo and hi <= r[1]
         bools = fits and lo <= 1 and hi >= 0
@@ -84,6 +89,8 @@ def list_values(
         short = len(vals) <= 256
         if short and bool not in (types := set(map(type, vals))) and np.bool_ not in types:
             bools = False
+        elif lens.shape[0] == 1 and a.dtype.kind in "iu" and not 0 <= lo <= hi <= 1:
+            bools = False  # one edit (a prompt): its extremes are the batch's, and one is not 0 or 1
         else:
             if width == 1:  # one value per edit: its extremes are its value
                 lo_e = hi_e = a
